@@ -1,0 +1,31 @@
+# The quick start: `make demo` trains the tiny job end to end, `make test` runs the tests.
+# Both build .venv from nothing on first use: torch 2.13.0 from the machine's local CPU build
+# (never a CUDA build), then Optimus itself with its dev extras.
+
+VENV   ?= .venv
+PYTHON ?= python3
+BIN    := $(VENV)/bin
+
+.PHONY: venv demo test lint bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/python -c "import torch, sys; sys.exit('a CUDA build of torch was installed; remove .venv and install torch==2.13.0 (CPU)' if torch.version.cuda else 0)"
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+venv: $(BIN)/.installed
+
+demo: venv
+	$(BIN)/optimus train jobs/tiny-gpt.yaml
+
+test: venv
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q
+
+bench: venv
+	$(BIN)/python bench/overhead.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,95 @@
+"""Trainer overhead: Optimus's step time on one CPU rank against a plain PyTorch loop.
+
+Both run the same model (same code, same weights), the same batch shape and the same AdamW,
+in this one process, in alternating rounds so that drift in the machine's speed hits both.
+The figure is the ratio of median step times, Optimus / plain; the target is <= 1.03.
+
+    .venv/bin/python bench/overhead.py [--rounds 5] [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from optimus.config import validate_job
+from optimus.models import build_model
+from optimus.train import train
+
+WARMUP = 5  # steps dropped from each run: allocator and kernel warm-up
+
+
+def bench_job(steps: int) -> dict:
+    return {
+        "name": "bench-overhead",
+        "model": {"vocab_size": 257, "dim": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4,
+                  "max_seq_len": 256},
+        "optim": {"steps": steps, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 2},
+        "data": {"source": "synthetic", "seq_len": 256, "batch_size": 8, "microbatches": 2},
+        "parallel": {"device": "cpu"},
+    }
+
+
+def optimus_step_times(job) -> list[float]:
+    result = train(job, quiet=True)
+    return [m.step_time_s for m in result.metrics][WARMUP:]
+
+
+def plain_step_times(job) -> list[float]:
+    """The reference: what one would write by hand with the same model and optimizer."""
+    cfg, d = job.model, job.data
+    model = build_model(cfg, seed=job.seed, device=torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=job.optim.lr,
+                                  betas=(job.optim.beta1, job.optim.beta2),
+                                  weight_decay=job.optim.weight_decay, fused=True)
+    micro = d.batch_size // d.microbatches
+    gen = torch.Generator().manual_seed(0)
+    data = torch.randint(0, cfg.vocab_size, (job.optim.steps, d.microbatches, micro,
+                                             d.seq_len + 1), generator=gen)
+    times = []
+    for step in range(job.optim.steps):
+        started = time.perf_counter()
+        for i in range(d.microbatches):
+            tokens = data[step, i]
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            (loss / d.microbatches).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), job.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()
+        times.append(time.perf_counter() - started)
+    return times[WARMUP:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    job = validate_job(bench_job(args.steps), world=1)
+    runners = {"optimus": optimus_step_times, "plain": plain_step_times}
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for r in range(args.rounds):
+        order = list(runners) if r % 2 == 0 else list(reversed(runners))
+        for name in order:
+            times[name].extend(runners[name](job))
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{name} {statistics.median(t) * 1e3:.1f} ms" for name, t in times.items()),
+            flush=True)
+    ours, plain = times["optimus"], times["plain"]
+    m_ours, m_plain = statistics.median(ours), statistics.median(plain)
+    tokens = job.data.batch_size * job.data.seq_len
+    print(f"model {sum(p.numel() for p in build_model(job.model, 0, 'cpu').parameters()):,} "
+          f"params, {tokens} tokens/step, torch threads {torch.get_num_threads()}")
+    print(f"optimus step  median {m_ours * 1e3:.1f} ms  ({tokens / m_ours:,.0f} tok/s)")
+    print(f"plain loop    median {m_plain * 1e3:.1f} ms  ({tokens / m_plain:,.0f} tok/s)")
+    print(f"ratio optimus/plain = {m_ours / m_plain:.3f}  (target <= 1.03)")
+
+
+if __name__ == "__main__":
+    main()

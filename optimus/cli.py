@@ -1,0 +1,120 @@
+"""The `optimus` command: one entry point, a subcommand for each job.
+
+A user's mistake (bad job file, impossible layout, missing data) ends with one line on stderr
+and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+import yaml
+
+from optimus import __version__
+from optimus.config import ConfigError, check_job, load_job
+from optimus.data.errors import DataError
+from optimus.runtime.launch import LaunchError
+
+USER_ERRORS = (ConfigError, DataError, LaunchError)
+EXIT_USER_ERROR = 2
+
+
+class _Group(click.Group):
+    """Turns a user error raised anywhere below into one clear line."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except USER_ERRORS as e:
+            click.secho(f"error: {e}", fg="red", err=True)
+            sys.exit(EXIT_USER_ERROR)
+
+
+set_option = click.option(
+    "--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
+    help="Override one job setting, e.g. --set optim.lr=1e-3 (repeatable).")
+job_argument = click.argument("job", type=click.Path(path_type=Path))
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="optimus")
+def main() -> None:
+    """Optimus: fault-tolerant pretraining of dense and mixture-of-experts GPTs."""
+
+
+@main.command()
+@job_argument
+@set_option
+def train(job: Path, overrides: tuple[str, ...]) -> None:
+    """Train JOB as one rank (or as each rank under torchrun / srun / mpiexec)."""
+    from optimus.train import train as run_training  # torch loads only when training
+
+    config = load_job(job, list(overrides))
+    run_training(config)
+
+
+@main.group()
+def config() -> None:
+    """Inspect and validate job files."""
+
+
+@config.command("show")
+@job_argument
+@set_option
+@click.option("--world", type=click.IntRange(min=1), help="Also resolve the layout for N ranks.")
+@click.option("-o", "--output", type=click.Choice(["yaml", "json"]), default="yaml")
+def config_show(job: Path, overrides: tuple[str, ...], world: int | None, output: str) -> None:
+    """Print JOB's resolved configuration, defaults and overrides included."""
+    cfg = load_job(job, list(overrides), world=world)
+    resolved = cfg.model_dump(mode="json")
+    if world is not None:
+        layout = check_job(cfg, world=world, source=str(job))
+        resolved["parallel"]["dp"] = layout.dp
+    if output == "json":
+        click.echo(json.dumps(resolved, indent=2))
+    else:
+        click.echo(yaml.safe_dump(resolved, sort_keys=False), nl=False)
+
+
+@config.command("check")
+@job_argument
+@set_option
+@click.option("--world", type=click.IntRange(min=1), required=True, help="Number of ranks.")
+def config_check(job: Path, overrides: tuple[str, ...], world: int) -> None:
+    """Validate JOB and its layout for a world of N ranks."""
+    cfg = load_job(job, list(overrides))
+    layout = check_job(cfg, world=world, source=str(job))
+    d = cfg.data
+    per_rank = d.batch_size // (layout.dp * d.microbatches)
+    click.echo(f"ok: {job} on {world} ranks: dp={layout.dp} tp={layout.tp} pp={layout.pp} "
+               f"ep={layout.ep} virtual_stages={layout.virtual_stages}; {d.microbatches} "
+               f"microbatch(es) of {per_rank} sequence(s) per dp replica per step")
+
+
+@main.group()
+def data() -> None:
+    """Prepare training data."""
+
+
+@data.command("prepare")
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path),
+              help="Directory for the token shards and index.json.")
+@click.option("--tokenizer", default="byte", show_default=True,
+              help="`byte`, or the path of a Hugging Face tokenizer.json.")
+@click.option("--dtype", type=click.Choice(["auto", "uint16", "uint32"]), default="auto",
+              show_default=True)
+@click.option("--shard-tokens", type=click.IntRange(min=1), default=2**26, show_default=True)
+@click.option("--text-key", default="text", show_default=True, help="JSONL field with the text.")
+@click.option("--overwrite", is_flag=True, help="Replace shards already in --out.")
+def data_prepare(inputs, out_dir, tokenizer, dtype, shard_tokens, text_key, overwrite) -> None:
+    """Tokenize text (.txt: one document per file) and JSONL (one per line) into shards."""
+    from optimus.data.prepare import prepare
+
+    summary = prepare(list(inputs), out_dir, tokenizer=tokenizer, dtype=dtype,
+                      shard_tokens=shard_tokens, text_key=text_key, overwrite=overwrite)
+    click.echo(f"wrote {summary['total_tokens']:,} tokens in {len(summary['shards'])} shard(s) "
+               f"({summary['dtype']}) to {out_dir}")

@@ -1,0 +1,26 @@
+"""Job configuration: typed sections, validation, overrides and layouts."""
+
+from optimus.config.checks import (
+    ConfigError,
+    Layout,
+    check_job,
+    check_trainable,
+    resolve_layout,
+)
+from optimus.config.load import apply_override, load_job, validate_job
+from optimus.config.schema import (
+    CheckpointConfig,
+    DataConfig,
+    FaultInjectionConfig,
+    JobConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    SupervisionConfig,
+)
+
+__all__ = [
+    "CheckpointConfig", "ConfigError", "DataConfig", "FaultInjectionConfig", "JobConfig",
+    "Layout", "ModelConfig", "OptimConfig", "ParallelConfig", "SupervisionConfig",
+    "apply_override", "check_job", "check_trainable", "load_job", "resolve_layout", "validate_job",
+]

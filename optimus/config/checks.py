@@ -1,0 +1,177 @@
+"""Checks across fields, and the layout a job gets on a given world size.
+
+Each check names the key to change and a value that would work, so a refused job can be
+mended without reading code. All of it runs before any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from optimus.config.schema import JobConfig
+
+
+class ConfigError(ValueError):
+    """A job the user must change: one or more (key, what is wrong, how to fix it)."""
+
+    def __init__(self, source: str, what: str = "", fix: str = "",
+                 problems: list[tuple[str, str, str]] | None = None):
+        self.source = source
+        self.problems = problems if problems is not None else [("", what, fix)]
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        lines = []
+        for key, what, fix in self.problems:
+            head = f"{key}: " if key else ""
+            lines.append(f"{head}{what}" + (f" — fix: {fix}" if fix else ""))
+        if len(lines) == 1:
+            return f"{self.source}: {lines[0]}"
+        return f"{self.source}: {len(lines)} problems\n" + "\n".join(f"  {s}" for s in lines)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel degrees resolved for one world size. Experts borrow their ranks from dp."""
+
+    dp: int
+    tp: int
+    pp: int
+    ep: int
+    virtual_stages: int
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _static_problems(job: JobConfig) -> list[tuple[str, str, str]]:
+    m, p, d, o = job.model, job.parallel, job.data, job.optim
+    out = []
+    if m.dim % m.n_heads:
+        out.append(("model.n_heads", f"dim={m.dim} is not divisible by n_heads={m.n_heads}",
+                    f"use n_heads among {_divisors(m.dim)}"))
+    elif m.head_dim % 2:
+        out.append(("model.dim", f"head dim {m.head_dim} (dim / n_heads) is odd; RoPE rotates "
+                    "pairs", "make dim / n_heads even"))
+    if m.n_heads % m.n_kv_heads:
+        out.append(("model.n_kv_heads", f"n_heads={m.n_heads} is not a multiple of "
+                    f"n_kv_heads={m.n_kv_heads}", f"use n_kv_heads among {_divisors(m.n_heads)}"))
+    if m.n_heads % p.tp:
+        out.append(("parallel.tp", f"n_heads={m.n_heads} is not divisible by tp={p.tp}",
+                    f"use tp among {_divisors(m.n_heads)}"))
+    elif m.n_kv_heads % p.tp and p.tp % m.n_kv_heads:
+        out.append(("parallel.tp", f"n_kv_heads={m.n_kv_heads} neither splits over tp={p.tp} "
+                    "nor replicates evenly across it", "use a tp that divides n_kv_heads or "
+                    f"is a multiple of it, e.g. {_divisors(m.n_kv_heads)}"))
+    if m.ffn_dim % p.tp:
+        out.append(("parallel.tp", f"ffn_dim={m.ffn_dim} is not divisible by tp={p.tp}",
+                    f"use tp among {_divisors(m.ffn_dim)}"))
+    stages = p.pp * p.virtual_stages
+    if m.n_layers < stages:
+        out.append(("parallel.pp", f"{m.n_layers} layers cannot fill pp x virtual_stages = "
+                    f"{stages} pipeline stages", f"use at most {m.n_layers} stages in all, or "
+                    "more layers"))
+    if d.seq_len > m.max_seq_len:
+        out.append(("data.seq_len", f"{d.seq_len} is longer than model.max_seq_len="
+                    f"{m.max_seq_len}", f"use seq_len <= {m.max_seq_len}"))
+    if d.source == "shards" and not d.path:
+        out.append(("data.path", "source `shards` needs the directory of token shards",
+                    "run `optimus data prepare` and set data.path to its --out"))
+    if d.source == "synthetic" and d.path:
+        out.append(("data.path", "is only read when data.source is `shards`",
+                    "remove data.path or set data.source: shards"))
+    if d.batch_size % d.microbatches:
+        out.append(("data.batch_size", f"{d.batch_size} is not divisible by microbatches="
+                    f"{d.microbatches}", "make batch_size a multiple of microbatches"))
+    if o.warmup_steps > o.steps:
+        out.append(("optim.warmup_steps", f"{o.warmup_steps} is more than steps={o.steps}",
+                    f"use warmup_steps <= {o.steps}"))
+    if o.min_lr > o.lr:
+        out.append(("optim.min_lr", f"{o.min_lr} is above lr={o.lr}", f"use min_lr <= {o.lr}"))
+    for key, template, names in (("run_dir", job.run_dir, {"name"}),
+                                 ("checkpoint.dir", job.checkpoint.dir, {"name", "run_dir"})):
+        try:
+            template.format(**{n: "" for n in names})
+        except (KeyError, IndexError, ValueError):
+            out.append((key, f"{template!r} has a placeholder other than "
+                        f"{', '.join('{' + n + '}' for n in sorted(names))}",
+                        "use only those, or none"))
+    return out
+
+
+def _layout_problems(job: JobConfig, world: int) -> tuple[Layout | None, list]:
+    p, d = job.parallel, job.data
+    cells = p.tp * p.pp
+    if p.dp == -1:
+        if world % cells:
+            return None, [("parallel", f"tp x pp = {p.tp} x {p.pp} = {cells} does not divide "
+                           f"the world size {world}", f"use tp x pp among {_divisors(world)}")]
+        dp = world // cells
+    else:
+        dp = p.dp
+        if dp * cells != world:
+            return None, [("parallel.dp", f"dp x tp x pp = {dp} x {p.tp} x {p.pp} = "
+                           f"{dp * cells} but the world has {world} ranks",
+                           f"set parallel.dp to {world // cells}" if world % cells == 0
+                           else "set parallel.dp: -1 and pick tp x pp dividing the world")]
+    out = []
+    if dp % p.ep:
+        out.append(("parallel.ep", f"ep={p.ep} does not divide dp={dp}; experts borrow "
+                    "their ranks from dp", f"use ep among {_divisors(dp)}"))
+    per_step = d.microbatches * dp
+    if d.batch_size % per_step:
+        nearest = max(per_step, round(d.batch_size / per_step) * per_step)
+        out.append(("data.batch_size", f"{d.batch_size} is not divisible by microbatches x dp"
+                    f" = {d.microbatches} x {dp} = {per_step}", f"use a multiple of {per_step}"
+                    f", e.g. {nearest}"))
+    for i, fault in enumerate(job.fault_injection.faults):
+        if fault.rank is not None and fault.rank >= world:
+            out.append((f"fault_injection.faults.{i}.rank", f"rank {fault.rank} does not "
+                        f"exist in a world of {world}", f"use a rank below {world}"))
+    return Layout(dp, p.tp, p.pp, p.ep, p.virtual_stages), out
+
+
+def check_job(job: JobConfig, world: int | None = None, source: str = "job") -> Layout | None:
+    """Raise ConfigError listing every problem; return the layout when `world` is given."""
+    problems = _static_problems(job)
+    layout = None
+    if world is not None:
+        layout, more = _layout_problems(job, world)
+        problems += more
+    elif job.parallel.dp != -1:
+        # dp fixed by the job: the world it needs is known, so check the batch split now.
+        problems += _layout_problems(job, job.parallel.dp * job.parallel.tp * job.parallel.pp)[1]
+    if problems:
+        raise ConfigError(source, problems=problems)
+    return layout
+
+
+def resolve_layout(job: JobConfig, world: int, source: str = "job") -> Layout:
+    layout = check_job(job, world=world, source=source)
+    assert layout is not None
+    return layout
+
+
+# What a layout may ask for that this build cannot train yet: (key, value that works).
+_NOT_YET_TRAINABLE = {
+    "parallel.tp": 1, "parallel.pp": 1, "parallel.ep": 1, "parallel.virtual_stages": 1,
+    "checkpoint.interval": 0,
+}
+
+
+def check_trainable(job: JobConfig, source: str = "job") -> None:
+    """Refuse, before training starts, settings that validate but this build cannot run."""
+    problems = []
+    for key, works in _NOT_YET_TRAINABLE.items():
+        section, name = key.split(".")
+        value = getattr(getattr(job, section), name)
+        if value != works:
+            problems.append((key, f"{value} validates but this build cannot train it yet",
+                             f"set {key}: {works}"))
+    if problems:
+        raise ConfigError(source, problems=problems)

@@ -1,0 +1,136 @@
+"""The job file's typed sections.
+
+Every field a job can set lives here, with its type, default and range. Checks that need
+more than one field (a layout against a world size, heads against tp) live in `checks.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PositiveInt = Annotated[int, Field(ge=1)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class Section(BaseModel):
+    # strict: a job file that says `n_layers: "4"` or `lr: true` is refused rather than coerced.
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    vocab_size: Annotated[int, Field(ge=2)] = 257
+    dim: Annotated[int, Field(ge=8)] = 256
+    n_layers: PositiveInt = 4
+    n_heads: PositiveInt = 4
+    n_kv_heads: PositiveInt | None = Field(None, description="None: as many as n_heads")
+    ffn_dim: PositiveInt | None = Field(None, description="None: Llama's 8/3 x dim rule")
+    ffn_multiple_of: PositiveInt = 64
+    max_seq_len: PositiveInt = 2048
+    rope_theta: PositiveFloat = 10000.0
+    norm_eps: PositiveFloat = 1e-5
+    init_std: PositiveFloat = 0.02
+
+    @model_validator(mode="after")
+    def _resolve(self) -> ModelConfig:
+        # Filled in place so the model code always sees plain integers.
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.ffn_dim is None:
+            hidden = int(2 * 4 * self.dim / 3)
+            m = self.ffn_multiple_of
+            object.__setattr__(self, "ffn_dim", m * ((hidden + m - 1) // m))
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class ParallelConfig(Section):
+    dp: Annotated[int, Field(ge=-1)] = Field(-1, description="-1: whatever the world leaves")
+    tp: PositiveInt = 1
+    pp: PositiveInt = 1
+    ep: PositiveInt = Field(1, description="expert parallel; borrows its ranks from dp")
+    virtual_stages: PositiveInt = 1
+    device: Literal["auto", "cpu", "cuda", "xpu"] = "auto"
+    backend: Literal["auto", "gloo", "nccl", "xccl", "ccl"] = "auto"
+
+
+class OptimConfig(Section):
+    steps: PositiveInt = 100
+    lr: PositiveFloat = 3e-4
+    min_lr: Annotated[float, Field(ge=0)] = 3e-5
+    warmup_steps: NonNegativeInt = 10
+    weight_decay: Annotated[float, Field(ge=0)] = 0.1
+    beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    beta2: Annotated[float, Field(ge=0, lt=1)] = 0.95
+    eps: PositiveFloat = 1e-8
+    grad_clip: Annotated[float, Field(ge=0)] = Field(1.0, description="0: no clipping")
+    fused: bool | None = Field(None, description="None: fused where the device has it")
+
+
+class DataConfig(Section):
+    source: Literal["synthetic", "shards"] = "synthetic"
+    path: str | None = Field(None, description="token shards from `optimus data prepare`")
+    seq_len: PositiveInt = 256
+    batch_size: PositiveInt = Field(8, description="sequences per optimizer step, all ranks")
+    microbatches: PositiveInt = Field(1, description="per step and data-parallel replica")
+    num_workers: NonNegativeInt = 0
+    prefetch_factor: PositiveInt = 2
+
+
+class CheckpointConfig(Section):
+    dir: str = Field("{run_dir}/checkpoints", description="{run_dir} and {name} expand")
+    interval: NonNegativeInt = Field(0, description="steps between saves; 0: never")
+    keep_last: PositiveInt = 3
+    keep_every: NonNegativeInt = Field(0, description="also keep every N-th step; 0: none")
+
+
+class SupervisionConfig(Section):
+    log_every: PositiveInt = 1
+    peak_tflops: PositiveFloat | None = Field(None, description="override the device table")
+    heartbeat_interval_s: PositiveFloat = 1.0
+    heartbeat_timeout_s: PositiveFloat = 30.0
+
+
+class Fault(Section):
+    kind: Literal["kill_rank", "freeze_rank", "kill_node"]
+    step: NonNegativeInt
+    rank: NonNegativeInt | None = None
+    node: NonNegativeInt | None = None
+    generation: NonNegativeInt = Field(0, description="fires only in this generation")
+
+    @model_validator(mode="after")
+    def _target(self) -> Fault:
+        wants = "node" if self.kind == "kill_node" else "rank"
+        if getattr(self, wants) is None:
+            raise ValueError(f"a {self.kind} fault needs `{wants}`")
+        return self
+
+
+class FaultInjectionConfig(Section):
+    faults: list[Fault] = Field(default_factory=list)
+
+
+class JobConfig(Section):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=64)]
+    seed: NonNegativeInt = 1234
+    run_dir: str = Field("runs/{name}", description="logs and checkpoints; {name} expands")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    supervision: SupervisionConfig = Field(default_factory=SupervisionConfig)
+    fault_injection: FaultInjectionConfig = Field(default_factory=FaultInjectionConfig)
+
+    @property
+    def resolved_run_dir(self) -> str:
+        return self.run_dir.format(name=self.name)
+
+    @property
+    def resolved_checkpoint_dir(self) -> str:
+        return self.checkpoint.dir.format(run_dir=self.resolved_run_dir, name=self.name)

@@ -1,0 +1,242 @@
+"""Fixed-window samples in a keyed order, cut into global batches, ranks and microbatches.
+
+Why a permutation is written here: sample order must be a pure function of
+(seed, global sample index) so a resumed job at any dp degree reads exactly what an
+uninterrupted one would. `torch.randperm` would give that, but needs O(num_samples) memory
+and time per epoch (billions of samples); a small Feistel network with cycle-walking is a
+keyed bijection on [0, n) evaluated in O(1) memory per index.
+
+Sample j of a source is tokens [j*seq_len, j*seq_len + seq_len + 1). Global index g reads
+sample `order.sample_id(g)`. Step s takes global indices [start + s*B, start + (s+1)*B);
+rank r of dp takes the contiguous slice r*B/dp .. (r+1)*B/dp of it, cut in order into
+microbatches. The loader's state is therefore one integer: the next step's first index.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from optimus.data.errors import DataError
+from optimus.data.shards import TokenShards
+from optimus.data.synthetic import SyntheticCorpus
+
+_MASK64 = (1 << 64) - 1
+
+
+class TokenSource(Protocol):
+    num_tokens: int
+
+    def read(self, start: int, length: int) -> np.ndarray: ...
+
+
+def _mix64(x: int) -> int:
+    """splitmix64 finalizer: a fast, well-mixed 64-bit hash."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class FeistelPermutation:
+    """Keyed bijection on [0, n): balanced Feistel network on 2h bits, cycle-walked into n."""
+
+    rounds = 6
+
+    def __init__(self, n: int, key: int):
+        if n < 1:
+            raise ValueError(f"permutation needs n >= 1, got {n}")
+        self.n = n
+        self._half = max(1, ((n - 1).bit_length() + 1) // 2)
+        self._mask = (1 << self._half) - 1
+        key = _mix64(key & _MASK64)
+        self._keys = [_mix64(key ^ _mix64(r)) for r in range(self.rounds)]
+
+    def _encrypt(self, x: int) -> int:
+        left, right = x >> self._half, x & self._mask
+        for k in self._keys:
+            left, right = right, left ^ (_mix64(k ^ right) & self._mask)
+        return (left << self._half) | right
+
+    def __call__(self, i: int) -> int:
+        if not 0 <= i < self.n:
+            raise IndexError(f"{i} is outside [0, {self.n})")
+        x = self._encrypt(i)
+        while x >= self.n:  # domain is < 4n, so this walks < 4 times on average
+            x = self._encrypt(x)
+        return x
+
+
+class SampleOrder:
+    """Which sample window each global index reads: epoch e shuffled by key (seed, e)."""
+
+    def __init__(self, num_samples: int, seed: int):
+        self.num_samples, self.seed = num_samples, seed
+        self._epoch, self._perm = -1, None
+
+    def sample_id(self, g: int) -> int:
+        if g < 0:
+            raise IndexError(f"global sample index must be >= 0, got {g}")
+        epoch, pos = divmod(g, self.num_samples)
+        if epoch != self._epoch:
+            key = _mix64(_mix64(self.seed) ^ (epoch * 0xD1B54A32D192ED03 & _MASK64))
+            self._epoch, self._perm = epoch, FeistelPermutation(self.num_samples, key)
+        return self._perm(pos)
+
+
+class WindowDataset(Dataset):
+    """Map-style dataset: item g is the window `order.sample_id(g)` of the source."""
+
+    def __init__(self, source: TokenSource, seq_len: int, seed: int):
+        self.source, self.seq_len, self.seed = source, seq_len, seed
+        self.num_samples = (source.num_tokens - 1) // seq_len
+        if self.num_samples < 1:
+            raise DataError(
+                f"the data holds {source.num_tokens} tokens, fewer than one sample of "
+                f"seq_len + 1 = {seq_len + 1}; use more data or a shorter seq_len"
+            )
+        self.order = SampleOrder(self.num_samples, seed)
+
+    def sample_id(self, g: int) -> int:
+        return self.order.sample_id(g)
+
+    def __getitem__(self, g: int) -> dict[str, torch.Tensor]:
+        j = self.order.sample_id(g)
+        tokens = torch.from_numpy(self.source.read(j * self.seq_len, self.seq_len + 1))
+        return {
+            "input_ids": tokens[:-1],
+            "labels": tokens[1:],
+            "sample_ids": torch.tensor(j, dtype=torch.long),
+            "index": torch.tensor(g, dtype=torch.long),
+        }
+
+
+class MicrobatchSampler:
+    """Stateful, infinite batch sampler: yields this rank's microbatches of global indices."""
+
+    def __init__(
+        self,
+        *,
+        batch_size: int,
+        microbatches: int,
+        dp_rank: int,
+        dp_size: int,
+        start_index: int = 0,
+        data_key: dict[str, Any] | None = None,
+    ):
+        self.batch_size, self.microbatches = batch_size, microbatches
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.per_rank = batch_size // dp_size
+        self.micro_size = self.per_rank // microbatches
+        self.next_index = start_index  # first global index of the next step
+        self.microbatch = 0  # next microbatch within that step
+        self.data_key = data_key or {}  # settings a saved state must match
+
+    def __iter__(self) -> MicrobatchSampler:
+        return self
+
+    def __next__(self) -> list[int]:
+        lo = self.next_index + self.dp_rank * self.per_rank + self.microbatch * self.micro_size
+        self.microbatch += 1
+        if self.microbatch == self.microbatches:
+            self.microbatch, self.next_index = 0, self.next_index + self.batch_size
+        return list(range(lo, lo + self.micro_size))
+
+    def state_dict(self) -> dict[str, Any]:
+        layout = [self.batch_size, self.microbatches, self.dp_size]
+        return {
+            "next_index": self.next_index,
+            "microbatch": self.microbatch,
+            "layout": layout,
+            **self.data_key,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, v in self.data_key.items():
+            if state.get(k) != v:
+                raise DataError(
+                    f"the saved data state has {k}={state.get(k)!r} but this run has {k}={v!r}; "
+                    "resume with the same data settings or start the data from scratch"
+                )
+        layout = [self.batch_size, self.microbatches, self.dp_size]
+        if state["microbatch"] and state["layout"] != layout:
+            raise DataError(
+                "the saved data state is mid-step, so it can only resume with the same "
+                f"batch_size, microbatches and dp_size {state['layout']}; save at a step boundary"
+            )
+        self.next_index, self.microbatch = int(state["next_index"]), int(state["microbatch"])
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise DataError(msg)
+
+
+def build_loader(
+    source: TokenSource,
+    *,
+    seq_len: int,
+    batch_size: int,
+    microbatches: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+    start_index: int = 0,
+    num_workers: int = 0,
+    prefetch_factor: int = 2,
+) -> StatefulDataLoader:
+    """An infinite loader of this rank's microbatches, resumable via state_dict or start_index."""
+    _check(seq_len >= 1, f"seq_len must be >= 1, got {seq_len}")
+    _check(microbatches >= 1, f"microbatches must be >= 1, got {microbatches}")
+    _check(dp_size >= 1, f"dp_size must be >= 1, got {dp_size}")
+    _check(0 <= dp_rank < dp_size, f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
+    _check(
+        batch_size >= 1 and batch_size % (microbatches * dp_size) == 0,
+        f"batch_size {batch_size} must be a positive multiple of microbatches x dp_size "
+        f"= {microbatches} x {dp_size}; change batch_size or microbatches",
+    )
+    _check(seed >= 0, f"seed must be >= 0, got {seed}")
+    _check(start_index >= 0, f"start_index must be >= 0, got {start_index}")
+    _check(num_workers >= 0, f"num_workers must be >= 0, got {num_workers}")
+    _check(prefetch_factor >= 1, f"prefetch_factor must be >= 1, got {prefetch_factor}")
+    dataset = WindowDataset(source, seq_len, seed)
+    sampler = MicrobatchSampler(
+        batch_size=batch_size,
+        microbatches=microbatches,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        start_index=start_index,
+        data_key={"seed": seed, "seq_len": seq_len, "num_samples": dataset.num_samples},
+    )
+    with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch hook
+        warnings.filterwarnings("ignore", message=".*set_vital.*")
+        return StatefulDataLoader(
+            dataset,
+            batch_sampler=sampler,
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        )
+
+
+def build_source(
+    kind: str, *, path: str | None = None, vocab_size: int, seed: int = 0
+) -> TokenSource:
+    """ "synthetic" -> SyntheticCorpus; "shards" -> TokenShards(path), checked against the model."""
+    if kind == "synthetic":
+        return SyntheticCorpus(vocab_size, seed)
+    if kind == "shards":
+        _check(path is not None, "data kind 'shards' needs a path to a prepared folder")
+        shards = TokenShards(path)
+        _check(
+            shards.vocab_size <= vocab_size,
+            f"the data in {path} was tokenized with vocab_size {shards.vocab_size}, larger "
+            f"than the model's vocab_size {vocab_size}; raise the model's vocab_size to at "
+            f"least {shards.vocab_size} or prepare the data with a matching tokenizer",
+        )
+        return shards
+    raise DataError(f"unknown data kind {kind!r}; use 'synthetic' or 'shards'")

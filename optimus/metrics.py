@@ -1,0 +1,105 @@
+"""Per-step metrics: MFU against one peak table, JSON lines in a file, a bar on a terminal."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+# Dense bf16 peak per device (one tile for Intel Max 1550), in TFLOP/s. Matched by substring of
+# the device's reported name, lower-cased; the first match wins, so longer names come first.
+PEAK_TFLOPS: dict[str, float] = {
+    "h200": 989.0,
+    "h100": 989.0,
+    "a100": 312.0,
+    "max 1550": 298.0,  # 448 XVE x 512 flop/clk x 1.3 GHz, per tile
+}
+
+
+def peak_flops(device_name: str, override_tflops: float | None = None) -> float | None:
+    """Peak FLOP/s of one device, or None when the table does not know it (e.g. a CPU)."""
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    name = device_name.lower()
+    for key, tflops in PEAK_TFLOPS.items():
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int  # tokens consumed so far, all ranks
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float | None  # 0..1, None where the device's peak is unknown
+
+
+class MetricsLog:
+    """Rank 0's record of training: one JSON object per step in `path`, and a progress display.
+
+    On a terminal it draws a bar; elsewhere (torchrun, CI, an agent's log) it prints one line
+    every `log_every` steps.
+    """
+
+    def __init__(self, path: Path | None, total_steps: int, flops_per_token: int,
+                 peak_flops_per_device: float | None, world_size: int, log_every: int = 1,
+                 enabled: bool = True):
+        self.enabled = enabled
+        self.flops_per_token = flops_per_token
+        self.peak = peak_flops_per_device
+        self.world_size = world_size
+        self.log_every = log_every
+        self.history: list[StepMetrics] = []
+        self._file = None
+        self._progress = None
+        if not enabled:
+            return
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("a", buffering=1)
+        if sys.stdout.isatty():
+            self._progress = Progress(
+                TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+                TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
+                console=Console(), transient=False)
+            self._task = self._progress.add_task("train", total=total_steps, status="")
+            self._progress.start()
+
+    def throughput(self, tokens_in_step: int, step_time_s: float) -> tuple[float, float | None]:
+        tokens_per_s = tokens_in_step / step_time_s if step_time_s > 0 else 0.0
+        mfu = None
+        if self.peak:
+            mfu = self.flops_per_token * tokens_per_s / (self.peak * self.world_size)
+        return tokens_per_s, mfu
+
+    def record(self, m: StepMetrics) -> None:
+        self.history.append(m)
+        if not self.enabled:
+            return
+        if self._file is not None:
+            self._file.write(json.dumps({"time": time.time(), **asdict(m)}) + "\n")
+        mfu = f" mfu {m.mfu:.1%}" if m.mfu is not None else ""
+        status = (f"loss {m.loss:.4f} | gnorm {m.grad_norm:.3f} | {m.tokens_per_s:,.0f} tok/s"
+                  f" | {m.step_time_s * 1e3:.0f} ms{mfu}")
+        if self._progress is not None:
+            self._progress.update(self._task, completed=m.step, status=status)
+        elif m.step % self.log_every == 0:
+            print(f"step {m.step:>6} | {status}", flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None

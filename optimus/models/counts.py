@@ -1,0 +1,47 @@
+"""Parameter and FLOP counts of the dense GPT, by formula (for MFU and for planning)."""
+
+from __future__ import annotations
+
+
+def _matmul_params_per_layer(cfg) -> int:
+    head_dim = cfg.dim // cfg.n_heads
+    q = cfg.dim * cfg.n_heads * head_dim
+    kv = 2 * cfg.dim * cfg.n_kv_heads * head_dim
+    o = cfg.n_heads * head_dim * cfg.dim
+    ffn = 3 * cfg.dim * cfg.ffn_dim
+    return q + kv + o + ffn
+
+
+def matmul_param_count(cfg) -> int:
+    """Parameters that enter a matmul: every weight but the embedding table and the norms.
+
+    The output head is included (it is a matmul; it is not tied to the embedding).
+    """
+    return cfg.n_layers * _matmul_params_per_layer(cfg) + cfg.dim * cfg.vocab_size
+
+
+def param_count(cfg) -> int:
+    """Exact number of parameters of `GPT(cfg)`.
+
+    embedding V*d + per layer (q d*h*hd, k and v d*kvh*hd each, o h*hd*d, SwiGLU 3*d*ffn,
+    two norms 2*d) + final norm d + output head d*V, with hd = dim // n_heads.
+    """
+    embedding = cfg.vocab_size * cfg.dim
+    norms = (2 * cfg.n_layers + 1) * cfg.dim
+    return embedding + norms + matmul_param_count(cfg)
+
+
+def flops_per_token(cfg, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward), the numerator of MFU.
+
+    6 * N_matmul + 12 * n_layers * n_heads * head_dim * seq_len, where N_matmul is
+    `matmul_param_count(cfg)`. A multiply-add is 2 FLOPs, so a weight costs 2 FLOPs per token
+    forward and the backward costs twice the forward (gradients of inputs and of weights):
+    6 per weight per token. Attention scores (Q K^T) and the weighted sum (P V) each cost
+    2 * head_dim * seq_len per head per token forward, so 4 forward and 12 in all; the full
+    T x T matrix is counted although causal attention needs only half, as is conventional
+    (PaLM, Megatron, torchtitan). Embedding lookups, norms, RoPE and softmax are not counted.
+    """
+    head_dim = cfg.dim // cfg.n_heads
+    attention = 12 * cfg.n_layers * cfg.n_heads * head_dim * seq_len
+    return 6 * matmul_param_count(cfg) + attention

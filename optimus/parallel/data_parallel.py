@@ -1,0 +1,29 @@
+"""Sharded data parallel over the `dp` mesh axis with FSDP2 (`fully_shard`).
+
+Parameters, gradients and optimizer state are sharded across dp (ZeRO-3). Gradients are
+*summed* across ranks, not averaged: the trainer already divides the loss by the global token
+count, so a mean here would divide twice.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+
+def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """Shard each transformer block as its own unit, the rest (embedding, head) at the root."""
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    return model
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Skip the gradient reduce-scatter on all but the last microbatch of a step."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)

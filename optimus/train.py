@@ -1,0 +1,157 @@
+"""The training loop. One rank's whole life, top to bottom.
+
+Run one rank:       optimus train jobs/tiny-gpt.yaml
+Run several ranks:  torchrun --nproc-per-node 2 -m optimus train jobs/tiny-gpt.yaml
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from optimus.config import JobConfig, check_trainable, resolve_layout
+from optimus.data import build_loader, build_source
+from optimus.faults import inject_faults
+from optimus.metrics import MetricsLog, StepMetrics, peak_flops
+from optimus.models import build_model, flops_per_token
+from optimus.optim import build_optimizer, lr_at, set_lr
+from optimus.parallel import clip_grad_norm_, parallelize, set_gradient_sync
+from optimus.runtime import (
+    ParallelDims,
+    destroy_distributed,
+    device_name,
+    init_distributed,
+    launch_env,
+    pick_backend,
+    pick_device,
+)
+
+IGNORE_INDEX = -100  # label value that carries no loss
+
+
+@dataclass
+class TrainResult:
+    losses: list[float]  # global loss of each logged step
+    metrics: list[StepMetrics]
+    sample_ids: list[list[int]] = field(default_factory=list)  # this rank's, per step
+    state: dict[str, torch.Tensor] | None = None  # full model weights, when asked for
+
+
+def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = False,
+          quiet: bool = False) -> TrainResult:
+    """Train `job` as this process's rank; the launch environment says which rank that is."""
+    env = launch_env()
+    layout = resolve_layout(job, env.world_size)
+    check_trainable(job)
+    device = pick_device(job.parallel.device, env.local_rank)
+    backend = pick_backend(device, job.parallel.backend)
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        init_distributed(env, backend, device)
+    try:
+        mesh = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,
+                            world_size=env.world_size).build_mesh(device.type)
+        torch.manual_seed(job.seed)
+
+        # Model: the same weights on every layout, then the layout's plan from outside.
+        model = build_model(job.model, seed=job.seed, device=device)
+        model = parallelize(model, layout, mesh)
+        optimizer = build_optimizer(model, job.optim, device)
+        autocast = (contextlib.nullcontext() if device.type == "cpu"
+                    else torch.autocast(device.type, dtype=torch.bfloat16))
+
+        # Data: each dp replica reads its slice of the global batch.
+        dp_group = mesh["dp"].get_group()
+        source = build_source(job.data.source, path=job.data.path,
+                              vocab_size=job.model.vocab_size, seed=job.seed)
+        loader = build_loader(source, seq_len=job.data.seq_len, batch_size=job.data.batch_size,
+                              microbatches=job.data.microbatches,
+                              dp_rank=mesh["dp"].get_local_rank(), dp_size=layout.dp,
+                              seed=job.seed, start_index=0, num_workers=job.data.num_workers,
+                              prefetch_factor=job.data.prefetch_factor)
+        batches = iter(loader)
+
+        log = MetricsLog(
+            Path(job.resolved_run_dir) / "metrics.jsonl", total_steps=job.optim.steps,
+            flops_per_token=flops_per_token(job.model, job.data.seq_len),
+            peak_flops_per_device=peak_flops(device_name(device), job.supervision.peak_tflops),
+            world_size=env.world_size, log_every=job.supervision.log_every,
+            enabled=env.rank == 0 and not quiet)
+        result = TrainResult(losses=[], metrics=log.history)
+        tokens_seen = 0
+
+        for step in range(1, job.optim.steps + 1):
+            inject_faults(job.fault_injection, rank=env.rank, generation=env.restart_count,
+                          step=step)
+            started = time.perf_counter()
+            lr = lr_at(step, job.optim)
+            set_lr(optimizer, lr)
+
+            # Forward and backward over this step's microbatches; the loss is divided by the
+            # token count of the whole global batch, so gradients sum to the global mean.
+            microbatches = [next(batches) for _ in range(job.data.microbatches)]
+            step_tokens = _count_tokens(microbatches, device, dp_group)
+            loss_sum = torch.zeros((), device=device)
+            for i, mb in enumerate(microbatches):
+                set_gradient_sync(model, i == len(microbatches) - 1)
+                inputs = mb["input_ids"].to(device, non_blocking=True)
+                labels = mb["labels"].to(device, non_blocking=True)
+                with autocast:
+                    logits = model(inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                       reduction="sum", ignore_index=IGNORE_INDEX)
+                (loss / step_tokens).backward()
+                loss_sum += loss.detach()
+
+            grad_norm = clip_grad_norm_(model.parameters(), job.optim.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            tokens_seen += step_tokens
+            if keep_sample_ids:
+                result.sample_ids.append([int(s) for mb in microbatches for s in mb["sample_ids"]])
+
+            if step % job.supervision.log_every == 0 or step == job.optim.steps:
+                if dp_group.size() > 1:
+                    dist.all_reduce(loss_sum, group=dp_group)
+                loss_value = loss_sum.item() / step_tokens  # waits for the device
+                step_time = time.perf_counter() - started
+                tokens_per_s, mfu = log.throughput(step_tokens, step_time)
+                result.losses.append(loss_value)
+                log.record(StepMetrics(step=step, loss=loss_value, grad_norm=float(grad_norm),
+                                       lr=lr, tokens=tokens_seen, step_time_s=step_time,
+                                       tokens_per_s=tokens_per_s, mfu=mfu))
+        log.close()
+        if keep_state:
+            result.state = _full_state(model)
+        return result
+    finally:
+        if owns_group:
+            destroy_distributed()
+
+
+def _count_tokens(microbatches: list[dict], device: torch.device,
+                  dp_group: dist.ProcessGroup) -> int:
+    """Tokens that carry loss in the global batch (all dp replicas, all microbatches)."""
+    local = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in microbatches)
+    if dp_group.size() == 1:
+        return local
+    count = torch.tensor(local, dtype=torch.int64, device=device)
+    dist.all_reduce(count, group=dp_group)
+    return int(count)
+
+
+def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded weights on CPU, on every rank (for tests and small models)."""
+    out = {}
+    for name, value in model.state_dict().items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        out[name] = value.detach().to("cpu", copy=True)
+    return out

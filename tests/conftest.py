@@ -1,0 +1,26 @@
+"""Shared fixtures. `run_ranks` runs a function on several gloo-connected processes."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+# Make `optimus` importable without installing it; rank processes inherit this sys.path.
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import multiproc  # noqa: E402
+
+
+def pytest_configure(config):
+    # optimus.runtime.dims names dp as a flattened mesh dim; torch 2.13 warns when it is sliced.
+    config.addinivalue_line(
+        "filterwarnings", "ignore:Slicing a flattened dim from root mesh:UserWarning"
+    )
+
+
+@pytest.fixture
+def run_ranks():
+    """`run_ranks(fn, world_size, *args, timeout=60.0)` -> [fn(rank, world_size, *args), ...]."""
+    return multiproc.run_ranks
