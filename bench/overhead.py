@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from optimus.config import validate_job
+from optimus.data import build_loader, build_source
 from optimus.models import build_model
 from optimus.train import train
 
@@ -40,25 +41,30 @@ def optimus_step_times(job) -> list[float]:
 
 
 def plain_step_times(job) -> list[float]:
-    """The reference: what one would write by hand with the same model and optimizer."""
+    """The reference: the loop one would write by hand with the same model and optimizer.
+
+    It trains on the very batches Optimus reads, taken from the loader before the clock
+    starts, so the two differ only in what the trainer itself does per step.
+    """
     cfg, d = job.model, job.data
     model = build_model(cfg, seed=job.seed, device=torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=job.optim.lr,
                                   betas=(job.optim.beta1, job.optim.beta2),
                                   weight_decay=job.optim.weight_decay, fused=True)
-    micro = d.batch_size // d.microbatches
-    gen = torch.Generator().manual_seed(0)
-    data = torch.randint(0, cfg.vocab_size, (job.optim.steps, d.microbatches, micro,
-                                             d.seq_len + 1), generator=gen)
+    loader = iter(build_loader(build_source("synthetic", vocab_size=cfg.vocab_size,
+                                            seed=job.seed),
+                               seq_len=d.seq_len, batch_size=d.batch_size,
+                               microbatches=d.microbatches, dp_rank=0, dp_size=1,
+                               seed=job.seed))
+    batches = [[next(loader) for _ in range(d.microbatches)] for _ in range(job.optim.steps)]
     times = []
     for step in range(job.optim.steps):
         started = time.perf_counter()
-        for i in range(d.microbatches):
-            tokens = data[step, i]
-            logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        for mb in batches[step]:
+            logits = model(mb["input_ids"])
+            loss = F.cross_entropy(logits.flatten(0, 1), mb["labels"].flatten())
             (loss / d.microbatches).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), job.optim.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), job.optim.grad_clip, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss.item()

@@ -130,6 +130,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         log.close()
         if keep_state:
             result.state = _full_state(model)
+        dist.barrier()  # leave together: a peer tearing down gloo mid-exit can abort the other
         return result
     finally:
         if owns_group:

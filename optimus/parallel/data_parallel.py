@@ -20,6 +20,8 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+            # A plain SUM: a divide factor otherwise becomes PREMUL_SUM, which gloo lacks.
+            module.set_force_sum_reduction_for_comms(True)
     return model
 
 
