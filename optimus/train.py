@@ -13,16 +13,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from optimus.config import JobConfig, check_trainable, resolve_layout
 from optimus.data import build_loader, build_source
 from optimus.faults import inject_faults
 from optimus.metrics import MetricsLog, StepMetrics, peak_flops
-from optimus.models import build_model, flops_per_token
+from optimus.models import flops_per_token
 from optimus.optim import build_optimizer, lr_at, set_lr
-from optimus.parallel import clip_grad_norm_, parallelize, set_gradient_sync
+from optimus.parallel.grads import clip_grad_norm_
+from optimus.parallel.plan import IGNORE_INDEX, build_parallel_model
 from optimus.runtime import (
     ParallelDims,
     destroy_distributed,
@@ -32,8 +32,6 @@ from optimus.runtime import (
     pick_backend,
     pick_device,
 )
-
-IGNORE_INDEX = -100  # label value that carries no loss
 
 
 @dataclass
@@ -60,10 +58,10 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                             world_size=env.world_size).build_mesh(device.type)
         torch.manual_seed(job.seed)
 
-        # Model: the same weights on every layout, then the layout's plan from outside.
-        model = build_model(job.model, seed=job.seed, device=device)
-        model = parallelize(model, layout, mesh)
-        optimizer = build_optimizer(model, job.optim, device)
+        # Model: the same weights on every layout, this rank's share of them, plans applied.
+        model = build_parallel_model(job, layout, mesh, device)
+        optimizer = build_optimizer(model.as_module(), job.optim, device)
+        pp_group = mesh["pp"].get_group()
         autocast = (contextlib.nullcontext() if device.type == "cpu"
                     else torch.autocast(device.type, dtype=torch.bfloat16))
 
@@ -94,23 +92,15 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             lr = lr_at(step, job.optim)
             set_lr(optimizer, lr)
 
-            # Forward and backward over this step's microbatches; the loss is divided by the
-            # token count of the whole global batch, so gradients sum to the global mean.
+            # Forward and backward over this step's microbatches (through the pipeline
+            # schedule when there is one); the loss is divided by the global token count.
             microbatches = [next(batches) for _ in range(job.data.microbatches)]
             step_tokens = _count_tokens(microbatches, device, dp_group)
-            loss_sum = torch.zeros((), device=device)
-            for i, mb in enumerate(microbatches):
-                set_gradient_sync(model, i == len(microbatches) - 1)
-                inputs = mb["input_ids"].to(device, non_blocking=True)
-                labels = mb["labels"].to(device, non_blocking=True)
-                with autocast:
-                    logits = model(inputs)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                                       reduction="sum", ignore_index=IGNORE_INDEX)
-                (loss / step_tokens).backward()
-                loss_sum += loss.detach()
+            model.loss_fn.tokens = step_tokens
+            with autocast:
+                loss_sum = model.forward_backward(microbatches, device)
 
-            grad_norm = clip_grad_norm_(model.parameters(), job.optim.grad_clip)
+            grad_norm = clip_grad_norm_(model.parameters(), job.optim.grad_clip, pp_group)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             tokens_seen += step_tokens
@@ -118,9 +108,10 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                 result.sample_ids.append([int(s) for mb in microbatches for s in mb["sample_ids"]])
 
             if step % job.supervision.log_every == 0 or step == job.optim.steps:
-                if dp_group.size() > 1:
-                    dist.all_reduce(loss_sum, group=dp_group)
-                loss_value = loss_sum.item() / step_tokens  # waits for the device
+                for group in (pp_group, dp_group):  # only last stages hold losses
+                    if group.size() > 1:
+                        dist.all_reduce(loss_sum, group=group)
+                loss_value = loss_sum.item()  # waits for the device
                 step_time = time.perf_counter() - started
                 tokens_per_s, mfu = log.throughput(step_tokens, step_time)
                 result.losses.append(loss_value)
@@ -129,7 +120,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                                        tokens_per_s=tokens_per_s, mfu=mfu))
         log.close()
         if keep_state:
-            result.state = _full_state(model)
+            result.state = {k: v for part in model.parts for k, v in _full_state(part).items()}
         dist.barrier()  # leave together: a peer tearing down gloo mid-exit can abort the other
         return result
     finally:

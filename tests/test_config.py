@@ -20,7 +20,8 @@ TINY = REPO / "jobs" / "tiny-gpt.yaml"
 
 def job(**sections) -> dict:
     """A valid small job; keyword arguments replace or extend its sections."""
-    raw = {"name": "t", "model": {"dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2},
+    raw = {"name": "t", "model": {"vocab_size": 256, "dim": 64, "n_layers": 4, "n_heads": 4,
+                                  "n_kv_heads": 2},
            "optim": {"steps": 10, "warmup_steps": 2},
            "data": {"seq_len": 32, "batch_size": 8, "microbatches": 2}}
     for name, values in sections.items():
@@ -99,9 +100,33 @@ def test_heads_and_kv_heads_must_split_over_tp():
 
 
 def test_fewer_layers_than_pipeline_stages():
-    err = refusal(job(model={"n_layers": 3}, parallel={"pp": 2, "virtual_stages": 2}))
+    err = refusal(job(model={"n_layers": 3}, parallel={"pp": 2, "virtual_stages": 2,
+                                                       "schedule": "interleaved_1f1b"}))
     assert keys(err) == ["parallel.pp"]
     assert "3 layers cannot fill pp x virtual_stages = 4" in str(err)
+
+
+def test_vocab_and_sequence_must_split_over_tp():
+    err = refusal(job(model={"vocab_size": 257}, data={"seq_len": 30}, parallel={"tp": 4}))
+    assert sorted(keys(err)) == ["data.seq_len", "model.vocab_size"]
+    assert "pad it to 260" in str(err) and "use a multiple of 4" in str(err)
+
+
+@pytest.mark.parametrize("parallel,microbatches,expect", [
+    ({"pp": 2, "schedule": "zbv_zero_bubble"}, 2, "exactly 2"),
+    ({"pp": 2, "virtual_stages": 2, "schedule": "dualpipev"}, 2, "microbatches"),
+    ({"pp": 4, "schedule": "1f1b"}, 2, "microbatches"),
+    ({"pp": 2, "virtual_stages": 2, "schedule": "1f1b"}, 2, "virtual"),
+])
+def test_pipeline_schedules_refuse_what_they_cannot_run(parallel, microbatches, expect):
+    err = refusal(job(parallel=parallel, data={"batch_size": 8, "microbatches": microbatches}))
+    assert keys(err) == ["parallel.schedule"]
+    assert expect in str(err)
+
+
+def test_virtual_stages_need_a_pipeline():
+    err = refusal(job(parallel={"virtual_stages": 2}))
+    assert keys(err) == ["parallel.virtual_stages"]
 
 
 def test_batch_must_split_into_microbatches_and_dp():
@@ -162,6 +187,21 @@ def test_every_job_file_in_the_repo_validates():
     assert TINY in files
     for path in files:
         load_job(path)
+
+
+def test_the_paper_layouts_validate_for_their_world_sizes():
+    runner = CliRunner()
+    big = runner.invoke(main, ["config", "check", str(REPO / "jobs" / "gpt-175b.yaml"),
+                               "--world", "1536"])
+    assert big.exit_code == 0, big.output
+    assert "dp=16 tp=8 pp=12 ep=1 virtual_stages=2" in big.output
+    assert "96 microbatch(es) of 1 sequence(s)" in big.output
+    small = runner.invoke(main, ["config", "check", str(REPO / "jobs" / "gpt-1.3b.yaml"),
+                                 "--world", "32"])
+    assert small.exit_code == 0 and "dp=32 tp=1 pp=1" in small.output
+    wrong = runner.invoke(main, ["config", "check", str(REPO / "jobs" / "gpt-175b.yaml"),
+                                 "--world", "768"])
+    assert wrong.exit_code == 2 and "set parallel.dp to 8" in wrong.output
 
 
 def test_config_show_prints_resolved_values():

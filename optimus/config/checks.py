@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from optimus.config.schema import JobConfig
+from optimus.parallel.schedule_rules import schedule_problem
 
 
 class ConfigError(ValueError):
@@ -71,11 +72,27 @@ def _static_problems(job: JobConfig) -> list[tuple[str, str, str]]:
     if m.ffn_dim % p.tp:
         out.append(("parallel.tp", f"ffn_dim={m.ffn_dim} is not divisible by tp={p.tp}",
                     f"use tp among {_divisors(m.ffn_dim)}"))
+    if m.vocab_size % p.tp:
+        padded = -(-m.vocab_size // p.tp) * p.tp
+        out.append(("model.vocab_size", f"{m.vocab_size} does not split over tp={p.tp} "
+                    "(the embedding and the loss are vocab-parallel)",
+                    f"pad it to {padded}; ids past the tokenizer's are never used"))
     stages = p.pp * p.virtual_stages
     if m.n_layers < stages:
         out.append(("parallel.pp", f"{m.n_layers} layers cannot fill pp x virtual_stages = "
                     f"{stages} pipeline stages", f"use at most {m.n_layers} stages in all, or "
                     "more layers"))
+    if d.seq_len % p.tp:
+        out.append(("data.seq_len", f"{d.seq_len} does not split over tp={p.tp} (sequence "
+                    "parallel gives each tp rank an equal slice of the sequence)",
+                    f"use a multiple of {p.tp}"))
+    if p.pp == 1 and p.virtual_stages > 1:
+        out.append(("parallel.virtual_stages", f"{p.virtual_stages} needs a pipeline",
+                    "set parallel.pp > 1, or virtual_stages: 1"))
+    elif p.pp > 1:
+        problem = schedule_problem(p.schedule, p.pp, p.virtual_stages, d.microbatches)
+        if problem:
+            out.append(("parallel.schedule", *problem))
     if d.seq_len > m.max_seq_len:
         out.append(("data.seq_len", f"{d.seq_len} is longer than model.max_seq_len="
                     f"{m.max_seq_len}", f"use seq_len <= {m.max_seq_len}"))
@@ -158,10 +175,7 @@ def resolve_layout(job: JobConfig, world: int, source: str = "job") -> Layout:
 
 
 # What a layout may ask for that this build cannot train yet: (key, value that works).
-_NOT_YET_TRAINABLE = {
-    "parallel.tp": 1, "parallel.pp": 1, "parallel.ep": 1, "parallel.virtual_stages": 1,
-    "checkpoint.interval": 0,
-}
+_NOT_YET_TRAINABLE = {"parallel.ep": 1, "checkpoint.interval": 0}
 
 
 def check_trainable(job: JobConfig, source: str = "job") -> None:

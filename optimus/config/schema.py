@@ -54,7 +54,13 @@ class ParallelConfig(Section):
     tp: PositiveInt = 1
     pp: PositiveInt = 1
     ep: PositiveInt = Field(1, description="expert parallel; borrows its ranks from dp")
-    virtual_stages: PositiveInt = 1
+    virtual_stages: PositiveInt = Field(1, description="model chunks per pipeline rank")
+    schedule: Literal[
+        "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+        "zbv_zero_bubble", "dualpipev",
+    ] = "1f1b"
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    ac_every: PositiveInt = Field(2, description="selective: checkpoint every n-th block")
     device: Literal["auto", "cpu", "cuda", "xpu"] = "auto"
     backend: Literal["auto", "gloo", "nccl", "xccl", "ccl"] = "auto"
 

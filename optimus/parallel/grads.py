@@ -1,24 +1,31 @@
-"""Gradient clipping that works on plain and sharded (DTensor) gradients alike."""
+"""Gradient clipping that works on plain and sharded (DTensor) gradients, across stages."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clip to `max_norm` (0: measure only) and return the total L2 norm before clipping.
+def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float,
+                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Clip to `max_norm` (0: measure only) and return the global L2 norm before clipping.
 
-    With sharded gradients the per-shard norms are combined across ranks, so every rank
-    gets the same norm and applies the same scale.
+    Sharded gradients (tp, dp) are combined by DTensor; the stages of a pipeline hold
+    different parameters, so their squared norms are summed over `pp_group`. Every rank ends
+    with the same norm and applies the same scale.
     """
     params = [p for p in params if p.grad is not None]
     grads = [p.grad for p in params]
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        squared = norm.pow(2)
+        dist.all_reduce(squared, group=pp_group)
+        norm = squared.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return norm

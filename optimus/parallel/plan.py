@@ -1,16 +1,117 @@
-"""Apply the job's layout to a freshly built model."""
+"""Build this rank's share of the model for a layout, and run one step's forward and backward.
+
+Plans are applied in one fixed order: pipeline split, then per stage tensor parallel ->
+activation checkpointing -> data-parallel sharding (FSDP2 over `dp`).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
-from optimus.config import Layout
-from optimus.parallel.data_parallel import apply_data_parallel
+from optimus.config import JobConfig, Layout
+from optimus.models import build_model
+from optimus.parallel.activation_checkpoint import apply_activation_checkpointing
+from optimus.parallel.data_parallel import apply_data_parallel, set_gradient_sync
+from optimus.parallel.pipeline import build_schedule, build_stage_models, run_pipeline_step
+from optimus.parallel.schedule_rules import stage_ids as pipeline_stage_ids
+from optimus.parallel.schedule_rules import stage_style
+from optimus.parallel.tensor_parallel import apply_tensor_parallel, loss_context
+
+IGNORE_INDEX = -100  # label value that carries no loss
 
 
-def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh) -> nn.Module:
-    """Return the model ready to train on `mesh` under `layout` (dp only, so far)."""
-    if layout.dp > 1:
-        apply_data_parallel(model, mesh["dp"])
-    return model
+class TokenSumLoss:
+    """Summed cross-entropy over the global token count of the current step.
+
+    Dividing by the tokens of the whole global batch (all microbatches, all dp replicas) makes
+    the gradients, summed over microbatches and ranks, those of the global mean loss.
+    """
+
+    def __init__(self) -> None:
+        self.tokens = 1
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                               reduction="sum", ignore_index=IGNORE_INDEX)
+        return loss / self.tokens
+
+
+@dataclass
+class ParallelModel:
+    """The model chunks this rank holds, and the pipeline schedule that drives them, if any."""
+
+    parts: list[nn.Module]
+    schedule: object | None
+    stage_ids: list[int]
+    num_stages: int
+    loss_fn: TokenSumLoss
+    tp_enabled: bool
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for part in self.parts:
+            yield from part.parameters()
+
+    def as_module(self) -> nn.Module:
+        return self.parts[0] if len(self.parts) == 1 else nn.ModuleList(self.parts)
+
+    def forward_backward(self, microbatches: list[dict], device: torch.device) -> torch.Tensor:
+        """Run every microbatch forward and backward; return this rank's summed loss.
+
+        The loss is already divided by the step's global token count. Under a pipeline only
+        ranks holding the last stage see losses; the others return zero.
+        """
+        total = torch.zeros((), device=device)
+        with loss_context(self.tp_enabled):
+            if self.schedule is not None:
+                inputs = torch.cat([mb["input_ids"] for mb in microbatches]).to(device)
+                labels = torch.cat([mb["labels"] for mb in microbatches]).to(device)
+                losses = run_pipeline_step(self.schedule, self.stage_ids, self.num_stages,
+                                           inputs, labels)
+                for loss in losses:
+                    total += _local(loss.detach())
+                return total
+            (model,) = self.parts
+            for i, mb in enumerate(microbatches):
+                set_gradient_sync(model, i == len(microbatches) - 1)
+                logits = model(mb["input_ids"].to(device, non_blocking=True))
+                loss = self.loss_fn(logits, mb["labels"].to(device, non_blocking=True))
+                loss.backward()
+                total += _local(loss.detach())
+        return total
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
+                         device: torch.device) -> ParallelModel:
+    """This rank's model chunks, with the same weights as the one-process model."""
+    p = job.parallel
+    loss_fn = TokenSumLoss()
+    if layout.pp > 1:
+        num_stages = layout.pp * layout.virtual_stages
+        ids = pipeline_stage_ids(mesh["pp"].get_local_rank(), layout.pp, layout.virtual_stages,
+                                 stage_style(p.schedule))
+        parts = build_stage_models(job.model, job.seed, device, ids, num_stages)
+    else:
+        num_stages, ids = 1, [0]
+        parts = [build_model(job.model, seed=job.seed, device=device)]
+    for part in parts:
+        if layout.tp > 1:
+            apply_tensor_parallel(part, mesh["tp"])
+        apply_activation_checkpointing(part, p.activation_checkpoint, p.ac_every)
+        if layout.dp > 1:
+            apply_data_parallel(part, mesh["dp"])
+    schedule = None
+    if layout.pp > 1:
+        schedule = build_schedule(parts, ids, num_stages, mesh["pp"].get_group(), device,
+                                  p.schedule, job.data.microbatches, loss_fn)
+    return ParallelModel(parts, schedule, ids, num_stages, loss_fn, layout.tp > 1)

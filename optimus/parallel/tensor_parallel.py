@@ -1,0 +1,147 @@
+"""Tensor parallel with sequence parallel (Megatron-SP) over the `tp` mesh axis, from outside.
+
+The plan follows torchtitan's Llama plan, written with PyTorch's stock styles:
+
+- `tok_embeddings`: vocab-parallel (RowwiseParallel); its output is reduce-scattered along the
+  sequence, so between modules the residual stream is sequence-parallel: every rank holds a
+  LOCAL tensor [b, s / tp, dim], its contiguous share of the positions (rank r holds positions
+  r*s/tp .. (r+1)*s/tp - 1). The sequence length must divide by tp.
+- each block: norms SequenceParallel; attention and feed-forward inputs all-gathered to the full
+  sequence; wq, wk, wv, w1, w3 column-parallel (heads / hidden units split); wo and w2
+  row-parallel, reduce-scattered back to [b, s / tp, dim].
+- `norm` SequenceParallel; `output` column-parallel over the vocabulary, returning a DTensor
+  [b, s, vocab] sharded on the vocab dim: no rank ever holds full-vocabulary logits. Compute
+  cross-entropy on it (and call backward) inside `loss_context(True)`; the loss is a
+  replicated DTensor scalar (`.full_tensor()` gives the plain value).
+
+Gradients are DTensors. As stock DTensor leaves them, those of the SequenceParallel norm weights
+are Partial (a pending sum over tp) and the embedding's is Replicate (full vocabulary) while its
+weight is Shard(0); get_total_norm, clipping and AdamW (for-loop or fused) handle both, and
+FSDP2 redistributes them to the parameters' layout before its reduce-scatter.
+
+A pipeline stage is this plan minus the modules it lacks: a stage without `tok_embeddings`
+takes, and a stage without `output` returns, the local sequence shard [b, s / tp, dim] of the
+hidden states. That local tensor is what a pipeline stage sends and receives.
+
+KV heads. With n_kv_heads % tp == 0, wk and wv are column-parallel like wq. With
+n_kv_heads < tp (tp % n_kv_heads == 0), each kv head is REPLICATED on tp / n_kv_heads ranks:
+rank r uses kv head r // (tp / n_kv_heads), the one its query heads map to under grouped-query
+attention.
+
+Beyond PyTorch's stock styles, and why:
+- `_KVHeadCopies` (wk, wv when n_kv_heads < tp): no stock style splits fewer heads than ranks.
+  The weights stay replicated parameters; in forward each is expanded to tp copies of
+  [head_dim, dim], one per rank, and sharded by rank (a local slice, no communication).
+  DTensor differentiates that exactly: backward all-gathers the copies' gradients and sums them
+  into each kv head, so the weights' gradients are Replicate, equal on every tp rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard a GPT, or a pipeline stage of one, over `tp_mesh` in place.
+
+    Apply before activation checkpointing and FSDP2; the model may still be on the meta device.
+    """
+    cfg, tp = model.cfg, tp_mesh.size()
+    for name, size in (("vocab_size", cfg.vocab_size), ("n_heads", cfg.n_heads),
+                       ("ffn_dim", cfg.ffn_dim)):
+        assert size % tp == 0, f"tensor parallel needs {name}={size} divisible by tp={tp}"
+    if cfg.n_kv_heads % tp == 0:
+        kv_style = ColwiseParallel()
+    else:
+        assert tp % cfg.n_kv_heads == 0, (
+            f"n_kv_heads={cfg.n_kv_heads} must divide by tp={tp} or divide it")
+        kv_style = _KVHeadCopies(cfg.n_kv_heads)
+
+    plan: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
+                                                 output_layouts=Shard(1))
+    if model.norm is not None:
+        # Without `output` this stage returns hidden states: the local shard, as other stages.
+        plan["norm"] = SequenceParallel(use_local_output=model.output is None)
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                         use_local_output=False)
+    if plan:
+        parallelize_module(model, tp_mesh, plan)
+
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": kv_style,
+            "attention.wv": kv_style,
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+
+
+def loss_context(tp_enabled: bool) -> contextlib.AbstractContextManager:
+    """Wrap forward, loss and backward: vocab-parallel cross-entropy under tensor parallel."""
+    return loss_parallel() if tp_enabled else contextlib.nullcontext()
+
+
+class _KVHeadCopies(ParallelStyle):
+    """wk or wv when n_kv_heads < tp: replicated weight, each rank computes its own kv head.
+
+    Output: the local [b, s, head_dim] of kv head tp_rank // (tp / n_kv_heads), like
+    ColwiseParallel's local output would be if the weight had tp kv heads.
+    """
+
+    def __init__(self, n_kv_heads: int):
+        super().__init__()
+        self.n_kv_heads = n_kv_heads
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert isinstance(module, nn.Linear) and module.bias is None, module
+        distribute_module(module, device_mesh, self._replicate)
+        # The module's own forward would use every kv head; this one uses the rank's.
+        module.forward = partial(_own_kv_head_forward, module, self.n_kv_heads)
+        return module
+
+    def _replicate(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for key, param in list(module.named_parameters(recurse=False)):
+            dist = distribute_tensor(param, mesh, [Replicate()], src_data_rank=self.src_data_rank)
+            module.register_parameter(key, nn.Parameter(dist, param.requires_grad))
+
+
+def _own_kv_head_forward(module: nn.Linear, n_kv_heads: int, x: torch.Tensor) -> torch.Tensor:
+    weight = module.weight  # read at call time: FSDP2 swaps in the unsharded parameter
+    mesh = weight.device_mesh
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    copies = mesh.size() // n_kv_heads
+    # [n_kv * head_dim, dim] -> [tp * head_dim, dim]: kv head j repeated for ranks
+    # j*copies .. (j+1)*copies - 1; then each rank keeps its copy.
+    weight = weight.unflatten(0, (n_kv_heads, -1)).unsqueeze(1)
+    weight = weight.expand(-1, copies, -1, -1).flatten(0, 2)
+    weight = weight.redistribute(mesh, [Shard(0)])
+    return F.linear(x.redistribute(mesh, [Replicate()]), weight).to_local()
