@@ -7,6 +7,7 @@ Run several ranks:  torchrun --nproc-per-node 2 -m optimus train jobs/tiny-gpt.y
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,9 @@ from optimus.runtime import (
     pick_backend,
     pick_device,
 )
+
+# DTensor warns at every clip on a dp x tp mesh that it gathers in two steps; it is expected.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 @dataclass
