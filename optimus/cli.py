@@ -14,11 +14,13 @@ import click
 import yaml
 
 from optimus import __version__
+from optimus.checkpoint import CheckpointError
+from optimus.checkpoint.commands import checkpoint
 from optimus.config import ConfigError, check_job, load_job
 from optimus.data.errors import DataError
 from optimus.runtime.launch import LaunchError
 
-USER_ERRORS = (ConfigError, DataError, LaunchError)
+USER_ERRORS = (ConfigError, DataError, LaunchError, CheckpointError)
 EXIT_USER_ERROR = 2
 
 
@@ -118,3 +120,6 @@ def data_prepare(inputs, out_dir, tokenizer, dtype, shard_tokens, text_key, over
                       shard_tokens=shard_tokens, text_key=text_key, overwrite=overwrite)
     click.echo(f"wrote {summary['total_tokens']:,} tokens in {len(summary['shards'])} shard(s) "
                f"({summary['dtype']}) to {out_dir}")
+
+
+main.add_command(checkpoint)

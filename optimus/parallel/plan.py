@@ -61,6 +61,24 @@ class ParallelModel:
     def as_module(self) -> nn.Module:
         return self.parts[0] if len(self.parts) == 1 else nn.ModuleList(self.parts)
 
+    def state_view(self) -> nn.Module:
+        """One module over every chunk this rank holds, named as in the whole model.
+
+        Its state_dict keys (`layers.5.attention.wq.weight`, `output.weight`) are the same in
+        every layout, which is what lets a checkpoint saved under one layout load in another.
+        """
+        if len(self.parts) == 1:
+            return self.parts[0]
+        view = nn.Module()
+        view.layers = nn.ModuleDict()
+        for part in self.parts:
+            for name, child in part.named_children():
+                if name == "layers":
+                    view.layers.update(child)
+                elif child is not None:
+                    view.add_module(name, child)
+        return view
+
     def forward_backward(self, microbatches: list[dict], device: torch.device) -> torch.Tensor:
         """Run every microbatch forward and backward; return this rank's summed loss.
 
