@@ -18,6 +18,7 @@ $(BIN)/.installed: pyproject.toml
 venv: $(BIN)/.installed
 
 demo: venv
+	rm -rf runs/tiny-gpt   # a fresh run each time, rather than resuming the last one
 	$(BIN)/optimus train jobs/tiny-gpt.yaml
 
 test: venv

@@ -42,6 +42,7 @@ class StepMetrics:
     step_time_s: float
     tokens_per_s: float
     mfu: float | None  # 0..1, None where the device's peak is unknown
+    checkpoint: dict | None = None  # the checkpointer's counters, when checkpointing
 
 
 class MetricsLog:
@@ -95,6 +96,19 @@ class MetricsLog:
             self._progress.update(self._task, completed=m.step, status=status)
         elif m.step % self.log_every == 0:
             print(f"step {m.step:>6} | {status}", flush=True)
+
+    def event(self, kind: str, message: str, **fields) -> None:
+        """Something that is not a step: a resume, a failed save. A JSON line and a log line."""
+        if not self.enabled:
+            return
+        if self._file is not None:
+            self._file.write(json.dumps({"time": time.time(), "event": kind,
+                                         "message": message, **fields}) + "\n")
+        line = f"{kind}: {message}"
+        if self._progress is not None:
+            self._progress.console.print(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._progress is not None:

@@ -9,14 +9,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from optimus.config import JobConfig, check_trainable, resolve_layout
+from optimus.checkpoint.manifest import committed_steps
+from optimus.checkpoint.saver import Checkpointer
+from optimus.checkpoint.state import Progress, training_state
+from optimus.config import JobConfig, check_trainable, job_hash, resolve_layout
 from optimus.data import build_loader, build_source
 from optimus.faults import inject_faults
 from optimus.metrics import MetricsLog, StepMetrics, peak_flops
@@ -50,8 +53,8 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
           quiet: bool = False) -> TrainResult:
     """Train `job` as this process's rank; the launch environment says which rank that is."""
     env = launch_env()
-    layout = resolve_layout(job, env.world_size)
     check_trainable(job)
+    layout = resolve_layout(job, env.world_size)
     device = pick_device(job.parallel.device, env.local_rank)
     backend = pick_backend(device, job.parallel.backend)
     owns_group = not dist.is_initialized()
@@ -69,17 +72,6 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         autocast = (contextlib.nullcontext() if device.type == "cpu"
                     else torch.autocast(device.type, dtype=torch.bfloat16))
 
-        # Data: each dp replica reads its slice of the global batch.
-        dp_group = mesh["dp"].get_group()
-        source = build_source(job.data.source, path=job.data.path,
-                              vocab_size=job.model.vocab_size, seed=job.seed)
-        loader = build_loader(source, seq_len=job.data.seq_len, batch_size=job.data.batch_size,
-                              microbatches=job.data.microbatches,
-                              dp_rank=mesh["dp"].get_local_rank(), dp_size=layout.dp,
-                              seed=job.seed, start_index=0, num_workers=job.data.num_workers,
-                              prefetch_factor=job.data.prefetch_factor)
-        batches = iter(loader)
-
         log = MetricsLog(
             Path(job.resolved_run_dir) / "metrics.jsonl", total_steps=job.optim.steps,
             flops_per_token=flops_per_token(job.model, job.data.seq_len),
@@ -87,9 +79,34 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             world_size=env.world_size, log_every=job.supervision.log_every,
             enabled=env.rank == 0 and not quiet)
         result = TrainResult(losses=[], metrics=log.history)
-        tokens_seen = 0
 
-        for step in range(1, job.optim.steps + 1):
+        # Checkpoints: resume from the newest one that verifies, then save every `interval`.
+        progress = Progress(job.data.batch_size)
+        state = training_state(model, optimizer, progress, rank=env.rank, layout=layout)
+        ckpt = _checkpointer(job, env)
+        resumed = ckpt.load_latest(state, job.checkpoint.verify_on_load) if (
+            ckpt and job.checkpoint.resume == "auto") else None
+        if ckpt is not None:
+            _log_resume(log, ckpt, resumed)
+        if progress.step >= job.optim.steps:
+            log.event("done", f"nothing to train: the checkpoint is at step {progress.step} of "
+                      f"{job.optim.steps}; raise optim.steps to train further")
+
+        # Data: each dp replica reads its slice of the global batch, from where it stopped.
+        dp_group = mesh["dp"].get_group()
+        source = build_source(job.data.source, path=job.data.path,
+                              vocab_size=job.model.vocab_size, seed=job.seed)
+        loader = build_loader(source, seq_len=job.data.seq_len, batch_size=job.data.batch_size,
+                              microbatches=job.data.microbatches,
+                              dp_rank=mesh["dp"].get_local_rank(), dp_size=layout.dp,
+                              seed=job.seed, start_index=progress.data_index,
+                              num_workers=job.data.num_workers,
+                              prefetch_factor=job.data.prefetch_factor)
+        batches = iter(loader)
+        if resumed:
+            state["rng"].apply()  # making the iterator drew from the RNG; put it back
+
+        for step in range(progress.step + 1, job.optim.steps + 1):
             inject_faults(job.fault_injection, rank=env.rank, generation=env.restart_count,
                           step=step)
             started = time.perf_counter()
@@ -107,7 +124,9 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             grad_norm = clip_grad_norm_(model.parameters(), job.optim.grad_clip, pp_group)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            tokens_seen += step_tokens
+            progress.advance(step_tokens)
+            if ckpt is not None:
+                _checkpoint_step(ckpt, log, job, step, state, progress, layout)
             if keep_sample_ids:
                 result.sample_ids.append([int(s) for mb in microbatches for s in mb["sample_ids"]])
 
@@ -120,8 +139,13 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                 tokens_per_s, mfu = log.throughput(step_tokens, step_time)
                 result.losses.append(loss_value)
                 log.record(StepMetrics(step=step, loss=loss_value, grad_norm=float(grad_norm),
-                                       lr=lr, tokens=tokens_seen, step_time_s=step_time,
-                                       tokens_per_s=tokens_per_s, mfu=mfu))
+                                       lr=lr, tokens=progress.tokens, step_time_s=step_time,
+                                       tokens_per_s=tokens_per_s, mfu=mfu,
+                                       checkpoint=ckpt.stats.as_dict() if ckpt else None))
+        if ckpt is not None:
+            if ckpt.wait() == "failed":  # the last save must land (or say why) before exit
+                log.event("checkpoint", ckpt.last_error, **ckpt.stats.as_dict())
+            ckpt.close()
         log.close()
         if keep_state:
             result.state = {k: v for part in model.parts for k, v in _full_state(part).items()}
@@ -130,6 +154,43 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
     finally:
         if owns_group:
             destroy_distributed()
+
+
+def _checkpointer(job: JobConfig, env) -> Checkpointer | None:
+    """A checkpointer when the job saves, or has checkpoints to resume from; else None."""
+    c = job.checkpoint
+    can_resume = c.resume == "auto" and committed_steps(job.resolved_checkpoint_dir)
+    if c.interval == 0 and not can_resume:
+        return None
+    return Checkpointer(job.resolved_checkpoint_dir, rank=env.rank, world_size=env.world_size,
+                        keep_last=c.keep_last, keep_every=c.keep_every, mode=c.async_mode,
+                        on_overlap=c.on_overlap)
+
+
+def _log_resume(log: MetricsLog, ckpt: Checkpointer, resumed: dict | None) -> None:
+    for message in resumed["skipped"] if resumed else ckpt.skipped:
+        log.event("checkpoint", f"{message}; falling back to an older checkpoint")
+    if resumed:
+        log.event("resume", f"continuing from {resumed['path']} (step {resumed['step']})",
+                  step=resumed["step"], notes=resumed.get("notes", []))
+    if ckpt.mode_note:
+        log.event("checkpoint", ckpt.mode_note)
+
+
+def _checkpoint_step(ckpt: Checkpointer, log: MetricsLog, job: JobConfig, step: int,
+                     state: dict, progress: Progress, layout) -> None:
+    """At every step boundary, on every rank: finish a save in flight, start a due one."""
+    if ckpt.poll() == "failed":
+        log.event("checkpoint", ckpt.last_error, **ckpt.stats.as_dict())
+    interval = job.checkpoint.interval
+    if interval and step % interval == 0:
+        meta = {**progress.meta(), "layout": asdict(layout), "config": job.model_dump(mode="json"),
+                "config_hash": job_hash(job), "world_size": layout.world_size}
+        if step == job.optim.steps:
+            ckpt.wait()  # the final checkpoint is never skipped
+        if ckpt.save(step, state, meta) == "skipped":
+            log.event("checkpoint", f"save of step {step} skipped: the previous one is still "
+                      "being written", **ckpt.stats.as_dict())
 
 
 def _count_tokens(microbatches: list[dict], device: torch.device,

@@ -7,7 +7,7 @@ from optimus.config.checks import (
     check_trainable,
     resolve_layout,
 )
-from optimus.config.load import apply_override, load_job, validate_job
+from optimus.config.load import apply_override, job_hash, load_job, validate_job
 from optimus.config.schema import (
     CheckpointConfig,
     DataConfig,
@@ -22,5 +22,6 @@ from optimus.config.schema import (
 __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "FaultInjectionConfig", "JobConfig",
     "Layout", "ModelConfig", "OptimConfig", "ParallelConfig", "SupervisionConfig",
-    "apply_override", "check_job", "check_trainable", "load_job", "resolve_layout", "validate_job",
+    "apply_override", "check_job", "check_trainable", "job_hash", "load_job", "resolve_layout",
+    "validate_job",
 ]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import difflib
+import hashlib
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -129,3 +131,9 @@ def _known_keys(loc: list[str]) -> list[str]:
 
 def _lower_first(text: str) -> str:
     return text[:1].lower() + text[1:]
+
+
+def job_hash(job: JobConfig) -> str:
+    """A short fingerprint of the resolved job, recorded with every checkpoint."""
+    text = json.dumps(job.model_dump(mode="json"), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

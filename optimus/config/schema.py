@@ -93,6 +93,13 @@ class CheckpointConfig(Section):
     interval: NonNegativeInt = Field(0, description="steps between saves; 0: never")
     keep_last: PositiveInt = 3
     keep_every: NonNegativeInt = Field(0, description="also keep every N-th step; 0: none")
+    async_mode: Literal["process", "thread", "sync"] = Field(
+        "process", description="where the background write runs; sync blocks")
+    on_overlap: Literal["skip", "wait"] = Field(
+        "skip", description="a save due while one is in flight is skipped, or waits")
+    resume: Literal["auto", "never"] = Field(
+        "auto", description="auto: continue from the latest good checkpoint in dir")
+    verify_on_load: bool = Field(True, description="check every file's sha256 before loading")
 
 
 class SupervisionConfig(Section):

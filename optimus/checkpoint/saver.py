@@ -1,0 +1,402 @@
+"""Asynchronous sharded checkpoints that commit only once every rank has written.
+
+The trainer, on every rank, in step order:
+
+    ckpt = Checkpointer(root, rank=..., world_size=..., keep_last=..., keep_every=...)  # all ranks
+    manifest = ckpt.load_latest(state)       # all ranks; None: start from scratch
+    for step in ...:
+        ...train one step...
+        ckpt.poll()                          # all ranks, every step boundary
+        if step % interval == 0:
+            ckpt.save(step, state, meta)     # all ranks, same steps
+    ckpt.wait(); ckpt.close()                # all ranks
+
+`save` blocks only while DCP stages the tensors into host memory; the files are written in the
+background. `poll` agrees, with one tiny all-reduce while a save is in flight (none otherwise),
+whether every rank's write finished; then rank 0 commits in a background thread (hashes every
+file, writes the manifest, renames the marker in), applies retention and removes partial
+directories. The next save starts only after that. Every decision is agreed by all ranks, so the
+saver's state is the same everywhere.
+
+Where PyTorch (2.13) falls short, and what is done here:
+- `dcp.async_save` returns a Future per rank and nothing else: no commit point that says every
+  rank finished, no rule against overlapping saves, no cleanup of a failed one. That protocol is
+  this module, on top of `manifest.commit`.
+- AsyncCheckpointerType.PROCESS works on CPU with gloo (and is the default here): the writes run
+  in a separate process per rank, off this process's GIL. Its limits, worked around:
+  * it spawns a daemon child, which a daemonic process may not have (multiprocessing forbids
+    it): ranks started as daemons, like the test harness's, fall back to THREAD (`mode_note`);
+  * the child unpickles every DTensor's DeviceMesh and warns once per tensor that its process
+    groups do not exist there (thousands of lines per save): TORCH_LOGS=-distributed is set
+    while that child starts, unless the user set TORCH_LOGS. Its own INFO lines remain: torch
+    configures the child's root logger itself;
+  * the first save also pays for the child's start (seconds: a Python with torch per rank).
+- THREAD mode runs DCP's collectives on a background thread. On the default group they would
+  interleave with the training loop's collectives in a different order on each rank (deadlock),
+  so checkpoint I/O gets its own gloo group, as torchtitan does. The same group serves PROCESS
+  mode (whose default group may also lack a CPU backend, which async_save requires) and loads.
+- DCP's CheckpointException derives from BaseException, not Exception; it is caught by name.
+- DefaultLoadPlanner refuses a checkpoint that lacks any requested key. Per-rank state (RNG)
+  saved by another world size lacks this rank's entry: `_Planner` skips such keys, and only those.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter, StorageWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from optimus.checkpoint.manifest import (
+    CheckpointError,
+    apply_retention,
+    clean_partial,
+    commit,
+    is_committed,
+    latest_loadable,
+    read_manifest,
+    step_dir,
+    verify,
+)
+from optimus.checkpoint.state import PER_RANK
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["process", "thread", "sync"]
+_FAILURES = (Exception, CheckpointException)
+
+# Rank 0's report on the commit (or cleanup) it runs after the writes: the MAX of all ranks'.
+_BUSY, _COMMITTED, _FAILED = 1, 2, 3
+
+
+@dataclass
+class CheckpointStats:
+    """Counters for metrics; the same on every rank but for the two timings (this rank's)."""
+
+    saves_started: int = 0
+    saves_committed: int = 0
+    saves_skipped: int = 0  # asked for while another was in flight
+    saves_failed: int = 0
+    last_blocked_s: float = 0.0  # how long save() held up the training loop
+    last_write_s: float = 0.0  # from save() to this rank's files written
+    last_commit_step: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Save:
+    step: int
+    path: Path
+    meta: dict
+    started: float
+    future: Future  # this rank's write
+    written: float | None = None
+    ok: bool | None = None  # None while writing; then whether every rank wrote
+    finishing: Future | None = None  # rank 0: commit or cleanup
+    error: str | None = None
+    events: list[str] = field(default_factory=list)
+
+
+class Checkpointer:
+    """Saves `training_state` dicts under `root/step_<n>` and loads the newest good one.
+
+    Every method but `stats`/`last_error` is collective: call it on all ranks at the same point.
+    `writer(path)` may supply the DCP StorageWriter (default FileSystemWriter).
+    """
+
+    def __init__(self, root: str | Path, *, rank: int, world_size: int, keep_last: int = 3,
+                 keep_every: int = 0, mode: Mode = "process",
+                 on_overlap: Literal["skip", "wait"] = "skip",
+                 writer: Callable[[Path], StorageWriter] | None = None):
+        if mode not in ("process", "thread", "sync"):
+            raise ValueError(f"mode must be 'process', 'thread' or 'sync', not {mode!r}")
+        if keep_last < 1 or keep_every < 0:
+            raise ValueError(f"keep_last={keep_last} must be >= 1 and keep_every={keep_every} "
+                             ">= 0 (0: none): a commit must not delete the checkpoint it made")
+        if on_overlap not in ("skip", "wait"):
+            raise ValueError(f"on_overlap must be 'skip' or 'wait', not {on_overlap!r}")
+        self.root = Path(root)
+        self.rank, self.world_size = rank, world_size
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.on_overlap = on_overlap
+        self.stats = CheckpointStats()
+        self.last_error: str | None = None
+        self.skipped: list[str] = []  # corrupt checkpoints the last load_latest passed over
+        self._writer = writer or (lambda path: FileSystemWriter(path, overwrite=False))
+        self._inflight: _Save | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-commit")
+        self._restore_env: Callable[[], None] | None = None
+        self._quieted = False  # TORCH_LOGS was handled for DCP's writer process
+
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed and dist.get_world_size() != world_size:
+            raise ValueError(f"world_size={world_size} but the process group has "
+                             f"{dist.get_world_size()} ranks")
+        self._collective = distributed and world_size > 1
+        self._io_group = dist.new_group(backend="gloo") if distributed else None
+        self._device = _collective_device() if self._collective else torch.device("cpu")
+
+        self.mode, self.mode_note = mode, None
+        if mode == "process" and not distributed:
+            self.mode, self.mode_note = "thread", "no process group: PROCESS mode needs one"
+        elif mode == "process" and multiprocessing.current_process().daemon:
+            self.mode, self.mode_note = "thread", (
+                "this rank is a daemonic process, which may not start DCP's writer process")
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            clean_partial(self.root)  # saves a crashed generation never finished
+
+    # --- saving --------------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict, meta: dict) -> str:
+        """Start saving `state` as step `step`: "started", "waited" (for the previous save,
+        then started), "skipped" (one is in flight), "exists" (already committed) or, in sync
+        mode, "committed" / "failed". `meta` (JSON) goes into the manifest."""
+        began = time.perf_counter()
+        outcome = "started"
+        self.poll()
+        if self._inflight is not None:
+            if self.on_overlap == "skip":
+                self.stats.saves_skipped += 1
+                log.info("checkpoint of step %d skipped: step %d is still being saved",
+                         step, self._inflight.step)
+                return "skipped"
+            self.wait()
+            outcome = "waited"
+        path = step_dir(self.root, step)
+        exists = 0
+        if self.rank == 0:
+            if is_committed(path):
+                exists = 1
+            elif path.exists():
+                shutil.rmtree(path)  # a save of this step that never finished
+        if self._agree([exists])[0]:
+            return "exists"
+
+        if self.mode == "process" and not self._quieted:
+            self._quieted = True
+            if "TORCH_LOGS" not in os.environ:  # see the top of this file
+                os.environ["TORCH_LOGS"] = "-distributed"
+                self._restore_env = lambda: os.environ.pop("TORCH_LOGS", None)
+        future = self._start(path, state)
+        save = _Save(step, path, {**meta, "step": step}, began, future)
+        future.add_done_callback(lambda _: setattr(save, "written", time.perf_counter()))
+        self._inflight = save
+        self.stats.saves_started += 1
+        if self.mode == "sync":
+            outcome = self.wait() or outcome
+        self.stats.last_blocked_s = time.perf_counter() - began
+        return outcome
+
+    def _start(self, path: Path, state: dict) -> Future:
+        future: Future = Future()
+        try:
+            writer = self._writer(path)
+            if self.mode == "sync":
+                dcp.save(state, storage_writer=writer, process_group=self._io_group)
+                future.set_result(None)
+                return future
+            kind = (AsyncCheckpointerType.PROCESS if self.mode == "process"
+                    else AsyncCheckpointerType.THREAD)
+            response = dcp.async_save(state, storage_writer=writer, process_group=self._io_group,
+                                      async_checkpointer_type=kind)
+            return getattr(response, "upload_completion", response)
+        except _FAILURES as e:  # staging failed: the save fails like a failed write
+            future.set_exception(e)
+            return future
+
+    def poll(self) -> str | None:
+        """Advance the save in flight without waiting: "committed", "failed" or None.
+
+        Collective while a save is in flight (one all-reduce of three integers); free when none.
+        """
+        save = self._inflight
+        if save is None:
+            return None
+        if save.ok is None:
+            done = save.future.done()
+            failed = done and save.future.exception() is not None
+            pending, failed_anywhere, _ = self._agree([int(not done), int(failed), 0])
+            if pending:
+                return None
+            save.ok = not failed_anywhere
+            if not save.ok:
+                save.error = self._write_error(save)
+            if self.rank == 0:
+                save.finishing = self._pool.submit(self._finish, save)
+            return None
+        (_, _, report) = self._agree([0, 0, self._finish_report(save)])
+        if report == _BUSY:
+            return None
+        return self._conclude(save, report == _COMMITTED)
+
+    def wait(self) -> str | None:
+        """Block until the save in flight is committed or failed; what became of it."""
+        event = None
+        while self._inflight is not None:
+            save = self._inflight
+            if save.ok is None:
+                concurrent.futures.wait([save.future])
+            elif save.finishing is not None:
+                concurrent.futures.wait([save.finishing])
+            event = self.poll() or event
+        return event
+
+    def close(self) -> None:
+        """Finish the save in flight and stop the commit thread."""
+        self.wait()
+        self._pool.shutdown(wait=True)
+
+    def _agree(self, values: list[int]) -> list[int]:
+        """Element-wise MAX over all ranks."""
+        if not self._collective:
+            return values
+        tensor = torch.tensor(values, dtype=torch.int64, device=self._device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.tolist()
+
+    def _finish_report(self, save: _Save) -> int:
+        if self.rank != 0:
+            return 0
+        if save.finishing is None or not save.finishing.done():
+            return _BUSY
+        return _COMMITTED if save.finishing.result() else _FAILED
+
+    def _finish(self, save: _Save) -> bool:
+        """Rank 0, in the background: commit a complete save, or remove a failed one."""
+        if not save.ok:
+            shutil.rmtree(save.path, ignore_errors=True)
+            return False
+        try:
+            commit(save.path, save.meta)
+        except (OSError, ValueError) as e:
+            save.error = f"commit of step {save.step} failed: {_one_line(e)}"
+            shutil.rmtree(save.path, ignore_errors=True)
+            return False
+        try:
+            apply_retention(self.root, self.keep_last, self.keep_every)
+            clean_partial(self.root)
+        except OSError as e:  # the new checkpoint is committed all the same
+            save.events.append(f"retention after step {save.step} failed: {_one_line(e)}")
+        return True
+
+    def _conclude(self, save: _Save, committed: bool) -> str:
+        self._inflight = None
+        if save.written is not None:
+            self.stats.last_write_s = save.written - save.started
+        if self._restore_env is not None:  # DCP's writer process has started by now
+            self._restore_env()
+            self._restore_env = None
+        for note in save.events:
+            log.warning(note)
+        if committed:
+            self.stats.saves_committed += 1
+            self.stats.last_commit_step = save.step
+            return "committed"
+        self.stats.saves_failed += 1
+        self.last_error = save.error or (
+            f"checkpoint of step {save.step} was not committed (rank 0 has the reason)")
+        log.warning("%s; the latest committed checkpoint is unchanged", self.last_error)
+        return "failed"
+
+    @staticmethod
+    def _write_error(save: _Save) -> str:
+        if not save.future.done() or save.future.exception() is None:
+            return f"checkpoint of step {save.step}: another rank's write failed"
+        exc = save.future.exception()
+        if isinstance(exc, CheckpointException) and exc.failures:
+            ranks = sorted(exc.failures)
+            first, _ = exc.failures[ranks[0]]
+            return (f"checkpoint of step {save.step}: write failed on rank(s) {ranks}: "
+                    f"{_one_line(first)}")
+        return f"checkpoint of step {save.step}: write failed: {_one_line(exc)}"
+
+    # --- loading -------------------------------------------------------------------------------
+
+    def load_latest(self, state: dict, deep_verify: bool = True) -> dict | None:
+        """Load the newest committed checkpoint that verifies into `state`, on every rank.
+
+        Rank 0 picks it and tells the others. Returns its manifest (without the file table) plus
+        "path", "skipped" (newer checkpoints passed over as corrupt: log "fell back to ...") and
+        "notes" (what did not carry over, e.g. RNG states under another layout); None when there
+        is no loadable checkpoint (`self.skipped` still says why, if some were corrupt).
+        """
+        choice: list[Any] = [None, [], None]
+        if self.rank == 0:
+            path, skipped = latest_loadable(self.root, deep=deep_verify)
+            choice = [str(path) if path else None, skipped,
+                      _summary(read_manifest(path)) if path else None]
+        path, self.skipped, manifest = self._broadcast(choice)
+        if path is None:
+            return None
+        return self._load(Path(path), state, manifest)
+
+    def load(self, step_path: str | Path, state: dict, deep_verify: bool = True) -> dict:
+        """Load one committed checkpoint; CheckpointError (on every rank) if it does not verify."""
+        reply: list[Any] = [None, None]
+        if self.rank == 0:
+            problems = verify(step_path, deep=deep_verify)
+            reply = (["; ".join(problems), None] if problems
+                     else [None, _summary(read_manifest(step_path))])
+        problem, manifest = self._broadcast(reply)
+        if problem:
+            raise CheckpointError(f"cannot load {step_path}: {problem}")
+        self.skipped = []
+        return self._load(Path(step_path), state, manifest)
+
+    def _load(self, path: Path, state: dict, manifest: dict) -> dict:
+        if self._inflight is not None:
+            raise RuntimeError("a checkpoint is being saved; wait() for it before loading")
+        dcp.load(state, checkpoint_id=path, planner=_Planner(), process_group=self._io_group)
+        notes = [note for obj in state.values() if (note := getattr(obj, "load_note", None))]
+        return {**manifest, "path": str(path), "skipped": list(self.skipped), "notes": notes}
+
+    def _broadcast(self, values: list[Any]) -> list[Any]:
+        if self._collective:
+            dist.broadcast_object_list(values, src=0, group=self._io_group)
+        return values
+
+
+class _Planner(DefaultLoadPlanner):
+    """DCP's planner, but per-rank entries the checkpoint lacks are skipped, not an error."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        saved = metadata.state_dict_metadata if metadata is not None else {}
+        for key in [k for k in self.state_dict if f".{PER_RANK}." in k and k not in saved]:
+            del self.state_dict[key]
+
+
+def _summary(manifest: dict) -> dict:
+    """The manifest without its file table (one entry per file: large at scale)."""
+    return {k: v for k, v in manifest.items() if k != "files"}
+
+
+def _one_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _collective_device() -> torch.device:
+    """Where the default group reduces: the accelerator when it has one, else the CPU."""
+    backend = str(dist.get_backend())
+    if backend == "gloo" or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
