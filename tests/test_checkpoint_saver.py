@@ -90,9 +90,9 @@ class Trainer:
     def local_state(self) -> dict[str, torch.Tensor]:
         """This rank's shards of weights and optimizer state, copied."""
         out = {f"model/{k}": _local(v) for k, v in self.state["model"].state_dict().items()}
-        optim = self.state["optim"].state_dict()
-        for fqn, values in optim["state"].items():
-            out.update({f"optim/{fqn}/{k}": _local(v) for k, v in values.items()})
+        for key, value in self.state["optim"].state_dict().items():  # flattened: state.<fqn>.<k>
+            if key.startswith("state."):
+                out[f"optim/{key}"] = _local(value)
         return out
 
     def full_state(self) -> dict[str, torch.Tensor]:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -41,6 +42,12 @@ from optimus.parallel.plan import ParallelModel
 # State under a key of this name holds one entry per rank. A checkpoint saved by another world
 # size lacks some of those entries; the loader skips them instead of failing (see saver.py).
 PER_RANK = "per_rank"
+
+
+# Param-group settings are stored per parameter name, not per group: pipeline stages hold
+# different parameters in their groups, and DCP keeps one copy of a non-tensor value that
+# several ranks save under the same key, so per-group entries would clash across stages.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class ModelState(Stateful):
@@ -63,10 +70,10 @@ class OptimizerState(Stateful):
         self.view, self.optimizer = view, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.view, self.optimizer)
+        return get_optimizer_state_dict(self.view, self.optimizer, options=_FLAT)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.view, self.optimizer, state_dict)
+        set_optimizer_state_dict(self.view, self.optimizer, state_dict, options=_FLAT)
 
 
 class Progress(Stateful):

@@ -1,0 +1,196 @@
+"""Checkpoints through the trainer: exact resume, resume on other layouts, and faults.
+
+Real processes throughout: ranks under `run_ranks` (gloo), a rank killed with SIGKILL by the
+fault injector, bytes flipped and cut in real shard files, a real full filesystem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from multiproc import RanksFailed
+
+from optimus.checkpoint import committed_steps, step_dir, verify
+from optimus.config import validate_job
+from optimus.runtime import ParallelDims
+from optimus.train import train
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 8
+
+
+def job(run_dir: Path, **sections) -> dict:
+    raw = {"name": "ckpt", "run_dir": str(run_dir),
+           "model": {"vocab_size": 256, "dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
+                     "ffn_dim": 128, "max_seq_len": 32},
+           "optim": {"steps": STEPS, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 2},
+           "data": {"seq_len": 32, "batch_size": 8, "microbatches": 2},
+           "parallel": {"device": "cpu"},
+           "checkpoint": {"interval": 4, "keep_last": 5, "async_mode": "thread"}}
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    return raw
+
+
+def _train(rank: int, world_size: int, raw: dict, generation: int = 0) -> dict:
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(generation)
+    job = validate_job(raw, world=world_size)
+    result = train(job, keep_sample_ids=True, quiet=rank != 0)
+    p = job.parallel
+    coords = ParallelDims(dp=world_size // (p.tp * p.pp), tp=p.tp, pp=p.pp, ep=1,
+                          world_size=world_size).coords(rank)
+    steps = [m.step for m in result.metrics]
+    return {"losses": result.losses, "steps": steps, "samples": result.sample_ids,
+            "reads_for_replica": coords["tp"] == 0 and coords["pp"] == 0}
+
+
+def _events(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if "event" in e]
+
+
+def _keep_only(ckpt_dir: Path, step: int) -> None:
+    for other in committed_steps(ckpt_dir):
+        if other != step:
+            shutil.rmtree(step_dir(ckpt_dir, other))
+
+
+def test_same_layout_resume_is_bitwise_identical(run_ranks, tmp_path):
+    raw = job(tmp_path)
+    whole = run_ranks(_train, 2, raw, timeout=180)
+    assert committed_steps(tmp_path / "checkpoints") == [4, 8]
+    _keep_only(tmp_path / "checkpoints", 4)
+    resumed = run_ranks(_train, 2, raw, timeout=180)
+    for before, after in zip(whole, resumed, strict=True):
+        assert after["steps"] == [5, 6, 7, 8]
+        assert after["losses"] == before["losses"][4:]  # exactly, not approximately
+        assert after["samples"] == before["samples"][4:]
+
+
+def _per_step_samples(results: list[dict]) -> list[list[int]]:
+    """The samples each step read across data-parallel replicas (one rank per replica)."""
+    readers = [r["samples"] for r in results if r["reads_for_replica"]]
+    out = []
+    for step in range(len(readers[0])):
+        ids = [s for reader in readers for s in reader[step]]
+        assert len(ids) == len(set(ids)), f"a sample was read twice in step {step}"
+        out.append(sorted(ids))
+    return out
+
+
+def test_resume_on_other_layouts_continues_the_same_run(run_ranks, tmp_path):
+    saved = tmp_path / "saved"
+    raw = job(saved, parallel={"tp": 2, "pp": 2})
+    original = run_ranks(_train, 8, raw, timeout=300)  # TP2 x PP2 x DP2
+    _keep_only(saved / "checkpoints", 4)
+    reference_samples = _per_step_samples(original)
+    for name, world, parallel in (("pp2xdp4", 8, {"pp": 2}), ("one-rank", 1, {})):
+        run_dir = tmp_path / name
+        shutil.copytree(saved / "checkpoints", run_dir / "checkpoints")
+        resumed = run_ranks(_train, world, job(run_dir, parallel=parallel), timeout=300)
+        for result in resumed:
+            assert result["steps"] == [5, 6, 7, 8]
+            assert result["losses"] == pytest.approx(original[0]["losses"][4:], rel=1e-6)
+        # the data picks up at the very next sample: none skipped, none read twice
+        assert _per_step_samples(resumed) == reference_samples[4:]
+        resumes = [e for e in _events(run_dir) if e["event"] == "resume"]
+        assert [e["step"] for e in resumes] == [4]
+
+
+def test_a_rank_killed_during_a_save_leaves_the_last_commit_loadable(run_ranks, tmp_path):
+    # on_overlap=wait: step 4's save waits for step 2's commit, so at the kill step 2 is
+    # committed and step 4 is being written
+    raw = job(tmp_path, checkpoint={"interval": 2, "on_overlap": "wait"},
+              fault_injection={"faults": [{"kind": "kill_rank", "rank": 1, "step": 5}]})
+    with pytest.raises(RanksFailed, match=f"rank 1 exited with code -{signal.SIGKILL}"):
+        run_ranks(_train, 2, raw, timeout=120)  # SIGKILL at step 5, step 4's save in flight
+    ckpt_dir = tmp_path / "checkpoints"
+    committed = committed_steps(ckpt_dir)
+    assert committed == [2]
+    assert (ckpt_dir / "step_000000004").is_dir()  # step 4's save had begun: left uncommitted
+    assert verify(step_dir(ckpt_dir, max(committed))) == []
+    # the next generation (no fault) resumes from it and ends where an unfaulted run ends
+    resumed = run_ranks(_train, 2, raw, 1, timeout=120)
+    clean = run_ranks(_train, 2, job(tmp_path / "clean", checkpoint={"interval": 0}),
+                      timeout=120)
+    start = max(committed)
+    assert resumed[0]["steps"] == list(range(start + 1, STEPS + 1))
+    assert resumed[0]["losses"] == clean[0]["losses"][start:]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_shard_is_named_and_resume_falls_back(run_ranks, tmp_path, damage):
+    raw = job(tmp_path)
+    whole = run_ranks(_train, 1, raw, timeout=120)
+    ckpt_dir = tmp_path / "checkpoints"
+    shard = sorted((step_dir(ckpt_dir, 8)).glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+    else:
+        data = data[: len(data) // 2]
+    shard.write_bytes(bytes(data))
+    problems = verify(step_dir(ckpt_dir, 8))
+    assert len(problems) == 1 and shard.name in problems[0]
+    assert ("checksum mismatch" if damage == "flip" else "truncated") in problems[0]
+    cli = subprocess.run([sys.executable, "-m", "optimus", "checkpoint", "verify",
+                          str(step_dir(ckpt_dir, 8))], capture_output=True, text=True,
+                         cwd=REPO, timeout=60)
+    assert cli.returncode == 2 and shard.name in cli.stdout + cli.stderr
+    # resume skips the damaged step 8, says so, and redoes steps 5..8 from step 4
+    resumed = run_ranks(_train, 1, raw, timeout=120)
+    assert resumed[0]["steps"] == [5, 6, 7, 8]
+    assert resumed[0]["losses"] == whole[0]["losses"][4:]
+    messages = [e["message"] for e in _events(tmp_path)]
+    assert any("step_000000008 is corrupt" in m and shard.name in m for m in messages)
+
+
+def _small_filesystem(path: Path) -> bool:
+    """A real 1 MiB tmpfs at `path` when this machine lets us mount one."""
+    path.mkdir(parents=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)],
+                          capture_output=True)
+    return proc.returncode == 0
+
+
+def _limit_file_size() -> None:
+    # Where no tmpfs can be mounted: the kernel refuses writes past 1 MiB (EFBIG).
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+
+def test_a_full_disk_fails_the_save_and_training_goes_on(tmp_path):
+    disk = tmp_path / "disk"
+    mounted = _small_filesystem(disk)
+    try:
+        raw = job(tmp_path / "run", checkpoint={"dir": str(disk / "ckpt"), "interval": 4,
+                                                "async_mode": "process"})
+        raw["model"].update(dim=128, ffn_dim=256)  # ~0.6M parameters: ~7 MiB of state
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        proc = subprocess.run([sys.executable, "-m", "optimus", "train", str(path)],
+                              capture_output=True, text=True, cwd=REPO, timeout=240,
+                              preexec_fn=None if mounted else _limit_file_size)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        lines = [json.loads(s) for s in (tmp_path / "run" / "metrics.jsonl").read_text()
+                 .splitlines()]
+        steps = [m["step"] for m in lines if "step" in m and "event" not in m]
+        assert steps == list(range(1, STEPS + 1))  # training went on to the end
+        failures = [e for e in lines if e.get("event") == "checkpoint"
+                    and "failed" in e["message"]]
+        assert failures, proc.stderr[-2000:]
+        assert failures[-1]["saves_failed"] >= 1
+        assert "checkpoint:" in proc.stderr and "failed" in proc.stderr
+        assert committed_steps(disk / "ckpt") == []
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(disk)], check=False)
