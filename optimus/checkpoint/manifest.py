@@ -25,6 +25,8 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from optimus.files import fsync_dir, write_atomic
+
 __all__ = [
     "COMMIT_MARKER", "FORMAT", "MANIFEST", "CheckpointError", "apply_retention", "clean_partial",
     "commit", "committed_steps", "file_digests", "is_committed", "latest_committed",
@@ -109,22 +111,8 @@ def file_digests(step_path: Path) -> dict[str, dict]:
 
 # --- atomic writes -----------------------------------------------------------------------------
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to a temp file beside `path`, fsync it, and rename it over `path`."""
-    tmp = path.with_name(f"{TMP_PREFIX}.{path.name}.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, data, path.with_name(f"{TMP_PREFIX}.{path.name}.{os.getpid()}"))
 
 
 def commit(step_path: Path, meta: dict) -> dict:
@@ -148,13 +136,13 @@ def commit(step_path: Path, meta: dict) -> dict:
 
     digests = _digests(step_path, sync=True)
     for d in {(step_path / r).parent for r in digests}:
-        _fsync_dir(d)
+        fsync_dir(d)
     manifest = {"format": FORMAT, **meta, "files": digests, "committed_at": time.time()}
     data = (json.dumps(manifest, indent=1, sort_keys=False) + "\n").encode()
     _write_atomic(step_path / MANIFEST, data)
     _write_atomic(step_path / COMMIT_MARKER, (hashlib.sha256(data).hexdigest() + "\n").encode())
-    _fsync_dir(step_path)
-    _fsync_dir(step_path.parent)
+    fsync_dir(step_path)
+    fsync_dir(step_path.parent)
     return manifest
 
 
@@ -304,6 +292,6 @@ def apply_retention(root: Path | str, keep_last: int, keep_every: int) -> list[i
     for step in doomed:
         path = step_dir(root, step)
         (path / COMMIT_MARKER).unlink()  # uncommitted first: a crash now leaves a partial dir
-        _fsync_dir(path)
+        fsync_dir(path)
         shutil.rmtree(path)
     return doomed

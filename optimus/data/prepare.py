@@ -18,6 +18,7 @@ import numpy as np
 
 from optimus.data.errors import DataError
 from optimus.data.tokenizer import load_tokenizer
+from optimus.files import fsync_dir, write_atomic
 
 FORMAT = "optimus-tokens"
 FORMAT_VERSION = 1
@@ -110,14 +111,6 @@ class _ShardWriter:
             tmp.unlink(missing_ok=True)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def prepare(
     inputs: list[Path],
     out_dir: Path,
@@ -197,11 +190,7 @@ def prepare(
         "total_tokens": sum(s["num_tokens"] for s in writer.shards),
         "shards": writer.shards,
     }
-    tmp_index = out_dir / (INDEX_NAME + ".tmp")
-    with tmp_index.open("w") as f:
-        json.dump(index, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp_index.replace(index_path)
-    _fsync_dir(out_dir)
+    write_atomic(index_path, json.dumps(index, indent=1).encode(),
+                 out_dir / (INDEX_NAME + ".tmp"))
+    fsync_dir(out_dir)
     return index
