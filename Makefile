@@ -27,6 +27,8 @@ test: venv
 
 bench: venv
 	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/pipeline.py
+	$(BIN)/python bench/checkpoint.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

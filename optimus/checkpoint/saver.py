@@ -59,6 +59,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter, StorageWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from optimus.checkpoint.manifest import (
@@ -81,6 +82,9 @@ _FAILURES = (Exception, CheckpointException)
 
 # Rank 0's report on the commit (or cleanup) it runs after the writes: the MAX of all ranks'.
 _BUSY, _COMMITTED, _FAILED = 1, 2, 3
+
+
+WRITER_THREADS = 2
 
 
 @dataclass
@@ -138,7 +142,11 @@ class Checkpointer:
         self.stats = CheckpointStats()
         self.last_error: str | None = None
         self.skipped: list[str] = []  # corrupt checkpoints the last load_latest passed over
-        self._writer = writer or (lambda path: FileSystemWriter(path, overwrite=False))
+        # Two writer threads: one file per thread, so the write and the commit's hashing
+        # (per file) are not held to one core.
+        self._writer = writer or (lambda path: FileSystemWriter(path, overwrite=False,
+                                                                thread_count=WRITER_THREADS))
+        self._stager: DefaultStager | None = None
         self._inflight: _Save | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-commit")
         self._restore_env: Callable[[], None] | None = None
@@ -158,6 +166,13 @@ class Checkpointer:
         elif mode == "process" and multiprocessing.current_process().daemon:
             self.mode, self.mode_note = "thread", (
                 "this rank is a daemonic process, which may not start DCP's writer process")
+        if self.mode == "process":
+            # Stage straight into shared memory, reused from save to save, which the writer
+            # process reads in place; without it DCP copies the state, pickles it through a
+            # pipe, and the writer copies it again (0.15 s of a 0.8 s save of 310 MB here).
+            self._stager = DefaultStager(StagingOptions(
+                use_pinned_memory=torch.cuda.is_available(), use_shared_memory=True,
+                use_async_staging=False, use_non_blocking_copy=False))
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             clean_partial(self.root)  # saves a crashed generation never finished
@@ -215,7 +230,7 @@ class Checkpointer:
             kind = (AsyncCheckpointerType.PROCESS if self.mode == "process"
                     else AsyncCheckpointerType.THREAD)
             response = dcp.async_save(state, storage_writer=writer, process_group=self._io_group,
-                                      async_checkpointer_type=kind)
+                                      async_checkpointer_type=kind, async_stager=self._stager)
             return getattr(response, "upload_completion", response)
         except _FAILURES as e:  # staging failed: the save fails like a failed write
             future.set_exception(e)
@@ -262,6 +277,9 @@ class Checkpointer:
         """Finish the save in flight and stop the commit thread."""
         self.wait()
         self._pool.shutdown(wait=True)
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def _agree(self, values: list[int]) -> list[int]:
         """Element-wise MAX over all ranks."""
