@@ -112,7 +112,7 @@ def test_tensor_parallel_trains_like_one_process(run_ranks, tp, n_heads, n_kv_he
         assert placements["wk.weight"] == placements["wv.weight"] == (kv_placement,)
 
 
-def _pipeline_stages(rank: int, world_size: int) -> None:
+def _pipeline_stages(rank: int, world_size: int) -> tuple[int, ...]:
     cfg = _cfg(n_kv_heads=2)
     ref = build_model(cfg, SEED, "cpu")
     first, last = build_model(cfg, SEED, "cpu"), build_model(cfg, SEED, "cpu")
@@ -140,10 +140,14 @@ def _pipeline_stages(rank: int, world_size: int) -> None:
     _close(loss, ref_loss, "loss", atol=0)
     _check_grads(first, ref)
     _check_grads(last, ref)
+    return tuple(hidden.shape)
 
 
 def test_pipeline_stages_send_sequence_shards(run_ranks):
-    run_ranks(_pipeline_stages, TP, timeout=90)
+    # Each rank checks its hidden shard, loss and gradients against one process (asserting
+    # inside); here: every rank sent its own sequence shard, not the whole sequence.
+    shapes = run_ranks(_pipeline_stages, TP, timeout=90)
+    assert shapes == [(BATCH, SEQ // TP, _cfg(n_kv_heads=2).dim)] * TP
 
 
 def test_refuses_vocabulary_not_divisible_by_tp():
