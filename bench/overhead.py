@@ -11,28 +11,41 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from optimus.config import validate_job
-from optimus.data import build_loader, build_source
+from optimus.data import SyntheticCorpus, build_loader, build_source, prepare
 from optimus.models import build_model
 from optimus.train import train
 
 WARMUP = 5  # steps dropped from each run: allocator and kernel warm-up
 
 
-def bench_job(steps: int) -> dict:
+def bench_job(steps: int, shards: str) -> dict:
     return {
         "name": "bench-overhead",
         "model": {"vocab_size": 257, "dim": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4,
                   "max_seq_len": 256},
         "optim": {"steps": steps, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 2},
-        "data": {"source": "synthetic", "seq_len": 256, "batch_size": 8, "microbatches": 2},
+        "data": {"source": "shards", "path": shards, "seq_len": 256, "batch_size": 8,
+                 "microbatches": 2},
         "parallel": {"device": "cpu"},
     }
+
+
+def make_shards(out: Path) -> str:
+    """Token shards as training reads them (memmap), from 2M characters of synthetic text."""
+    corpus = SyntheticCorpus(vocab_size=257, seed=0)
+    ids = corpus.read(0, 2_000_000)
+    text = bytes(int(i) for i in ids if i != corpus.eos_id).decode()
+    (out / "corpus.txt").write_text(text)
+    prepare([out / "corpus.txt"], out / "shards", tokenizer="byte")
+    return str(out / "shards")
 
 
 def optimus_step_times(job) -> list[float]:
@@ -51,8 +64,7 @@ def plain_step_times(job) -> list[float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=job.optim.lr,
                                   betas=(job.optim.beta1, job.optim.beta2),
                                   weight_decay=job.optim.weight_decay, fused=True)
-    loader = iter(build_loader(build_source("synthetic", vocab_size=cfg.vocab_size,
-                                            seed=job.seed),
+    loader = iter(build_loader(build_source("shards", path=d.path, vocab_size=cfg.vocab_size),
                                seq_len=d.seq_len, batch_size=d.batch_size,
                                microbatches=d.microbatches, dp_rank=0, dp_size=1,
                                seed=job.seed))
@@ -77,7 +89,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
-    job = validate_job(bench_job(args.steps), world=1)
+    tmp = tempfile.TemporaryDirectory(prefix="optimus-bench-")
+    job = validate_job(bench_job(args.steps, make_shards(Path(tmp.name))), world=1)
     runners = {"optimus": optimus_step_times, "plain": plain_step_times}
     times: dict[str, list[float]] = {name: [] for name in runners}
     for r in range(args.rounds):
