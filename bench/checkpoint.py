@@ -77,7 +77,7 @@ class Rank:
         mesh = ParallelDims(dp=1, tp=1, pp=1, ep=1, world_size=1).build_mesh("cpu")
         torch.manual_seed(job.seed)
         self.model = build_parallel_model(job, layout, mesh, CPU)
-        self.optimizer = build_optimizer(self.model.as_module(), job.optim, CPU)
+        self.optimizer = build_optimizer(self.model.state_view(), job.optim, CPU)
         self.pp_group = mesh["pp"].get_group()
         self.progress = Progress(job.data.batch_size)
         self.state = training_state(self.model, self.optimizer, self.progress, rank=0,

@@ -67,7 +67,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
 
         # Model: the same weights on every layout, this rank's share of them, plans applied.
         model = build_parallel_model(job, layout, mesh, device)
-        optimizer = build_optimizer(model.as_module(), job.optim, device)
+        optimizer = build_optimizer(model.state_view(), job.optim, device)
         pp_group = mesh["pp"].get_group()
         autocast = (contextlib.nullcontext() if device.type == "cpu"
                     else torch.autocast(device.type, dtype=torch.bfloat16))

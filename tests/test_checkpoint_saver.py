@@ -57,7 +57,7 @@ class Trainer:
         self.mesh = ParallelDims(dp=lay.dp, tp=lay.tp, pp=lay.pp, ep=lay.ep,
                                  world_size=world).build_mesh("cpu")
         self.model = build_parallel_model(self.job, lay, self.mesh, CPU)
-        self.optimizer = build_optimizer(self.model.as_module(), self.job.optim, CPU)
+        self.optimizer = build_optimizer(self.model.state_view(), self.job.optim, CPU)
         self.progress = Progress(self.job.data.batch_size)
         self.state = training_state(self.model, self.optimizer, self.progress, rank=rank,
                                     layout=layout_key(lay, CPU))

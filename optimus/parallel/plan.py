@@ -58,11 +58,10 @@ class ParallelModel:
         for part in self.parts:
             yield from part.parameters()
 
-    def as_module(self) -> nn.Module:
-        return self.parts[0] if len(self.parts) == 1 else nn.ModuleList(self.parts)
-
     def state_view(self) -> nn.Module:
         """One module over every chunk this rank holds, named as in the whole model.
+
+        The optimizer is built on it, and checkpoints read it.
 
         Its state_dict keys (`layers.5.attention.wq.weight`, `output.weight`) are the same in
         every layout, which is what lets a checkpoint saved under one layout load in another.
