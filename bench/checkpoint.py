@@ -9,7 +9,8 @@ same run in alternating rounds, as a ratio of medians:
    INTERVAL steps, poll() at every step boundary. Median `last_blocked_s` / median step time
    without a save (target <= 5%), for "process" (the default), "thread" and "sync"; beside it,
    the step time on save steps (and on steps with a write in flight) minus that median.
-2. Write bandwidth with the loop idle: bytes / (save() to this rank's files written), against
+2. Write bandwidth with the loop idle: bytes / background write time (from save() returning,
+   staging done, to this rank's files written; save() to written is printed too), against
    one plain file of the same size written in CHUNK pieces then fsync'd (target >= 0.8x).
    DCP's FileSystemWriter fsyncs every file (sync_files=True), so the fsync'd write is the fair
    reference; the write without fsync (page cache only) is printed as the ceiling. The commit
@@ -152,7 +153,11 @@ def timed_save(rank: Rank, ckpt: Checkpointer, step: int) -> dict:
     path = ckpt.root / f"step_{step:09d}"
     hash_started = time.perf_counter()
     file_digests(path)  # the hashing part of the commit, alone (page cache warm)
-    return {"write": ckpt.stats.last_write_s, "blocked": ckpt.stats.last_blocked_s,
+    write, blocked = ckpt.stats.last_write_s, ckpt.stats.last_blocked_s
+    # The background write: from save() returning (staging done) to this rank's files written.
+    # A sync save has no background part: its whole write is in the foreground.
+    background = write if ckpt.mode == "sync" else write - blocked
+    return {"write": write, "blocked": blocked, "background": background,
             "end_to_end": end_to_end, "commit": end_to_end - ckpt.stats.last_write_s,
             "hash": time.perf_counter() - hash_started, "bytes": checkpoint_bytes(path),
             "path": path}
@@ -367,13 +372,16 @@ def report(runs, writes, plain, loads, files_bytes, load_bytes, cold, rank) -> N
           f"without fsync {mb_s(files_bytes, no_fsync)} ({no_fsync:.3f} s)")
     for m in MODES:
         w = {k: median([x[k] for x in writes[m]]) for k in ("write", "commit", "end_to_end",
-                                                           "hash", "blocked")}
-        best = min(x["write"] for x in writes[m])
-        met = "met" if w["write"] <= fsync / 0.8 else "MISSED"
-        print(f"  {m:8s} save() to written {w['write']:.3f} s = {mb_s(files_bytes, w['write'])}"
-              f" = {fsync / w['write']:.2f}x plain + fsync ({met}), {no_fsync / w['write']:.2f}x "
-              f"without; best {best:.3f} s against {best_fsync:.3f} s = "
-              f"{best_fsync / best:.2f}x; n={len(writes[m])}")
+                                                           "hash", "blocked", "background")}
+        best = min(x["background"] for x in writes[m])
+        bg = w["background"]
+        met = "met" if bg <= fsync / 0.8 else "MISSED"
+        label = "write (foreground)" if m == "sync" else "background write"
+        print(f"  {m:8s} {label} {bg:.3f} s = {mb_s(files_bytes, bg)} = {fsync / bg:.2f}x "
+              f"plain + fsync ({met}), {no_fsync / bg:.2f}x without; best {best:.3f} s "
+              f"against {best_fsync:.3f} s = {best_fsync / best:.2f}x; n={len(writes[m])}")
+        print(f"           save() to written, staging included {w['write']:.3f} s = "
+              f"{mb_s(files_bytes, w['write'])} = {fsync / w['write']:.2f}x plain + fsync")
         print(f"           commit {w['commit']:.3f} s (hashing alone {w['hash']:.3f} s = "
               f"{mb_s(files_bytes, w['hash'])}); save() to committed {w['end_to_end']:.3f} s = "
               f"{mb_s(files_bytes, w['end_to_end'])} = {fsync / w['end_to_end']:.2f}x plain + "

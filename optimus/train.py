@@ -22,6 +22,7 @@ from optimus.checkpoint.state import Progress, training_state
 from optimus.config import JobConfig, check_trainable, job_hash, resolve_layout
 from optimus.data import build_loader, build_source
 from optimus.faults import inject_faults
+from optimus.health import Command, Commands, start_heartbeat
 from optimus.metrics import MetricsLog, StepMetrics, peak_flops
 from optimus.models import flops_per_token
 from optimus.optim import build_optimizer, lr_at, set_lr
@@ -47,6 +48,7 @@ class TrainResult:
     metrics: list[StepMetrics]
     sample_ids: list[list[int]] = field(default_factory=list)  # this rank's, per step
     state: dict[str, torch.Tensor] | None = None  # full model weights, when asked for
+    stopped_at: int | None = None  # the step after which all ranks stopped (SIGTERM), if any
 
 
 def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = False,
@@ -57,10 +59,14 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
     layout = resolve_layout(job, env.world_size)
     device = pick_device(job.parallel.device, env.local_rank)
     backend = pick_backend(device, job.parallel.backend)
+    # Supervision: SIGTERM asks every rank to stop after one same step; heartbeats to the agent.
+    commands = Commands(env.world_size,
+                        torch.device("cpu") if backend == "gloo" else device).listen()
+    heartbeat = start_heartbeat(env, job.supervision.heartbeat_interval_s)
     owns_group = not dist.is_initialized()
-    if owns_group:
-        init_distributed(env, backend, device)
     try:
+        if owns_group:
+            init_distributed(env, backend, device)
         mesh = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,
                             world_size=env.world_size).build_mesh(device.type)
         torch.manual_seed(job.seed)
@@ -105,53 +111,77 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         batches = iter(loader)
         if resumed:
             state["rng"].apply()  # making the iterator drew from the RNG; put it back
+        heartbeat.resumed(progress.step)
 
         for step in range(progress.step + 1, job.optim.steps + 1):
             inject_faults(job.fault_injection, rank=env.rank, generation=env.restart_count,
                           step=step)
+            heartbeat.begin_step(step)
             started = time.perf_counter()
             lr = lr_at(step, job.optim)
             set_lr(optimizer, lr)
 
             # Forward and backward over this step's microbatches (through the pipeline
             # schedule when there is one); the loss is divided by the global token count.
-            microbatches = [next(batches) for _ in range(job.data.microbatches)]
-            step_tokens = _count_tokens(microbatches, device, dp_group)
+            with heartbeat.phase("data"):
+                microbatches = [next(batches) for _ in range(job.data.microbatches)]
+            with heartbeat.phase("grad_sync"):
+                step_tokens = _count_tokens(microbatches, device, dp_group)
             model.loss_fn.tokens = step_tokens
-            with autocast:
-                loss_sum = model.forward_backward(microbatches, device)
+            with autocast:  # marks the phases "forward" and "backward"
+                loss_sum = model.forward_backward(microbatches, device, heartbeat)
 
-            grad_norm = clip_grad_norm_(model.parameters(), job.optim.grad_clip, pp_group)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            with heartbeat.phase("grad_sync"):
+                grad_norm = clip_grad_norm_(model.parameters(), job.optim.grad_clip, pp_group)
+            with heartbeat.phase("optim"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             progress.advance(step_tokens)
             if ckpt is not None:
-                _checkpoint_step(ckpt, log, job, step, state, progress, layout)
+                with heartbeat.phase("checkpoint"):
+                    _checkpoint_step(ckpt, log, job, step, state, progress, layout)
             if keep_sample_ids:
                 result.sample_ids.append([int(s) for mb in microbatches for s in mb["sample_ids"]])
 
             if step % job.supervision.log_every == 0 or step == job.optim.steps:
-                for group in (pp_group, dp_group):  # only last stages hold losses
-                    if group.size() > 1:
-                        dist.all_reduce(loss_sum, group=group)
+                with heartbeat.phase("grad_sync"):
+                    for group in (pp_group, dp_group):  # only last stages hold losses
+                        if group.size() > 1:
+                            dist.all_reduce(loss_sum, group=group)
                 loss_value = loss_sum.item()  # waits for the device
                 step_time = time.perf_counter() - started
                 tokens_per_s, mfu = log.throughput(step_tokens, step_time)
                 result.losses.append(loss_value)
+                heartbeat.logged(loss_value, float(grad_norm))
                 log.record(StepMetrics(step=step, loss=loss_value, grad_norm=float(grad_norm),
                                        lr=lr, tokens=progress.tokens, step_time_s=step_time,
                                        tokens_per_s=tokens_per_s, mfu=mfu,
                                        checkpoint=ckpt.stats.as_dict() if ckpt else None))
+
+            # The step boundary: if any rank was told to stop, every rank stops after this step.
+            with heartbeat.phase("grad_sync"):
+                agreed = commands.agree()
+            heartbeat.end_step()
+            if agreed & Command.STOP:
+                with heartbeat.phase("checkpoint"):
+                    _stop(ckpt, log, job, step, state, progress, layout)
+                result.stopped_at = step
+                break
+
         if ckpt is not None:
-            if ckpt.wait() == "failed":  # the last save must land (or say why) before exit
-                log.event("checkpoint", ckpt.last_error, **ckpt.stats.as_dict())
-            ckpt.close()
+            with heartbeat.phase("checkpoint"):
+                if ckpt.wait() == "failed":  # the last save must land (or say why) before exit
+                    log.event("checkpoint", ckpt.last_error, **ckpt.stats.as_dict())
+                ckpt.close()
         log.close()
         if keep_state:
             result.state = {k: v for part in model.parts for k, v in _full_state(part).items()}
         dist.barrier()  # leave together: a peer tearing down gloo mid-exit can abort the other
+        heartbeat.finish()
         return result
     finally:
+        heartbeat.close()
+        commands.close()
         if owns_group:
             destroy_distributed()
 
@@ -184,13 +214,37 @@ def _checkpoint_step(ckpt: Checkpointer, log: MetricsLog, job: JobConfig, step: 
         log.event("checkpoint", ckpt.last_error, **ckpt.stats.as_dict())
     interval = job.checkpoint.interval
     if interval and step % interval == 0:
-        meta = {**progress.meta(), "layout": asdict(layout), "config": job.model_dump(mode="json"),
-                "config_hash": job_hash(job), "world_size": layout.world_size}
         if step == job.optim.steps:
             ckpt.wait()  # the final checkpoint is never skipped
-        if ckpt.save(step, state, meta) == "skipped":
+        if ckpt.save(step, state, _meta(job, progress, layout)) == "skipped":
             log.event("checkpoint", f"save of step {step} skipped: the previous one is still "
                       "being written", **ckpt.stats.as_dict())
+
+
+def _stop(ckpt: Checkpointer | None, log: MetricsLog, job: JobConfig, step: int, state: dict,
+          progress: Progress, layout) -> None:
+    """On every rank, after the step all agreed to stop at: make it the latest checkpoint."""
+    if ckpt is None:
+        log.event("stopped", f"stopped after step {step} (SIGTERM); checkpointing is off, so "
+                  "nothing was saved", step=step, checkpoint_step=None)
+        return
+    if ckpt.wait() == "failed":  # the save in flight lands first
+        log.event("checkpoint", ckpt.last_error, **ckpt.stats.as_dict())
+    outcome = ckpt.save(step, state, _meta(job, progress, layout))  # "exists": just saved
+    outcome = ckpt.wait() or outcome
+    if outcome == "failed":
+        log.event("checkpoint", ckpt.last_error, **ckpt.stats.as_dict())
+    saved = step if outcome in ("committed", "exists") else None
+    where = (f"checkpoint of step {step} committed" if saved is not None
+             else "its checkpoint failed, a restart resumes from an older one")
+    log.event("stopped", f"stopped after step {step} (SIGTERM); {where}", step=step,
+              checkpoint_step=saved)
+
+
+def _meta(job: JobConfig, progress: Progress, layout) -> dict:
+    """What a checkpoint's manifest says beside its tensors."""
+    return {**progress.meta(), "layout": asdict(layout), "config": job.model_dump(mode="json"),
+            "config_hash": job_hash(job), "world_size": layout.world_size}
 
 
 def _count_tokens(microbatches: list[dict], device: torch.device,

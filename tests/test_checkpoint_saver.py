@@ -17,13 +17,13 @@ import multiproc
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
 from optimus.checkpoint.manifest import committed_steps, is_committed, latest_committed, step_dir
 from optimus.checkpoint.saver import Checkpointer
 from optimus.checkpoint.state import Progress, layout_key, training_state
+from optimus.checkpoint.storage import TensorFileWriter
 from optimus.config import resolve_layout, validate_job
 from optimus.optim import build_optimizer, lr_at, set_lr
 from optimus.parallel.grads import clip_grad_norm_
@@ -207,7 +207,7 @@ def test_tp2_dp2_checkpoint_loads_under_another_layout(run_ranks, tp2_dp2_checkp
 
 # --- the commit protocol -----------------------------------------------------------------------
 
-class GatedWriter(FileSystemWriter):
+class GatedWriter(TensorFileWriter):
     """Writes only once `gate` exists (or after `delay_s`): a rank whose write is slow."""
 
     def __init__(self, path, gate: str | None = None, delay_s: float = 0.0):
@@ -224,7 +224,7 @@ class GatedWriter(FileSystemWriter):
         return super().write_data(plan, planner)
 
 
-class FileSizeLimitedWriter(FileSystemWriter):
+class FileSizeLimitedWriter(TensorFileWriter):
     """Writes with RLIMIT_FSIZE at 512 bytes: the kernel refuses the write (EFBIG), for real.
 
     Python ignores SIGXFSZ, so the write raises OSError instead of killing the process.
@@ -296,7 +296,7 @@ def _failure_and_retention(rank: int, world: int, root: str) -> dict:
             return FileSizeLimitedWriter(path, overwrite=False)
         if rank == 1 and path.name == step_dir(root, 3).name:
             return GatedWriter(path, delay_s=1.0)
-        return FileSystemWriter(path, overwrite=False)
+        return TensorFileWriter(path, overwrite=False)
 
     run = Trainer(rank, world, {"tp": 2})
     ckpt = Checkpointer(root, rank=rank, world_size=world, keep_last=1, keep_every=3,

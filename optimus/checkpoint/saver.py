@@ -57,7 +57,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemWriter, StorageWriter
+from torch.distributed.checkpoint import CheckpointException, StorageWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -74,6 +74,7 @@ from optimus.checkpoint.manifest import (
     verify,
 )
 from optimus.checkpoint.state import PER_RANK
+from optimus.checkpoint.storage import TensorFileReader, TensorFileWriter
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class Checkpointer:
         self.skipped: list[str] = []  # corrupt checkpoints the last load_latest passed over
         # Two writer threads: one file per thread, so the write and the commit's hashing
         # (per file) are not held to one core.
-        self._writer = writer or (lambda path: FileSystemWriter(path, overwrite=False,
+        self._writer = writer or (lambda path: TensorFileWriter(path, overwrite=False,
                                                                 thread_count=WRITER_THREADS))
         self._stager: DefaultStager | None = None
         self._inflight: _Save | None = None
@@ -381,7 +382,8 @@ class Checkpointer:
     def _load(self, path: Path, state: dict, manifest: dict) -> dict:
         if self._inflight is not None:
             raise RuntimeError("a checkpoint is being saved; wait() for it before loading")
-        dcp.load(state, checkpoint_id=path, planner=_Planner(), process_group=self._io_group)
+        dcp.load(state, storage_reader=TensorFileReader(path), planner=_Planner(),
+                 process_group=self._io_group)
         notes = [note for obj in state.values() if (note := getattr(obj, "load_note", None))]
         return {**manifest, "path": str(path), "skipped": list(self.skipped), "notes": notes}
 

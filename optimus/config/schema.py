@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
 
 
 class Section(BaseModel):
@@ -105,8 +106,20 @@ class CheckpointConfig(Section):
 class SupervisionConfig(Section):
     log_every: PositiveInt = 1
     peak_tflops: PositiveFloat | None = Field(None, description="override the device table")
-    heartbeat_interval_s: PositiveFloat = 1.0
-    heartbeat_timeout_s: PositiveFloat = 30.0
+    heartbeat_interval_s: PositiveFloat = Field(
+        1.0, description="ranks -> agent, and agent -> Redis, once per interval")
+    heartbeat_timeout_s: PositiveFloat = Field(
+        30.0, description="a rank (or an agent) silent this long is declared lost")
+    startup_timeout_s: PositiveFloat = Field(
+        300.0, description="from spawn to a rank's first heartbeat")
+    max_restarts: NonNegativeInt = Field(10, description="then the job is FAILED")
+    restart_backoff_s: NonNegativeFloat = Field(
+        1.0, description="wait before restart n: this x 2^(n-1), capped")
+    restart_backoff_max_s: NonNegativeFloat = 60.0
+    failure_grace_s: NonNegativeFloat = Field(
+        3.0, description="SIGTERM -> SIGKILL for the ranks of a failed generation")
+    stop_grace_s: PositiveFloat = Field(
+        120.0, description="SIGTERM -> SIGKILL on an operator's stop: time to save")
 
 
 class Fault(Section):

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from optimus.config import JobConfig, Layout
+from optimus.health import NO_HEARTBEAT, Heartbeat, NoHeartbeat
 from optimus.models import build_model
 from optimus.parallel.activation_checkpoint import apply_activation_checkpointing
 from optimus.parallel.data_parallel import apply_data_parallel, set_gradient_sync
@@ -78,28 +79,34 @@ class ParallelModel:
                     view.add_module(name, child)
         return view
 
-    def forward_backward(self, microbatches: list[dict], device: torch.device) -> torch.Tensor:
+    def forward_backward(self, microbatches: list[dict], device: torch.device,
+                         heartbeat: Heartbeat | NoHeartbeat = NO_HEARTBEAT) -> torch.Tensor:
         """Run every microbatch forward and backward; return this rank's summed loss.
 
         The loss is already divided by the step's global token count. Under a pipeline only
-        ranks holding the last stage see losses; the others return zero.
+        ranks holding the last stage see losses; the others return zero. `heartbeat` is told
+        the phase, "forward" or "backward".
         """
         total = torch.zeros((), device=device)
         with loss_context(self.tp_enabled):
             if self.schedule is not None:
                 inputs = torch.cat([mb["input_ids"] for mb in microbatches]).to(device)
                 labels = torch.cat([mb["labels"] for mb in microbatches]).to(device)
-                losses = run_pipeline_step(self.schedule, self.stage_ids, self.num_stages,
-                                           inputs, labels)
+                # The schedule interleaves forward and backward: all of it counts as "forward".
+                with heartbeat.phase("forward"):
+                    losses = run_pipeline_step(self.schedule, self.stage_ids, self.num_stages,
+                                               inputs, labels)
                 for loss in losses:
                     total += _local(loss.detach())
                 return total
             (model,) = self.parts
             for i, mb in enumerate(microbatches):
                 set_gradient_sync(model, i == len(microbatches) - 1)
-                logits = model(mb["input_ids"].to(device, non_blocking=True))
-                loss = self.loss_fn(logits, mb["labels"].to(device, non_blocking=True))
-                loss.backward()
+                with heartbeat.phase("forward"):
+                    logits = model(mb["input_ids"].to(device, non_blocking=True))
+                    loss = self.loss_fn(logits, mb["labels"].to(device, non_blocking=True))
+                with heartbeat.phase("backward"):
+                    loss.backward()
                 total += _local(loss.detach())
         return total
 
