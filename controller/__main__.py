@@ -1,0 +1,5 @@
+"""`python -m controller ...`: the control plane's commands (the same as `optimus ...`)."""
+
+from controller.cli import main
+
+main()

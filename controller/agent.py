@@ -1,0 +1,401 @@
+"""The node agent: one per node, it owns the ranks there.
+
+    optimus agent --job NAME --node NODE [--redis URL]
+
+It registers the node (host, devices, health check), then loops:
+- every `interval` s, one pipelined round trip (`Store.agent_tick`): its own beat and status,
+  its ranks' latest heartbeats and the node's heartbeat deadline; back come the plan and any
+  chaos commands;
+- every 50 ms, `waitpid` on its ranks (an exit is reported at once, with its code, signal and
+  last lines of output) and a drain of the ranks' heartbeat datagrams.
+
+Plans are desired state: the agent runs the ranks of a "run" plan that names its node, stops
+(SIGTERM, then SIGKILL after the plan's grace) ranks of a generation that is over or told to
+"stop", and exits after "end". No plan (Redis restarted empty, an outage) changes nothing: the
+ranks keep training and the agent re-registers when Redis is back.
+
+Ranks run `python -m optimus train JOB` in their own session, with the normalised environment
+(OPTIMUS_*), output to `<log_dir>/gen_<g>/rank_<r>.log`, and PR_SET_PDEATHSIG so they die with
+the agent (a lost node takes its ranks with it, as a real one does).
+
+The heartbeat protocol (rank -> agent) is one JSON datagram per interval on a Unix datagram
+socket (OPTIMUS_AGENT_SOCKET); see optimus/health.py. Datagrams, not a stream: a rank never
+blocks on a slow or absent agent, and the agent never waits on a rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from controller.store import Store, StoreUnavailable
+
+log = logging.getLogger("optimus.agent")
+
+POLL_S = 0.05
+TAIL_LINES = 20
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    local_rank: int
+    popen: subprocess.Popen
+    log_path: Path
+    started: float
+    stop_sent: float | None = None  # when the agent sent SIGTERM
+    kill_sent: bool = False
+
+
+class Agent:
+    def __init__(self, store: Store, node: str, *, interval_s: float = 1.0,
+                 host: str | None = None, socket_dir: str | None = None):
+        self.store, self.node, self.interval_s = store, node, interval_s
+        self.host = host or socket.gethostname()
+        self.procs: dict[int, RankProcess] = {}
+        self.beats: dict[int, dict] = {}
+        self.generation: int | None = None  # the generation launched here, if any
+        self.plan: dict | None = None  # its plan
+        self.waiting_port: dict | None = None  # a run plan waiting for node 0's master port
+        self.unreported: list[dict] = []  # exits Redis has not taken yet
+        self.reset_ranks = True
+        self.ended = False
+        self.redis_down = False
+        self.info = {"host": self.host, "pid": os.getpid(), **health_check()}
+        sock_dir = Path(socket_dir or tempfile.gettempdir()) / f"optimus-{os.getuid()}"
+        sock_dir.mkdir(mode=0o700, exist_ok=True)
+        tag = hashlib.sha1(f"{store.job}/{node}/{os.getpid()}".encode()).hexdigest()[:12]
+        self.socket_path = str(sock_dir / f"agent-{tag}.sock")  # short: AF_UNIX paths <= 107
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.socket_path)
+        self.sock.setblocking(False)
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self._register()
+        next_tick = 0.0
+        try:
+            while not (self.ended and not self.procs):
+                self._reap()
+                self._drain_heartbeats()
+                now = time.monotonic()
+                if now >= next_tick:
+                    next_tick = now + self.interval_s
+                    self._tick()
+                self._escalate()
+                time.sleep(POLL_S)
+            self._flush_exits()
+            with contextlib.suppress(StoreUnavailable):
+                self.store.leave(self.node)
+                self.store.event(f"agent:{self.node}", "agent", f"agent of {self.node} exits: "
+                                 "the job ended")
+            return 0
+        finally:
+            self.sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
+
+    def stop_all_now(self) -> None:
+        """On the agent's own SIGTERM/SIGINT: terminate the ranks, then go (they die with us)."""
+        for p in self.procs.values():
+            _signal_group(p.popen, signal.SIGTERM)
+
+    def _register(self) -> None:
+        while True:
+            try:
+                self.store.register_node(self.node, self.info)
+                self.store.event(f"agent:{self.node}", "register", f"node {self.node} "
+                                 f"registered (host {self.host}, {self.info['devices']} "
+                                 f"device(s), health {self.info['health']})")
+                return
+            except StoreUnavailable as e:
+                self._note_outage(e)
+                time.sleep(self.interval_s)
+
+    def _tick(self) -> None:
+        live = [p for p in self.procs.values() if p.popen.returncode is None]
+        state = ("stopping" if any(p.stop_sent for p in live) else "running" if live
+                 else "starting" if self.waiting_port else "idle")
+        status = {"generation": -1 if self.generation is None else self.generation,
+                  "state": state, "live_ranks": len(live), "host": self.host,
+                  "pids": [p.popen.pid for p in live], "plan": self.plan or {}}
+        try:
+            self._flush_exits()
+            tick = self.store.agent_tick(self.node, status, dict(self.beats),
+                                         self._deadline(live), self.reset_ranks)
+        except StoreUnavailable as e:
+            self._note_outage(e)
+            return
+        if self.redis_down:
+            self.redis_down = False
+            log.warning("Redis answers again")
+        self.reset_ranks = False
+        if not tick.registered:  # Redis lost our record: restarted empty, or flushed
+            self._register()
+            self.reset_ranks = True
+        for command in tick.chaos:
+            self._chaos(command)
+        if tick.plan is not None:
+            self._follow(tick.plan)
+        self._check_node_faults()
+
+    def _note_outage(self, e: Exception) -> None:
+        if not self.redis_down:
+            log.warning("Redis unreachable; the ranks keep running: %s", e)
+        self.redis_down = True
+
+    # --- plans ---------------------------------------------------------------------------------
+
+    def _follow(self, plan: dict) -> None:
+        gen, action = plan["generation"], plan["action"]
+        mine = self.node in plan.get("nodes", [])
+        if action == "end":
+            self._stop(plan.get("grace_s", 3.0), plan.get("reason", "the job ended"))
+            self.ended = True
+            return
+        if self.generation is not None and (gen != self.generation or action == "stop"):
+            self._stop(plan.get("grace_s", 3.0), plan.get("reason", ""))
+        if action == "run" and mine and gen != self.generation and not self._live():
+            self._launch(plan)
+
+    def _live(self) -> bool:
+        return any(p.popen.returncode is None for p in self.procs.values())
+
+    def _launch(self, plan: dict) -> None:
+        gen = plan["generation"]
+        node_rank = plan["nodes"].index(self.node)
+        port = plan.get("master_port") or 0
+        if not port:
+            if node_rank == 0:
+                port = _free_port()
+                try:
+                    self.store.set_master_port(gen, port)
+                except StoreUnavailable as e:
+                    self._note_outage(e)
+                    return
+            else:
+                try:
+                    port = self.store.master_port(gen) or 0
+                except StoreUnavailable as e:
+                    self._note_outage(e)
+                    return
+                if not port:
+                    self.waiting_port = plan  # node 0 has not picked it yet: next tick
+                    return
+        self.waiting_port = None
+        self.generation, self.plan = gen, plan
+        self.procs.clear()
+        self.beats.clear()
+        self.reset_ranks = True
+        rpn = plan["ranks_per_node"]
+        log_dir = Path(plan["log_dir"]) / f"gen_{gen:04d}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "optimus", "train", plan["job_file"]]
+        for override in plan.get("overrides", []):
+            command += ["--set", override]
+        for local_rank in range(rpn):
+            rank = node_rank * rpn + local_rank
+            env = {**os.environ,
+                   "OPTIMUS_RANK": str(rank), "OPTIMUS_WORLD_SIZE": str(plan["world_size"]),
+                   "OPTIMUS_LOCAL_RANK": str(local_rank), "OPTIMUS_LOCAL_WORLD_SIZE": str(rpn),
+                   "OPTIMUS_NODE_RANK": str(node_rank),
+                   "OPTIMUS_NUM_NODES": str(len(plan["nodes"])),
+                   "OPTIMUS_JOB_ID": self.store.job, "OPTIMUS_GENERATION": str(gen),
+                   "OPTIMUS_MASTER_ADDR": plan["master_addr"], "OPTIMUS_MASTER_PORT": str(port),
+                   "OPTIMUS_AGENT_SOCKET": self.socket_path, "PYTHONUNBUFFERED": "1"}
+            path = log_dir / f"rank_{rank:05d}.log"
+            with open(path, "ab") as out:
+                popen = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
+            self.procs[local_rank] = RankProcess(rank, local_rank, popen, path, time.time())
+        self._event("launch", f"generation {gen}: ranks {node_rank * rpn}-"
+                    f"{node_rank * rpn + rpn - 1} started on {self.node}")
+
+    def _stop(self, grace_s: float, reason: str) -> None:
+        now = time.monotonic()
+        for p in self.procs.values():
+            if p.popen.returncode is None and p.stop_sent is None:
+                p.stop_sent = now + grace_s  # the time to escalate to SIGKILL
+                _signal_group(p.popen, signal.SIGTERM)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.popen.pid, signal.SIGCONT)  # a frozen rank, to take the TERM
+
+    def _escalate(self) -> None:
+        now = time.monotonic()
+        for p in self.procs.values():
+            if (p.popen.returncode is None and p.stop_sent is not None and not p.kill_sent
+                    and now >= p.stop_sent):
+                p.kill_sent = True
+                _signal_group(p.popen, signal.SIGKILL)
+
+    # --- ranks ---------------------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        for p in list(self.procs.values()):
+            if p.popen.returncode is not None or p.popen.poll() is None:
+                continue
+            code = p.popen.returncode
+            record = {"node": self.node, "rank": p.rank, "local_rank": p.local_rank,
+                      "generation": self.generation, "pid": p.popen.pid,
+                      "code": code if code >= 0 else None,
+                      "signal": -code if code < 0 else None,
+                      "by_agent": p.stop_sent is not None, "time": time.time(),
+                      "tail": _tail(p.log_path)}
+            self.unreported.append(record)
+            self.beats.pop(p.local_rank, None)
+        if self.unreported:
+            try:
+                self._flush_exits()
+            except StoreUnavailable as e:
+                self._note_outage(e)
+        # Forget the finished ones once none is left running (their records are sent).
+        if self.procs and not self._live() and not self.unreported:
+            self.procs.clear()
+
+    def _flush_exits(self) -> None:
+        while self.unreported:
+            self.store.report_exit(self.unreported[0])
+            self.unreported.pop(0)
+
+    def _drain_heartbeats(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            try:
+                beat = json.loads(data)
+                local_rank = int(beat["local_rank"])
+            except (ValueError, KeyError, TypeError):
+                continue  # not a heartbeat: ignore it
+            p = self.procs.get(local_rank)
+            if p is None or beat.get("pid") != p.popen.pid or p.popen.returncode is not None:
+                continue  # from a rank of an older generation
+            beat["received"] = time.time()
+            self.beats[local_rank] = beat
+
+    def _deadline(self, live: list[RankProcess]) -> float | None:
+        """When this node's earliest rank heartbeat falls overdue (None: no rank to watch)."""
+        if not self.plan:
+            return None
+        timeout = self.plan.get("heartbeat_timeout_s", 30.0)
+        startup = self.plan.get("startup_timeout_s", 300.0)
+        deadlines = []
+        for p in live:
+            if p.stop_sent is not None:
+                continue
+            beat = self.beats.get(p.local_rank)
+            deadlines.append(beat["time"] + timeout if beat else p.started + startup)
+        return min(deadlines) if deadlines else None
+
+    # --- faults --------------------------------------------------------------------------------
+
+    def _chaos(self, command: dict) -> None:
+        kind = command.get("kind")
+        self._event("chaos", f"chaos on {self.node}: {kind} "
+                    f"{command.get('rank', '') if kind != 'kill_node' else ''}".rstrip(),
+                    fault=kind, rank=command.get("rank", ""), sent=command.get("time", ""))
+        if kind == "kill_node":
+            self._die()
+        for p in self.procs.values():
+            if p.rank == command.get("rank") and p.popen.returncode is None:
+                sig = signal.SIGKILL if kind == "kill_rank" else signal.SIGSTOP
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.popen.pid, sig)
+
+    def _check_node_faults(self) -> None:
+        if not self.plan or self.generation is None:
+            return
+        node_rank = self.plan["nodes"].index(self.node) if self.node in self.plan["nodes"] else -1
+        step = max((b.get("step", 0) for b in self.beats.values()), default=0)
+        for fault in self.plan.get("node_faults", []):
+            if (fault["generation"] == self.generation and fault["node"] == node_rank
+                    and step >= fault["step"]):
+                self._event("chaos", f"fault injection: node {self.node} (node rank "
+                            f"{node_rank}) dies at step {step}", fault="kill_node")
+                self._die()
+
+    def _die(self) -> None:
+        """A node lost: the ranks and the agent, at once, with no goodbye."""
+        for p in self.procs.values():
+            _signal_group(p.popen, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _event(self, kind: str, message: str, **fields) -> None:
+        log.info(message)
+        try:
+            self.store.event(f"agent:{self.node}", kind, message, node=self.node, **fields)
+        except StoreUnavailable as e:
+            self._note_outage(e)
+
+
+def health_check() -> dict:
+    """Devices and a deterministic compute check: the same product twice must agree bit for bit,
+    and with the CPU's (a device that disagrees is unhealthy)."""
+    try:
+        import torch  # here, not at import: the agent's loop needs no torch
+
+        devices, kind = 0, "cpu"
+        if torch.cuda.is_available():
+            devices, kind = torch.cuda.device_count(), "cuda"
+        elif hasattr(torch, "xpu") and torch.xpu.is_available():
+            devices, kind = torch.xpu.device_count(), "xpu"
+        g = torch.Generator().manual_seed(1234)
+        a = torch.randn(256, 256, generator=g, dtype=torch.float64)
+        reference = (a @ a).sum().item()
+        for index in range(devices) or [None]:
+            device = torch.device(kind, index) if index is not None else torch.device("cpu")
+            x = a.to(device)
+            first, second = (x @ x).sum().item(), (x @ x).sum().item()
+            if first != second or abs(first - reference) > 1e-6 * abs(reference):
+                return {"devices": devices, "health": "bad",
+                        "health_detail": f"{device}: matmul check gave {first} and {second}, "
+                                         f"CPU {reference}"}
+        return {"devices": devices or os.cpu_count(), "device_kind": kind, "health": "ok"}
+    except Exception as e:  # a broken driver is a bad node, not a crashed agent
+        return {"devices": 0, "health": "bad", "health_detail": f"{type(e).__name__}: {e}"}
+
+
+def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(popen.pid, sig)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the agent dies (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(f.tell() - 16384, 0))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])

@@ -1,0 +1,146 @@
+"""The `optimus` command, whole: the training core's commands plus the control plane's.
+
+`optimus/cli.py` holds what runs inside a rank (train, config, data, checkpoint); this module
+adds `run`, `controller`, `agent` and `chaos` to the same group, so `optimus/` never imports
+`controller/`. The console script `optimus` points here; ranks run `python -m optimus`.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+import click
+
+import optimus.cli as core
+from controller.store import Store, StoreUnavailable, redis_url
+from optimus.config import ConfigError, check_job, load_job
+
+core.USER_ERRORS = (*core.USER_ERRORS, StoreUnavailable)
+main = core.main
+
+redis_option = click.option(
+    "--redis", "redis", metavar="URL", default=None,
+    help="redis:// or rediss:// URL (user:password@ for ACLs); default $REDIS_URL, else "
+         "redis://127.0.0.1:6379/0.")
+
+
+def _logging(verbose: bool = True) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+
+
+def _terminate_on_sigterm() -> None:
+    """SIGTERM ends the process through SystemExit, so `finally` blocks run."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+@main.command()
+@core.job_argument
+@core.set_option
+@click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Nodes the job runs on (each simulated by an agent).")
+@click.option("--ranks-per-node", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--spares", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Extra healthy nodes held back for restarts.")
+@click.option("--lease", "lease_s", type=click.FloatRange(min=0.5), default=5.0,
+              show_default=True, help="Controller leader lease, seconds.")
+def run(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node: int, spares: int,
+        lease_s: float) -> None:
+    """Run JOB on this machine under the full control plane: Redis, a controller, agents."""
+    from controller.run import run_local
+
+    config = load_job(job, list(overrides))
+    check_job(config, world=nodes * ranks_per_node, source=str(job))
+    sys.exit(run_local(config, str(job), list(overrides), nodes=nodes,
+                       ranks_per_node=ranks_per_node, spares=spares, lease_s=lease_s))
+
+
+@main.command()
+@core.job_argument
+@core.set_option
+@click.option("--nodes", type=click.IntRange(min=1), required=True)
+@click.option("--ranks-per-node", type=click.IntRange(min=1), required=True)
+@redis_option
+@click.option("--lease", "lease_s", type=click.FloatRange(min=0.5), default=5.0,
+              show_default=True, help="Leader lease, seconds: a standby takes over within it.")
+@click.option("--id", "ident", default=None, help="This controller's name in events.")
+@click.option("--exit-when-done", is_flag=True, help="Exit once the job has ended.")
+def controller(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node: int,
+               redis: str | None, lease_s: float, ident: str | None,
+               exit_when_done: bool) -> None:
+    """Supervise JOB: plan generations, detect failures, restart without the culprit.
+
+    Run two for high availability: one leads, the other takes over if it dies."""
+    from controller.controller import Controller, settings_for
+
+    _logging()
+    config = load_job(job, list(overrides))
+    check_job(config, world=nodes * ranks_per_node, source=str(job))
+    store = Store(redis_url(redis), config.name)
+    store.ping()
+    ctl = Controller(store, config, settings_for(config, str(job), list(overrides), nodes,
+                                                 ranks_per_node), ident=ident, lease_s=lease_s)
+    _terminate_on_sigterm()
+    try:
+        state = ctl.run(exit_when_done=exit_when_done)
+        click.echo(f"job {config.name}: {state}")
+    finally:
+        ctl.release()
+
+
+@main.command()
+@click.option("--job", "job_name", required=True, help="The job's name (`name` in its file).")
+@click.option("--node", required=True, help="This node's name, unique in the job.")
+@redis_option
+@click.option("--interval", "interval_s", type=click.FloatRange(min=0.05), default=1.0,
+              show_default=True, help="Seconds between round trips to Redis.")
+def agent(job_name: str, node: str, redis: str | None, interval_s: float) -> None:
+    """Run the node agent: register, start and stop ranks, relay heartbeats."""
+    from controller.agent import Agent
+
+    _logging()
+    store = Store(redis_url(redis), job_name)
+    store.ping()
+    a = Agent(store, node, interval_s=interval_s)
+
+    def on_term(*_):
+        a.stop_all_now()
+        sys.exit(143)
+    signal.signal(signal.SIGTERM, on_term)
+    sys.exit(a.run())
+
+
+@main.command()
+@click.argument("fault", type=click.Choice(["kill-rank", "freeze-rank", "kill-node"]))
+@click.option("--job", "job_name", required=True)
+@click.option("--rank", type=click.IntRange(min=0), help="For kill-rank and freeze-rank.")
+@click.option("--node", help="For kill-node: the node's name.")
+@redis_option
+def chaos(fault: str, job_name: str, rank: int | None, node: str | None,
+          redis: str | None) -> None:
+    """Inject a fault into a running job, through the agent of the node concerned."""
+    store = Store(redis_url(redis), job_name)
+    plan = store.plan()
+    if not plan or plan.get("action") != "run":
+        raise ConfigError(f"job {job_name} has no running generation in Redis; fix: check "
+                          "--job and --redis (optimus run prints both)")
+    if fault == "kill-node":
+        if node is None:
+            raise ConfigError("kill-node needs --node NAME; fix: one of "
+                              + ", ".join(plan["nodes"]))
+        target = node
+    else:
+        if rank is None or rank >= plan["world_size"]:
+            raise ConfigError(f"{fault} needs --rank between 0 and {plan['world_size'] - 1}")
+        target = plan["nodes"][rank // plan["ranks_per_node"]]
+    if target not in store.nodes():
+        raise ConfigError(f"no node {target!r} in job {job_name}; fix: one of "
+                          + ", ".join(sorted(store.nodes())))
+    store.push_chaos(target, {"kind": fault.replace("-", "_"), "rank": rank,
+                              "time": time.time()})
+    click.echo(f"{fault} sent to the agent of {target}"
+               + (f" (rank {rank})" if rank is not None else ""))

@@ -1,0 +1,256 @@
+"""The controller: a reconcile loop over one job, with a leader lease.
+
+    optimus controller JOB --nodes N --ranks-per-node R [--redis URL]
+
+Every tick (0.25 s) the controller that holds the lease observes the job (`observe`: the job
+record, the plan, agents, exits of this generation, overdue heartbeats, the latest committed
+checkpoint), asks `decide` what to do, and applies it (`apply`: exclusions, then the plan, then
+the job record, then events). Standbys renew nothing and try for the lease each tick; when the
+leader dies, one takes over within a lease period and carries on from the store, since that is
+where all the state is. The ranks notice nothing: only a new plan would touch them.
+
+Besides Redis, the leader keeps a journal, `<run_dir>/controller.json` (the job record, the plan
+and the exclusions, written atomically on every change). If Redis comes back empty, the journal
+and the agents' reports (each agent re-registers and says which generation it runs) rebuild the
+state; the checkpoints were never in Redis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+
+from controller.decide import (
+    TERMINAL,
+    Decision,
+    Exit,
+    JobView,
+    NodeView,
+    Observed,
+    Overdue,
+    Settings,
+    decide,
+)
+from controller.store import Store, StoreUnavailable
+from optimus.checkpoint.manifest import committed_steps
+from optimus.config import JobConfig
+from optimus.files import write_atomic
+
+log = logging.getLogger("optimus.controller")
+
+TICK_S = 0.25
+
+
+def settings_for(job: JobConfig, job_file: str, overrides: list[str], nodes: int,
+                 ranks_per_node: int) -> Settings:
+    s = job.supervision
+    faults = [{"node": f.node, "step": f.step, "generation": f.generation}
+              for f in job.fault_injection.faults if f.kind == "kill_node"]
+    return Settings(
+        nodes=nodes, ranks_per_node=ranks_per_node,
+        heartbeat_timeout_s=s.heartbeat_timeout_s, startup_timeout_s=s.startup_timeout_s,
+        agent_timeout_s=s.heartbeat_timeout_s, max_restarts=s.max_restarts,
+        backoff_s=s.restart_backoff_s, backoff_max_s=s.restart_backoff_max_s,
+        failure_grace_s=s.failure_grace_s, stop_grace_s=s.stop_grace_s,
+        launch={"job_file": str(Path(job_file).resolve()), "overrides": list(overrides),
+                "log_dir": str(Path(job.resolved_run_dir).resolve() / "logs"),
+                "node_faults": faults})
+
+
+class Controller:
+    def __init__(self, store: Store, job: JobConfig, settings: Settings, *,
+                 ident: str | None = None, lease_s: float = 5.0):
+        self.store, self.job, self.s = store, job, settings
+        self.ident = ident or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.lease_s = lease_s
+        self.leading = False
+        self.checkpoint_dir = job.resolved_checkpoint_dir
+        self.journal = Path(job.resolved_run_dir) / "controller.json"
+        self._journaled: str | None = None
+
+    def run(self, exit_when_done: bool = False) -> str | None:
+        """Reconcile until the job ends (with `exit_when_done`) or forever; its final state."""
+        while True:
+            started = time.monotonic()
+            state = self.tick()
+            if exit_when_done and state in TERMINAL:
+                return state
+            time.sleep(max(TICK_S - (time.monotonic() - started), 0.0))
+
+    def tick(self) -> str | None:
+        """One pass: hold the lease, then observe, decide, apply. The job's state, if leading."""
+        try:
+            leading = self.store.hold_lease(self.ident, self.lease_s)
+        except StoreUnavailable as e:
+            if self.leading:
+                log.warning("lost Redis; acting no more until it answers: %s", e)
+            self.leading = False
+            return None
+        if leading and not self.leading:
+            self._event("leader", f"controller {self.ident} leads")
+        self.leading = leading
+        if not leading:
+            return None
+        try:
+            obs = self.observe()
+            decision = decide(obs, self.s)
+            self.apply(decision, obs)
+            return decision.job.get("state", obs.job.state)
+        except StoreUnavailable as e:
+            log.warning("Redis unavailable mid-tick; retrying: %s", e)
+            return None
+
+    def release(self) -> None:
+        with contextlib.suppress(StoreUnavailable):
+            self.store.release_lease(self.ident)
+
+    # --- observe -------------------------------------------------------------------------------
+
+    def observe(self) -> Observed:
+        record = self.store.job_record()
+        if not record:
+            record = self._rebuild()
+        now = time.time()
+        plan = self.store.plan()
+        info = self.store.nodes()
+        beats = self.store.agent_beats()
+        names = sorted(set(info) | set(beats))
+        status = self.store.agent_status(names)
+        excluded = self.store.excluded()
+        nodes = {}
+        for name in names:
+            st, node_info = status.get(name, {}), info.get(name, {})
+            nodes[name] = NodeView(
+                name=name, host=node_info.get("host", st.get("host", name)),
+                alive=(now - beats.get(name, 0.0) <= self.s.agent_timeout_s
+                       and st.get("state") != "gone"),
+                healthy=node_info.get("health") == "ok",
+                health=node_info.get("health_detail", node_info.get("health", "unknown")),
+                excluded=excluded[name]["reason"] if name in excluded else None,
+                generation=int(st["generation"]) if st.get("generation") else None,
+                live_ranks=int(st.get("live_ranks", 0)), last_beat=beats.get(name, 0.0))
+        exits, overdue = [], []
+        if plan is not None:
+            gen = plan["generation"]
+            exits = [_exit(r) for _, r in self.store.exits(plan.get("exits_from", "0"))
+                     if r.get("generation") == gen]
+            overdue = self._overdue(plan, now)
+        steps = committed_steps(self.checkpoint_dir)
+        return Observed(now=now, job=_job_view(record), plan=plan, nodes=nodes, exits=exits,
+                        overdue=overdue, latest_step=steps[-1] if steps else None)
+
+    def _overdue(self, plan: dict, now: float) -> list[Overdue]:
+        found = []
+        for node in self.store.overdue(now):
+            if node not in plan["nodes"]:
+                continue
+            rpn = plan["ranks_per_node"]
+            first = plan["nodes"].index(node) * rpn
+            beats = self.store.rank_beats(node)
+            for local_rank in range(rpn):
+                beat = beats.get(local_rank)
+                if beat is None or beat.get("generation") != plan["generation"]:
+                    continue  # not started yet, or exited: the startup deadline covers it
+                age = now - beat["time"]
+                if age > self.s.heartbeat_timeout_s:
+                    found.append(Overdue(node, first + local_rank,
+                                         f"no heartbeat for {age:.1f} s (step {beat['step']}, "
+                                         f"phase {beat['phase']})", beat["time"]))
+            if not any(o.node == node for o in found):
+                found.append(Overdue(node, first, "a rank sent no heartbeat within "
+                                     f"startup_timeout_s={self.s.startup_timeout_s:g}", now))
+        return found
+
+    # --- apply ---------------------------------------------------------------------------------
+
+    def apply(self, d: Decision, obs: Observed) -> None:
+        for node, reason in d.exclude:
+            self.store.exclude(node, reason, by=f"controller {self.ident}")
+        if d.plan is not None:
+            if d.plan["action"] == "run" and d.plan != obs.plan:
+                d.plan["exits_from"] = self.store.last_exit_id()
+            self.store.set_plan(d.plan)
+        if d.job:
+            self.store.update_job(d.job)
+        for kind, message in d.events:
+            self._event(kind, message)
+        if d.job or d.plan is not None or d.exclude:
+            self._write_journal()
+
+    def _event(self, kind: str, message: str) -> None:
+        log.info("%s: %s", kind, message)
+        self.store.event("controller", kind, message, controller=self.ident)
+
+    # --- the journal and rebuilding from it ----------------------------------------------------
+
+    def _write_journal(self) -> None:
+        state = {"job": self.store.job_record(), "plan": self.store.plan(),
+                 "excluded": self.store.excluded()}
+        text = json.dumps(state, indent=1, sort_keys=True)
+        if text == self._journaled:
+            return
+        self.journal.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.journal, text.encode(), self.journal.with_suffix(".json.tmp"))
+        self._journaled = text
+
+    def _rebuild(self) -> dict[str, str]:
+        """No job record in Redis: a new job, or Redis restarted empty. Restore from the
+        journal (if it holds a job that has not ended) and wait for the agents to report."""
+        journal = _read_json(self.journal)
+        record = (journal or {}).get("job") or {}
+        if not record or record.get("state") in TERMINAL:
+            fresh = {"state": "PENDING", "reason": "waiting for the first generation",
+                     "name": self.job.name, "nodes": self.s.nodes,
+                     "ranks_per_node": self.s.ranks_per_node, "created": time.time(),
+                     "restarts": 0, "generation": -1}
+            self.store.update_job(fresh)
+            self._event("submitted", f"job {self.job.name}: {self.s.nodes} node(s) x "
+                        f"{self.s.ranks_per_node} rank(s)")
+            return self.store.job_record()
+        for node, entry in journal.get("excluded", {}).items():
+            self.store.exclude(node, entry.get("reason", "restored"), by=entry.get("by", "?"))
+        plan = journal.get("plan")
+        if plan:
+            plan = {**plan, "exits_from": "0"}  # the exits stream was lost with Redis
+            self.store.set_plan(plan)
+            deadline = time.time() + self.s.agent_timeout_s
+            while time.time() < deadline:  # agents re-register within one interval
+                beats = self.store.agent_beats()
+                if all(n in beats for n in plan["nodes"]):
+                    break
+                time.sleep(TICK_S)
+        self.store.update_job({k: v for k, v in record.items()
+                               if k not in ("failure_since", "next_plan_at")})
+        reporting = sorted(self.store.agent_beats())
+        self._event("rebuilt", f"Redis held no state for job {self.job.name}; rebuilt from "
+                    f"{self.journal} (state {record.get('state')}, generation "
+                    f"{record.get('generation')}) and {len(reporting)} agent(s) reporting")
+        return self.store.job_record()
+
+
+def _job_view(r: dict[str, str]) -> JobView:
+    def number(key: str) -> float | None:
+        return float(r[key]) if r.get(key) else None
+    return JobView(state=r.get("state", "PENDING"), reason=r.get("reason", ""),
+                   generation=int(r.get("generation", -1)), restarts=int(r.get("restarts", 0)),
+                   desired=r.get("desired") or None, desired_by=r.get("desired_by", ""),
+                   failure_since=number("failure_since"), next_plan_at=number("next_plan_at"))
+
+
+def _exit(r: dict) -> Exit:
+    return Exit(node=r["node"], rank=int(r["rank"]), generation=int(r["generation"]),
+                code=r.get("code"), signal=r.get("signal"), by_agent=bool(r.get("by_agent")),
+                tail=r.get("tail", ""), time=float(r.get("time", 0.0)))
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

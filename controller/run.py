@@ -1,0 +1,196 @@
+"""`optimus run`: the whole control plane on one machine, nodes simulated by agents.
+
+    optimus run jobs/tiny-gpt.yaml --nodes 2 --ranks-per-node 2 --spares 1
+
+Starts a private redis-server on a free port (unless REDIS_URL is set), a controller and
+N + S agents (`node0`, `node1`, ...), each a process of its own in its own session, with logs in
+`<run_dir>/control/`. Then it follows the job: events as they happen, and the step rank 0 is at.
+Ctrl-C asks for a stop (the ranks agree on a step, save a checkpoint and exit; the controller
+marks the job STOPPED); a second Ctrl-C kills everything at once. Exit status: 0 when the job
+COMPLETED or was STOPPED, 1 when it FAILED or the control plane broke.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from controller.decide import FAILED, TERMINAL
+from controller.store import Store, StoreUnavailable
+from optimus.checkpoint.manifest import committed_steps
+from optimus.config import ConfigError, JobConfig
+
+POLL_S = 0.25
+
+
+class LocalCluster:
+    """The processes of one `optimus run`; `stop_all` leaves none behind."""
+
+    def __init__(self, control_dir: Path):
+        self.control_dir = control_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, command: list[str]) -> subprocess.Popen:
+        with open(self.control_dir / f"{name}.log", "ab") as out:
+            popen = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = popen
+        return popen
+
+    def stop_all(self, grace_s: float = 5.0) -> None:
+        for p in self.procs.values():
+            _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        for p in self.procs.values():
+            if p.poll() is None:
+                _signal_group(p, signal.SIGKILL)
+                p.wait()
+
+
+def start_redis(cluster: LocalCluster) -> str:
+    """A private redis-server on a free loopback port, no persistence; its URL."""
+    port = _free_port()
+    try:
+        cluster.start("redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                                "--save", "", "--appendonly", "no",
+                                "--dir", str(cluster.control_dir)])
+    except FileNotFoundError:
+        raise ConfigError("redis-server is not installed: install it (apt install "
+                          "redis-server), or point REDIS_URL at a running Redis") from None
+    url = f"redis://127.0.0.1:{port}/0"
+    store = Store(url, "probe", retry_s=0.2)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            store.ping()
+            return url
+        except StoreUnavailable:
+            if time.monotonic() > deadline or cluster.procs["redis"].poll() is not None:
+                raise ConfigError(f"redis-server did not start on port {port}; see "
+                                  f"{cluster.control_dir / 'redis.log'}") from None
+            time.sleep(0.05)
+
+
+def run_local(job: JobConfig, job_file: str, overrides: list[str], *, nodes: int,
+              ranks_per_node: int, spares: int, redis_url: str | None = None,
+              lease_s: float = 5.0) -> int:
+    console = Console(highlight=False, markup=False, soft_wrap=True)
+    run_dir = Path(job.resolved_run_dir)
+    control_dir = run_dir / "control"
+    control_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "controller.json").unlink(missing_ok=True)  # a fresh submission
+    cluster = LocalCluster(control_dir)
+    interrupted = []
+
+    def on_sigint(signum, frame):
+        interrupted.append(time.monotonic())
+        if len(interrupted) > 1:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        url = redis_url or os.environ.get("REDIS_URL") or start_redis(cluster)
+        store = Store(url, job.name)
+        store.ping()
+        store.reset()
+        py = [sys.executable, "-m", "controller"]
+        sets = [a for o in overrides for a in ("--set", o)]
+        cluster.start("controller", [*py, "controller", job_file, "--nodes", str(nodes),
+                                     "--ranks-per-node", str(ranks_per_node), "--redis", url,
+                                     "--lease", str(lease_s), "--exit-when-done", *sets])
+        for i in range(nodes + spares):
+            cluster.start(f"agent-node{i}", [*py, "agent", "--job", job.name, "--node",
+                                             f"node{i}", "--redis", url, "--interval",
+                                             str(job.supervision.heartbeat_interval_s)])
+        console.print(f"optimus run: job {job.name}, {nodes} node(s) x {ranks_per_node} "
+                      f"rank(s) + {spares} spare(s); Redis {url}; logs in {control_dir} and "
+                      f"{run_dir / 'logs'}")
+        state = _follow(console, store, cluster, job, interrupted)
+    except KeyboardInterrupt:
+        console.print("second Ctrl-C: killing every process now")
+        state = None
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        cluster.stop_all()
+    steps = committed_steps(job.resolved_checkpoint_dir)
+    console.print(f"latest committed checkpoint: "
+                  f"{f'step {steps[-1]}' if steps else 'none'} in {job.resolved_checkpoint_dir}")
+    return 0 if state in TERMINAL and state != FAILED else 1
+
+
+def _follow(console: Console, store: Store, cluster: LocalCluster, job: JobConfig,
+            interrupted: list) -> str | None:
+    """Print events and progress until the job ends; its final state."""
+    last_event, asked_stop, step_shown, shown_at = "-", False, None, 0.0
+    controller = cluster.procs["controller"]
+    while True:
+        if interrupted and not asked_stop:
+            asked_stop = True
+            console.print("Ctrl-C: stopping; the ranks save a checkpoint first (Ctrl-C again "
+                          "to kill everything)")
+            store.request("stop", by="optimus run (Ctrl-C)", reason="interrupted")
+        try:
+            for event_id, e in store.events(after=last_event):
+                last_event = event_id
+                stamp = time.strftime("%H:%M:%S", time.localtime(float(e["time"])))
+                console.print(f"{stamp} [{e['actor']}] {e['kind']}: {e['message']}", markup=False,
+                              soft_wrap=True)
+            record = store.job_record()
+            step = _rank0_step(store)
+        except StoreUnavailable as e:
+            console.print(f"Redis unavailable: {e}")
+            record, step = {}, None
+        now = time.monotonic()
+        if step is not None and step != step_shown and now - shown_at >= 5:
+            console.print(f"  {record.get('state', '?')}: generation "
+                          f"{record.get('generation', '?')}, step {step}/{job.optim.steps}, "
+                          f"restarts {record.get('restarts', 0)}")
+            step_shown, shown_at = step, now
+        state = record.get("state")
+        if controller.poll() is not None:
+            if state in TERMINAL:
+                console.print(f"job {state}: {record.get('reason', '')}")
+                _wait_agents(cluster, job.supervision.stop_grace_s)
+                return state
+            console.print(f"the controller exited ({controller.returncode}) with the job "
+                          f"{state}; see {cluster.control_dir / 'controller.log'}")
+            return None
+        time.sleep(POLL_S)
+
+
+def _rank0_step(store: Store) -> int | None:
+    plan = store.plan()
+    if not plan or not plan.get("nodes"):
+        return None
+    beat = store.rank_beats(plan["nodes"][0]).get(0)
+    return beat.get("step") if beat and beat.get("generation") == plan["generation"] else None
+
+
+def _wait_agents(cluster: LocalCluster, grace_s: float) -> None:
+    deadline = time.monotonic() + grace_s
+    for name, p in cluster.procs.items():
+        if name.startswith("agent-"):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+
+
+def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(popen.pid, sig)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

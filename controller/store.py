@@ -1,0 +1,313 @@
+"""The whole Redis schema of a job, in one place (documented in docs/redis-schema.md).
+
+Every key lives under `optimus:{<job>}:` (the braces are a Redis Cluster hash tag: one job, one
+slot). Redis is the only state the control plane shares; the controller keeps none of its own.
+
+Every call has a socket timeout and is retried with tenacity on connection errors and timeouts
+(a Redis restart, a failover); after the retries a `StoreUnavailable` is raised, which agents
+and the controller ride out (ranks never talk to Redis: an outage never stops training).
+The agent's per-tick traffic is one pipelined round trip per node (`agent_tick`).
+
+Clocks: heartbeat deadlines and agent beats are wall-clock times (time.time()) written by
+agents and compared by the controller; hosts are assumed NTP-synchronised (skew well under the
+timeouts, which are seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import redis
+from tenacity import (
+    RetryError,
+    Retrying,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_exponential,
+)
+
+T = TypeVar("T")
+
+EVENTS_MAXLEN = 10_000  # approximate (MAXLEN ~): Redis trims whole nodes of the stream
+EXITS_MAXLEN = 200_000  # > one generation's ranks at 131k ranks
+TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+
+# Renew the lease only if we still hold it; take it if it is free. 1: held, 0: someone else.
+_LEASE = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if not holder then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class StoreUnavailable(Exception):
+    """Redis did not answer within the retry budget."""
+
+
+def redis_url(explicit: str | None = None) -> str:
+    """`explicit`, else $REDIS_URL, else the local default (redis:// or rediss://, with
+    user:password@ for ACLs)."""
+    return explicit or os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0"
+
+
+def prefix(job: str) -> str:
+    return f"optimus:{{{job}}}:"
+
+
+@dataclass
+class AgentTick:
+    """What one agent tick read back: the plan, chaos commands, whether to re-register."""
+
+    plan: dict | None
+    chaos: list[dict]
+    registered: bool
+
+
+class Store:
+    """One job's keys. All methods raise `StoreUnavailable` once retries are spent."""
+
+    def __init__(self, url: str, job: str, *, timeout_s: float = 2.0, retry_s: float = 5.0):
+        self.url, self.job, self.p = url, job, prefix(job)
+        self.retry_s = retry_s
+        try:
+            self.r = redis.Redis.from_url(url, socket_timeout=timeout_s,
+                                          socket_connect_timeout=timeout_s,
+                                          decode_responses=True, health_check_interval=30)
+        except ValueError as e:  # a malformed URL
+            raise StoreUnavailable(f"REDIS_URL {url!r} is not a Redis URL: {e}") from None
+        self._lease = self.r.register_script(_LEASE)
+        self._release = self.r.register_script(_RELEASE)
+
+    def k(self, name: str) -> str:
+        return self.p + name
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` with retries on transient errors (exponential backoff, `retry_s` in all)."""
+        try:
+            for attempt in Retrying(retry=retry_if_exception_type(TRANSIENT),
+                                    stop=stop_after_delay(self.retry_s),
+                                    wait=wait_exponential(multiplier=0.05, max=1.0),
+                                    reraise=False):
+                with attempt:
+                    return fn()
+        except RetryError as e:
+            cause = e.last_attempt.exception()
+            raise StoreUnavailable(f"Redis at {_safe(self.url)} did not answer for "
+                                   f"{self.retry_s:g} s: {cause}") from None
+        except redis.AuthenticationError as e:
+            raise StoreUnavailable(f"Redis at {_safe(self.url)} refused the credentials: {e}; "
+                                   "fix: put user:password in REDIS_URL") from None
+        except redis.ResponseError as e:
+            if "NOPERM" in str(e) or "NOAUTH" in str(e):
+                raise StoreUnavailable(f"Redis at {_safe(self.url)}: {e}; fix: grant this "
+                                       f"user the keys {self.p}*") from None
+            raise
+        raise AssertionError("unreachable")
+
+    def ping(self) -> None:
+        self.call(self.r.ping)
+
+    def reset(self) -> int:
+        """Forget this job's state (a fresh submission); the events stream stays as history.
+        How many keys went."""
+        def wipe():
+            keys = [k for k in self.r.scan_iter(match=self.p.replace("{", "\\{")
+                                                .replace("}", "\\}") + "*", count=1000)
+                    if k != self.k("events")]
+            if keys:
+                self.r.delete(*keys)
+            return len(keys)
+        return self.call(wipe)
+
+    # --- leader lease --------------------------------------------------------------------------
+
+    def hold_lease(self, holder: str, lease_s: float) -> bool:
+        """Take the leader lease or renew it; False while another controller holds it."""
+        return bool(self.call(lambda: self._lease(keys=[self.k("leader")],
+                                                  args=[holder, int(lease_s * 1000)])))
+
+    def release_lease(self, holder: str) -> None:
+        self.call(lambda: self._release(keys=[self.k("leader")], args=[holder]))
+
+    def leader(self) -> str | None:
+        return self.call(lambda: self.r.get(self.k("leader")))
+
+    # --- the job record and the plan -----------------------------------------------------------
+
+    def job_record(self) -> dict[str, str]:
+        return self.call(lambda: self.r.hgetall(self.k("job")))
+
+    def update_job(self, fields: dict[str, Any], delete: tuple[str, ...] = ()) -> None:
+        values = {k: _text(v) for k, v in fields.items() if v is not None}
+        gone = [k for k, v in fields.items() if v is None] + list(delete)
+
+        def write():
+            pipe = self.r.pipeline()
+            if values:
+                pipe.hset(self.k("job"), mapping=values)
+            if gone:
+                pipe.hdel(self.k("job"), *gone)
+            pipe.execute()
+        self.call(write)
+
+    def plan(self) -> dict | None:
+        raw = self.call(lambda: self.r.get(self.k("plan")))
+        return json.loads(raw) if raw else None
+
+    def set_plan(self, plan: dict) -> None:
+        self.call(lambda: self.r.set(self.k("plan"), json.dumps(plan)))
+
+    def set_master_port(self, generation: int, port: int) -> None:
+        self.call(lambda: self.r.set(self.k(f"gen:{generation}:master_port"), port, ex=86_400))
+
+    def master_port(self, generation: int) -> int | None:
+        raw = self.call(lambda: self.r.get(self.k(f"gen:{generation}:master_port")))
+        return int(raw) if raw else None
+
+    def request(self, desired: str, by: str, reason: str) -> None:
+        """An operator's wish for the job ("stop"), for the controller to act on."""
+        self.update_job({"desired": desired, "desired_by": by, "desired_reason": reason})
+
+    # --- nodes, agents, heartbeats -------------------------------------------------------------
+
+    def register_node(self, node: str, info: dict) -> None:
+        def write():
+            pipe = self.r.pipeline()
+            pipe.hset(self.k("nodes"), node, json.dumps(info))
+            pipe.zadd(self.k("agents"), {node: time.time()})
+            pipe.execute()
+        self.call(write)
+
+    def agent_tick(self, node: str, status: dict, rank_beats: dict[int, dict],
+                   deadline: float | None, reset_ranks: bool) -> AgentTick:
+        """An agent's whole periodic traffic in one round trip: its own beat and status, its
+        ranks' latest heartbeats and their deadline, and back the plan and chaos commands."""
+        def tick():
+            pipe = self.r.pipeline(transaction=False)
+            pipe.zadd(self.k("agents"), {node: time.time()})
+            pipe.hset(self.k(f"agent:{node}"), mapping={k: _text(v) for k, v in status.items()})
+            if reset_ranks:
+                pipe.delete(self.k(f"ranks:{node}"))
+            if rank_beats:
+                pipe.hset(self.k(f"ranks:{node}"),
+                          mapping={str(lr): json.dumps(b) for lr, b in rank_beats.items()})
+            if deadline is None:
+                pipe.zrem(self.k("beats"), node)
+            else:
+                pipe.zadd(self.k("beats"), {node: deadline})
+            pipe.get(self.k("plan"))
+            pipe.lpop(self.k(f"chaos:{node}"), 100)
+            pipe.hexists(self.k("nodes"), node)
+            return pipe.execute()[-3:]
+        plan, chaos, registered = self.call(tick)
+        return AgentTick(json.loads(plan) if plan else None,
+                         [json.loads(c) for c in chaos or []], bool(registered))
+
+    def leave(self, node: str) -> None:
+        """An agent going away cleanly: forget its beats (the node record stays, marked)."""
+        def write():
+            pipe = self.r.pipeline()
+            pipe.zrem(self.k("agents"), node)
+            pipe.zrem(self.k("beats"), node)
+            pipe.hset(self.k(f"agent:{node}"), "state", "gone")
+            pipe.execute()
+        self.call(write)
+
+    def nodes(self) -> dict[str, dict]:
+        raw = self.call(lambda: self.r.hgetall(self.k("nodes")))
+        return {n: json.loads(v) for n, v in raw.items()}
+
+    def agent_beats(self) -> dict[str, float]:
+        return dict(self.call(lambda: self.r.zrange(self.k("agents"), 0, -1, withscores=True)))
+
+    def agent_status(self, nodes: list[str]) -> dict[str, dict]:
+        def read():
+            pipe = self.r.pipeline(transaction=False)
+            for n in nodes:
+                pipe.hgetall(self.k(f"agent:{n}"))
+            return pipe.execute()
+        return {n: s for n, s in zip(nodes, self.call(read), strict=True) if s}
+
+    def overdue(self, now: float) -> list[str]:
+        """Nodes with a rank whose heartbeat deadline has passed: O(overdue), not O(nodes)."""
+        return self.call(lambda: self.r.zrangebyscore(self.k("beats"), "-inf", now))
+
+    def rank_beats(self, node: str) -> dict[int, dict]:
+        raw = self.call(lambda: self.r.hgetall(self.k(f"ranks:{node}")))
+        return {int(lr): json.loads(v) for lr, v in raw.items()}
+
+    # --- exits, exclusions, events, chaos ------------------------------------------------------
+
+    def report_exit(self, record: dict) -> str:
+        return self.call(lambda: self.r.xadd(self.k("exits"), {"json": json.dumps(record)},
+                                             maxlen=EXITS_MAXLEN, approximate=True))
+
+    def exits(self, after: str = "0") -> list[tuple[str, dict]]:
+        """Exit records with stream ids greater than `after`, oldest first."""
+        start = after if after == "0" else f"({after}"
+        raw = self.call(lambda: self.r.xrange(self.k("exits"), min=start))
+        return [(i, json.loads(f["json"])) for i, f in raw]
+
+    def last_exit_id(self) -> str:
+        raw = self.call(lambda: self.r.xrevrange(self.k("exits"), count=1))
+        return raw[0][0] if raw else "0"
+
+    def exclude(self, node: str, reason: str, by: str) -> None:
+        self.call(lambda: self.r.hset(self.k("excluded"), node, json.dumps(
+            {"reason": reason, "by": by, "time": time.time()})))
+
+    def include(self, node: str) -> bool:
+        return bool(self.call(lambda: self.r.hdel(self.k("excluded"), node)))
+
+    def excluded(self) -> dict[str, dict]:
+        raw = self.call(lambda: self.r.hgetall(self.k("excluded")))
+        return {n: json.loads(v) for n, v in raw.items()}
+
+    def event(self, actor: str, kind: str, message: str, **fields: Any) -> None:
+        entry = {"time": f"{time.time():.3f}", "actor": actor, "kind": kind, "message": message,
+                 **{k: _text(v) for k, v in fields.items()}}
+        self.call(lambda: self.r.xadd(self.k("events"), entry, maxlen=EVENTS_MAXLEN,
+                                      approximate=True))
+
+    def events(self, count: int = 100, after: str = "-") -> list[tuple[str, dict]]:
+        start = after if after == "-" else f"({after}"
+        return self.call(lambda: self.r.xrange(self.k("events"), min=start, count=count))
+
+    def push_chaos(self, node: str, command: dict) -> None:
+        self.call(lambda: self.r.rpush(self.k(f"chaos:{node}"), json.dumps(command)))
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int | float):
+        return str(value)
+    return json.dumps(value)
+
+
+def _safe(url: str) -> str:
+    """The URL without its password, for messages."""
+    if "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    creds, host = rest.rsplit("@", 1)
+    user = creds.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if user else f"{scheme}://***@{host}"

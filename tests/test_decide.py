@@ -1,0 +1,167 @@
+"""The controller's rules, one by one, as pure functions of an observed snapshot."""
+
+from __future__ import annotations
+
+from controller.decide import (
+    COMPLETED,
+    FAILED,
+    RESTARTING,
+    RUNNING,
+    STOPPED,
+    STOPPING,
+    WAITING,
+    Exit,
+    JobView,
+    NodeView,
+    Observed,
+    Overdue,
+    Settings,
+    decide,
+)
+
+S = Settings(nodes=2, ranks_per_node=2, heartbeat_timeout_s=5, agent_timeout_s=5,
+             max_restarts=2, backoff_s=1, backoff_max_s=3, failure_grace_s=2, stop_grace_s=30,
+             launch={"job_file": "/jobs/x.yaml"})
+NOW = 1000.0
+
+
+def node(name: str, *, alive: bool = True, healthy: bool = True, excluded: str | None = None,
+         generation: int | None = None, live: int = 0) -> NodeView:
+    return NodeView(name=name, host=f"host-{name}", alive=alive, healthy=healthy,
+                    health="ok" if healthy else "matmul mismatch", excluded=excluded,
+                    generation=generation, live_ranks=live, last_beat=NOW - 0.5)
+
+
+def running_plan(gen: int = 0, nodes=("n0", "n1")) -> dict:
+    return {"generation": gen, "action": "run", "nodes": list(nodes), "ranks_per_node": 2,
+            "world_size": 4}
+
+
+def running(nodes=None, exits=(), overdue=(), job=None, plan=None, now=NOW) -> Observed:
+    nodes = nodes or {n: node(n, generation=0, live=2) for n in ("n0", "n1")}
+    nodes.setdefault("n2", node("n2"))  # the spare
+    return Observed(now=now, job=job or JobView(state=RUNNING, generation=0),
+                    plan=plan or running_plan(), nodes=nodes, exits=list(exits),
+                    overdue=list(overdue), latest_step=40)
+
+
+def test_first_generation_takes_nodes_in_name_order_and_starts_from_the_checkpoint():
+    obs = Observed(now=NOW, job=JobView(), plan=None,
+                   nodes={n: node(n) for n in ("n2", "n0", "n1")}, latest_step=None)
+    d = decide(obs, S)
+    assert d.plan["action"] == "run" and d.plan["generation"] == 0
+    assert d.plan["nodes"] == ["n0", "n1"]
+    assert d.plan["master_addr"] == "host-n0" and d.plan["world_size"] == 4
+    assert d.plan["job_file"] == "/jobs/x.yaml"  # the launch settings travel in the plan
+    assert d.job["state"] == RUNNING and d.job["generation"] == 0
+    assert "from scratch" in d.plan["reason"]
+
+
+def test_too_few_healthy_nodes_waits_in_a_named_state_saying_why():
+    obs = Observed(now=NOW, job=JobView(), plan=None, nodes={
+        "n0": node("n0"), "n1": node("n1", healthy=False), "n2": node("n2", excluded="bad"),
+        "n3": node("n3", alive=False)})
+    d = decide(obs, S)
+    assert d.plan is None
+    assert d.job["state"] == WAITING
+    reason = d.job["reason"]
+    assert "needs 2 x 2 ranks, 1 healthy node" in reason
+    assert "n1 unhealthy" in reason and "n2 excluded (bad)" in reason and "n3 silent" in reason
+    # Nothing new: no second event for the same wait.
+    again = decide(Observed(now=NOW + 1, job=JobView(state=WAITING, reason=reason), plan=None,
+                            nodes=obs.nodes), S)
+    assert again.job == {} and again.events == []
+
+
+def test_a_killed_rank_is_the_culprit_even_when_a_peer_reported_first():
+    peer = Exit("n1", 3, 0, code=1, tail="RuntimeError: Connection closed by peer [x]:1234",
+                time=NOW - 0.2)
+    killed = Exit("n0", 1, 0, code=None, signal=9, tail="step 12", time=NOW - 0.1)
+    d = decide(running(exits=[peer, killed]), S)
+    assert d.exclude == [("n0", "rank 1 on n0 ended with signal 9: step 12")]
+    assert d.plan["action"] == "stop" and d.plan["grace_s"] == 2
+    assert d.job["state"] == RESTARTING and d.job["restarts"] == 1
+    assert d.job["next_plan_at"] == NOW + 1  # backoff 1 s for the first restart
+
+
+def test_collateral_exits_alone_wait_for_a_culprit_then_restart_without_exclusion():
+    peer = Exit("n1", 3, 0, code=1, tail="gloo::IoException: Connection reset by peer",
+                time=NOW)
+    first = decide(running(exits=[peer]), S)
+    assert first.plan is None and first.exclude == []
+    assert first.job == {"failure_since": NOW}
+    # Still within settle_s (agent timeout + 1): keep waiting.
+    job = JobView(state=RUNNING, generation=0, failure_since=NOW)
+    assert decide(running(exits=[peer], job=job, now=NOW + 3), S).plan is None
+    # The lost node shows up (its agent fell silent): it is the culprit.
+    nodes = {"n0": node("n0", generation=0, live=2),
+             "n1": NodeView("n1", "host-n1", alive=False, healthy=True, generation=0,
+                            live_ranks=2, last_beat=NOW - 6)}
+    d = decide(running(nodes=nodes, exits=[peer], job=job, now=NOW + 5), S)
+    assert [n for n, _ in d.exclude] == ["n1"]
+    assert "node n1 lost: its agent has been silent for 11.0 s" in d.exclude[0][1]
+    # No culprit by the end of the window: restart, nobody excluded.
+    d = decide(running(exits=[peer], job=job, now=NOW + S.settle_s), S)
+    assert d.exclude == [] and d.job["state"] == RESTARTING
+    assert "no culprit" in d.job["reason"]
+
+
+def test_overdue_heartbeat_names_the_frozen_rank():
+    late = Overdue("n1", 2, "no heartbeat for 6.0 s (step 9, phase backward)", NOW - 6)
+    d = decide(running(overdue=[late]), S)
+    assert d.exclude == [("n1", "rank 2 on n1: no heartbeat for 6.0 s (step 9, phase backward)")]
+    assert d.job["state"] == RESTARTING
+
+
+def test_next_generation_waits_for_the_old_ranks_then_the_backoff_then_uses_the_spare():
+    job = JobView(state=RESTARTING, generation=0, restarts=1, next_plan_at=NOW + 1)
+    stopping = {"n0": node("n0", excluded="killed", generation=0, live=1),
+                "n1": node("n1", generation=0, live=0)}
+    plan = {**running_plan(), "action": "stop"}
+    assert decide(running(nodes=stopping, job=job, plan=plan), S).plan is None  # draining
+    drained = {"n0": node("n0", excluded="killed", generation=0), "n1": node("n1", generation=0)}
+    assert decide(running(nodes=drained, job=job, plan=plan), S).plan is None  # backoff
+    d = decide(running(nodes=drained, job=job, plan=plan, now=NOW + 1), S)
+    assert d.plan["generation"] == 1 and d.plan["action"] == "run"
+    assert d.plan["nodes"] == ["n1", "n2"]  # the survivor keeps its place; the spare joins
+    assert d.plan["master_addr"] == "host-n1"
+    assert d.plan["resume_step"] == 40 and "spares brought in: n2" in d.plan["reason"]
+    assert d.job["state"] == RUNNING and d.job["generation"] == 1
+
+
+def test_restarts_are_bounded_and_backoff_grows_to_its_cap():
+    assert [S.backoff(n) for n in (1, 2, 3, 4)] == [1, 2, 3, 3]
+    killed = Exit("n0", 0, 0, code=None, signal=9, time=NOW)
+    d = decide(running(exits=[killed], job=JobView(state=RUNNING, generation=0, restarts=2)), S)
+    assert d.job["state"] == FAILED
+    assert "2 restarts used up (max_restarts=2)" in d.job["reason"]
+    assert d.plan["action"] == "end"
+
+
+def test_all_ranks_finishing_completes_the_job_and_a_stop_by_the_agent_is_no_failure():
+    done = [Exit(f"n{r // 2}", r, 0, code=0, time=NOW) for r in range(4)]
+    d = decide(running(exits=done), S)
+    assert d.job["state"] == COMPLETED and d.plan["action"] == "end"
+    assert "all 4 ranks of generation 0 finished at step 40" in d.job["reason"]
+    terminated = Exit("n0", 0, 0, code=None, signal=15, by_agent=True, time=NOW)
+    assert decide(running(exits=done[:3] + [terminated]), S).job == {}
+
+
+def test_an_operator_stop_drains_then_ends_stopped():
+    job = JobView(state=RUNNING, generation=0, desired="stop", desired_by="alice")
+    d = decide(running(job=job), S)
+    assert d.plan["action"] == "stop" and d.plan["grace_s"] == 30  # time to save
+    assert d.job["state"] == STOPPING
+    job = JobView(state=STOPPING, generation=0, desired="stop", desired_by="alice")
+    assert decide(running(job=job), S).job == {}  # ranks still live
+    gone = {n: node(n, generation=0) for n in ("n0", "n1")}
+    d = decide(running(nodes=gone, job=job, plan={**running_plan(), "action": "stop"}), S)
+    assert d.job["state"] == STOPPED and d.plan["action"] == "end"
+    assert "stopped by alice" in d.job["reason"] and "step 40" in d.job["reason"]
+
+
+def test_a_terminal_job_keeps_telling_agents_to_end():
+    job = JobView(state=COMPLETED, generation=0, reason="done")
+    d = decide(running(job=job), S)
+    assert d.plan["action"] == "end" and d.job == {}
+    assert decide(running(job=job, plan={**running_plan(), "action": "end"}), S).plan is None
