@@ -122,7 +122,8 @@ class Agent:
                 self.store.register_node(self.node, self.info)
                 self.store.event(f"agent:{self.node}", "register", f"node {self.node} "
                                  f"registered (host {self.host}, {self.info['devices']} "
-                                 f"device(s), health {self.info['health']})")
+                                 f"device(s), health {self.info['health']})",
+                                 node=self.node)
                 return
             except StoreUnavailable as e:
                 self._note_outage(e)

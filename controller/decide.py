@@ -199,14 +199,15 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
 
     evidence = [_Evidence(e.node, e.describe(), not _collateral(e), e.time)
                 for e in obs.exits if e.failed]
-    evidence += [_Evidence(o.node, f"rank {o.rank} on {o.node}: {o.detail}", True, o.since)
-                 for o in obs.overdue if o.node in plan["nodes"]]
-    for name in plan["nodes"]:
+    lost = [n for n in plan["nodes"] if (v := obs.nodes.get(n)) is None or not v.alive]
+    for name in lost:
         node = obs.nodes.get(name)
-        if node is None or not node.alive:
-            silent = f"{obs.now - node.last_beat:.1f} s" if node and node.last_beat else "ever"
-            evidence.append(_Evidence(name, f"node {name} lost: its agent has been silent for "
-                                      f"{silent}", True, node.last_beat if node else 0.0))
+        silent = f"{obs.now - node.last_beat:.1f} s" if node and node.last_beat else "ever"
+        evidence.append(_Evidence(name, f"node {name} lost: its agent has been silent for "
+                                  f"{silent}", True, node.last_beat if node else 0.0))
+    # A lost node's ranks fall silent with it: their heartbeats say nothing more.
+    evidence += [_Evidence(o.node, f"rank {o.rank} on {o.node}: {o.detail}", True, o.since)
+                 for o in obs.overdue if o.node in plan["nodes"] and o.node not in lost]
     if not evidence:
         if job.failure_since is not None:
             d.job = {"failure_since": None}

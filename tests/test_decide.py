@@ -113,6 +113,15 @@ def test_overdue_heartbeat_names_the_frozen_rank():
     assert d.job["state"] == RESTARTING
 
 
+def test_a_lost_node_is_named_as_lost_not_by_its_silent_ranks():
+    nodes = {"n0": node("n0", generation=0, live=2),
+             "n1": NodeView("n1", "host-n1", alive=False, healthy=True, generation=0,
+                            live_ranks=2, last_beat=NOW - 6)}
+    late = Overdue("n1", 2, "no heartbeat for 6.5 s", NOW - 6.5)  # the ranks died first
+    d = decide(running(nodes=nodes, overdue=[late]), S)
+    assert d.exclude == [("n1", "node n1 lost: its agent has been silent for 6.0 s")]
+
+
 def test_next_generation_waits_for_the_old_ranks_then_the_backoff_then_uses_the_spare():
     job = JobView(state=RESTARTING, generation=0, restarts=1, next_plan_at=NOW + 1)
     stopping = {"n0": node("n0", excluded="killed", generation=0, live=1),

@@ -1,0 +1,143 @@
+"""Real control-plane parts for tests and benchmarks: a private redis-server that can be killed
+and restarted on its port, controller and agent processes, and readers of what a run left."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """redis-server on a free loopback port, no persistence: a restart comes back empty."""
+
+    def __init__(self, workdir: Path):
+        self.workdir, self.port = workdir, free_port()
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port),
+                                                                        timeout=0.2):
+                return
+            time.sleep(0.02)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.kill()
+
+
+class Processes:
+    """Control-plane processes started by a test; all killed (with their ranks) at the end."""
+
+    def __init__(self, logdir: Path):
+        self.logdir = logdir
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+        out = open(self.logdir / f"{name}.log", "ab")  # noqa: SIM115 (closed with the process)
+        p = subprocess.Popen([sys.executable, "-m", "controller", *args], cwd=ROOT,
+                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                             env={**os.environ, **(env or {})})
+        out.close()
+        self.procs[name] = p
+        return p
+
+    def log(self, name: str) -> str:
+        return (self.logdir / f"{name}.log").read_text(errors="replace")
+
+    def stop_all(self) -> None:
+        for p in self.procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def write_job(path: Path, run_dir: Path, *, name: str = "e2e", steps: int = 30,
+              faults: list[dict] | None = None, **supervision) -> Path:
+    """A tiny job that trains in ~0.2 s a step on two ranks, checkpoints every 10 steps and
+    keeps them all (a test compares against any of them)."""
+    job = {
+        "name": name, "seed": 1234, "run_dir": str(run_dir),
+        "model": {"vocab_size": 264, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                  "max_seq_len": 64},
+        "optim": {"steps": steps, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5},
+        "data": {"source": "synthetic", "seq_len": 64, "batch_size": 8, "microbatches": 1},
+        "checkpoint": {"interval": 10, "keep_last": 100, "async_mode": "thread"},
+        "supervision": {"log_every": 1, "heartbeat_interval_s": 0.25,
+                        "heartbeat_timeout_s": 3.0, "restart_backoff_s": 0.2,
+                        "failure_grace_s": 1.0, "stop_grace_s": 30.0, **supervision},
+        "fault_injection": {"faults": faults or []},
+    }
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def final_loss(run_dir: Path, step: int) -> float:
+    """The loss logged for `step`, from the last generation that logged it."""
+    losses = [m["loss"] for m in metrics(run_dir) if m.get("step") == step and "loss" in m]
+    assert losses, f"no loss logged for step {step} in {run_dir}/metrics.jsonl"
+    return losses[-1]
+
+
+def train_ranks(job: Path, world: int, *, timeout: float = 120, env: dict | None = None) -> None:
+    """A plain run of `job` on `world` local ranks (the agent's environment, no agent)."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        rank_env = {**os.environ, **(env or {}), "OPTIMUS_RANK": str(rank),
+                    "OPTIMUS_WORLD_SIZE": str(world), "OPTIMUS_LOCAL_RANK": str(rank),
+                    "OPTIMUS_LOCAL_WORLD_SIZE": str(world), "OPTIMUS_MASTER_ADDR": "127.0.0.1",
+                    "OPTIMUS_MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "optimus", "train", str(job)],
+                                      cwd=ROOT, env=rank_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT))
+    for p in procs:
+        out, _ = p.communicate(timeout=timeout)
+        assert p.returncode == 0, out.decode(errors="replace")[-3000:]
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

@@ -1,0 +1,181 @@
+"""The control plane end to end: a real redis-server, a controller, agents and gloo ranks.
+
+Each fault is injected for real (SIGKILL, SIGSTOP, a node's agent killed with its ranks) into a
+two-node job with one spare; the test checks that the culprit node is excluded, that the job
+continues on the spare from the last committed checkpoint, and that its final loss equals that of
+an unfaulted run resumed from the same checkpoint. Then the controller is killed under a standby,
+and Redis is restarted empty under a running job.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cluster import (
+    ROOT,
+    Processes,
+    RedisServer,
+    final_loss,
+    metrics,
+    train_ranks,
+    wait_for,
+    write_job,
+)
+
+from controller.store import Store
+from optimus.checkpoint.manifest import committed_steps, step_dir
+
+STEPS = 30
+FAULT_STEP = 15
+
+_reference_losses: dict[int, float] = {}  # resume step -> final loss of an unfaulted run
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = Processes(tmp_path)
+    yield p
+    p.stop_all()
+
+
+def reference_loss(tmp_path_factory, faulty_run: Path, resume_step: int) -> float:
+    """Final loss of a plain two-rank run resumed from the faulty run's checkpoint."""
+    if resume_step not in _reference_losses:
+        ref = tmp_path_factory.mktemp(f"reference-{resume_step}")
+        shutil.copytree(step_dir(faulty_run / "checkpoints", resume_step),
+                        step_dir(ref / "checkpoints", resume_step))
+        job = write_job(ref / "job.yaml", ref, steps=STEPS)
+        train_ranks(job, 2)
+        assert metrics(ref)[0]["event"] == "resume"
+        _reference_losses[resume_step] = final_loss(ref, STEPS)
+    return _reference_losses[resume_step]
+
+
+@pytest.mark.parametrize("fault,evidence", [
+    ({"kind": "kill_rank", "rank": 1}, "rank 1 on {node} ended with signal 9"),
+    ({"kind": "freeze_rank", "rank": 1}, "rank 1 on {node}: no heartbeat for"),
+    ({"kind": "kill_node", "node": 1}, "node {node} lost: its agent has been silent"),
+], ids=["kill_rank", "freeze_rank", "kill_node"])
+def test_fault_excludes_the_culprit_and_finishes_on_the_spare(fault, evidence, tmp_path,
+                                                              tmp_path_factory):
+    run = tmp_path / "run"
+    job = write_job(tmp_path / "job.yaml", run, steps=STEPS,
+                    faults=[{**fault, "step": FAULT_STEP}])
+    out = subprocess.run([sys.executable, "-m", "controller", "run", str(job), "--nodes", "2",
+                          "--ranks-per-node", "1", "--spares", "1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+
+    # Generation 0 runs on the first two nodes to register; rank 1 is on the second of them.
+    first = re.search(r"generation 0 on (node\d), (node\d) from scratch", out.stdout)
+    assert first, out.stdout
+    survivor, culprit = first.groups()
+    (spare,) = {"node0", "node1", "node2"} - {survivor, culprit}
+    journal = json.loads((run / "controller.json").read_text())
+    assert journal["job"]["state"] == "COMPLETED", journal["job"]
+    assert journal["job"]["restarts"] == "1"
+    assert list(journal["excluded"]) == [culprit]
+    assert evidence.format(node=culprit) in journal["excluded"][culprit]["reason"]
+    assert journal["plan"]["generation"] == 1
+    assert journal["plan"]["nodes"] == [survivor, spare]  # the spare took the culprit's place
+    assert f"node {culprit} excluded" in out.stdout
+    assert f"spares brought in: {spare}" in out.stdout
+
+    resumes = [m for m in metrics(run) if m.get("event") == "resume"]
+    assert len(resumes) == 1  # generation 1 resumed; generation 0 started from scratch
+    resume_step = resumes[0]["step"]
+    # No later step can be committed: a frozen rank thawed by the stop may still save this one.
+    assert 0 < resume_step <= FAULT_STEP
+    assert final_loss(run, STEPS) == reference_loss(tmp_path_factory, run, resume_step)
+
+
+def _agents(procs: Processes, url: str, n: int = 2) -> None:
+    for i in range(n):
+        procs.start(f"agent{i}", "agent", "--job", "e2e", "--node", f"node{i}", "--redis", url,
+                    "--interval", "0.25")
+
+
+def _rank0_step(store: Store) -> int:
+    plan = store.plan()
+    if not plan:
+        return -1
+    beat = store.rank_beats(plan["nodes"][0]).get(0)
+    return beat["step"] if beat else -1
+
+
+def _events(store: Store, kind: str) -> list[dict]:
+    return [e for _, e in store.events(count=10_000) if e["kind"] == kind]
+
+
+def test_standby_controller_takes_over_and_the_ranks_never_notice(redis_server, procs,
+                                                                  tmp_path):
+    run = tmp_path / "run"
+    job = write_job(tmp_path / "job.yaml", run, steps=80)
+    lease = 2.0
+    common = ["controller", str(job), "--nodes", "2", "--ranks-per-node", "1", "--redis",
+              redis_server.url, "--lease", str(lease), "--exit-when-done"]
+    procs.start("c1", *common, "--id", "c1")
+    store = Store(redis_server.url, "e2e")
+    wait_for(lambda: store.leader() == "c1", 30, "c1 to lead")
+    procs.start("c2", *common, "--id", "c2")
+    _agents(procs, redis_server.url)
+    wait_for(lambda: _rank0_step(store) >= 5, 120, "rank 0 to reach step 5")
+
+    procs.procs["c1"].kill()  # SIGKILL, mid-run
+    killed = time.monotonic()
+    wait_for(lambda: store.leader() == "c2", 3 * lease, "c2 to take over")
+    took_over = time.monotonic() - killed
+    assert took_over <= 2 * lease, took_over
+    step_at_takeover = _rank0_step(store)
+
+    procs.procs["c2"].wait(timeout=180)
+    record = store.job_record()
+    assert record["state"] == "COMPLETED", record
+    assert record["generation"] == "0" and record["restarts"] == "0"  # no new generation
+    assert step_at_takeover < 80
+    leaders = [e["controller"] for e in _events(store, "leader")]
+    assert leaders == ["c1", "c2"]
+    assert [e for e in metrics(run) if e.get("event") == "resume"] == []  # never restarted
+
+
+def test_redis_restarted_empty_agents_reregister_and_the_job_continues(redis_server, procs,
+                                                                      tmp_path):
+    run = tmp_path / "run"
+    job = write_job(tmp_path / "job.yaml", run, steps=80)
+    procs.start("c1", "controller", str(job), "--nodes", "2", "--ranks-per-node", "1",
+                "--redis", redis_server.url, "--lease", "2", "--exit-when-done", "--id", "c1")
+    _agents(procs, redis_server.url)
+    store = Store(redis_server.url, "e2e")
+    wait_for(lambda: committed_steps(run / "checkpoints"), 120, "a committed checkpoint")
+    before = committed_steps(run / "checkpoints")
+    step_before = _rank0_step(store)
+
+    redis_server.kill()
+    time.sleep(1.0)
+    redis_server.start()  # empty: no persistence
+
+    procs.procs["c1"].wait(timeout=180)
+    record = store.job_record()
+    assert record["state"] == "COMPLETED", (record, procs.log("c1")[-3000:])
+    assert record["generation"] == "0"  # the ranks trained through the outage
+    assert len(_events(store, "rebuilt")) == 1
+    registered = {e["node"] for e in _events(store, "register")}
+    assert registered == {"node0", "node1"}  # both came back on their own
+    after = committed_steps(run / "checkpoints")
+    assert set(before) <= set(after) and after[-1] == 80  # nothing committed was lost
+    steps = [m["step"] for m in metrics(run) if "loss" in m]
+    assert steps == list(range(1, 81)) and step_before < 80
