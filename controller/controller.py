@@ -54,6 +54,7 @@ def settings_for(job: JobConfig, job_file: str, overrides: list[str], nodes: int
               for f in job.fault_injection.faults if f.kind == "kill_node"]
     return Settings(
         nodes=nodes, ranks_per_node=ranks_per_node,
+        heartbeat_interval_s=s.heartbeat_interval_s,
         heartbeat_timeout_s=s.heartbeat_timeout_s, startup_timeout_s=s.startup_timeout_s,
         agent_timeout_s=s.heartbeat_timeout_s, max_restarts=s.max_restarts,
         backoff_s=s.restart_backoff_s, backoff_max_s=s.restart_backoff_max_s,

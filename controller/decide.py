@@ -45,6 +45,7 @@ _PEER_FAILURE = re.compile(
 class Settings:
     nodes: int
     ranks_per_node: int
+    heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 30.0
     startup_timeout_s: float = 300.0
     agent_timeout_s: float = 30.0
@@ -58,6 +59,11 @@ class Settings:
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    @property
+    def agent_silence_s(self) -> float:
+        """An agent this late (several missed beats) is suspect."""
+        return 3 * self.heartbeat_interval_s
 
     @property
     def settle_s(self) -> float:
@@ -199,7 +205,13 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
 
     evidence = [_Evidence(e.node, e.describe(), not _collateral(e), e.time)
                 for e in obs.exits if e.failed]
-    lost = [n for n in plan["nodes"] if (v := obs.nodes.get(n)) is None or not v.alive]
+    # A node is lost when its agent is silent past agent_timeout_s, or sooner when one of its
+    # ranks is overdue and its agent has missed beats too (a healthy agent beats every interval
+    # whatever its ranks do): a dead node is then named at the speed of a frozen rank.
+    late_nodes = {o.node for o in obs.overdue}
+    lost = [n for n in plan["nodes"]
+            if (v := obs.nodes.get(n)) is None or not v.alive
+            or (n in late_nodes and obs.now - v.last_beat > s.agent_silence_s)]
     for name in lost:
         node = obs.nodes.get(name)
         silent = f"{obs.now - node.last_beat:.1f} s" if node and node.last_beat else "ever"
@@ -218,7 +230,7 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
     if not primary and obs.now - first_seen < s.settle_s:
         if job.failure_since is None:
             d.job = {"failure_since": obs.now}
-            d.note("failure", f"generation {gen}: {evidence[0].what}; waiting up to "
+            d.note("suspect", f"generation {gen}: {evidence[0].what}; waiting up to "
                    f"{s.settle_s:g} s for the cause")
         return
 

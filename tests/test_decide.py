@@ -19,7 +19,8 @@ from controller.decide import (
     decide,
 )
 
-S = Settings(nodes=2, ranks_per_node=2, heartbeat_timeout_s=5, agent_timeout_s=5,
+S = Settings(nodes=2, ranks_per_node=2, heartbeat_interval_s=0.5, heartbeat_timeout_s=5,
+             agent_timeout_s=5,
              max_restarts=2, backoff_s=1, backoff_max_s=3, failure_grace_s=2, stop_grace_s=30,
              launch={"job_file": "/jobs/x.yaml"})
 NOW = 1000.0
@@ -120,6 +121,19 @@ def test_a_lost_node_is_named_as_lost_not_by_its_silent_ranks():
     late = Overdue("n1", 2, "no heartbeat for 6.5 s", NOW - 6.5)  # the ranks died first
     d = decide(running(nodes=nodes, overdue=[late]), S)
     assert d.exclude == [("n1", "node n1 lost: its agent has been silent for 6.0 s")]
+
+
+def test_an_overdue_rank_whose_agent_missed_beats_is_a_lost_node_at_once():
+    late = Overdue("n1", 2, "no heartbeat for 3.1 s", NOW - 3.1)
+    quiet = {"n0": node("n0", generation=0, live=2),
+             "n1": NodeView("n1", "host-n1", alive=True, healthy=True, generation=0,
+                            live_ranks=2, last_beat=NOW - 2.6)}  # 0.5 s beats: 5 missed
+    d = decide(running(nodes=quiet, overdue=[late]), S)
+    assert d.exclude == [("n1", "node n1 lost: its agent has been silent for 2.6 s")]
+    beating = {**quiet, "n1": NodeView("n1", "host-n1", alive=True, healthy=True,
+                                       generation=0, live_ranks=2, last_beat=NOW - 0.4)}
+    d = decide(running(nodes=beating, overdue=[late]), S)
+    assert d.exclude == [("n1", "rank 2 on n1: no heartbeat for 3.1 s")]  # a frozen rank
 
 
 def test_next_generation_waits_for_the_old_ranks_then_the_backoff_then_uses_the_spare():

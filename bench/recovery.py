@@ -1,0 +1,195 @@
+"""Recovery time per fault: injection -> the controller's decision -> the next generation's
+first step, on the tiny CPU job under the whole control plane on this machine.
+
+A private redis-server, a controller and 3 agents (2 nodes x 1 rank + 1 spare), started by the
+same code as `optimus run`. For each fault kind, `--trials` times: wait until the generation
+has trained a few steps, inject the fault through `optimus chaos`'s path (Redis -> the agent
+of the node holding rank 1), then read three times from the run itself:
+
+- injection: the agent's "chaos" event (written just before it acts);
+- decision: the controller's "failure" event for that generation;
+- next step: the first step rank 0 logs in metrics.jsonl after the decision (log_every 1).
+
+The excluded node is then put back (as an operator would with a repaired node; a killed node's
+agent is restarted first), so every trial has a spare. The reference, measured in the same
+run, is a cold start: the first generation's plan to its first logged step; "overhead" is
+fault-to-next-step minus that. Targets: decision p99 <= 5 s for a dead or frozen rank; fault to
+next step <= 30 s.
+
+    .venv/bin/python bench/recovery.py [--trials 5] [--faults kill_rank,freeze_rank,kill_node]
+
+Settings (printed): heartbeat every 0.5 s, timeout 3 s; a frozen rank's decision cannot come
+sooner than the timeout, so it scales with `supervision.heartbeat_timeout_s` (30 s by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from controller.run import LocalCluster, start_redis
+from controller.store import Store
+
+REPO = Path(__file__).resolve().parents[1]
+INTERVAL_S, TIMEOUT_S = 0.5, 3.0
+TARGET_DECISION_S, TARGET_NEXT_STEP_S = 5.0, 30.0
+
+
+def bench_job(run_dir: Path) -> dict:
+    return {
+        "name": "bench-recovery", "seed": 1234, "run_dir": str(run_dir),
+        "model": {"vocab_size": 264, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                  "max_seq_len": 64},
+        "optim": {"steps": 1_000_000, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5},
+        "data": {"source": "synthetic", "seq_len": 64, "batch_size": 8, "microbatches": 1},
+        "checkpoint": {"interval": 10, "keep_last": 2},
+        "supervision": {"log_every": 1, "heartbeat_interval_s": INTERVAL_S,
+                        "heartbeat_timeout_s": TIMEOUT_S, "restart_backoff_s": 0.0,
+                        "restart_backoff_max_s": 0.0, "failure_grace_s": 1.0,
+                        "max_restarts": 1000, "stop_grace_s": 30.0},
+    }
+
+
+class Run:
+    def __init__(self, tmp: Path):
+        self.run_dir = tmp / "run"
+        self.job_file = tmp / "job.yaml"
+        self.job_file.write_text(yaml.safe_dump(bench_job(self.run_dir)))
+        (self.run_dir / "control").mkdir(parents=True)
+        self.cluster = LocalCluster(self.run_dir / "control")
+        self.url = start_redis(self.cluster)
+        self.store = Store(self.url, "bench-recovery")
+        self.cluster.start("controller", [sys.executable, "-m", "controller", "controller",
+                                          str(self.job_file), "--nodes", "2",
+                                          "--ranks-per-node", "1", "--redis", self.url])
+        for i in range(3):
+            self.start_agent(f"node{i}")
+
+    def start_agent(self, node: str) -> None:
+        self.cluster.start(f"agent-{node}", [sys.executable, "-m", "controller", "agent",
+                                             "--job", "bench-recovery", "--node", node,
+                                             "--redis", self.url, "--interval", str(INTERVAL_S)])
+
+    def events(self, kind: str) -> list[dict]:
+        return [e for _, e in self.store.events(count=100_000) if e["kind"] == kind]
+
+    def steps(self) -> list[tuple[float, int]]:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [(r["time"], r["step"]) for r in rows if "loss" in r]
+
+    def wait(self, predicate, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.05)
+        raise RuntimeError(f"timed out after {timeout} s waiting for {what}; logs in "
+                           f"{self.run_dir}")
+
+    def running_generation(self) -> dict | None:
+        plan = self.store.plan()
+        record = self.store.job_record()
+        if plan and plan["action"] == "run" and record.get("state") == "RUNNING":
+            return plan
+        return None
+
+    def trial(self, fault: str) -> dict:
+        plan = self.wait(self.running_generation, 120, "a running generation")
+        gen = plan["generation"]
+        issued = plan["issued"]
+        self.wait(lambda: sum(t > issued for t, _ in self.steps()) >= 5, 120,
+                  f"five steps of generation {gen}")
+        culprit = plan["nodes"][1]  # holds rank 1
+        before = len(self.events("failure"))
+        self.store.push_chaos(culprit, {"kind": fault, "rank": 1, "time": time.time()})
+        injected = float(self.wait(lambda: [e for e in self.events("chaos")
+                                            if e["node"] == culprit and e["fault"] == fault
+                                            and float(e["time"]) > issued], 30,
+                                   "the agent to inject")[-1]["time"])
+        failure = self.wait(lambda: self.events("failure")[before:], 60, "the decision")[0]
+        decided = float(failure["time"])
+        # The old generation may still log a step while it stops (a thawed rank saves first):
+        # count only steps logged after the next generation's plan.
+        new = self.wait(lambda: (p := self.running_generation()) and p["generation"] > gen
+                        and p, 120, "the next generation")
+        nxt = self.wait(lambda: [t for t, _ in self.steps() if t > new["issued"]], 120,
+                        "the next generation's first step")[0]
+        # Put the culprit back for the next trial, as after a repair.
+        if fault == "kill_node":
+            self.cluster.procs[f"agent-{culprit}"].wait(timeout=10)
+            self.start_agent(culprit)
+        self.store.include(culprit)
+        return {"decision": decided - injected, "next_step": nxt - injected,
+                "reason": failure["message"]}
+
+    def cold_start(self) -> float:
+        plan = self.wait(self.running_generation, 120, "generation 0")
+        first = self.wait(self.steps, 120, "the first step")[0][0]
+        return first - plan["issued"]
+
+    def close(self) -> None:
+        self.cluster.stop_all()
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--faults", default="kill_rank,freeze_rank,kill_node")
+    args = parser.parse_args()
+    faults = args.faults.split(",")
+
+    (REPO / "runs").mkdir(exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-recovery-", dir=REPO / "runs"))
+    run = Run(tmp)
+    print(f"2 nodes x 1 rank + 1 spare on one machine; heartbeat {INTERVAL_S} s, timeout "
+          f"{TIMEOUT_S} s, failure grace 1 s, no backoff; {args.trials} trial(s) per fault",
+          flush=True)
+    try:
+        cold = run.cold_start()
+        print(f"reference: cold start (plan -> first step of generation 0) {cold:.2f} s",
+              flush=True)
+        results: dict[str, list[dict]] = {f: [] for f in faults}
+        for trial in range(args.trials):
+            for fault in faults:
+                r = run.trial(fault)
+                results[fault].append(r)
+                print(f"trial {trial + 1} {fault}: decision {r['decision']:.2f} s, next step "
+                      f"{r['next_step']:.2f} s ({r['reason']})", flush=True)
+        print(f"\nper fault, seconds from injection (n={args.trials} each); reference cold "
+              f"start {cold:.2f} s")
+        for fault, rs in results.items():
+            d = [r["decision"] for r in rs]
+            n = [r["next_step"] for r in rs]
+            d_target = (f"target <= {TARGET_DECISION_S:g} s: "
+                        f"{'met' if p99(d) <= TARGET_DECISION_S else 'MISSED'}"
+                        if fault != "kill_node" else "no target")
+            print(f"  {fault:12s} decision median {statistics.median(d):.2f} p99 {p99(d):.2f} "
+                  f"({d_target}); fault -> next step median {statistics.median(n):.2f} p99 "
+                  f"{p99(n):.2f} (target <= {TARGET_NEXT_STEP_S:g} s: "
+                  f"{'met' if p99(n) <= TARGET_NEXT_STEP_S else 'MISSED'}); "
+                  f"next step / cold start {statistics.median(n) / cold:.2f}x")
+    finally:
+        run.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""Supervision, rank side: heartbeats over a real Unix socket; a clean stop on a real SIGTERM."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from multiproc import free_port
+
+from optimus.checkpoint.manifest import committed_steps
+from optimus.health import PHASES, Command, Commands, Heartbeat
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = REPO / "jobs" / "tiny-gpt.yaml"
+TINY = ["model.dim=64", "model.n_layers=2", "data.seq_len=32", "data.batch_size=8",
+        "optim.warmup_steps=1", "parallel.device=cpu", "supervision.log_every=1",
+        "checkpoint.async_mode=thread"]
+FIELDS = {"v": int, "rank": int, "local_rank": int, "pid": int, "generation": int,
+          "time": float, "step": int, "phase": str, "phase_since": float, "compute_s": float,
+          "wait_s": float, "finite": bool, "seq": int}
+
+
+class Agent:
+    """The node agent's end: a bound Unix datagram socket, read by a thread into `beats`."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.05)
+        self.beats: list[dict] = []
+        self._closing = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                self.beats.append(json.loads(self.sock.recv(65536).decode()))
+            except TimeoutError:
+                if self._closing.is_set():  # and nothing more came for a while
+                    return
+
+    def wait_for(self, predicate, procs: list[subprocess.Popen], timeout: float = 120) -> None:
+        """Until a heartbeat satisfies `predicate`, while every process in `procs` runs."""
+        deadline, seen = time.monotonic() + timeout, 0
+        while True:
+            now = len(self.beats)
+            if any(predicate(beat) for beat in self.beats[seen:now]):
+                return
+            seen = now
+            assert all(p.poll() is None for p in procs), "a rank exited early"
+            assert time.monotonic() < deadline, "timed out waiting for a heartbeat"
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self._closing.set()
+        self._reader.join()
+        self.sock.close()
+
+
+@pytest.fixture
+def socket_dir():
+    # A short directory: a Unix socket path must fit in 108 bytes, and tmp_path may not.
+    with tempfile.TemporaryDirectory(prefix="hb", dir="/tmp") as path:
+        yield Path(path)
+
+
+def _env(**extra: str) -> dict:
+    launchers = ("OPTIMUS_", "SLURM_", "PALS_", "PMI", "OMPI_", "TORCHELASTIC_", "RANK",
+                 "WORLD_SIZE", "LOCAL_RANK", "MASTER_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launchers)}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def _agent_env(rank: int, world: int, port: int, **extra: str) -> dict:
+    """What the node agent gives a rank (optimus.runtime.launch `_agent`)."""
+    return _env(OPTIMUS_RANK=str(rank), OPTIMUS_WORLD_SIZE=str(world),
+                OPTIMUS_LOCAL_RANK=str(rank), OPTIMUS_LOCAL_WORLD_SIZE=str(world),
+                OPTIMUS_MASTER_ADDR="127.0.0.1", OPTIMUS_MASTER_PORT=str(port), **extra)
+
+
+def _train(overrides: list[str], env: dict, log: Path) -> subprocess.Popen:
+    sets = [arg for o in TINY + overrides for arg in ("--set", o)]
+    with log.open("w") as out:
+        return subprocess.Popen([sys.executable, "-m", "optimus", "train", str(JOB), *sets],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _finish(proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, log.read_text()[-3000:]
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _steps(lines: list[dict]) -> list[int]:
+    return [m["step"] for m in lines if "event" not in m]
+
+
+def test_a_training_process_sends_heartbeats_in_the_protocol(socket_dir, tmp_path):
+    agent = Agent(socket_dir / "agent.sock")
+    run, steps = tmp_path / "run", 40
+    started = time.time()
+    proc = _train([f"run_dir={run}", f"optim.steps={steps}", "checkpoint.interval=10",
+                   "supervision.heartbeat_interval_s=0.001"],
+                  _agent_env(0, 1, free_port(), OPTIMUS_GENERATION="3",
+                             OPTIMUS_AGENT_SOCKET=str(agent.path)), tmp_path / "rank0.log")
+    _finish(proc, tmp_path / "rank0.log")
+    ended = time.time()
+    agent.close()
+
+    beats = agent.beats
+    assert len(beats) > 100
+    for beat in beats:
+        assert {k: type(v) for k, v in beat.items()} == FIELDS, beat
+        assert (beat["v"], beat["rank"], beat["local_rank"]) == (1, 0, 0)
+        assert (beat["pid"], beat["generation"]) == (proc.pid, 3)
+        assert beat["phase"] in PHASES
+        assert started < beat["phase_since"] <= beat["time"] < ended
+        assert beat["finite"] is True
+    seqs = [b["seq"] for b in beats]
+    assert seqs[0] == 0 and all(a < b for a, b in zip(seqs, seqs[1:], strict=False))
+    step_seq = [b["step"] for b in beats]
+    assert step_seq == sorted(step_seq) and step_seq[-1] == steps
+    assert beats[0]["phase"] == "startup" and beats[-1]["phase"] == "done"
+    assert [b["phase"] for b in beats].count("done") == 1
+    assert {"data", "forward", "backward", "grad_sync", "optim", "checkpoint"} <= {
+        b["phase"] for b in beats}
+    for beat in beats:
+        if beat["phase"] == "startup":
+            assert beat["compute_s"] == beat["wait_s"] == 0.0
+        if beat["step"] >= 2:  # the step before it is done and timed
+            assert beat["compute_s"] > 0 and beat["wait_s"] > 0
+    # The last step's split covers the step the metrics timed, and not much more.
+    last = _metrics(run)[-1]
+    assert last["step"] == steps
+    timed = beats[-1]["compute_s"] + beats[-1]["wait_s"]
+    assert last["step_time_s"] <= timed < last["step_time_s"] + 0.5
+
+
+def test_an_absent_agent_changes_nothing(socket_dir, tmp_path):
+    gone = socket_dir / "gone.sock"
+    Agent(gone).close()  # an agent that died: its socket file is left, nobody reads it
+    losses = []
+    for name, extra in (("plain", {}), ("gone", {"OPTIMUS_AGENT_SOCKET": str(gone)})):
+        run = tmp_path / name
+        proc = _train([f"run_dir={run}", "optim.steps=6", "checkpoint.interval=0",
+                       "supervision.heartbeat_interval_s=0.001"], _env(**extra),
+                      tmp_path / f"{name}.log")
+        _finish(proc, tmp_path / f"{name}.log")
+        lines = _metrics(run)
+        assert _steps(lines) == [1, 2, 3, 4, 5, 6]
+        losses.append(lines[-1]["loss"])
+    assert losses[0] == losses[1]
+
+
+def _drain(sock: socket.socket) -> list[dict]:
+    """The datagrams queued on `sock` now."""
+    beats = []
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            beats.append(json.loads(sock.recv(65536).decode()))
+    return beats
+
+
+def _bind(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))
+    sock.setblocking(False)
+    return sock
+
+
+def test_heartbeats_survive_a_missing_a_full_and_a_returning_agent(socket_dir):
+    path, interval = socket_dir / "agent.sock", 0.005
+    queue = int(Path("/proc/sys/net/unix/max_dgram_qlen").read_text())  # datagrams queued
+    beat = Heartbeat(str(path), rank=3, local_rank=1, generation=2, interval_s=interval)
+    try:
+        time.sleep(20 * interval)  # nobody bound: every send fails (ENOENT)
+        agent = _bind(path)
+        time.sleep(2 * (queue + 20) * interval)  # bound but not read: the queue fills (EAGAIN)
+        queued = _drain(agent)
+        assert queued[0]["seq"] > 5  # the sends before were dropped, not held back
+        time.sleep(10 * interval)
+        later = _drain(agent)
+        seqs = [b["seq"] for b in queued + later]
+        assert later and len(queued) <= queue + 2  # what the kernel queues, and no more
+        assert max(b - a for a, b in itertools.pairwise(seqs)) > 10  # dropped while full
+        agent.close()
+        path.unlink()
+        time.sleep(10 * interval)  # the agent is gone (ENOENT)
+        agent = _bind(path)  # and comes back at the same path
+        time.sleep(10 * interval)
+        again = _drain(agent)
+        assert again and again[0]["seq"] > later[-1]["seq"] + 1
+        assert {(b["rank"], b["local_rank"], b["generation"]) for b in again} == {(3, 1, 2)}
+        beat.finish()
+        assert _drain(agent)[-1]["phase"] == "done"
+        agent.close()
+    finally:
+        beat.close()
+
+
+def test_a_step_splits_into_compute_and_wait_by_phase(socket_dir):
+    agent = Agent(socket_dir / "agent.sock")
+    beat = Heartbeat(str(agent.path), rank=0, local_rank=0, generation=0, interval_s=0.005)
+    beat.resumed(6)
+    time.sleep(0.05)
+    beat.begin_step(7)
+    for phase, seconds in (("data", 0.1), ("forward", 0.05), ("grad_sync", 0.05),
+                           ("optim", 0.05), ("checkpoint", 0.05)):
+        with beat.phase(phase):
+            time.sleep(seconds)
+    beat.end_step()
+    beat.logged(float("nan"), 1.0)
+    time.sleep(0.05)
+    beat.finish()
+    agent.close()
+    beats = agent.beats
+    startup = [b["step"] for b in beats if b["phase"] == "startup"]
+    assert set(startup) <= {0, 6} and startup[-1] == 6  # 0 until resumed() says otherwise
+    in_step = [b for b in beats if b["step"] == 7 and b["phase"] != "done"]
+    assert list(dict.fromkeys(b["phase"] for b in in_step)) == [
+        "data", "forward", "grad_sync", "optim", "checkpoint"]
+    assert all(b["compute_s"] == 0.0 and b["finite"] for b in in_step if b["phase"] == "data")
+    done = beats[-1]
+    assert done["phase"] == "done" and done["finite"] is False
+    assert 0.2 <= done["wait_s"] < 0.3  # data, grad_sync, checkpoint
+    assert 0.1 <= done["compute_s"] < 0.2  # forward, optim
+
+
+def _agree_after_sigterm(rank: int, world_size: int) -> list:
+    before = signal.getsignal(signal.SIGTERM)
+    commands = Commands(world_size, torch.device("cpu")).listen()
+    agreed = [int(commands.agree())]
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGTERM)  # handled: this rank only asks to stop
+    agreed.append(int(commands.agree()))
+    commands.close()
+    return [*agreed, signal.getsignal(signal.SIGTERM) == before]
+
+
+def test_sigterm_on_one_rank_is_agreed_by_all(run_ranks):
+    assert run_ranks(_agree_after_sigterm, 2, timeout=60) == [[0, int(Command.STOP), True]] * 2
+
+
+def test_sigterm_to_one_rank_stops_both_after_one_step_then_resume(socket_dir, tmp_path):
+    agent = Agent(socket_dir / "agent.sock")
+    run, steps = tmp_path / "run", 200
+    overrides = [f"run_dir={run}", f"optim.steps={steps}", "checkpoint.interval=50",
+                 "supervision.heartbeat_interval_s=0.02"]
+    port = free_port()
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    procs = [_train(overrides, _agent_env(r, 2, port, OPTIMUS_AGENT_SOCKET=str(agent.path)),
+                    logs[r]) for r in range(2)]
+    try:
+        agent.wait_for(lambda b: b["rank"] == 1 and b["step"] >= 3, procs)
+        os.kill(procs[1].pid, signal.SIGTERM)
+        for proc, log in zip(procs, logs, strict=True):
+            _finish(proc, log)
+    finally:
+        for proc in procs:
+            proc.kill()
+
+    last = {r: [b for b in agent.beats if b["rank"] == r][-1] for r in range(2)}
+    assert [last[r]["pid"] for r in range(2)] == [p.pid for p in procs]
+    assert last[0]["phase"] == last[1]["phase"] == "done"
+    stopped = last[0]["step"]
+    assert last[1]["step"] == stopped and 3 <= stopped < steps
+    lines = _metrics(run)
+    assert _steps(lines)[-1] == stopped
+    (event,) = [m for m in lines if m.get("event") == "stopped"]
+    assert (event["step"], event["checkpoint_step"]) == (stopped, stopped)
+    assert committed_steps(run / "checkpoints")[-1] == stopped
+
+    # A new run of the job (one rank now) resumes from there; stopped again, it saves again.
+    proc = _train(overrides, _agent_env(0, 1, free_port(), OPTIMUS_AGENT_SOCKET=str(agent.path)),
+                  tmp_path / "resumed.log")
+    try:
+        agent.wait_for(lambda b: b["pid"] == proc.pid and b["step"] > stopped + 1, [proc])
+        proc.send_signal(signal.SIGTERM)
+        _finish(proc, tmp_path / "resumed.log")
+    finally:
+        proc.kill()
+        agent.close()
+    resumed = _metrics(run)[len(lines):]
+    assert [m["step"] for m in resumed if m.get("event") == "resume"] == [stopped]
+    (event,) = [m for m in resumed if m.get("event") == "stopped"]
+    assert stopped + 1 < event["step"] < steps and event["checkpoint_step"] == event["step"]
+    assert _steps(resumed) == list(range(stopped + 1, event["step"] + 1))
+    assert committed_steps(run / "checkpoints")[-1] == event["step"]
