@@ -19,7 +19,7 @@ venv: $(BIN)/.installed
 
 demo: venv
 	rm -rf runs/tiny-gpt   # a fresh run each time, rather than resuming the last one
-	$(BIN)/optimus train jobs/tiny-gpt.yaml
+	$(BIN)/optimus run jobs/tiny-gpt.yaml --nodes 2 --ranks-per-node 1 --spares 1
 
 test: venv
 	$(BIN)/ruff check .
@@ -29,6 +29,7 @@ bench: venv
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/pipeline.py
 	$(BIN)/python bench/checkpoint.py
+	$(BIN)/python bench/recovery.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -103,7 +103,8 @@ def agent(job_name: str, node: str, redis: str | None, interval_s: float) -> Non
     from controller.agent import Agent
 
     _logging()
-    store = Store(redis_url(redis), job_name)
+    # Retries last one interval: the agent must get back to reaping its ranks.
+    store = Store(redis_url(redis), job_name, retry_s=interval_s)
     store.ping()
     a = Agent(store, node, interval_s=interval_s)
 
