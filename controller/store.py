@@ -26,7 +26,7 @@ import redis
 from tenacity import (
     RetryError,
     Retrying,
-    retry_if_exception_type,
+    retry_if_exception,
     stop_after_delay,
     wait_exponential,
 )
@@ -100,7 +100,7 @@ class Store:
     def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` with retries on transient errors (exponential backoff, `retry_s` in all)."""
         try:
-            for attempt in Retrying(retry=retry_if_exception_type(TRANSIENT),
+            for attempt in Retrying(retry=retry_if_exception(_transient),
                                     stop=stop_after_delay(self.retry_s),
                                     wait=wait_exponential(multiplier=0.05, max=1.0),
                                     reraise=False):
@@ -291,6 +291,11 @@ class Store:
 
     def push_chaos(self, node: str, command: dict) -> None:
         self.call(lambda: self.r.rpush(self.k(f"chaos:{node}"), json.dumps(command)))
+
+
+def _transient(e: BaseException) -> bool:
+    # redis-py's AuthenticationError is a ConnectionError; no retry fixes a wrong password.
+    return isinstance(e, TRANSIENT) and not isinstance(e, redis.AuthenticationError)
 
 
 def _text(value: Any) -> str:

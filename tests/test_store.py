@@ -1,0 +1,116 @@
+"""The Redis schema module against a real redis-server: lease, agent tick, sweeps, outages."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from cluster import ROOT, RedisServer, free_port
+
+from controller.store import Store, StoreUnavailable, prefix
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path)
+    yield server
+    server.stop()
+
+
+def test_keys_share_one_cluster_slot_tag():
+    assert prefix("gpt-1p3b") == "optimus:{gpt-1p3b}:"
+
+
+def test_one_leader_at_a_time_and_the_lease_expires(redis_server):
+    a, b = Store(redis_server.url, "j"), Store(redis_server.url, "j")
+    assert a.hold_lease("a", 0.5) and not b.hold_lease("b", 0.5)
+    assert a.hold_lease("a", 0.5)  # renewed by its holder
+    assert a.leader() == "a"
+    time.sleep(0.7)  # a stops renewing
+    assert b.hold_lease("b", 0.5) and not a.hold_lease("a", 0.5)
+    a.release_lease("a")  # not a's to release
+    assert b.leader() == "b"
+    b.release_lease("b")
+    assert a.leader() is None
+
+
+def test_agent_tick_is_one_round_trip_that_writes_beats_and_reads_plan_and_chaos(redis_server):
+    s = Store(redis_server.url, "j")
+    s.set_plan({"generation": 3, "action": "run", "nodes": ["n0"]})
+    s.push_chaos("n0", {"kind": "kill_rank", "rank": 1})
+    now = time.time()
+    tick = s.agent_tick("n0", {"generation": 3, "state": "running", "live_ranks": 2},
+                        {0: {"step": 7, "time": now}}, deadline=now - 1, reset_ranks=True)
+    assert tick.plan["generation"] == 3 and tick.chaos == [{"kind": "kill_rank", "rank": 1}]
+    assert tick.registered is False  # no `nodes` entry yet: the agent must register
+    s.register_node("n0", {"host": "h", "health": "ok"})
+    tick = s.agent_tick("n0", {"state": "running"}, {}, deadline=now + 60, reset_ranks=False)
+    assert tick.registered and tick.chaos == []
+    assert s.rank_beats("n0")[0]["step"] == 7
+    assert s.overdue(now) == []  # deadline moved on
+    s.agent_tick("n0", {"state": "running"}, {}, deadline=now - 1, reset_ranks=False)
+    assert s.overdue(now) == ["n0"]
+    assert s.agent_status(["n0", "n9"]) == {"n0": {"generation": "3", "state": "running",
+                                                   "live_ranks": "2"}}
+
+
+def test_exits_stream_reads_after_a_cursor(redis_server):
+    s = Store(redis_server.url, "j")
+    first = s.report_exit({"rank": 0, "code": 0})
+    cursor = s.last_exit_id()
+    assert cursor == first
+    s.report_exit({"rank": 1, "code": None, "signal": 9})
+    assert [r["rank"] for _, r in s.exits()] == [0, 1]
+    assert [r["rank"] for _, r in s.exits(cursor)] == [1]
+
+
+def test_reset_forgets_the_job_but_keeps_its_event_history(redis_server):
+    s = Store(redis_server.url, "j")
+    other = Store(redis_server.url, "other")
+    s.update_job({"state": "RUNNING"})
+    s.set_plan({"generation": 0})
+    s.event("test", "note", "kept")
+    other.update_job({"state": "RUNNING"})
+    assert s.reset() == 2
+    assert s.job_record() == {} and s.plan() is None
+    assert [e["message"] for _, e in s.events()] == ["kept"]
+    assert other.job_record() == {"state": "RUNNING"}  # another job's keys are untouched
+
+
+def test_an_outage_is_retried_then_reported_once(redis_server):
+    s = Store(redis_server.url, "j", retry_s=3.0)
+    redis_server.kill()
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="did not answer for 3 s"):
+        s.job_record()
+    assert 2.5 < time.monotonic() - started < 6
+    redis_server.start()  # back, empty: a call in the retry window succeeds
+    assert s.job_record() == {}
+
+
+def test_cli_names_an_unreachable_redis_and_a_wrong_password_in_one_line(tmp_path):
+    port = free_port()  # nobody listens
+    out = subprocess.run([sys.executable, "-m", "controller", "chaos", "kill-rank", "--job", "j",
+                          "--rank", "0", "--redis", f"redis://127.0.0.1:{port}/0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith(f"error: Redis at redis://127.0.0.1:{port}/0 did not answer")
+
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                               "--save", "", "--requirepass", "secret"],
+                              stdout=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        out = subprocess.run([sys.executable, "-m", "controller", "chaos", "kill-rank", "--job",
+                              "j", "--rank", "0", "--redis",
+                              f"redis://default:wrong@127.0.0.1:{port}/0"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "Traceback" not in out.stderr
+        assert "refused the credentials" in out.stderr and "wrong" not in out.stderr
+        ok = Store(f"redis://default:secret@127.0.0.1:{port}/0", "j")
+        ok.ping()  # user and password from the URL
+    finally:
+        server.kill()
+        server.wait()
