@@ -114,7 +114,8 @@ class Agent:
     def stop_all_now(self) -> None:
         """On the agent's own SIGTERM/SIGINT: terminate the ranks, then go (they die with us)."""
         for p in self.procs.values():
-            _signal_group(p.popen, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.popen.pid, signal.SIGTERM)
 
     def _register(self) -> None:
         while True:
@@ -234,8 +235,11 @@ class Agent:
         for p in self.procs.values():
             if p.popen.returncode is None and p.stop_sent is None:
                 p.stop_sent = now + grace_s  # the time to escalate to SIGKILL
-                _signal_group(p.popen, signal.SIGTERM)
+                # The rank alone: its helpers (DCP's writer process, DataLoader workers) die on
+                # a SIGTERM their parent did not send, and the rank's clean stop needs them.
+                # SIGKILL, later, goes to the whole group.
                 with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.popen.pid, signal.SIGTERM)
                     os.killpg(p.popen.pid, signal.SIGCONT)  # a frozen rank, to take the TERM
 
     def _escalate(self) -> None:

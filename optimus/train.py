@@ -2,6 +2,8 @@
 
 Run one rank:       optimus train jobs/tiny-gpt.yaml
 Run several ranks:  torchrun --nproc-per-node 2 -m optimus train jobs/tiny-gpt.yaml
+
+SIGTERM to any rank stops every rank after one same step, with a checkpoint of it (exit 0).
 """
 
 from __future__ import annotations

@@ -1,0 +1,251 @@
+"""The rank side of supervision: heartbeats to the node agent, and commands agreed by all ranks.
+
+Heartbeats. When the node agent gives a rank OPTIMUS_AGENT_SOCKET, the path of a Unix datagram
+socket it has bound, a daemon thread sends it one UTF-8 JSON object per datagram: one at start,
+one every `supervision.heartbeat_interval_s`, and a last one with phase "done" when training
+ends normally. Version 1 of the datagram, every field always present:
+
+    {"v": 1, "rank": 5, "local_rank": 1, "pid": 4242, "generation": 2, "time": 1.79e9,
+     "step": 120, "phase": "backward", "phase_since": 1.79e9, "compute_s": 0.41,
+     "wait_s": 0.03, "finite": true, "seq": 57}
+
+- generation: OPTIMUS_GENERATION (`launch_env().restart_count`); time: time.time() at the send.
+- step: the step in progress; before the first one, the step the run resumed from (0: none).
+- phase, phase_since: where the rank is, and since when (time.time()). "startup" until the first
+  step; then per step "data" (fetching the microbatches), "forward" and "backward" (a pipeline
+  schedule interleaves the two, so its whole step is "forward"), "grad_sync" (every collective
+  the loop itself calls: the token count, the gradient clip, the loss all-reduce of a logged
+  step and the step-boundary agreement below), "optim", "checkpoint"; after the last step
+  "checkpoint" while the last save lands, and "done".
+- compute_s, wait_s: the last completed step's host wall-clock time split in two (0.0 before the
+  first). wait_s is the time spent in "data", "grad_sync" and "checkpoint" (the checkpointer's
+  poll and save: staging the tensors, not the background write); compute_s is the rest of the
+  step. So the collectives inside the model (FSDP's all-gathers and reduce-scatters in forward
+  and backward, tensor-parallel all-reduces, pipeline sends and receives) count as compute, and
+  so does the time they spend waiting for a slow peer. On an accelerator the host runs ahead of
+  the device: device work queued earlier is charged to whichever phase first blocks on it.
+- finite: whether the last logged loss and grad norm were finite; true until one is logged.
+- seq: 0 for the first datagram, then +1 for each.
+
+The socket never blocks, and every send error (no agent yet, agent gone, its queue full) is
+ignored: the next beat tries again, and reaches an agent that binds the same path again.
+Training only writes fields here (a few time.perf_counter()/time.time() calls a step); without
+OPTIMUS_AGENT_SOCKET `start_heartbeat` returns an object that does nothing and starts no thread.
+
+Commands. A rank asks for a command by setting a bit of its `Command` word (SIGTERM sets STOP).
+At every step boundary all ranks agree on the word, one all-reduce (MAX) of one 0/1 integer per
+command: a MAX per bit is an OR, so a bit set on any rank is set on all, and all act on it after
+the same step. New commands (pause, checkpoint now) are new bits; the agreement stays one call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import math
+import os
+import signal
+import socket
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from optimus.runtime.launch import LaunchEnv
+
+SOCKET_ENV = "OPTIMUS_AGENT_SOCKET"
+VERSION = 1
+# Each phase, and whether its time counts as waiting (the rest of a step is compute).
+PHASES = {"startup": False, "data": True, "forward": False, "backward": False,
+          "grad_sync": True, "optim": False, "checkpoint": True, "done": False}
+
+
+def start_heartbeat(env: LaunchEnv, interval_s: float) -> Heartbeat | NoHeartbeat:
+    """Heartbeats to the agent at $OPTIMUS_AGENT_SOCKET; a do-nothing object when it is unset."""
+    path = os.environ.get(SOCKET_ENV)
+    if not path:
+        return NO_HEARTBEAT
+    return Heartbeat(path, rank=env.rank, local_rank=env.local_rank,
+                     generation=env.restart_count, interval_s=interval_s)
+
+
+class Heartbeat:
+    """This rank's state, sent to the agent by a daemon thread; the training loop updates it."""
+
+    def __init__(self, path: str, *, rank: int, local_rank: int, generation: int,
+                 interval_s: float):
+        self.path, self.interval_s = path, interval_s
+        self._fixed = {"v": VERSION, "rank": rank, "local_rank": local_rank, "pid": os.getpid(),
+                       "generation": generation}
+        # Each field the sender reads together is one tuple, replaced whole: never torn.
+        self._step = 0
+        self._phase = ("startup", time.time())
+        self._last = (0.0, 0.0)  # compute_s, wait_s of the last completed step
+        self._finite = True
+        self._step_began = 0.0
+        self._waited = 0.0  # in the step in progress
+        self._seq = 0
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.setblocking(False)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="optimus-heartbeat", daemon=True)
+        self._thread.start()
+
+    # --- called by the training loop -----------------------------------------------------------
+
+    def phase(self, name: str) -> _Phase:
+        """`with heartbeat.phase("optim"): ...` marks the block as that phase."""
+        return _Phase(self, name, PHASES[name])
+
+    def resumed(self, step: int) -> None:
+        """The last step done before this run's first (the checkpoint's step; 0 for none)."""
+        self._step = step
+
+    def begin_step(self, step: int) -> None:
+        self._step = step
+        self._waited = 0.0
+        self._step_began = time.perf_counter()
+
+    def end_step(self) -> None:
+        wall = time.perf_counter() - self._step_began
+        self._last = (wall - self._waited, self._waited)
+
+    def logged(self, loss: float, grad_norm: float) -> None:
+        self._finite = math.isfinite(loss) and math.isfinite(grad_norm)
+
+    def finish(self) -> None:
+        """Training is over: stop the thread, send the last beat (phase "done"), close."""
+        self._stop_thread()
+        self._phase = ("done", time.time())
+        self._send()
+        self.close()
+
+    def close(self) -> None:
+        """Stop sending, without a last beat (training failed: the agent sees the exit)."""
+        self._stop_thread()
+        self._sock.close()
+
+    # --- the sender ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._send()
+            if self._stopping.wait(self.interval_s):
+                return
+
+    def _stop_thread(self) -> None:
+        self._stopping.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _send(self) -> None:
+        step = self._step  # read first: a step >= 2 then always comes with its predecessor's times
+        phase, since = self._phase
+        compute_s, wait_s = self._last
+        beat = {**self._fixed, "time": time.time(), "step": step, "phase": phase,
+                "phase_since": since, "compute_s": compute_s, "wait_s": wait_s,
+                "finite": self._finite, "seq": self._seq}
+        self._seq += 1
+        with contextlib.suppress(OSError):  # no agent, agent gone, queue full: try next time
+            self._sock.sendto(json.dumps(beat).encode(), self.path)
+
+
+class _Phase:
+    """Marks a phase on entry; a waiting phase adds its duration to the step's wait."""
+
+    __slots__ = ("beat", "name", "waits", "began")
+
+    def __init__(self, beat: Heartbeat, name: str, waits: bool):
+        self.beat, self.name, self.waits = beat, name, waits
+
+    def __enter__(self) -> None:
+        self.beat._phase = (self.name, time.time())
+        if self.waits:
+            self.began = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        if self.waits:
+            self.beat._waited += time.perf_counter() - self.began
+
+
+class NoHeartbeat:
+    """Heartbeats off: the same calls, doing nothing."""
+
+    __slots__ = ()
+    _nothing = contextlib.nullcontext()
+
+    def phase(self, name: str) -> contextlib.nullcontext:
+        return self._nothing
+
+    def resumed(self, step: int) -> None:
+        pass
+
+    def begin_step(self, step: int) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
+    def logged(self, loss: float, grad_norm: float) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+NO_HEARTBEAT = NoHeartbeat()
+
+
+class Command(enum.IntFlag):
+    """What all ranks do together after a step: the bits of the word they agree on."""
+
+    STOP = 1  # save a checkpoint of this step and leave training (SIGTERM)
+
+
+class Commands:
+    """The commands this rank was given, and the word all ranks agree on at a step boundary.
+
+    `listen()` makes SIGTERM request STOP (from the main thread only: Python runs signal
+    handlers there); `close()` puts the previous handler back.
+    """
+
+    def __init__(self, world_size: int, device: torch.device):
+        self.requested = Command(0)
+        self.world_size, self.device = world_size, device
+        self._listening = False
+        self._previous = None
+
+    def listen(self) -> Commands:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._listening = True
+        return self
+
+    def close(self) -> None:
+        if self._listening:
+            # None: the previous handler was not set from Python; the default is the best guess.
+            signal.signal(signal.SIGTERM,
+                          signal.SIG_DFL if self._previous is None else self._previous)
+            self._listening = False
+
+    def agree(self) -> Command:
+        """Every rank's requested commands OR-ed together. Collective on the default group (all
+        ranks call it at the same step boundary); free with one rank."""
+        if self.world_size == 1:
+            return self.requested
+        bits = torch.tensor([int(bool(self.requested & c)) for c in Command], dtype=torch.int32,
+                            device=self.device)
+        dist.all_reduce(bits, op=dist.ReduceOp.MAX)
+        agreed = Command(0)
+        for command, on in zip(Command, bits.tolist(), strict=True):
+            if on:
+                agreed |= command
+        return agreed
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.requested |= Command.STOP
