@@ -85,7 +85,8 @@ class Processes:
 
 
 def write_job(path: Path, run_dir: Path, *, name: str = "e2e", steps: int = 30,
-              faults: list[dict] | None = None, **supervision) -> Path:
+              faults: list[dict] | None = None, async_mode: str = "thread",
+              **supervision) -> Path:
     """A tiny job that trains in ~0.2 s a step on two ranks, checkpoints every 10 steps and
     keeps them all (a test compares against any of them)."""
     job = {
@@ -94,7 +95,7 @@ def write_job(path: Path, run_dir: Path, *, name: str = "e2e", steps: int = 30,
                   "max_seq_len": 64},
         "optim": {"steps": steps, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5},
         "data": {"source": "synthetic", "seq_len": 64, "batch_size": 8, "microbatches": 1},
-        "checkpoint": {"interval": 10, "keep_last": 100, "async_mode": "thread"},
+        "checkpoint": {"interval": 10, "keep_last": 100, "async_mode": async_mode},
         "supervision": {"log_every": 1, "heartbeat_interval_s": 0.25,
                         "heartbeat_timeout_s": 3.0, "restart_backoff_s": 0.2,
                         "failure_grace_s": 1.0, "stop_grace_s": 30.0, **supervision},

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -179,3 +180,38 @@ def test_redis_restarted_empty_agents_reregister_and_the_job_continues(redis_ser
     assert set(before) <= set(after) and after[-1] == 80  # nothing committed was lost
     steps = [m["step"] for m in metrics(run) if "loss" in m]
     assert steps == list(range(1, 81)) and step_before < 80
+
+
+def test_ctrl_c_stops_the_run_with_a_committed_checkpoint_and_leaves_no_process(tmp_path):
+    run = tmp_path / "run"
+    job = write_job(tmp_path / "job.yaml", run, steps=10_000, async_mode="process")
+    p = subprocess.Popen([sys.executable, "-m", "controller", "run", str(job), "--nodes", "2",
+                          "--ranks-per-node", "1"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: any(m.get("step", 0) >= 13 for m in _metrics_or_none(run)), 120,
+                 "step 13")
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, out[-4000:]
+    assert "job STOPPED: stopped by optimus run (Ctrl-C)" in out
+    stopped = [m for m in metrics(run) if m.get("event") == "stopped"]
+    assert len(stopped) == 1
+    at = stopped[0]["step"]
+    assert 13 <= at < 10_000
+    assert committed_steps(run / "checkpoints")[-1] == at  # saved where the ranks stopped
+    assert f"latest committed checkpoint: step {at}" in out
+    for pattern in (str(job), f"--redis redis://127.0.0.1:{_redis_port(out)}/"):
+        left = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+        assert left == "", pattern  # no rank or controller, then no agent, left behind
+
+
+def _redis_port(out: str) -> str:
+    return re.search(r"Redis redis://127.0.0.1:(\d+)/0", out).group(1)
+
+
+def _metrics_or_none(run: Path) -> list[dict]:
+    return metrics(run) if (run / "metrics.jsonl").exists() else []
