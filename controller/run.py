@@ -103,6 +103,7 @@ def run_local(job: JobConfig, job_file: str, overrides: list[str], *, nodes: int
         url = redis_url or os.environ.get("REDIS_URL") or start_redis(cluster)
         store = Store(url, job.name)
         store.ping()
+        _refuse_a_live_job(store, url)
         store.reset()
         py = [sys.executable, "-m", "controller"]
         sets = [a for o in overrides for a in ("--set", o)]
@@ -167,6 +168,17 @@ def _follow(console: Console, store: Store, cluster: LocalCluster, job: JobConfi
                           f"{state}; see {cluster.control_dir / 'controller.log'}")
             return None
         time.sleep(POLL_S)
+
+
+def _refuse_a_live_job(store: Store, url: str) -> None:
+    """A shared Redis (REDIS_URL) may hold this job running elsewhere: never wipe that."""
+    state = store.job_record().get("state")
+    beats = store.agent_beats()
+    recent = [n for n, t in beats.items() if time.time() - t < 30]
+    if state and state not in TERMINAL and recent:
+        raise ConfigError(f"job {store.job} is {state} in Redis at {url} with agents beating "
+                          f"({', '.join(sorted(recent))}); fix: stop it first, or give this "
+                          "run another `name`")
 
 
 def _rank0_step(store: Store) -> int | None:

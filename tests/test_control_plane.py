@@ -122,6 +122,27 @@ def _events(store: Store, kind: str) -> list[dict]:
     return [e for _, e in store.events(count=10_000) if e["kind"] == kind]
 
 
+def test_chaos_command_reaches_the_agent_and_the_job_recovers(redis_server, procs, tmp_path):
+    run = tmp_path / "run"
+    job = write_job(tmp_path / "job.yaml", run, steps=60)
+    procs.start("c1", "controller", str(job), "--nodes", "2", "--ranks-per-node", "1",
+                "--redis", redis_server.url, "--exit-when-done")
+    _agents(procs, redis_server.url, n=3)
+    store = Store(redis_server.url, "e2e")
+    wait_for(lambda: _rank0_step(store) >= 3, 120, "rank 0 to reach step 3")
+    holder = store.plan()["nodes"][0]  # rank 0's node
+    out = subprocess.run([sys.executable, "-m", "controller", "chaos", "freeze-rank", "--job",
+                          "e2e", "--rank", "0", "--redis", redis_server.url], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and f"freeze-rank sent to the agent of {holder}" in out.stdout
+    procs.procs["c1"].wait(timeout=180)
+    record = store.job_record()
+    assert record["state"] == "COMPLETED" and record["restarts"] == "1", record
+    assert list(store.excluded()) == [holder]
+    assert "rank 0 on" in store.excluded()[holder]["reason"]
+    assert holder not in store.plan()["nodes"]
+
+
 def test_standby_controller_takes_over_and_the_ranks_never_notice(redis_server, procs,
                                                                   tmp_path):
     run = tmp_path / "run"
