@@ -13,6 +13,7 @@ COMPLETED or was STOPPED, 1 when it FAILED or the control plane broke.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -154,9 +155,11 @@ def _follow(console: Console, store: Store, cluster: LocalCluster, job: JobConfi
             record, step = {}, None
         now = time.monotonic()
         if step is not None and step != step_shown and now - shown_at >= 5:
+            loss = _last_loss(Path(job.resolved_run_dir) / "metrics.jsonl")
             console.print(f"  {record.get('state', '?')}: generation "
-                          f"{record.get('generation', '?')}, step {step}/{job.optim.steps}, "
-                          f"restarts {record.get('restarts', 0)}")
+                          f"{record.get('generation', '?')}, step {step}/{job.optim.steps}"
+                          + (f", loss {loss[1]:.4f} at step {loss[0]}" if loss else "")
+                          + f", restarts {record.get('restarts', 0)}")
             step_shown, shown_at = step, now
         state = record.get("state")
         if controller.poll() is not None:
@@ -179,6 +182,23 @@ def _refuse_a_live_job(store: Store, url: str) -> None:
         raise ConfigError(f"job {store.job} is {state} in Redis at {url} with agents beating "
                           f"({', '.join(sorted(recent))}); fix: stop it first, or give this "
                           "run another `name`")
+
+
+def _last_loss(path: Path) -> tuple[int, float] | None:
+    """(step, loss) of the last step rank 0 logged, from the end of its metrics file."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(f.tell() - 8192, 0))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError):
+            row = json.loads(line)
+            if isinstance(row, dict) and "loss" in row:
+                return row["step"], row["loss"]
+    return None
 
 
 def _rank0_step(store: Store) -> int | None:
