@@ -114,7 +114,7 @@ class Run:
                   f"five steps of generation {gen}")
         culprit = plan["nodes"][1]  # holds rank 1
         before = len(self.events("failure"))
-        self.store.push_chaos(culprit, {"kind": fault, "rank": 1, "time": time.time()})
+        self.store.push_command(culprit, {"kind": fault, "rank": 1, "time": time.time()})
         injected = float(self.wait(lambda: [e for e in self.events("chaos")
                                             if e["node"] == culprit and e["fault"] == fault
                                             and float(e["time"]) > issued], 30,

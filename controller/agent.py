@@ -33,14 +33,16 @@ import logging
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from controller.store import Store, StoreUnavailable
+from controller.store import NodeSummary, Store, StoreUnavailable
 
 log = logging.getLogger("optimus.agent")
 
@@ -58,6 +60,9 @@ class RankProcess:
     started: float
     stop_sent: float | None = None  # when the agent sent SIGTERM
     kill_sent: bool = False
+    stacks_path: Path | None = None
+    compute: deque = field(default_factory=lambda: deque(maxlen=20))  # per sampled step
+    sampled_step: int = -1
 
 
 class Agent:
@@ -74,7 +79,10 @@ class Agent:
         self.reset_ranks = True
         self.ended = False
         self.redis_down = False
-        self.info = {"host": self.host, "pid": os.getpid(), **health_check()}
+        self.corrupt_tiles: set[int] = set()  # fault injection: tiles whose checks go wrong
+        self.checked_for: int | None = None  # the generation the last pre-launch check was for
+        self.fit_for = True
+        self.info = {"host": self.host, "pid": os.getpid(), **self._check_health()}
         sock_dir = Path(socket_dir or tempfile.gettempdir()) / f"optimus-{os.getuid()}"
         sock_dir.mkdir(mode=0o700, exist_ok=True)
         tag = hashlib.sha1(f"{store.job}/{node}/{os.getpid()}".encode()).hexdigest()[:12]
@@ -140,7 +148,8 @@ class Agent:
         try:
             self._flush_exits()
             tick = self.store.agent_tick(self.node, status, dict(self.beats),
-                                         self._deadline(live), self.reset_ranks)
+                                         self._deadline(live), self.reset_ranks,
+                                         self._summary(live))
         except StoreUnavailable as e:
             self._note_outage(e)
             return
@@ -151,8 +160,8 @@ class Agent:
         if not tick.registered:  # Redis lost our record: restarted empty, or flushed
             self._register()
             self.reset_ranks = True
-        for command in tick.chaos:
-            self._chaos(command)
+        for command in tick.commands:
+            self._command(command)
         if tick.plan is not None:
             self._follow(tick.plan)
         self._check_node_faults()
@@ -174,6 +183,11 @@ class Agent:
         if self.generation is not None and (gen != self.generation or action == "stop"):
             self._stop(plan.get("grace_s", 3.0), plan.get("reason", ""))
         if action == "run" and mine and gen != self.generation and not self._live():
+            if self.checked_for != gen:
+                self.checked_for = gen
+                self.fit_for = self._healthy_for(gen)
+            if not self.fit_for:
+                return  # the node record says why; the controller excludes the node
             self._launch(plan)
 
     def _live(self) -> bool:
@@ -222,11 +236,15 @@ class Agent:
                    "OPTIMUS_MASTER_ADDR": plan["master_addr"], "OPTIMUS_MASTER_PORT": str(port),
                    "OPTIMUS_AGENT_SOCKET": self.socket_path, "PYTHONUNBUFFERED": "1"}
             path = log_dir / f"rank_{rank:05d}.log"
+            env["OPTIMUS_STACKS_FILE"] = str(log_dir / f"rank_{rank:05d}.stacks")
             with open(path, "ab") as out:
                 popen = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True,
                                          preexec_fn=_die_with_parent)
-            self.procs[local_rank] = RankProcess(rank, local_rank, popen, path, time.time())
+            self.procs[local_rank] = RankProcess(
+                rank, local_rank, popen, path, time.time(),
+                stacks_path=log_dir / f"rank_{rank:05d}.stacks",
+                compute=deque(maxlen=plan.get("straggler_window", 20)))
         self._event("launch", f"generation {gen}: ranks {node_rank * rpn}-"
                     f"{node_rank * rpn + rpn - 1} started on {self.node}")
 
@@ -295,6 +313,9 @@ class Agent:
                 continue  # from a rank of an older generation
             beat["received"] = time.time()
             self.beats[local_rank] = beat
+            if beat.get("step", 0) != p.sampled_step and beat.get("compute_s", 0) > 0:
+                p.sampled_step = beat["step"]  # one sample per step seen
+                p.compute.append(beat["compute_s"])
 
     def _deadline(self, live: list[RankProcess]) -> float | None:
         """When this node's earliest rank heartbeat falls overdue (None: no rank to watch)."""
@@ -310,7 +331,79 @@ class Agent:
             deadlines.append(beat["time"] + timeout if beat else p.started + startup)
         return min(deadlines) if deadlines else None
 
-    # --- faults --------------------------------------------------------------------------------
+    def _summary(self, live: list[RankProcess]) -> NodeSummary | None:
+        """This node's ranks in a few numbers, for the job-wide sorted sets."""
+        beats = [self.beats[p.local_rank] for p in live
+                 if p.stop_sent is None and p.local_rank in self.beats]
+        if not beats:
+            return None
+        full = [p.compute for p in live if len(p.compute) >= max(p.compute.maxlen // 2, 1)]
+        return NodeSummary(
+            max_step=max(b["step"] for b in beats), min_step=min(b["step"] for b in beats),
+            outside=sum(b["phase"] not in ("grad_sync",) for b in beats),
+            nonfinite=not all(b.get("finite", True) for b in beats),
+            compute_s=max(statistics.median(c) for c in full) if full else None)
+
+    # --- health --------------------------------------------------------------------------------
+
+    def _check_health(self) -> dict:
+        return health_check(self.node, corrupt=self.corrupt_tiles)
+
+    def _healthy_for(self, generation: int) -> bool:
+        """The deterministic check, before every generation this node takes part in."""
+        self.info = {**self.info, **self._check_health()}
+        try:
+            self.store.set_health(self.node, self.info)
+        except StoreUnavailable as e:
+            self._note_outage(e)
+        if self.info["health"] != "ok":
+            self._event("health", f"{self.node} fails its health check before generation "
+                        f"{generation}: bad tile {self.info['health_detail']}")
+            return False
+        return True
+
+    # --- commands: stacks, health checks, faults -----------------------------------------------
+
+    def _command(self, command: dict) -> None:
+        kind = command.get("kind")
+        if kind == "dump_stacks":
+            self._dump_stacks(command)
+        elif kind == "health_check":
+            self.info = {**self.info, **self._check_health()}
+            with contextlib.suppress(StoreUnavailable):
+                self.store.set_health(self.node, self.info)
+            self._event("health", f"health check on demand: {self.node} "
+                        + ("ok" if self.info["health"] == "ok"
+                           else f"bad tile {self.info['health_detail']}"))
+        elif kind == "bad_tile":
+            self.corrupt_tiles.add(int(command.get("tile", 0)))
+            self._event("chaos", f"chaos on {self.node}: tile {command.get('tile', 0)} now "
+                        "computes wrong results (seen by the next health check)",
+                        fault="bad_tile")
+        else:
+            self._chaos(command)
+
+    def _dump_stacks(self, command: dict) -> None:
+        """SIGUSR1 to the asked ranks (faulthandler dumps every thread); gather the files."""
+        wanted = [p for p in self.procs.values() if p.local_rank in command.get("local_ranks", [])
+                  and p.popen.returncode is None and p.stacks_path is not None]
+        for p in wanted:
+            with contextlib.suppress(OSError):
+                p.stacks_path.write_text("")  # the rank appends: keep this dump only
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.popen.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 1.0
+        stacks: dict[int, str] = {}
+        while time.monotonic() < deadline and len(stacks) < len(wanted):
+            time.sleep(0.05)
+            for p in wanted:
+                with contextlib.suppress(OSError):
+                    text = p.stacks_path.read_text(errors="replace")
+                    if text.strip():
+                        stacks[p.rank] = text
+        if stacks:
+            with contextlib.suppress(StoreUnavailable):
+                self.store.put_stacks(command.get("generation", self.generation or 0), stacks)
 
     def _chaos(self, command: dict) -> None:
         kind = command.get("kind")
@@ -351,9 +444,14 @@ class Agent:
             self._note_outage(e)
 
 
-def health_check() -> dict:
-    """Devices and a deterministic compute check: the same product twice must agree bit for bit,
-    and with the CPU's (a device that disagrees is unhealthy)."""
+# The fixed-seed matmul's checksum, computed once on the CPU in float64: every tile must
+# reproduce it (to 1e-6 relative: devices sum in other orders) and agree with itself bit for bit.
+_CHECK_SEED, _CHECK_SIZE = 1234, 256
+
+
+def health_check(node: str, corrupt: set[int] = frozenset()) -> dict:
+    """Devices, and the deterministic compute check on every tile (tile ids: `<node>/<index>`;
+    a CPU node is one tile, index 0). `corrupt`: tiles made to compute wrong (fault injection)."""
     try:
         import torch  # here, not at import: the agent's loop needs no torch
 
@@ -362,20 +460,24 @@ def health_check() -> dict:
             devices, kind = torch.cuda.device_count(), "cuda"
         elif hasattr(torch, "xpu") and torch.xpu.is_available():
             devices, kind = torch.xpu.device_count(), "xpu"
-        g = torch.Generator().manual_seed(1234)
-        a = torch.randn(256, 256, generator=g, dtype=torch.float64)
+        g = torch.Generator().manual_seed(_CHECK_SEED)
+        a = torch.randn(_CHECK_SIZE, _CHECK_SIZE, generator=g, dtype=torch.float64)
         reference = (a @ a).sum().item()
-        for index in range(devices) or [None]:
-            device = torch.device(kind, index) if index is not None else torch.device("cpu")
+        for index in range(max(devices, 1)):
+            device = torch.device(kind, index) if devices else torch.device("cpu")
             x = a.to(device)
+            if index in corrupt:
+                x = x + 1e-3  # a tile whose arithmetic has gone wrong
             first, second = (x @ x).sum().item(), (x @ x).sum().item()
             if first != second or abs(first - reference) > 1e-6 * abs(reference):
                 return {"devices": devices, "health": "bad",
-                        "health_detail": f"{device}: matmul check gave {first} and {second}, "
-                                         f"CPU {reference}"}
-        return {"devices": devices or os.cpu_count(), "device_kind": kind, "health": "ok"}
+                        "health_detail": f"{node}/{index}: fixed-seed matmul gave {first!r} "
+                                         f"then {second!r}, reference {reference!r}"}
+        return {"devices": devices or os.cpu_count(), "device_kind": kind, "health": "ok",
+                "health_detail": ""}
     except Exception as e:  # a broken driver is a bad node, not a crashed agent
-        return {"devices": 0, "health": "bad", "health_detail": f"{type(e).__name__}: {e}"}
+        return {"devices": 0, "health": "bad", "health_detail": f"{node}/?: "
+                                                              f"{type(e).__name__}: {e}"}
 
 
 def _signal_group(popen: subprocess.Popen, sig: int) -> None:

@@ -116,16 +116,25 @@ def agent(job_name: str, node: str, redis: str | None, interval_s: float) -> Non
 
 
 @main.command()
-@click.argument("fault", type=click.Choice(["kill-rank", "freeze-rank", "kill-node"]))
+@click.argument("fault", type=click.Choice(["kill-rank", "freeze-rank", "kill-node",
+                                            "bad-tile"]))
 @click.option("--job", "job_name", required=True)
 @click.option("--rank", type=click.IntRange(min=0), help="For kill-rank and freeze-rank.")
-@click.option("--node", help="For kill-node: the node's name.")
+@click.option("--node", help="For kill-node and bad-tile: the node's name.")
+@click.option("--tile", type=click.IntRange(min=0), default=0, show_default=True,
+              help="For bad-tile: the device index whose health checks go wrong.")
 @redis_option
-def chaos(fault: str, job_name: str, rank: int | None, node: str | None,
+def chaos(fault: str, job_name: str, rank: int | None, node: str | None, tile: int,
           redis: str | None) -> None:
     """Inject a fault into a running job, through the agent of the node concerned."""
     store = Store(redis_url(redis), job_name)
     plan = store.plan()
+    if fault == "bad-tile":  # the node need not be running ranks: a spare's tile can go bad
+        _known_node(store, job_name, node)
+        store.push_command(node, {"kind": "bad_tile", "tile": tile, "time": time.time()})
+        click.echo(f"bad-tile sent to the agent of {node} (tile {tile}); the next health "
+                   "check fails")
+        return
     if not plan or plan.get("action") != "run":
         raise ConfigError(f"job {job_name} has no running generation in Redis; fix: check "
                           "--job and --redis (optimus run prints both)")
@@ -141,7 +150,29 @@ def chaos(fault: str, job_name: str, rank: int | None, node: str | None,
     if target not in store.nodes():
         raise ConfigError(f"no node {target!r} in job {job_name}; fix: one of "
                           + ", ".join(sorted(store.nodes())))
-    store.push_chaos(target, {"kind": fault.replace("-", "_"), "rank": rank,
+    store.push_command(target, {"kind": fault.replace("-", "_"), "rank": rank,
                               "time": time.time()})
     click.echo(f"{fault} sent to the agent of {target}"
                + (f" (rank {rank})" if rank is not None else ""))
+
+
+@main.command("health-check")
+@click.option("--job", "job_name", required=True)
+@click.option("--node", "nodes", multiple=True, help="A node to check (repeatable); default all.")
+@redis_option
+def health_check_command(job_name: str, nodes: tuple[str, ...], redis: str | None) -> None:
+    """Run the deterministic tile check on nodes now; a node that fails is excluded."""
+    store = Store(redis_url(redis), job_name)
+    targets = list(nodes) or sorted(store.nodes())
+    for node in targets:
+        _known_node(store, job_name, node)
+        store.push_command(node, {"kind": "health_check", "time": time.time()})
+    click.echo(f"health check asked of {', '.join(targets) or 'no node'}; results in the "
+               "events (kind health) and `nodes`")
+
+
+def _known_node(store: Store, job_name: str, node: str | None) -> None:
+    known = store.nodes()
+    if node not in known:
+        raise ConfigError(f"no node {node!r} in job {job_name}; fix: --node one of "
+                          + (", ".join(sorted(known)) or "(none registered)"))

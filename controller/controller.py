@@ -45,6 +45,8 @@ from optimus.files import write_atomic
 log = logging.getLogger("optimus.controller")
 
 TICK_S = 0.25
+HANG_CANDIDATES = 16  # nodes read in full when a hang is suspected; more: nobody stands out
+STRAGGLER_CHECK_S = 5.0  # how often the compute scores (one entry per node) are read
 
 
 def settings_for(job: JobConfig, job_file: str, overrides: list[str], nodes: int,
@@ -54,14 +56,17 @@ def settings_for(job: JobConfig, job_file: str, overrides: list[str], nodes: int
               for f in job.fault_injection.faults if f.kind == "kill_node"]
     return Settings(
         nodes=nodes, ranks_per_node=ranks_per_node,
-        heartbeat_interval_s=s.heartbeat_interval_s,
+        heartbeat_interval_s=s.heartbeat_interval_s, hang_timeout_s=s.hang_timeout_s,
+        hang_step_factor=s.hang_step_factor, straggler_factor=s.straggler_factor,
+        straggler_window=s.straggler_window, straggler_action=s.straggler_action,
+        flaky_failures=s.flaky_failures, flaky_window_s=s.flaky_window_s,
         heartbeat_timeout_s=s.heartbeat_timeout_s, startup_timeout_s=s.startup_timeout_s,
         agent_timeout_s=s.heartbeat_timeout_s, max_restarts=s.max_restarts,
         backoff_s=s.restart_backoff_s, backoff_max_s=s.restart_backoff_max_s,
         failure_grace_s=s.failure_grace_s, stop_grace_s=s.stop_grace_s,
         launch={"job_file": str(Path(job_file).resolve()), "overrides": list(overrides),
                 "log_dir": str(Path(job.resolved_run_dir).resolve() / "logs"),
-                "node_faults": faults})
+                "node_faults": faults, "straggler_window": s.straggler_window})
 
 
 class Controller:
@@ -74,6 +79,7 @@ class Controller:
         self.checkpoint_dir = job.resolved_checkpoint_dir
         self.journal = Path(job.resolved_run_dir) / "controller.json"
         self._journaled: str | None = None
+        self._compute_read = 0.0
 
     def run(self, exit_when_done: bool = False) -> str | None:
         """Reconcile until the job ends (with `exit_when_done`) or forever; its final state."""
@@ -118,12 +124,21 @@ class Controller:
         if not record:
             record = self._rebuild()
         now = time.time()
+        job = _job_view(record)
         plan = self.store.plan()
+        excluded = {n: e["reason"] for n, e in self.store.excluded().items()}
+        unhealthy_nodes = self.store.sweep([]).unhealthy
+        unhealthy = {n: _health(i) for n, i in self.store.node_info(unhealthy_nodes).items()}
+        steps = committed_steps(self.checkpoint_dir)
+        latest = steps[-1] if steps else None
+        if job.state == "RUNNING" and plan is not None and plan["action"] == "run":
+            return self._observe_running(now, job, plan, excluded, unhealthy, latest)
+        # Planning, draining, stopping: every node, once per tick (no generation is running,
+        # or it is being torn down; at scale this is the rare path).
         info = self.store.nodes()
         beats = self.store.agent_beats()
         names = sorted(set(info) | set(beats))
         status = self.store.agent_status(names)
-        excluded = self.store.excluded()
         nodes = {}
         for name in names:
             st, node_info = status.get(name, {}), info.get(name, {})
@@ -133,18 +148,42 @@ class Controller:
                        and st.get("state") != "gone"),
                 healthy=node_info.get("health") == "ok",
                 health=node_info.get("health_detail", node_info.get("health", "unknown")),
-                excluded=excluded[name]["reason"] if name in excluded else None,
+                excluded=excluded.get(name),
                 generation=int(st["generation"]) if st.get("generation") else None,
                 live_ranks=int(st.get("live_ranks", 0)), last_beat=beats.get(name, 0.0))
-        exits, overdue = [], []
-        if plan is not None:
-            gen = plan["generation"]
-            exits = [_exit(r) for _, r in self.store.exits(plan.get("exits_from", "0"))
-                     if r.get("generation") == gen]
-            overdue = self._overdue(plan, now)
-        steps = committed_steps(self.checkpoint_dir)
-        return Observed(now=now, job=_job_view(record), plan=plan, nodes=nodes, exits=exits,
-                        overdue=overdue, latest_step=steps[-1] if steps else None)
+        return Observed(now=now, job=job, plan=plan, nodes=nodes, latest_step=latest,
+                        unhealthy=unhealthy, excluded=excluded)
+
+    def _observe_running(self, now: float, job: JobView, plan: dict, excluded: dict,
+                         unhealthy: dict, latest: int | None) -> Observed:
+        """A running generation: a fixed number of round trips, each O(nodes that matter) but
+        the agents' beat times (one ZMSCORE over the plan's nodes)."""
+        gen = plan["generation"]
+        sweep = self.store.sweep(plan["nodes"])
+        exits = [_exit(r) for _, r in self.store.exits(plan.get("exits_from", "0"))
+                 if r.get("generation") == gen]
+        suspects = {n: self.store.rank_beats(n) for n in sweep.nonfinite if n in plan["nodes"]}
+        waiting = 0
+        stalled_job = (job.progress_at is not None and job.progress_gen == gen and now
+                       - job.progress_at > min(self.s.hang_timeout_s, self.s.startup_timeout_s))
+        if stalled_job and sweep.max_step is not None:
+            candidates = self.store.behind(sweep.max_step) or self.store.outside_collectives(
+                limit=HANG_CANDIDATES + 1)
+            if len(candidates) <= HANG_CANDIDATES:  # more: nobody stands out
+                waiting = len(plan["nodes"]) - len(candidates)
+                for n in candidates:
+                    suspects[n] = self.store.rank_beats(n)
+        stacks = self.store.stacks(gen) if job.hang_since is not None else {}
+        compute = None
+        if time.monotonic() - self._compute_read >= STRAGGLER_CHECK_S:
+            self._compute_read = time.monotonic()
+            compute = self.store.compute_scores()
+        return Observed(now=now, job=job, plan=plan, nodes={}, exits=exits,
+                        overdue=self._overdue(plan, now), latest_step=latest,
+                        agent_beats=sweep.agent_beats, progress=sweep.max_step,
+                        unhealthy=unhealthy, nonfinite=frozenset(sweep.nonfinite),
+                        suspects=suspects, waiting_in_collective=waiting, stacks=stacks,
+                        compute=compute, excluded=excluded)
 
     def _overdue(self, plan: dict, now: float) -> list[Overdue]:
         found = []
@@ -171,22 +210,24 @@ class Controller:
     # --- apply ---------------------------------------------------------------------------------
 
     def apply(self, d: Decision, obs: Observed) -> None:
-        for node, reason in d.exclude:
+        for node, reason in dict(d.exclude).items():
             self.store.exclude(node, reason, by=f"controller {self.ident}")
+        for node, command in d.commands:
+            self.store.push_command(node, command)
         if d.plan is not None:
             if d.plan["action"] == "run" and d.plan != obs.plan:
                 d.plan["exits_from"] = self.store.last_exit_id()
             self.store.set_plan(d.plan)
         if d.job:
             self.store.update_job(d.job)
-        for kind, message in d.events:
-            self._event(kind, message)
+        for kind, message, fields in d.events:
+            self._event(kind, message, **fields)
         if d.job or d.plan is not None or d.exclude:
             self._write_journal()
 
-    def _event(self, kind: str, message: str) -> None:
+    def _event(self, kind: str, message: str, **fields) -> None:
         log.info("%s: %s", kind, message)
-        self.store.event("controller", kind, message, controller=self.ident)
+        self.store.event("controller", kind, message, controller=self.ident, **fields)
 
     # --- the journal and rebuilding from it ----------------------------------------------------
 
@@ -238,16 +279,30 @@ class Controller:
 def _job_view(r: dict[str, str]) -> JobView:
     def number(key: str) -> float | None:
         return float(r[key]) if r.get(key) else None
+
+    def loaded(key: str, default):
+        return json.loads(r[key]) if r.get(key) else default
     return JobView(state=r.get("state", "PENDING"), reason=r.get("reason", ""),
                    generation=int(r.get("generation", -1)), restarts=int(r.get("restarts", 0)),
                    desired=r.get("desired") or None, desired_by=r.get("desired_by", ""),
-                   failure_since=number("failure_since"), next_plan_at=number("next_plan_at"))
+                   failure_since=number("failure_since"), next_plan_at=number("next_plan_at"),
+                   progress_gen=int(r["progress_gen"]) if r.get("progress_gen") else None,
+                   progress_step=int(r.get("progress_step", -1)),
+                   progress_at=number("progress_at"),
+                   progress_moves=int(r.get("progress_moves", 0)),
+                   step_times=tuple(loaded("step_times", [])), hang_since=number("hang_since"),
+                   failures=loaded("failures", {}), stragglers=tuple(loaded("stragglers", [])))
+
+
+def _health(info: dict) -> str:
+    return info.get("health_detail") or f"{info.get('health', 'unknown')}"
 
 
 def _exit(r: dict) -> Exit:
     return Exit(node=r["node"], rank=int(r["rank"]), generation=int(r["generation"]),
                 code=r.get("code"), signal=r.get("signal"), by_agent=bool(r.get("by_agent")),
-                tail=r.get("tail", ""), time=float(r.get("time", 0.0)))
+                tail=r.get("tail", ""), time=float(r.get("time", 0.0)),
+                local_rank=int(r.get("local_rank", -1)))
 
 
 def _read_json(path: Path) -> dict | None:

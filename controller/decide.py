@@ -22,24 +22,17 @@ silent) and then restarts without excluding anyone.
 
 from __future__ import annotations
 
-import re
+import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from controller import detect
+from controller.detect import COLLATERAL, HARD, Evidence
 
 RUNNING, RESTARTING, PENDING, WAITING, STOPPING = (
     "RUNNING", "RESTARTING", "PENDING", "WAITING", "STOPPING")
 COMPLETED, FAILED, STOPPED = "COMPLETED", "FAILED", "STOPPED"
 TERMINAL = (COMPLETED, FAILED, STOPPED)
-
-# Last lines of a rank that failed because a peer did: its collective or the rendezvous store
-# lost a partner. Gloo, NCCL, XCCL and the TCPStore word these differently.
-_PEER_FAILURE = re.compile(
-    r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|ECONNREFUSED|Connection refused|"
-    r"Socket Timeout|timed out|Timeout|DistNetworkError|DistStoreError|gloo::IoException|"
-    r"NCCL (error|communicator)|ProcessGroup.*(abort|error)|peer .*(died|exited|closed)|"
-    r"Read error|Write error",
-    re.IGNORECASE)
-
 
 @dataclass(frozen=True)
 class Settings:
@@ -54,6 +47,14 @@ class Settings:
     backoff_max_s: float = 60.0
     failure_grace_s: float = 3.0  # SIGTERM -> SIGKILL when a generation failed
     stop_grace_s: float = 60.0  # ... when an operator stops the job (a checkpoint is saved)
+    hang_timeout_s: float = 600.0
+    hang_step_factor: float = 10.0
+    straggler_factor: float = 2.0
+    straggler_window: int = 20
+    straggler_action: str = "report"
+    flaky_failures: int = 1
+    flaky_window_s: float = 3600.0
+    stack_wait_s: float = 3.0  # for the agents' stack dumps of a hang, before deciding
     launch: dict = field(default_factory=dict)  # job file, overrides, log dir: into each plan
 
     @property
@@ -63,7 +64,7 @@ class Settings:
     @property
     def agent_silence_s(self) -> float:
         """An agent this late (several missed beats) is suspect."""
-        return 3 * self.heartbeat_interval_s
+        return 2 * self.heartbeat_interval_s
 
     @property
     def settle_s(self) -> float:
@@ -84,6 +85,16 @@ class JobView:
     desired_by: str = ""
     failure_since: float | None = None
     next_plan_at: float | None = None
+    # Progress of the running generation: the furthest step, when it was reached, and the
+    # time per step of recent advances (for the hang threshold).
+    progress_gen: int | None = None
+    progress_step: int = -1
+    progress_at: float | None = None
+    progress_moves: int = 0
+    step_times: tuple[float, ...] = ()
+    hang_since: float | None = None  # a hang was noticed and stacks asked for
+    failures: dict = field(default_factory=dict)  # node -> times of its soft failures
+    stragglers: tuple[str, ...] = ()  # nodes reported as stragglers now
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,7 @@ class Exit:
     by_agent: bool = False  # the agent terminated it (a stop), not a fault
     tail: str = ""
     time: float = 0.0
+    local_rank: int = -1
 
     @property
     def ok(self) -> bool:
@@ -141,6 +153,16 @@ class Observed:
     exits: list[Exit] = field(default_factory=list)  # of the plan's generation
     overdue: list[Overdue] = field(default_factory=list)
     latest_step: int | None = None  # the newest committed checkpoint
+    # The running generation's sweep (see Store.sweep):
+    agent_beats: dict[str, float | None] = field(default_factory=dict)  # plan node -> beat
+    progress: int | None = None  # the furthest step any rank is at
+    unhealthy: dict[str, str] = field(default_factory=dict)  # node -> "<node>/<tile>: why"
+    nonfinite: frozenset[str] = frozenset()  # nodes with a rank reporting NaN/Inf of its own
+    suspects: dict[str, dict[int, dict]] = field(default_factory=dict)  # node -> heartbeats
+    waiting_in_collective: int = 0  # plan nodes whose ranks all wait in a collective
+    stacks: dict[int, str] = field(default_factory=dict)  # rank -> stack dump (a hang)
+    compute: dict[str, float] | None = None  # node -> compute score, when read this tick
+    excluded: dict[str, str] = field(default_factory=dict)  # node -> reason
 
 
 @dataclass
@@ -148,29 +170,27 @@ class Decision:
     job: dict[str, Any] = field(default_factory=dict)  # fields to write; None deletes
     plan: dict | None = None  # the new plan, when it changes
     exclude: list[tuple[str, str]] = field(default_factory=list)  # (node, reason)
-    events: list[tuple[str, str]] = field(default_factory=list)  # (kind, message)
+    events: list[tuple[str, str, dict]] = field(default_factory=list)  # (kind, message, more)
+    commands: list[tuple[str, dict]] = field(default_factory=list)  # (node, agent command)
 
-    def note(self, kind: str, message: str) -> None:
-        self.events.append((kind, message))
-
-
-@dataclass(frozen=True)
-class _Evidence:
-    node: str
-    what: str
-    primary: bool
-    time: float
+    def note(self, kind: str, message: str, **fields: Any) -> None:
+        self.events.append((kind, message, fields))
 
 
 def decide(obs: Observed, s: Settings) -> Decision:
     job, plan, d = obs.job, obs.plan, Decision()
+    for node, why in sorted(obs.unhealthy.items()):  # a failed health check, in any state
+        if node not in obs.excluded:
+            d.exclude.append((node, f"bad tile {why}"))
     if job.state in TERMINAL:
         if plan is None or plan["action"] != "end":
             d.plan = _with_action(plan, "end", s.failure_grace_s, job.reason, obs.now)
         return d
     if job.desired == "stop" and job.state != STOPPING:
         who = job.desired_by or "an operator"
-        if plan is not None and plan["action"] == "run" and _live(obs, plan):
+        # A running generation is observed without the per-node view (`nodes` is empty).
+        if plan is not None and plan["action"] == "run" and (
+                job.state == RUNNING or _live(obs, plan)):
             d.plan = _with_action(plan, "stop", s.stop_grace_s, f"stop asked by {who}", obs.now)
             d.job = {"state": STOPPING, "reason": f"stop asked by {who}: ranks save and exit"}
             d.note("stopping", f"stop asked by {who}: generation {plan['generation']} saves a "
@@ -202,59 +222,139 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
         _finish(d, obs, s, COMPLETED, f"all {plan['world_size']} ranks of generation {gen} "
                 f"finished{at}")
         return
-
-    evidence = [_Evidence(e.node, e.describe(), not _collateral(e), e.time)
-                for e in obs.exits if e.failed]
-    # A node is lost when its agent is silent past agent_timeout_s, or sooner when one of its
-    # ranks is overdue and its agent has missed beats too (a healthy agent beats every interval
-    # whatever its ranks do): a dead node is then named at the speed of a frozen rank.
-    late_nodes = {o.node for o in obs.overdue}
-    lost = [n for n in plan["nodes"]
-            if (v := obs.nodes.get(n)) is None or not v.alive
-            or (n in late_nodes and obs.now - v.last_beat > s.agent_silence_s)]
-    for name in lost:
-        node = obs.nodes.get(name)
-        silent = f"{obs.now - node.last_beat:.1f} s" if node and node.last_beat else "ever"
-        evidence.append(_Evidence(name, f"node {name} lost: its agent has been silent for "
-                                  f"{silent}", True, node.last_beat if node else 0.0))
-    # A lost node's ranks fall silent with it: their heartbeats say nothing more.
-    evidence += [_Evidence(o.node, f"rank {o.rank} on {o.node}: {o.detail}", True, o.since)
-                 for o in obs.overdue if o.node in plan["nodes"] and o.node not in lost]
-    if not evidence:
+    _track_progress(obs, s, d)
+    found = detect.evidence(obs, s)
+    slow = _stragglers(obs, s, d) if obs.compute is not None else {}
+    if s.straggler_action == "exclude":
+        found += [Evidence(n, why, HARD, obs.now) for n, why in sorted(slow.items())]
+    hang_fields: dict = {}
+    if not found and _stalled(obs, s):
+        found, hang_fields = _hang(obs, s, d)
+        if not found:
+            return  # the agents are dumping stacks
+    if not found:
         if job.failure_since is not None:
-            d.job = {"failure_since": None}
+            d.job["failure_since"] = None
         return
 
     first_seen = job.failure_since if job.failure_since is not None else obs.now
-    primary = sorted((e for e in evidence if e.primary), key=lambda e: e.time)
-    if not primary and obs.now - first_seen < s.settle_s:
+    blamed = sorted((e for e in found if e.kind != COLLATERAL), key=lambda e: e.time)
+    if not blamed and not hang_fields and obs.now - first_seen < s.settle_s:
         if job.failure_since is None:
-            d.job = {"failure_since": obs.now}
-            d.note("suspect", f"generation {gen}: {evidence[0].what}; waiting up to "
+            d.job["failure_since"] = obs.now
+            d.note("suspect", f"generation {gen}: {found[0].what}; waiting up to "
                    f"{s.settle_s:g} s for the cause")
         return
 
-    culprit = primary[0] if primary else None
-    if culprit:
-        reason = culprit.what
-        d.exclude.append((culprit.node, reason))
+    culprit = blamed[0] if blamed else None
+    failures = dict(job.failures)
+    if culprit is None:
+        nodes = sorted({e.node for e in found if e.node})
+        reason = (f"{found[0].what}; no culprit" if hang_fields else
+                  f"ranks on {', '.join(nodes)} lost their peers and no culprit showed within "
+                  f"{s.settle_s:g} s ({found[0].what})")
+        verdict = "nobody excluded"
     else:
-        nodes = sorted({e.node for e in evidence})
-        reason = (f"ranks on {', '.join(nodes)} lost their peers and no culprit showed within "
-                  f"{s.settle_s:g} s ({evidence[0].what})")
+        reason = culprit.what
+        exclude = culprit.kind == HARD
+        if not exclude:
+            exclude, failures[culprit.node] = detect.flaky(failures, culprit.node, obs.now, s)
+        if exclude:
+            d.exclude.append((culprit.node, reason))
+            failures.pop(culprit.node, None)
+            verdict = f"node {culprit.node} excluded"
+        else:
+            verdict = (f"node {culprit.node} kept: failure {len(failures[culprit.node])} of "
+                       f"{s.flaky_failures} within {s.flaky_window_s:g} s before exclusion")
     restarts = job.restarts + 1
-    d.note("failure", f"generation {gen} failed: {reason}"
-           + (f"; node {culprit.node} excluded" if culprit else "; nobody excluded"))
+    d.note("failure", f"generation {gen} failed: {reason}; {verdict}", **hang_fields)
     if restarts > s.max_restarts:
         _finish(d, obs, s, FAILED, f"{restarts - 1} restarts used up (max_restarts="
                 f"{s.max_restarts}); last failure: {reason}", restarts=restarts)
         return
     wait = s.backoff(restarts)
     d.plan = _with_action(plan, "stop", s.failure_grace_s, reason, obs.now)
-    d.job = {"state": RESTARTING, "reason": reason, "restarts": restarts,
-             "failure_since": None, "next_plan_at": obs.now + wait}
+    d.job.update({"state": RESTARTING, "reason": reason, "restarts": restarts,
+                  "failure_since": None, "next_plan_at": obs.now + wait, "hang_since": None,
+                  "failures": failures})
     d.note("restarting", f"restart {restarts} of at most {s.max_restarts}: generation "
            f"{gen + 1} after {wait:g} s, from the latest committed checkpoint")
+
+
+def _track_progress(obs: Observed, s: Settings, d: Decision) -> None:
+    """Keep the furthest step and when it was reached; sample the time per step."""
+    job, plan = obs.job, obs.plan
+    if job.progress_gen != plan["generation"]:  # a new generation: its clock starts now
+        d.job.update({"progress_gen": plan["generation"], "progress_step": -1,
+                      "progress_at": obs.now, "progress_moves": 0, "hang_since": None})
+        return
+    if obs.progress is None or obs.progress <= job.progress_step:
+        return
+    moves = job.progress_moves + 1
+    # The first two moves of a generation are its resume and its first step, not step times.
+    if moves > 2:
+        per_step = (obs.now - job.progress_at) / (obs.progress - job.progress_step)
+        d.job["step_times"] = [*job.step_times, per_step][-32:]
+    d.job.update({"progress_step": obs.progress, "progress_at": obs.now,
+                  "progress_moves": moves, "hang_since": None})
+
+
+def _stalled(obs: Observed, s: Settings) -> bool:
+    job = obs.job
+    if job.progress_at is None or job.progress_gen != obs.plan["generation"]:
+        return False
+    limit = detect.stall_threshold(job, s)
+    if job.progress_moves < 2:  # not past the first step yet: startup takes its time
+        limit = max(limit, s.startup_timeout_s)
+    return obs.now - job.progress_at > limit
+
+
+def _hang(obs: Observed, s: Settings, d: Decision) -> tuple[list[Evidence], dict]:
+    """Progress stalled while every heartbeat is fresh. First ask the agents for the stacks of
+    the culprits and of a sample of the others; decide once they are in (or after
+    stack_wait_s). Returns the evidence and the failure event's extra fields (none: wait)."""
+    job, plan = obs.job, obs.plan
+    culprits = detect.hang_culprits(obs)
+    stalled_for = obs.now - job.progress_at
+    threshold = detect.stall_threshold(job, s)
+    named = "; ".join(detect.describe_rank(n, lr, b, obs.now) for n, lr, b in culprits)
+    if job.hang_since is None:
+        by_node: dict[str, list[int]] = {}
+        for node, lr, _ in culprits:
+            by_node.setdefault(node, []).append(lr)
+        sample = [n for n in plan["nodes"] if n not in by_node][:2]
+        for node in [*by_node, *sample]:
+            d.commands.append((node, {"kind": "dump_stacks", "generation": plan["generation"],
+                                      "local_ranks": by_node.get(node, [0])}))
+        d.job["hang_since"] = obs.now
+        d.note("suspect", f"generation {plan['generation']}: no step past "
+               f"{job.progress_step} for {stalled_for:.1f} s (threshold {threshold:.1f} s) "
+               f"while heartbeats are fresh; "
+               + (f"holding the others up: {named}" if culprits else "no rank stands out")
+               + "; collecting stacks")
+        return [], {}
+    wanted = {b.get("rank") for *_, b in culprits}
+    if obs.now - job.hang_since < s.stack_wait_s and not wanted <= set(obs.stacks):
+        return [], {}
+    fields = {"stacks": json.dumps({str(r): t[-4000:] for r, t in sorted(obs.stacks.items())})}
+    what = (f"hung: no step past {job.progress_step} for {stalled_for:.1f} s (threshold "
+            f"{threshold:.1f} s)")
+    if not culprits:
+        return [Evidence("", f"{what}, every rank waiting", COLLATERAL, obs.now)], fields
+    node, _, _ = culprits[0]
+    return [Evidence(node, f"{what}: {named}, while the others wait in a collective", "soft",
+                     obs.now)], fields
+
+
+def _stragglers(obs: Observed, s: Settings, d: Decision) -> dict[str, str]:
+    """Report nodes that turned slow (an event each); keep the list in the job record."""
+    slow = detect.straggling(obs, s)
+    for node in sorted(set(slow) - set(obs.job.stragglers)):
+        d.note("straggler", slow[node] + (f"; straggler_action={s.straggler_action}"),
+               node=node)
+    if set(slow) != set(obs.job.stragglers):
+        d.job["stragglers"] = sorted(slow)
+    return slow
 
 
 def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
@@ -320,10 +420,6 @@ def _live(obs: Observed, plan: dict) -> bool:
     return any((n := obs.nodes.get(name)) is not None and n.alive
                and n.generation == plan["generation"] and n.live_ranks > 0
                for name in plan["nodes"])
-
-
-def _collateral(e: Exit) -> bool:
-    return bool(e.tail) and _PEER_FAILURE.search(e.tail) is not None
 
 
 def _shortage(obs: Observed, s: Settings, usable: set[str]) -> str:

@@ -72,11 +72,31 @@ def prefix(job: str) -> str:
 
 @dataclass
 class AgentTick:
-    """What one agent tick read back: the plan, chaos commands, whether to re-register."""
+    """What one agent tick read back: the plan, commands, whether to re-register."""
 
     plan: dict | None
-    chaos: list[dict]
+    commands: list[dict]
     registered: bool
+
+
+@dataclass
+class NodeSummary:
+    """One node's ranks in a few numbers, for the job-wide sorted sets."""
+
+    max_step: int
+    min_step: int
+    outside: int  # ranks not in a collective phase
+    nonfinite: bool  # a rank reported NaN/Inf of its own
+    compute_s: float | None  # the slowest rank's median compute time over the window
+
+
+@dataclass
+class Sweep:
+    agent_beats: dict[str, float | None]  # plan node -> its agent's last beat (None: never)
+    max_step: int | None  # the furthest step any rank is at
+    min_step: int | None
+    nonfinite: list[str]
+    unhealthy: list[str]
 
 
 class Store:
@@ -190,14 +210,20 @@ class Store:
         def write():
             pipe = self.r.pipeline()
             pipe.hset(self.k("nodes"), node, json.dumps(info))
+            if info.get("health") == "ok":
+                pipe.srem(self.k("unhealthy"), node)
+            else:
+                pipe.sadd(self.k("unhealthy"), node)
             pipe.zadd(self.k("agents"), {node: time.time()})
             pipe.execute()
         self.call(write)
 
     def agent_tick(self, node: str, status: dict, rank_beats: dict[int, dict],
-                   deadline: float | None, reset_ranks: bool) -> AgentTick:
+                   deadline: float | None, reset_ranks: bool,
+                   summary: NodeSummary | None = None) -> AgentTick:
         """An agent's whole periodic traffic in one round trip: its own beat and status, its
-        ranks' latest heartbeats and their deadline, and back the plan and chaos commands."""
+        ranks' latest heartbeats, their deadline and the node's summary (None: no rank of a
+        generation runs here), and back the plan and its commands."""
         def tick():
             pipe = self.r.pipeline(transaction=False)
             pipe.zadd(self.k("agents"), {node: time.time()})
@@ -211,13 +237,89 @@ class Store:
                 pipe.zrem(self.k("beats"), node)
             else:
                 pipe.zadd(self.k("beats"), {node: deadline})
+            self._summary(pipe, node, summary)
             pipe.get(self.k("plan"))
-            pipe.lpop(self.k(f"chaos:{node}"), 100)
+            pipe.lpop(self.k(f"commands:{node}"), 100)
             pipe.hexists(self.k("nodes"), node)
             return pipe.execute()[-3:]
         plan, chaos, registered = self.call(tick)
         return AgentTick(json.loads(plan) if plan else None,
                          [json.loads(c) for c in chaos or []], bool(registered))
+
+    def _summary(self, pipe, node: str, summary: NodeSummary | None) -> None:
+        """The node's row in each job-wide sorted set, so that every sweep is one range query."""
+        if summary is None:
+            for key in ("steps", "minsteps", "outside", "compute"):
+                pipe.zrem(self.k(key), node)
+            pipe.srem(self.k("nonfinite"), node)
+            return
+        pipe.zadd(self.k("steps"), {node: summary.max_step})
+        pipe.zadd(self.k("minsteps"), {node: summary.min_step})
+        pipe.zadd(self.k("outside"), {node: summary.outside})
+        if summary.compute_s is None:
+            pipe.zrem(self.k("compute"), node)
+        else:
+            pipe.zadd(self.k("compute"), {node: summary.compute_s})
+        if summary.nonfinite:
+            pipe.sadd(self.k("nonfinite"), node)
+        else:
+            pipe.srem(self.k("nonfinite"), node)
+
+    def sweep(self, plan_nodes: list[str]) -> Sweep:
+        """The controller's per-tick view of a running generation, in one round trip, whatever
+        the number of nodes: O(plan nodes) only for the agents' beat times (ZMSCORE)."""
+        def read():
+            pipe = self.r.pipeline(transaction=False)
+            pipe.zmscore(self.k("agents"), plan_nodes) if plan_nodes else pipe.echo("")
+            pipe.zrevrange(self.k("steps"), 0, 0, withscores=True)
+            pipe.zrange(self.k("minsteps"), 0, 0, withscores=True)
+            pipe.smembers(self.k("nonfinite"))
+            pipe.smembers(self.k("unhealthy"))
+            return pipe.execute()
+        beats, top, bottom, nonfinite, unhealthy = self.call(read)
+        return Sweep(
+            agent_beats=dict(zip(plan_nodes, beats or [], strict=False)),
+            max_step=int(top[0][1]) if top else None,
+            min_step=int(bottom[0][1]) if bottom else None,
+            nonfinite=sorted(nonfinite), unhealthy=sorted(unhealthy))
+
+    def behind(self, below_step: int) -> list[str]:
+        """Nodes with a rank at a step below `below_step`."""
+        return self.call(lambda: self.r.zrangebyscore(self.k("minsteps"), "-inf",
+                                                      f"({below_step}"))
+
+    def outside_collectives(self, limit: int) -> list[str]:
+        """Up to `limit` nodes with a rank outside the collective phase."""
+        return self.call(lambda: self.r.zrangebyscore(self.k("outside"), 1, "+inf", start=0,
+                                                      num=limit))
+
+    def compute_scores(self) -> dict[str, float]:
+        return dict(self.call(lambda: self.r.zrange(self.k("compute"), 0, -1, withscores=True)))
+
+    def set_health(self, node: str, info: dict) -> None:
+        """An agent's health check result: the node record, and the `unhealthy` set."""
+        def write():
+            pipe = self.r.pipeline()
+            pipe.hset(self.k("nodes"), node, json.dumps(info))
+            if info.get("health") == "ok":
+                pipe.srem(self.k("unhealthy"), node)
+            else:
+                pipe.sadd(self.k("unhealthy"), node)
+            pipe.execute()
+        self.call(write)
+
+    def put_stacks(self, generation: int, stacks: dict[int, str]) -> None:
+        def write():
+            pipe = self.r.pipeline()
+            pipe.hset(self.k(f"stacks:{generation}"),
+                      mapping={str(r): text for r, text in stacks.items()})
+            pipe.expire(self.k(f"stacks:{generation}"), 86_400)
+            pipe.execute()
+        self.call(write)
+
+    def stacks(self, generation: int) -> dict[int, str]:
+        raw = self.call(lambda: self.r.hgetall(self.k(f"stacks:{generation}")))
+        return {int(r): t for r, t in raw.items()}
 
     def leave(self, node: str) -> None:
         """An agent going away cleanly: forget its beats (the node record stays, marked)."""
@@ -232,6 +334,12 @@ class Store:
     def nodes(self) -> dict[str, dict]:
         raw = self.call(lambda: self.r.hgetall(self.k("nodes")))
         return {n: json.loads(v) for n, v in raw.items()}
+
+    def node_info(self, nodes: list[str]) -> dict[str, dict]:
+        if not nodes:
+            return {}
+        raw = self.call(lambda: self.r.hmget(self.k("nodes"), nodes))
+        return {n: json.loads(v) for n, v in zip(nodes, raw, strict=True) if v}
 
     def agent_beats(self) -> dict[str, float]:
         return dict(self.call(lambda: self.r.zrange(self.k("agents"), 0, -1, withscores=True)))
@@ -289,8 +397,9 @@ class Store:
         start = after if after == "-" else f"({after}"
         return self.call(lambda: self.r.xrange(self.k("events"), min=start, count=count))
 
-    def push_chaos(self, node: str, command: dict) -> None:
-        self.call(lambda: self.r.rpush(self.k(f"chaos:{node}"), json.dumps(command)))
+    def push_command(self, node: str, command: dict) -> None:
+        """A command for one agent (chaos, dump_stacks, health_check), taken in its next tick."""
+        self.call(lambda: self.r.rpush(self.k(f"commands:{node}"), json.dumps(command)))
 
 
 def _transient(e: BaseException) -> bool:

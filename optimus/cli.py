@@ -52,10 +52,15 @@ def main() -> None:
 @set_option
 def train(job: Path, overrides: tuple[str, ...]) -> None:
     """Train JOB as one rank (or as each rank under torchrun / srun / mpiexec)."""
+    from optimus.health import NonFinite
     from optimus.train import train as run_training  # torch loads only when training
 
     config = load_job(job, list(overrides))
-    run_training(config)
+    try:
+        run_training(config)
+    except NonFinite as e:  # the agent reads the exit status: 87 names this rank's tile
+        click.secho(f"error: {e}", fg="red", err=True)
+        sys.exit(e.exit_code)
 
 
 @main.group()

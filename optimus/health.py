@@ -115,6 +115,11 @@ class Heartbeat:
     def logged(self, loss: float, grad_norm: float) -> None:
         self._finite = math.isfinite(loss) and math.isfinite(grad_norm)
 
+    def nonfinite(self) -> None:
+        """This rank's own loss or gradients are NaN/Inf: say so now, not at the next beat."""
+        self._finite = False
+        self._send()
+
     def finish(self) -> None:
         """Training is over: stop the thread, send the last beat (phase "done"), close."""
         self._stop_thread()
@@ -191,6 +196,9 @@ class NoHeartbeat:
     def logged(self, loss: float, grad_norm: float) -> None:
         pass
 
+    def nonfinite(self) -> None:
+        pass
+
     def finish(self) -> None:
         pass
 
@@ -249,3 +257,30 @@ class Commands:
 
     def _on_sigterm(self, signum, frame) -> None:
         self.requested |= Command.STOP
+
+
+# Exit statuses the agent reports and the controller reads (controller/decide.py).
+EXIT_BAD_TILE = 87  # this rank's own loss or gradients were NaN/Inf: its tile is suspect
+EXIT_NONFINITE_ELSEWHERE = 88  # the reduced gradients were NaN/Inf, this rank's own were not
+
+
+class NonFinite(Exception):
+    """A step whose global gradient norm is NaN/Inf: no rank may step on it."""
+
+    def __init__(self, step: int, local: bool, detail: str):
+        self.step, self.local = step, local
+        self.exit_code = EXIT_BAD_TILE if local else EXIT_NONFINITE_ELSEWHERE
+        where = ("this rank's own values (its tile is suspect)" if local
+                 else "another rank's values (this rank's own are finite)")
+        super().__init__(f"non-finite gradient norm at step {step}, from {where}: {detail}")
+
+
+def register_stack_dumps() -> None:
+    """SIGUSR1 dumps every thread's Python stack to $OPTIMUS_STACKS_FILE, from C, even while
+    the main thread is blocked in a collective or a device call: the agent's view of a hang."""
+    path = os.environ.get("OPTIMUS_STACKS_FILE")
+    if not path:
+        return
+    import faulthandler  # a C signal handler: it runs with the interpreter stuck
+
+    faulthandler.register(signal.SIGUSR1, file=open(path, "a"), all_threads=True)  # noqa: SIM115

@@ -23,12 +23,12 @@ from optimus.checkpoint.saver import Checkpointer
 from optimus.checkpoint.state import Progress, training_state
 from optimus.config import JobConfig, check_trainable, job_hash, resolve_layout
 from optimus.data import build_loader, build_source
-from optimus.faults import inject_faults
-from optimus.health import Command, Commands, start_heartbeat
+from optimus.faults import RankFaults
+from optimus.health import Command, Commands, NonFinite, register_stack_dumps, start_heartbeat
 from optimus.metrics import MetricsLog, StepMetrics, peak_flops
 from optimus.models import flops_per_token
 from optimus.optim import build_optimizer, lr_at, set_lr
-from optimus.parallel.grads import clip_grad_norm_
+from optimus.parallel.grads import clip_grad_norm_, local_grads_finite
 from optimus.parallel.plan import IGNORE_INDEX, build_parallel_model
 from optimus.runtime import (
     ParallelDims,
@@ -65,6 +65,8 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
     commands = Commands(env.world_size,
                         torch.device("cpu") if backend == "gloo" else device).listen()
     heartbeat = start_heartbeat(env, job.supervision.heartbeat_interval_s)
+    register_stack_dumps()  # SIGUSR1 from the agent: every thread's stack, for a hang's event
+    faults = RankFaults(job.fault_injection, rank=env.rank, generation=env.restart_count)
     owns_group = not dist.is_initialized()
     try:
         if owns_group:
@@ -116,8 +118,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         heartbeat.resumed(progress.step)
 
         for step in range(progress.step + 1, job.optim.steps + 1):
-            inject_faults(job.fault_injection, rank=env.rank, generation=env.restart_count,
-                          step=step)
+            faults.step_start(step)
             heartbeat.begin_step(step)
             started = time.perf_counter()
             lr = lr_at(step, job.optim)
@@ -132,10 +133,15 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             model.loss_fn.tokens = step_tokens
             with autocast:  # marks the phases "forward" and "backward"
                 loss_sum = model.forward_backward(microbatches, device, heartbeat)
+            faults.after_backward(step, model.parameters(), loss_sum)
 
             with heartbeat.phase("grad_sync"):
-                grad_norm = clip_grad_norm_(model.parameters(), job.optim.grad_clip, pp_group)
+                grad_norm = clip_grad_norm_(model.parameters(), job.optim.grad_clip, pp_group,
+                                            leave_nonfinite=True)
+            if not torch.isfinite(grad_norm):  # never step on NaN: name the tile, then exit
+                _nonfinite(step, loss_sum, model, heartbeat)
             with heartbeat.phase("optim"):
+                faults.in_optimizer(step)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             progress.advance(step_tokens)
@@ -241,6 +247,19 @@ def _stop(ckpt: Checkpointer | None, log: MetricsLog, job: JobConfig, step: int,
              else "its checkpoint failed, a restart resumes from an older one")
     log.event("stopped", f"stopped after step {step} (SIGTERM); {where}", step=step,
               checkpoint_step=saved)
+
+
+def _nonfinite(step: int, loss_sum: torch.Tensor, model, heartbeat) -> None:
+    """The global gradient norm is NaN/Inf. Every rank sees it; each says whether its own loss
+    and gradient shards were the bad ones (before any reduction: a bad tile), then all exit."""
+    loss_ok = bool(torch.isfinite(loss_sum))
+    grads_ok = local_grads_finite(model.parameters())
+    local = not (loss_ok and grads_ok)
+    if local:
+        heartbeat.nonfinite()
+    detail = (f"local loss {'finite' if loss_ok else float(loss_sum)}, local gradients "
+              f"{'finite' if grads_ok else 'NaN/Inf'}")
+    raise NonFinite(step, local, detail)
 
 
 def _meta(job: JobConfig, progress: Progress, layout) -> dict:

@@ -38,12 +38,21 @@ def running_plan(gen: int = 0, nodes=("n0", "n1")) -> dict:
             "world_size": 4}
 
 
-def running(nodes=None, exits=(), overdue=(), job=None, plan=None, now=NOW) -> Observed:
+def running(nodes=None, exits=(), overdue=(), job=None, plan=None, now=NOW,
+            **more) -> Observed:
     nodes = nodes or {n: node(n, generation=0, live=2) for n in ("n0", "n1")}
     nodes.setdefault("n2", node("n2"))  # the spare
-    return Observed(now=now, job=job or JobView(state=RUNNING, generation=0),
-                    plan=plan or running_plan(), nodes=nodes, exits=list(exits),
-                    overdue=list(overdue), latest_step=40)
+    plan = plan or running_plan()
+    # Beat ages are relative to `now`: a node's agent keeps beating as the test's clock moves.
+    beats = {n: now - (NOW - nodes[n].last_beat) for n in plan["nodes"] if n in nodes}
+    return Observed(now=now, job=job or busy(), plan=plan, nodes=nodes, exits=list(exits),
+                    overdue=list(overdue), latest_step=40, agent_beats=beats, **more)
+
+
+def busy(**fields) -> JobView:
+    """A running generation 0 that last moved at step 5, just now."""
+    return JobView(**{"state": RUNNING, "generation": 0, "progress_gen": 0, "progress_step": 5,
+                      "progress_at": NOW, "progress_moves": 3, **fields})
 
 
 def test_first_generation_takes_nodes_in_name_order_and_starts_from_the_checkpoint():
@@ -92,7 +101,7 @@ def test_collateral_exits_alone_wait_for_a_culprit_then_restart_without_exclusio
     assert first.plan is None and first.exclude == []
     assert first.job == {"failure_since": NOW}
     # Still within settle_s (agent timeout + 1): keep waiting.
-    job = JobView(state=RUNNING, generation=0, failure_since=NOW)
+    job = busy(failure_since=NOW)
     assert decide(running(exits=[peer], job=job, now=NOW + 3), S).plan is None
     # The lost node shows up (its agent fell silent): it is the culprit.
     nodes = {"n0": node("n0", generation=0, live=2),
@@ -100,7 +109,7 @@ def test_collateral_exits_alone_wait_for_a_culprit_then_restart_without_exclusio
                             live_ranks=2, last_beat=NOW - 6)}
     d = decide(running(nodes=nodes, exits=[peer], job=job, now=NOW + 5), S)
     assert [n for n, _ in d.exclude] == ["n1"]
-    assert "node n1 lost: its agent has been silent for 11.0 s" in d.exclude[0][1]
+    assert "node n1 lost: its agent has been silent for 6.0 s" in d.exclude[0][1]
     # No culprit by the end of the window: restart, nobody excluded.
     d = decide(running(exits=[peer], job=job, now=NOW + S.settle_s), S)
     assert d.exclude == [] and d.job["state"] == RESTARTING
@@ -155,7 +164,7 @@ def test_next_generation_waits_for_the_old_ranks_then_the_backoff_then_uses_the_
 def test_restarts_are_bounded_and_backoff_grows_to_its_cap():
     assert [S.backoff(n) for n in (1, 2, 3, 4)] == [1, 2, 3, 3]
     killed = Exit("n0", 0, 0, code=None, signal=9, time=NOW)
-    d = decide(running(exits=[killed], job=JobView(state=RUNNING, generation=0, restarts=2)), S)
+    d = decide(running(exits=[killed], job=busy(restarts=2)), S)
     assert d.job["state"] == FAILED
     assert "2 restarts used up (max_restarts=2)" in d.job["reason"]
     assert d.plan["action"] == "end"
@@ -188,3 +197,101 @@ def test_a_terminal_job_keeps_telling_agents_to_end():
     d = decide(running(job=job), S)
     assert d.plan["action"] == "end" and d.job == {}
     assert decide(running(job=job, plan={**running_plan(), "action": "end"}), S).plan is None
+
+
+# --- issue 6: hangs, bad tiles, stragglers, flaky nodes ------------------------------------------
+
+H = Settings(nodes=2, ranks_per_node=2, heartbeat_interval_s=0.5, heartbeat_timeout_s=5,
+             agent_timeout_s=5, hang_timeout_s=10, hang_step_factor=4, startup_timeout_s=60,
+             straggler_factor=2, flaky_failures=2, flaky_window_s=100, backoff_s=1)
+
+
+def beat(rank: int, step: int, phase: str, since: float = NOW - 20, finite: bool = True):
+    return {"rank": rank, "step": step, "phase": phase, "phase_since": since, "finite": finite}
+
+
+def test_progress_is_tracked_and_step_times_set_the_hang_threshold():
+    job = busy(progress_step=10, progress_at=NOW - 2, step_times=(0.5,))
+    d = decide(running(job=job, progress=12), H)
+    assert d.job["progress_step"] == 12 and d.job["progress_at"] == NOW
+    assert d.job["step_times"] == [0.5, 1.0]  # 2 s for 2 steps
+    # A new generation restarts the clock and does not sample its resume or first step.
+    d = decide(running(job=busy(progress_gen=None), progress=40), H)
+    assert d.job["progress_gen"] == 0 and d.job["progress_moves"] == 0
+    slow = busy(step_times=(4.0, 4.0, 4.0), progress_at=NOW - 12)  # threshold 4 x 4 = 16 s
+    assert decide(running(job=slow, progress=5), H).commands == []
+    stalled = busy(step_times=(1.0,), progress_at=NOW - 12)  # threshold max(10, 4) = 10 s
+    assert decide(running(job=stalled, progress=5), H).commands != []
+
+
+def test_a_hang_names_the_rank_behind_asks_for_stacks_then_fails_with_them():
+    job = busy(progress_step=7, progress_at=NOW - 11)
+    suspects = {"n1": {0: beat(2, 6, "optim"), 1: beat(3, 7, "grad_sync")}}
+    d = decide(running(job=job, progress=7, suspects=suspects), H)
+    assert d.plan is None and d.job["hang_since"] == NOW
+    assert ("n1", {"kind": "dump_stacks", "generation": 0, "local_ranks": [0]}) in d.commands
+    assert ("n0", {"kind": "dump_stacks", "generation": 0, "local_ranks": [0]}) in d.commands
+    (kind, message, _), = d.events
+    assert kind == "suspect" and "rank 2 on n1 (local 0): step 6, phase optim" in message
+    # The stacks arrive: the failure names the rank and carries them.
+    job = busy(progress_step=7, progress_at=NOW - 11, hang_since=NOW - 0.5)
+    d = decide(running(job=job, progress=7, suspects=suspects,
+                       stacks={2: "Thread 0x1 (most recent call first):\n  wait"}), H)
+    failure = [e for e in d.events if e[0] == "failure"][0]
+    assert "hung: no step past 7" in failure[1] and "rank 2 on n1" in failure[1]
+    assert "wait" in failure[2]["stacks"]
+    assert d.plan["action"] == "stop"
+    assert d.exclude == []  # a soft failure, the first of flaky_failures=2
+    assert "node n1 kept: failure 1 of 2" in failure[1]
+    assert d.job["failures"] == {"n1": [NOW]}
+
+
+def test_a_hang_with_everyone_at_the_front_blames_the_rank_outside_the_collective():
+    job = busy(progress_step=7, progress_at=NOW - 11, hang_since=NOW - 5)
+    suspects = {"n0": {0: beat(0, 8, "backward")}}
+    d = decide(running(job=job, progress=8, suspects=suspects, waiting_in_collective=1), H)
+    assert "rank 0 on n0 (local 0): step 8, phase backward" in d.job["reason"]
+
+
+def test_the_second_soft_failure_in_the_window_excludes_the_node():
+    killed = Exit("n0", 1, 0, code=None, signal=9, time=NOW)
+    d = decide(running(exits=[killed], job=busy(failures={"n0": [NOW - 50]})), H)
+    assert [n for n, _ in d.exclude] == ["n0"]
+    d = decide(running(exits=[killed], job=busy(failures={"n0": [NOW - 150]})), H)
+    assert d.exclude == []  # the old failure fell out of the 100 s window
+
+
+def test_bad_tiles_are_excluded_at_once_from_exits_heartbeats_and_health_checks():
+    own = Exit("n1", 3, 0, code=87, time=NOW, local_rank=1)
+    other = Exit("n0", 0, 0, code=88, time=NOW - 0.1, local_rank=0)
+    d = decide(running(exits=[other, own]), H)
+    assert d.exclude == [("n1", "bad tile n1/1 (rank 3): its own loss or gradients were "
+                                "NaN/Inf")]
+    d = decide(running(nonfinite=frozenset({"n0"}),
+                       suspects={"n0": {1: beat(1, 9, "grad_sync", finite=False)}}), H)
+    assert d.exclude == [("n0", "bad tile n0/1 (rank 1, step 9): its own loss or gradients "
+                                "were NaN/Inf")]
+    d = decide(running(unhealthy={"n2": "n2/0: fixed-seed matmul gave 1.0"}), H)
+    assert d.exclude == [("n2", "bad tile n2/0: fixed-seed matmul gave 1.0")]
+    assert d.plan is None  # a spare's bad tile does not stop the generation
+
+
+def test_a_straggler_is_reported_once_and_excluded_only_when_the_policy_says_so():
+    compute = {"n0": 0.10, "n1": 0.35}
+    d = decide(running(compute=compute), H)
+    assert d.exclude == [] and d.job["stragglers"] == ["n1"]
+    (kind, message, fields), = d.events
+    assert kind == "straggler" and fields == {"node": "n1"}
+    assert "compute 350 ms per step" in message and "3.5x > 2x" in message
+    assert decide(running(compute=compute, job=busy(stragglers=("n1",))), H).events == []
+    strict = Settings(**{**H.__dict__, "straggler_action": "exclude"})
+    d = decide(running(compute=compute), strict)
+    assert [n for n, _ in d.exclude] == ["n1"] and d.plan["action"] == "stop"
+    assert decide(running(compute={"n0": 0.10, "n1": 0.15}), H).events == []
+
+
+def test_a_stop_of_a_running_generation_drains_it_without_the_per_node_view():
+    obs = running(job=busy(desired="stop", desired_by="bob"))
+    obs = Observed(**{**obs.__dict__, "nodes": {}})  # as observed while RUNNING
+    d = decide(obs, H)
+    assert d.job["state"] == STOPPING and d.plan["action"] == "stop"

@@ -39,15 +39,15 @@ def test_one_leader_at_a_time_and_the_lease_expires(redis_server):
 def test_agent_tick_is_one_round_trip_that_writes_beats_and_reads_plan_and_chaos(redis_server):
     s = Store(redis_server.url, "j")
     s.set_plan({"generation": 3, "action": "run", "nodes": ["n0"]})
-    s.push_chaos("n0", {"kind": "kill_rank", "rank": 1})
+    s.push_command("n0", {"kind": "kill_rank", "rank": 1})
     now = time.time()
     tick = s.agent_tick("n0", {"generation": 3, "state": "running", "live_ranks": 2},
                         {0: {"step": 7, "time": now}}, deadline=now - 1, reset_ranks=True)
-    assert tick.plan["generation"] == 3 and tick.chaos == [{"kind": "kill_rank", "rank": 1}]
+    assert tick.plan["generation"] == 3 and tick.commands == [{"kind": "kill_rank", "rank": 1}]
     assert tick.registered is False  # no `nodes` entry yet: the agent must register
     s.register_node("n0", {"host": "h", "health": "ok"})
     tick = s.agent_tick("n0", {"state": "running"}, {}, deadline=now + 60, reset_ranks=False)
-    assert tick.registered and tick.chaos == []
+    assert tick.registered and tick.commands == []
     assert s.rank_beats("n0")[0]["step"] == 7
     assert s.overdue(now) == []  # deadline moved on
     s.agent_tick("n0", {"state": "running"}, {}, deadline=now - 1, reset_ranks=False)

@@ -120,14 +120,30 @@ class SupervisionConfig(Section):
         3.0, description="SIGTERM -> SIGKILL for the ranks of a failed generation")
     stop_grace_s: PositiveFloat = Field(
         120.0, description="SIGTERM -> SIGKILL on an operator's stop: time to save")
+    hang_timeout_s: PositiveFloat = Field(
+        600.0, description="T: no step anywhere for max(T, k x median step time) is a hang")
+    hang_step_factor: PositiveFloat = Field(10.0, description="k of the hang rule")
+    straggler_factor: float = Field(
+        2.0, gt=1.0, description="a node whose compute time per step exceeds this x the "
+                                 "median of the others is a straggler")
+    straggler_window: PositiveInt = Field(
+        20, description="W: steps (sampled by heartbeats) the straggler median covers")
+    straggler_action: Literal["report", "exclude"] = "report"
+    flaky_failures: PositiveInt = Field(
+        1, description="attributed failures within flaky_window_s that exclude a node")
+    flaky_window_s: PositiveFloat = 3600.0
 
 
 class Fault(Section):
-    kind: Literal["kill_rank", "freeze_rank", "kill_node"]
+    kind: Literal["kill_rank", "freeze_rank", "kill_node", "stall_rank", "hang_rank",
+                  "nan_rank", "slow_rank"]
     step: NonNegativeInt
     rank: NonNegativeInt | None = None
     node: NonNegativeInt | None = None
     generation: NonNegativeInt = Field(0, description="fires only in this generation")
+    seconds: NonNegativeFloat = Field(
+        0.0, description="stall_rank: the sleep before the gradient reduction; slow_rank: "
+                         "the extra time per step from `step` on")
 
     @model_validator(mode="after")
     def _target(self) -> Fault:

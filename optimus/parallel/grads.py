@@ -10,12 +10,15 @@ from torch.distributed.tensor import DTensor
 
 
 def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float,
-                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                    pp_group: dist.ProcessGroup | None = None, *,
+                    leave_nonfinite: bool = False) -> torch.Tensor:
     """Clip to `max_norm` (0: measure only) and return the global L2 norm before clipping.
 
     Sharded gradients (tp, dp) are combined by DTensor; the stages of a pipeline hold
     different parameters, so their squared norms are summed over `pp_group`. Every rank ends
-    with the same norm and applies the same scale.
+    with the same norm and applies the same scale. With `leave_nonfinite`, a NaN/Inf norm
+    leaves the gradients as they are (one host sync), so a rank can still tell whether its own
+    were the bad ones (`local_grads_finite`).
     """
     params = [p for p in params if p.grad is not None]
     grads = [p.grad for p in params]
@@ -26,6 +29,13 @@ def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float,
         squared = norm.pow(2)
         dist.all_reduce(squared, group=pp_group)
         norm = squared.sqrt()
-    if max_norm > 0:
+    if max_norm > 0 and not (leave_nonfinite and not bool(torch.isfinite(norm))):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return norm
+
+
+def local_grads_finite(params: Iterable[torch.nn.Parameter]) -> bool:
+    """Whether this rank's own gradient shards hold no NaN/Inf (no communication)."""
+    local = [g.to_local() if isinstance(g, DTensor) else g
+             for p in params if (g := p.grad) is not None]
+    return all(bool(torch.isfinite(g).all()) for g in local)

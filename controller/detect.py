@@ -1,0 +1,146 @@
+"""What went wrong in a running generation, and whose fault it is: pure functions over a snapshot.
+
+`decide._watch` calls `evidence(obs, s)` for everything that names a node, then `hang(obs, s)`
+when nothing else explains a stall, and `stragglers(obs, s)`. Each piece of evidence says how
+sure it is about its node:
+
+- hard: the node itself is broken (a bad tile, a lost node). It is excluded at once.
+- soft: a rank on the node failed (a crash, a frozen process, the culprit of a hang). The node
+  is excluded once it has `flaky_failures` attributed failures within `flaky_window_s`
+  (default 1: at once); before that the job restarts on it.
+- collateral: a rank failed because a peer did (connection errors, NaN gradients that came
+  from another rank). Never blamed.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import dataclass
+
+# Exit statuses of `optimus train` (optimus/health.py; the controller must not import optimus
+# modules that load torch, so the two numbers are repeated here).
+EXIT_BAD_TILE = 87
+EXIT_NONFINITE_ELSEWHERE = 88
+COLLECTIVE_PHASES = ("grad_sync",)  # where a rank waits for its peers, by the loop's markers
+
+# Last lines of a rank that failed because a peer did: its collective or the rendezvous store
+# lost a partner. Gloo, NCCL, XCCL and the TCPStore word these differently.
+_PEER_FAILURE = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|ECONNREFUSED|Connection refused|"
+    r"Socket Timeout|timed out|Timeout|DistNetworkError|DistStoreError|gloo::IoException|"
+    r"NCCL (error|communicator)|ProcessGroup.*(abort|error)|peer .*(died|exited|closed)|"
+    r"Read error|Write error",
+    re.IGNORECASE)
+
+HARD, SOFT, COLLATERAL = "hard", "soft", "collateral"
+
+
+@dataclass(frozen=True)
+class Evidence:
+    node: str
+    what: str
+    kind: str  # HARD, SOFT or COLLATERAL
+    time: float
+
+
+def exit_evidence(e) -> Evidence:
+    if e.code == EXIT_BAD_TILE:
+        return Evidence(e.node, f"bad tile {e.node}/{e.local_rank} (rank {e.rank}): its own "
+                        "loss or gradients were NaN/Inf", HARD, e.time)
+    collateral = e.code == EXIT_NONFINITE_ELSEWHERE or (
+        bool(e.tail) and _PEER_FAILURE.search(e.tail) is not None)
+    return Evidence(e.node, e.describe(), COLLATERAL if collateral else SOFT, e.time)
+
+
+def evidence(obs, s) -> list[Evidence]:
+    """Everything in the snapshot that says a node of the running generation failed."""
+    plan = obs.plan
+    nodes = plan["nodes"]
+    found = [exit_evidence(e) for e in obs.exits if e.failed]
+    found += [Evidence(n, f"bad tile {obs.unhealthy[n]}", HARD, obs.now)
+              for n in nodes if n in obs.unhealthy]
+    for node in (n for n in nodes if n in obs.nonfinite):
+        bad = [(lr, b) for lr, b in sorted(obs.suspects.get(node, {}).items())
+               if not b.get("finite", True)]
+        which = ", ".join(f"{node}/{lr} (rank {b['rank']}, step {b['step']})" for lr, b in bad)
+        found.append(Evidence(node, f"bad tile {which or node}: its own loss or gradients "
+                              "were NaN/Inf", HARD, obs.now))
+
+    # A node is lost when its agent is silent past agent_timeout_s, or sooner when one of its
+    # ranks is overdue and its agent has missed beats too (a healthy agent beats every
+    # interval whatever its ranks do): a dead node is then named at the speed of a frozen rank.
+    late = {o.node for o in obs.overdue}
+    lost = []
+    for n in nodes:
+        beat = obs.agent_beats.get(n)
+        silent = obs.now - beat if beat else None
+        if silent is None or silent > s.agent_timeout_s or (
+                n in late and silent > s.agent_silence_s):
+            lost.append(n)
+            found.append(Evidence(n, f"node {n} lost: its agent has been silent for "
+                                  f"{f'{silent:.1f} s' if silent is not None else 'ever'}",
+                                  HARD, beat or 0.0))
+    # A lost node's ranks fall silent with it: their heartbeats say nothing more.
+    found += [Evidence(o.node, f"rank {o.rank} on {o.node}: {o.detail}", SOFT, o.since)
+              for o in obs.overdue if o.node in nodes and o.node not in lost]
+    return found
+
+
+def stall_threshold(job, s) -> float:
+    """A hang: no rank has moved past its step for max(T, k x the median step time)."""
+    median = statistics.median(job.step_times) if job.step_times else 0.0
+    return max(s.hang_timeout_s, s.hang_step_factor * median)
+
+
+def stalled(obs, s) -> bool:
+    job = obs.job
+    return (job.progress_at is not None
+            and obs.now - job.progress_at > stall_threshold(job, s))
+
+
+def hang_culprits(obs) -> list[tuple[str, int, dict]]:
+    """(node, local rank, heartbeat) of the ranks that hold the others up: those behind in
+    step; else, at the front step, those outside the collective phase while others wait in it.
+    Empty when the heartbeats name nobody."""
+    ranks = [(node, lr, b) for node, beats in sorted(obs.suspects.items())
+             for lr, b in sorted(beats.items())]
+    if not ranks:
+        return []
+    front = obs.progress if obs.progress is not None else max(b["step"] for *_, b in ranks)
+    behind = [r for r in ranks if r[2]["step"] < front]
+    if behind:
+        return behind
+    outside = [r for r in ranks if r[2]["phase"] not in COLLECTIVE_PHASES]
+    waiting = obs.waiting_in_collective or len(ranks) - len(outside)
+    return outside if outside and waiting else []
+
+
+def describe_rank(node: str, local_rank: int, beat: dict, now: float) -> str:
+    return (f"rank {beat.get('rank', '?')} on {node} (local {local_rank}): step "
+            f"{beat.get('step')}, phase {beat.get('phase')} for "
+            f"{now - beat.get('phase_since', now):.1f} s")
+
+
+def straggling(obs, s) -> dict[str, str]:
+    """Plan nodes whose slowest rank's median compute time per step, over the window, exceeds
+    `straggler_factor` x the median of the other nodes'; node -> why."""
+    scores = {n: v for n, v in (obs.compute or {}).items() if n in obs.plan["nodes"]}
+    slow = {}
+    for node, score in scores.items():
+        others = [v for n, v in scores.items() if n != node]
+        if not others:
+            continue
+        median = statistics.median(others)
+        if median > 0 and score > s.straggler_factor * median:
+            slow[node] = (f"node {node} is a straggler: compute {score * 1e3:.0f} ms per step "
+                          f"(median over its last {s.straggler_window} sampled steps) against "
+                          f"{median * 1e3:.0f} ms for the others, {score / median:.1f}x > "
+                          f"{s.straggler_factor:g}x")
+    return slow
+
+
+def flaky(failures: dict[str, list[float]], node: str, now: float, s) -> tuple[bool, list]:
+    """Record a soft failure of `node`; whether it now has `flaky_failures` in the window."""
+    recent = [t for t in failures.get(node, []) if now - t <= s.flaky_window_s] + [now]
+    return len(recent) >= s.flaky_failures, recent
