@@ -1,0 +1,186 @@
+"""Hangs, bad tiles, stragglers and flaky nodes, injected for real into jobs under the control
+plane (`optimus run` on a private redis-server the test can read): each is detected, the right
+culprit named, and the job recovers on a spare."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cluster import ROOT, RedisServer, metrics, wait_for, write_job
+
+from controller.store import Store
+
+STEPS = 24
+HANG = {"hang_timeout_s": 4.0, "hang_step_factor": 5.0}
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path)
+    yield server
+    server.stop()
+
+
+def run(redis_server, job: Path, *, nodes: int = 2, spares: int = 1,
+        timeout: float = 240) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "controller", "run", str(job), "--nodes",
+                          str(nodes), "--ranks-per-node", "1", "--spares", str(spares)],
+                         cwd=ROOT, env={**os.environ, "REDIS_URL": redis_server.url},
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-3000:]
+    return out
+
+
+def events(store: Store, kind: str) -> list[dict]:
+    return [e for _, e in store.events(count=10_000) if e["kind"] == kind]
+
+
+def generation_nodes(store: Store, generation: int) -> list[str]:
+    (event,) = [e for e in events(store, "generation")
+                if e["message"].startswith(f"generation {generation} on ")]
+    names = event["message"].split(" on ", 1)[1].split(" from ", 1)[0]
+    return names.split(", ")
+
+
+@pytest.mark.parametrize("fault,culprit_says,stack_says", [
+    ({"kind": "stall_rank", "seconds": 3600}, "phase backward", "after_backward"),
+    ({"kind": "hang_rank"}, "phase optim", "in_optimizer"),
+], ids=["sleep_before_grad_reduction", "blocked_device_sync"])
+def test_a_hang_names_the_rank_holding_the_others_with_its_stack(
+        fault, culprit_says, stack_says, redis_server, tmp_path):
+    job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=STEPS,
+                    faults=[{**fault, "rank": 1, "step": 8}], **HANG)
+    run(redis_server, job)
+    store = Store(redis_server.url, "e2e")
+    culprit = generation_nodes(store, 0)[1]  # holds rank 1
+    record = store.job_record()
+    assert record["state"] == "COMPLETED" and record["restarts"] == "1", record
+    reason = store.excluded()[culprit]["reason"]
+    assert reason.startswith("hung: no step past ")
+    assert f"rank 1 on {culprit} (local 0)" in reason and culprit_says in reason
+    (suspect,) = events(store, "suspect")
+    assert "holding the others up: rank 1" in suspect["message"]
+    failure = events(store, "failure")[0]
+    stacks = json.loads(failure["stacks"])
+    assert stack_says in stacks["1"]  # the culprit's own Python stack, from the agent
+    assert "0" in stacks  # and a sample of the others': rank 0 waits in a collective
+    assert culprit not in store.plan()["nodes"]
+
+
+def test_nan_from_one_rank_names_its_tile(redis_server, tmp_path):
+    job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=STEPS,
+                    faults=[{"kind": "nan_rank", "rank": 1, "step": 8}])
+    run(redis_server, job)
+    store = Store(redis_server.url, "e2e")
+    culprit = generation_nodes(store, 0)[1]
+    # From its heartbeat ("rank 1, step 8") or its exit status, whichever the controller saw
+    # first: the same tile either way.
+    reason = store.excluded()[culprit]["reason"]
+    assert reason.startswith(f"bad tile {culprit}/0 (rank 1")
+    assert reason.endswith("its own loss or gradients were NaN/Inf")
+    assert list(store.excluded()) == [culprit]  # rank 0 saw NaN arrive: not blamed
+    # Each rank told its own values from what the reduction brought it.
+    logs = tmp_path / "run" / "logs" / "gen_0000"
+    assert "at step 8, from this rank's own values" in (logs / "rank_00001.log").read_text()
+    assert "at step 8, from another rank's values" in (logs / "rank_00000.log").read_text()
+    assert store.job_record()["state"] == "COMPLETED"
+    # No step was taken on NaN: the run's losses are all finite.
+    assert all(m["loss"] == m["loss"] for m in metrics(tmp_path / "run") if "loss" in m)
+
+
+def test_health_checks_on_demand_and_before_each_generation_exclude_bad_tiles(
+        redis_server, tmp_path):
+    job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=40)
+    p = subprocess.Popen([sys.executable, "-m", "controller", "run", str(job), "--nodes", "2",
+                          "--ranks-per-node", "1", "--spares", "2"], cwd=ROOT,
+                         env={**os.environ, "REDIS_URL": redis_server.url},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    store = Store(redis_server.url, "e2e")
+    try:
+        wait_for(lambda: (plan := store.plan()) and plan["action"] == "run"
+                 and store.rank_beats(plan["nodes"][0]).get(0, {}).get("step", 0) >= 3,
+                 120, "generation 0 at step 3")
+        running, spares = store.plan()["nodes"], sorted(set(store.nodes())
+                                                        - set(store.plan()["nodes"]))
+        victim, first_spare, last_spare = running[1], spares[0], spares[1]
+        # The first spare's tile goes bad quietly: only its next check can tell.
+        store.push_command(first_spare, {"kind": "bad_tile", "tile": 0})
+        # A running node's tile goes bad, and an operator asks for a check.
+        store.push_command(victim, {"kind": "bad_tile", "tile": 0})
+        out = subprocess.run([sys.executable, "-m", "controller", "health-check", "--job", "e2e",
+                              "--node", victim, "--redis", redis_server.url], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        output, _ = p.communicate(timeout=240)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, output[-5000:]
+    excluded = store.excluded()
+    assert set(excluded) == {victim, first_spare}
+    assert excluded[victim]["reason"].startswith(f"bad tile {victim}/0: fixed-seed matmul")
+    assert excluded[first_spare]["reason"].startswith(f"bad tile {first_spare}/0: fixed-seed")
+    health = [e["message"] for e in events(store, "health")]
+    assert any("health check on demand" in m and victim in m for m in health)
+    assert any(f"{first_spare} fails its health check before generation 1" in m for m in health)
+    record = store.job_record()
+    assert record["state"] == "COMPLETED", record
+    assert store.plan()["nodes"] == [running[0], last_spare]
+
+
+def test_a_straggler_is_reported_and_excluded_by_policy(redis_server, tmp_path):
+    job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=60,
+                    faults=[{"kind": "slow_rank", "rank": 1, "step": 3, "seconds": 0.4}],
+                    straggler_window=4, straggler_factor=2.5, straggler_action="exclude")
+    run(redis_server, job)
+    store = Store(redis_server.url, "e2e")
+    culprit = generation_nodes(store, 0)[1]
+    (report,) = events(store, "straggler")
+    assert report["node"] == culprit and "straggler_action=exclude" in report["message"]
+    reason = store.excluded()[culprit]["reason"]
+    assert reason.startswith(f"node {culprit} is a straggler: compute ")
+    assert store.job_record()["state"] == "COMPLETED"
+    assert culprit not in store.plan()["nodes"]
+
+
+def test_a_node_is_excluded_on_its_second_failure_in_the_window(redis_server, tmp_path):
+    job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=STEPS,
+                    faults=[{"kind": "kill_rank", "rank": 1, "step": 6, "generation": 0},
+                            {"kind": "kill_rank", "rank": 1, "step": 14, "generation": 1}],
+                    flaky_failures=2, flaky_window_s=600)
+    run(redis_server, job)
+    store = Store(redis_server.url, "e2e")
+    culprit = generation_nodes(store, 0)[1]
+    assert generation_nodes(store, 1) == generation_nodes(store, 0)  # kept after the first
+    first, second = (e["message"] for e in events(store, "failure"))
+    assert f"node {culprit} kept: failure 1 of 2" in first
+    assert f"node {culprit} excluded" in second
+    assert culprit not in generation_nodes(store, 2)
+    record = store.job_record()
+    assert record["state"] == "COMPLETED" and record["restarts"] == "2"
+
+
+def test_no_false_alarm_on_a_loaded_machine(redis_server, tmp_path):
+    job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=200,
+                    hang_timeout_s=10.0, hang_step_factor=10.0, straggler_window=10,
+                    straggler_factor=3.0, straggler_action="exclude")
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        run(redis_server, job, spares=0, timeout=400)
+    finally:
+        for p in load:
+            p.kill()
+            p.wait()
+    store = Store(redis_server.url, "e2e")
+    record = store.job_record()
+    assert record["state"] == "COMPLETED" and record["restarts"] == "0", record
+    assert store.excluded() == {}
+    assert [e for _, e in store.events(count=10_000)
+            if e["kind"] in ("suspect", "failure", "straggler")] == []
+    steps = [m["step"] for m in metrics(tmp_path / "run") if "loss" in m]
+    assert steps == list(range(1, 201))
