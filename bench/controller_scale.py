@@ -5,8 +5,8 @@ supervision heartbeat_interval_s 1 s, heartbeat_timeout_s 2 s, hang_timeout_s 2 
 hang_step_factor 2:
 
 1. loop: a real `Controller` (a validated job, `settings_for`) calling `tick()` at its own
-   cadence (as `Controller.run`: TICK_S between starts) for --duration s while every node
-   beats at 1 Hz; median, p99 and max tick time.
+   cadence (as `Controller.run`: TICK_S from start to start) for --duration s while every node
+   beats at 1 Hz; median, p99 and max tick time (wall), and CPU time per tick.
 2. stale node: one node's ticks stop (its agent beat and its ranks' heartbeats); from its last
    tick to the controller's `failure` event naming it (or a "stop" plan naming it).
 3. stalled rank: every rank steps once a second; one rank stops stepping while its heartbeats
@@ -14,26 +14,31 @@ hang_step_factor 2:
    from the stall to the first `suspect`/`failure` event naming the culprit. This needs the hang
    rule: "not available" when `Settings` has no hang_timeout_s.
 4. Redis: `INFO memory` used_memory once the job beats; `INFO cpu` (sys + user) over the loop
-   window, as % of one core. And the simulator's node ticks per second against the nodes: the
-   figures mean something only where it sustains 1 Hz per node (printed either way).
+   window, as % of one core (beside it the CPU of the controller, of the simulator and of any
+   other work on the machine). And the simulator's node ticks per second against the nodes: the
+   figures mean something only where it sustains 1 Hz per node; 2 and 3 are skipped below 90%.
 
 Targets at 131,072 ranks: loop <= 1 s; a stale node decided within 2 heartbeat intervals + one
 loop (the loop period measured at that size, p99, at most the 1 s target); Redis <= 50% of one
-core. The stalled rank has no target; its expected bound is printed beside it.
+core. The stalled rank has no target; its expected bound is printed beside it. A decision about
+a healthy node is a false alarm: it is printed, and a failure is undone (the job RUNNING again on
+the same plan, the node included again) so that the measurement goes on.
 
 How. A private redis-server on loopback per size (no persistence, `start_redis`). Every node
 registers (`Store.register_node`); the job record and plan of generation 0 are written as the
 controller writes them (every key of `_plan_next`'s plan: the node list, and a reason naming
-every node). Then worker processes, each owning a slice of the nodes, tick every node once per
+the first nodes). Then worker processes, each owning a slice of the nodes, tick every node once per
 interval, the nodes' ticks spread evenly over the interval. A node's tick is the traffic of
 `Store.agent_tick(node, status, beats, deadline, reset_ranks=False, summary=NodeSummary(...))`:
-the status the agent's `_tick` sends (generation, state, live ranks, host, pids, and the plan it
-runs), 12 rank heartbeats shaped as `optimus/health.py` sends them plus `received`, the deadline
-min(beat time) + heartbeat_timeout_s, and the node summary.
+the status the agent's `_tick` sends (generation, state, live ranks, host, pids), the read of
+the plan's stamp (agents read the plan itself only when it changes), 12 rank heartbeats shaped
+as `optimus/health.py` sends them plus `received` (each rank
+beats at its own phase, so a relayed beat is 0-1 interval old), the deadline min(beat time) +
+heartbeat_timeout_s, and the summary the agent's `_summary` makes.
 
 Batched: each worker sends its due nodes' ticks (up to 64 nodes) as one pipeline on one raw
 socket, parsing the replies with hiredis, instead of one redis-py pipeline per node: a
-`Store.agent_tick` costs ~0.2 ms of client CPU, and 10,923 of them a second do not fit beside
+`Store.agent_tick` costs 0.2-0.6 ms of client CPU, and 10,923 of them a second do not fit beside
 Redis and the controller on two cores. Redis gets the same commands, each node's in its order
 (only fewer round trips: its syscall work, hence its CPU, is a slight underestimate of 10,923
 separate agents). At start-up the commands are checked byte for byte against those of
@@ -41,24 +46,24 @@ separate agents). At start-up the commands are checked byte for byte against tho
 measuring other traffic.
 
     .venv/bin/python bench/controller_scale.py [--sizes 1024,16384,131072] [--duration 30]
-        [--workers N] [--what-if slim-plan]
+        [--workers N] [--profile]
 
-About duration + 25 s per size, more where the control plane falls behind (~2.5 minutes at
---duration 30 for the two small sizes; see the reply of the run for 131,072). `--what-if
-slim-plan` is NOT the real traffic: each agent's status carries the plan without its node list
-and reason, and each tick reads a ~200-byte plan stamp instead of the whole plan (what the
-controller would face once the plan stops being echoed every tick).
+About 2.5 minutes with the defaults on a 2-core VM: ~45 s for each small size, 60-80 s for
+131,072 (where the real agents' traffic cannot be sustained and the controller's first ticks
+take longer). `--profile` prints cProfile's top functions over the timed ticks.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import dataclasses
 import json
 import math
 import multiprocessing as mp
 import os
+import pstats
 import re
 import shutil
 import socket
@@ -75,6 +80,7 @@ import redis
 import controller.store as store_module
 from controller.controller import TICK_S, Controller, settings_for
 from controller.decide import Settings
+from controller.decide import names as decide_names
 from controller.run import LocalCluster, start_redis
 from controller.store import NodeSummary, Store, prefix
 from optimus.config import validate_job
@@ -93,7 +99,7 @@ BEAT_FIELDS = ("v", "rank", "local_rank", "pid", "generation", "time", "step", "
                "phase_since", "compute_s", "wait_s", "finite", "seq", "received")
 TARGET_LOOP_S, TARGET_REDIS_CPU = 1.0, 50.0
 MAX_BATCH = 64  # nodes in one pipeline
-SETTLE_S = 5.0  # normal running before the stall (a fresh controller's step history)
+SETTLE_S = 4.0  # normal running between the two faults
 WAIT_S = 30.0  # at most, for a decision
 # The control block shared with the workers (doubles).
 STOP, STOPPED_AT, STALL_RANK, STALL_STEP, STALL_AT, QUIT = range(6)
@@ -119,7 +125,7 @@ def bench_job(run_dir: Path, world: int) -> dict:
 # --- one node's tick ----------------------------------------------------------------------------
 
 def tick_commands(p: str, node: str, status: tuple, beats: list[str], deadline: float,
-                  summary: NodeSummary, now: float, plan_key: str = "plan") -> list[tuple]:
+                  summary: NodeSummary, now: float) -> list[tuple]:
     """The commands of `Store.agent_tick` for one node (reset_ranks False, a deadline, a
     summary); `check_commands` holds them to agent_tick's own."""
     ranks = [x for lr, beat in enumerate(beats) for x in (str(lr), beat)]
@@ -132,16 +138,16 @@ def tick_commands(p: str, node: str, status: tuple, beats: list[str], deadline: 
             ("ZADD", p + "outside", summary.outside, node),
             ("ZADD", p + "compute", summary.compute_s, node),
             ("SREM", p + "nonfinite", node),
-            ("GET", p + plan_key),
+            ("GET", p + "plan:stamp"),
             ("LPOP", f"{p}commands:{node}", 100),
             ("HEXISTS", p + "nodes", node)]
 
 
-def status_command(p: str, node: str, i: int, plan_text: str) -> tuple:
+def status_command(p: str, node: str, i: int) -> tuple:
     """HSET agent:<node> with what the agent's `_tick` sends for a generation it runs."""
     pids = json.dumps([pid_of(i * RPN + lr) for lr in range(RPN)])
     return ("HSET", f"{p}agent:{node}", "generation", "0", "state", "running",
-            "live_ranks", str(RPN), "host", f"host{i}", "pids", pids, "plan", plan_text)
+            "live_ranks", str(RPN), "host", f"host{i}", "pids", pids)
 
 
 def pid_of(rank: int) -> int:
@@ -168,7 +174,7 @@ def check_commands(url: str, plan: dict) -> None:
                        "backward", now - 0.5, 0.85, 0.15, 99) for lr in range(RPN)]
     summary = NodeSummary(FIRST_STEP + 3, FIRST_STEP + 3, RPN, False, 0.85)
     status = {"generation": 0, "state": "running", "live_ranks": RPN, "host": "host7",
-              "pids": [pid_of(7 * RPN + lr) for lr in range(RPN)], "plan": plan}
+              "pids": [pid_of(7 * RPN + lr) for lr in range(RPN)]}
     recorded = redis.Redis().pipeline(transaction=False)  # never executed
 
     class Deferred:  # agent_tick's pipeline: queue into `recorded`, answer as Redis would
@@ -185,7 +191,7 @@ def check_commands(url: str, plan: dict) -> None:
                          now - 0.3 - 0.11 + TIMEOUT_S, False, summary)
     theirs = [hiredis.pack_command(tuple(args)) for args, _ in recorded.command_stack]
     ours = [hiredis.pack_command(c) for c in tick_commands(
-        p, node, status_command(p, node, 7, json.dumps(plan)), beats,
+        p, node, status_command(p, node, 7), beats,
         now - 0.3 - 0.11 + TIMEOUT_S, summary, now)]
     if theirs != ours:
         diff = next((i for i, (a, b) in enumerate(zip(theirs, ours, strict=False)) if a != b),
@@ -201,8 +207,6 @@ class SimSpec:
     url: str
     nodes: int
     t0: float  # the clock every node's tick and every rank's step count from
-    plan_text: str  # the plan as agents hold it (in their status)
-    plan_key: str = "plan"  # what they read back each tick
 
 
 class Agents:
@@ -213,7 +217,7 @@ class Agents:
         self.spec, self.lo, self.hi = spec, lo, hi
         self.control, self.counters, self.w = control, counters, w
         self.p = prefix(JOB)
-        self.status = [status_command(self.p, node_name(i), i, spec.plan_text)
+        self.status = [status_command(self.p, node_name(i), i)
                        for i in range(lo, hi)]
         ranks = range(lo * RPN, hi * RPN)
         self.heads = [beat_head(r, r % RPN) for r in ranks]
@@ -275,7 +279,7 @@ class Agents:
             outside += phase != "grad_sync"
         summary = NodeSummary(max(steps), min(steps), outside, False, self.slowest[i - self.lo])
         return tick_commands(self.p, node_name(i), self.status[i - self.lo], beats,
-                             min(times) + TIMEOUT_S, summary, now, self.spec.plan_key)
+                             min(times) + TIMEOUT_S, summary, now)
 
     def rank_state(self, rank: int, t: float, stall: tuple | None) -> tuple[int, str, float]:
         """(step, phase, phase_since) of a rank at time t."""
@@ -317,33 +321,229 @@ def simulate(spec: SimSpec, lo: int, hi: int, control, counters, w: int) -> None
 
 # --- the controller, driven and watched -------------------------------------------------------
 
-class Driver:
-    """The controller's loop as `Controller.run` runs it: tick, then sleep out TICK_S."""
+@dataclass
+class Result:
+    ranks: int
+    nodes: int
+    rate: float = 0.0  # node ticks per second achieved
+    late_s: float = 0.0  # the latest any tick ran
+    loop: list[float] = field(default_factory=list)  # wall time of each controller tick
+    loop_cpu: list[float] = field(default_factory=list)  # its CPU time (this process)
+    errors: int = 0
+    stale_s: float | None = None
+    stale_how: str = ""
+    stall_s: float | None = None
+    stall_how: str = ""
+    memory: int = 0
+    cpu: dict[str, float] = field(default_factory=dict)  # % of one core, over the loop window
+    false_alarms: list[str] = field(default_factory=list)
 
-    def __init__(self, store: Store, make):
-        self.store, self.make = store, make
-        self.ctl = make()
-        self.times: list[float] = []
-        self.errors = 0
+    @property
+    def sustained(self) -> bool:
+        return self.rate >= 0.99 * self.nodes / INTERVAL_S and self.late_s <= 0.25 * INTERVAL_S
+
+    @property
+    def loop_period(self) -> float:
+        return min(max(TICK_S, p99(self.loop)), TARGET_LOOP_S)
+
+
+class Size:
+    """One size: its Redis, job, simulated agents and controller; the figures in `res`."""
+
+    def __init__(self, ranks: int, workers: int, profile: cProfile.Profile | None):
+        self.nodes = nodes = math.ceil(ranks / RPN)
+        self.res = Result(ranks, nodes)
+        self.profile = profile
+        (REPO / "runs").mkdir(exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix="bench-scale-", dir=REPO / "runs"))
+        self.cluster = LocalCluster(self.tmp)
+        ctx = mp.get_context("fork")
+        self.control = ctx.Array("d", 8, lock=False)
+        self.control[STOP] = -1
+        self.procs: list = []
+        url = start_redis(self.cluster)
+        self.store = store = Store(url, JOB)
+        job = validate_job(bench_job(self.tmp / "run", nodes * RPN), world=nodes * RPN)
+        settings = settings_for(job, str(self.tmp / "job.yaml"), [], nodes, RPN)
+        self.hang_rule = any(f.name == "hang_timeout_s" for f in dataclasses.fields(Settings))
+        names = [node_name(i) for i in range(nodes)]
+        for i, node in enumerate(names):
+            store.register_node(node, {"host": f"host{i}", "health": "ok", "devices": RPN})
+        # Generation 0 as the controller plans it (decide._plan_next) and records it.
+        now = time.time()
+        reason = f"generation 0 on {decide_names(names)} from scratch"
+        self.plan = {
+            **settings.launch, "generation": 0, "action": "run", "nodes": names,
+            "ranks_per_node": RPN, "world_size": settings.world_size, "master_addr": "host0",
+            "master_port": 0, "resume_step": None, "grace_s": settings.failure_grace_s,
+            "heartbeat_timeout_s": settings.heartbeat_timeout_s,
+            "startup_timeout_s": settings.startup_timeout_s, "reason": reason, "issued": now,
+            "exits_from": store.last_exit_id()}
+        self.record = {"state": "RUNNING", "reason": reason, "name": JOB, "nodes": nodes,
+                       "ranks_per_node": RPN, "created": now, "restarts": 0, "generation": 0}
+        self.restore()
+        check_commands(url, self.plan)
+
+        self.t0 = time.time() + 0.5
+        spec = SimSpec(url, nodes, self.t0)
+        self.workers = workers or max(1, min(4, math.ceil(nodes / 3000)))
+        self.counters = ctx.Array("d", 2 * self.workers, lock=False)
+        cuts = [nodes * w // self.workers for w in range(self.workers + 1)]
+        self.procs = [ctx.Process(target=simulate, daemon=True, args=(
+            spec, cuts[w], cuts[w + 1], self.control, self.counters, w))
+            for w in range(self.workers)]
+        for proc in self.procs:
+            proc.start()
+        time.sleep(max(self.t0 - time.time(), 0) + 2.5 * INTERVAL_S)  # every node beat twice
+        self.ctl = Controller(store, job, settings)
         self.after = "-"
 
-    def tick(self) -> list[dict]:
-        """One controller pass; the events written since the last."""
-        started = time.monotonic()
-        state = self.ctl.tick()
+    def restore(self) -> None:
+        """Undo a failure: generation 0 runs on, on every node, nobody excluded (the
+        controller's progress record, about generation 0 still, stays)."""
+        for node in self.store.excluded():
+            self.store.include(node)
+        self.store.update_job(self.record, delete=("failure_since", "next_plan_at"))
+        self.store.set_plan(self.plan)
+
+    def tick(self, timed: bool = False) -> list[dict]:
+        """One pass of the controller's loop as `Controller.run` makes it (tick, then sleep out
+        TICK_S); the events written since the last."""
+        if any(proc.exitcode is not None for proc in self.procs):
+            raise SystemExit(f"a simulator worker died ({self.res.ranks} ranks); see above")
+        started, cpu = time.monotonic(), time.process_time()
+        if self.profile is not None and timed:
+            state = self.profile.runcall(self.ctl.tick)
+        else:
+            state = self.ctl.tick()
         took = time.monotonic() - started
-        self.times.append(took)
-        self.errors += state is None
+        if timed:
+            self.res.loop.append(took)
+            self.res.loop_cpu.append(time.process_time() - cpu)
+            self.res.errors += state is None
         events = self.store.events(count=100_000, after=self.after)
         if events:
             self.after = events[-1][0]
         time.sleep(max(TICK_S - took, 0.0))
         return [e for _, e in events]
 
-    def fresh(self) -> None:
-        """A new controller (no memory of the last), taking over the lease at once."""
-        self.ctl.release()
-        self.ctl = self.make()
+    def alarm(self, e: dict) -> None:
+        """A decision about a healthy node: noted, and a failure undone."""
+        if e["kind"] in ("failure", "suspect"):
+            self.res.false_alarms.append(f"{e['kind']}: {e['message'][:160]}")
+            if e["kind"] == "failure":
+                self.restore()
+
+    def steady(self, duration: float) -> None:
+        """1 and 4: the loop while all beat; Redis; the simulator's rate; who used the CPU."""
+        res, store, counters = self.res, self.store, self.counters
+        print(f"  {self.nodes} nodes registered, job RUNNING, {self.workers} simulator "
+              f"worker(s); timing the loop for {duration:g} s", flush=True)
+        for w in range(self.workers):
+            counters[2 * w + 1] = 0.0
+        ticks, before, started = sum(counters[0::2]), self.cpu_now(), time.monotonic()
+        while time.monotonic() - started < duration:
+            for e in self.tick(timed=True):
+                self.alarm(e)
+        wall = time.monotonic() - started
+        after = self.cpu_now()
+        res.cpu = {k: 100 * (after[k] - before[k]) / wall for k in before}
+        res.cpu["others"] = res.cpu.pop("machine") - sum(res.cpu.values())
+        res.rate = (sum(counters[0::2]) - ticks) / wall
+        res.late_s = max(counters[1::2])
+        res.memory = store.r.info("memory")["used_memory"]
+
+    def cpu_now(self) -> dict[str, float]:
+        """CPU seconds so far: Redis (INFO cpu), this process, the simulator, the machine."""
+        info = self.store.r.info("cpu")
+        busy = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return {"redis": info["used_cpu_sys"] + info["used_cpu_user"],
+                "controller": time.process_time(),
+                "simulator": sum(cpu_s(proc.pid) for proc in self.procs),
+                "machine": (sum(busy) - busy[3] - busy[4]) / os.sysconf("SC_CLK_TCK")}
+
+    def stale_node(self) -> None:
+        """2: one node's ticks stop; its last tick to the decision naming it."""
+        res, c = self.res, self.control
+        victim = node_name(self.nodes // 2)
+        c[STOPPED_AT] = 0.0
+        c[STOP] = self.nodes // 2
+        deadline = time.monotonic() + WAIT_S
+        while res.stale_s is None and time.monotonic() < deadline:
+            for e in self.tick():
+                if e["kind"] == "failure" and mentions(e, victim) and res.stale_s is None:
+                    res.stale_s, res.stale_how = float(e["time"]), e["message"]
+                else:
+                    self.alarm(e)
+            plan = self.store.plan()
+            if (res.stale_s is None and plan and plan["action"] == "stop"
+                    and mentions({"message": plan.get("reason", "")}, victim)):
+                res.stale_s, res.stale_how = plan["issued"], f"stop plan: {plan['reason']}"
+        if res.stale_s is None:
+            res.stale_how = f"no decision within {WAIT_S:g} s"
+        else:
+            while not c[STOPPED_AT]:
+                time.sleep(0.01)
+            res.stale_s -= c[STOPPED_AT]
+        resumed = time.time()
+        c[STOP] = -1
+        # The victim beats again (within an interval) before the controller looks again; no
+        # longer: a pause past the hang threshold looks like a stall to the next tick.
+        while (self.store.sweep([victim]).agent_beats.get(victim) or 0) < resumed:
+            time.sleep(0.05)
+        self.restore()
+
+    def stalled_rank(self) -> None:
+        """3: one rank stops stepping, heartbeats fresh; the stall to the event naming it."""
+        res, c = self.res, self.control
+        if not self.hang_rule:
+            res.stall_how = "not available: controller/decide.py has no hang rule yet"
+            return
+        settle = time.monotonic()
+        while time.monotonic() - settle < SETTLE_S:
+            for e in self.tick():
+                self.alarm(e)
+        node, culprit = self.nodes // 3, self.nodes // 3 * RPN + 5
+        at = time.time()
+        c[STALL_RANK], c[STALL_STEP] = culprit, FIRST_STEP + (at - self.t0) // STEP_S
+        c[STALL_AT] = at
+        other = ""
+        deadline = time.monotonic() + WAIT_S
+        while res.stall_s is None and time.monotonic() < deadline:
+            for e in self.tick():
+                if e["kind"] not in ("failure", "suspect") or res.stall_s is not None:
+                    continue
+                if mentions(e, node_name(node), culprit):
+                    res.stall_s, res.stall_how = float(e["time"]) - at, e["message"]
+                elif not other:
+                    other = f"; first decision: {e['kind']}: {e['message']}"
+        if res.stall_s is None:
+            res.stall_how = f"no event named the culprit within {WAIT_S:g} s{other}"
+
+    def close(self) -> None:
+        self.control[QUIT] = 1
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+        self.cluster.stop_all()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def run_size(ranks: int, duration: float, workers: int,
+             profile: cProfile.Profile | None) -> Result:
+    size = Size(ranks, workers, profile)
+    try:
+        size.steady(duration)
+        if size.res.rate >= 0.9 * size.nodes / INTERVAL_S:
+            size.stale_node()
+            size.stalled_rank()
+        else:
+            size.res.stale_how = size.res.stall_how = (
+                "not measured: the simulated agents fell behind, so healthy nodes are late too")
+        return size.res
+    finally:
+        size.close()
 
 
 def mentions(e: dict, node: str, rank: int | None = None) -> bool:
@@ -362,188 +562,6 @@ def p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
 
 
-@dataclass
-class Result:
-    ranks: int
-    nodes: int
-    rate: float = 0.0  # node ticks per second achieved
-    late_s: float = 0.0  # the latest any tick ran
-    loop: list[float] = field(default_factory=list)
-    errors: int = 0
-    stale_s: float | None = None
-    stale_how: str = ""
-    stall_s: float | None = None
-    stall_how: str = ""
-    memory: int = 0
-    redis_cpu: float = 0.0
-    controller_cpu: float = 0.0
-    sim_cpu: float = 0.0
-    false_alarms: list[str] = field(default_factory=list)
-
-    @property
-    def sustained(self) -> bool:
-        return self.rate >= 0.99 * self.nodes / INTERVAL_S and self.late_s <= 0.25 * INTERVAL_S
-
-    @property
-    def loop_period(self) -> float:
-        return min(max(TICK_S, p99(self.loop)), TARGET_LOOP_S)
-
-
-def run_size(ranks: int, duration: float, workers: int, what_if: str | None) -> Result:
-    nodes = math.ceil(ranks / RPN)
-    world = nodes * RPN
-    res = Result(ranks, nodes)
-    (REPO / "runs").mkdir(exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-scale-", dir=REPO / "runs"))
-    cluster = LocalCluster(tmp)
-    ctx = mp.get_context("fork")
-    control = ctx.Array("d", 8, lock=False)
-    control[STOP] = -1
-    procs: list = []
-    try:
-        url = start_redis(cluster)
-        store = Store(url, JOB)
-        job = validate_job(bench_job(tmp / "run", world), world=world)
-        settings = settings_for(job, str(tmp / "job.yaml"), [], nodes, RPN)
-        node_names = [node_name(i) for i in range(nodes)]
-        for i, node in enumerate(node_names):
-            store.register_node(node, {"host": f"host{i}", "health": "ok", "devices": RPN})
-        now = time.time()
-        reason = f"generation 0 on {', '.join(node_names)} from scratch"
-        plan = {**settings.launch, "generation": 0, "action": "run", "nodes": node_names,
-                "ranks_per_node": RPN, "world_size": settings.world_size,
-                "master_addr": "host0", "master_port": 0, "resume_step": None,
-                "grace_s": settings.failure_grace_s,
-                "heartbeat_timeout_s": settings.heartbeat_timeout_s,
-                "startup_timeout_s": settings.startup_timeout_s, "reason": reason, "issued": now,
-                "exits_from": store.last_exit_id()}
-        record = {"state": "RUNNING", "reason": reason, "name": JOB, "nodes": nodes,
-                  "ranks_per_node": RPN, "created": now, "restarts": 0, "generation": 0}
-
-        def restore() -> None:
-            """Undo a decision: generation 0 runs again on every node, nobody excluded."""
-            for node in store.excluded():
-                store.include(node)
-            extra = tuple(k for k in store.job_record() if k not in record)
-            store.update_job(record, delete=extra)
-            store.set_plan(plan)
-
-        restore()
-        plan_text, plan_key = json.dumps(plan), "plan"
-        check_commands(url, plan)
-        if what_if == "slim-plan":
-            plan_text = json.dumps({k: v for k, v in plan.items() if k not in ("nodes", "reason")})
-            plan_key = "plan_stamp"
-            store.r.set(store.k(plan_key), json.dumps(
-                {k: plan[k] for k in ("generation", "action", "issued", "world_size")}))
-
-        t0 = time.time() + 0.5
-        spec = SimSpec(url, nodes, t0, plan_text, plan_key)
-        workers = workers or max(1, min(4, math.ceil(nodes / 3000)))
-        counters = ctx.Array("d", 2 * workers, lock=False)
-        cuts = [nodes * w // workers for w in range(workers + 1)]
-        procs = [ctx.Process(target=simulate, args=(spec, cuts[w], cuts[w + 1], control,
-                                                    counters, w), daemon=True)
-                 for w in range(workers)]
-        for proc in procs:
-            proc.start()
-        time.sleep(max(t0 - time.time(), 0) + 2.5 * INTERVAL_S)  # every node beat twice
-        driver = Driver(store, lambda: Controller(store, job, settings))
-
-        def tick() -> list[dict]:
-            if any(proc.exitcode is not None for proc in procs):
-                raise SystemExit(f"a simulator worker died; see above ({ranks} ranks)")
-            return driver.tick()
-
-        def alarm(e: dict) -> None:
-            res.false_alarms.append(f"{e['kind']}: {e['message'][:160]}")
-            if e["kind"] == "failure":
-                restore()
-
-        # 1 and 4: the steady loop, Redis, the simulator's rate.
-        print(f"  {nodes} nodes registered, job RUNNING, {workers} simulator worker(s); "
-              f"measuring the loop for {duration:g} s", flush=True)
-        info = store.r.info("cpu")
-        redis0 = info["used_cpu_sys"] + info["used_cpu_user"]
-        for w in range(workers):
-            counters[2 * w + 1] = 0.0
-        ticks0, ctl0 = sum(counters[0::2]), time.process_time()
-        sim0 = sum(cpu_s(proc.pid) for proc in procs)
-        started = time.monotonic()
-        while time.monotonic() - started < duration:
-            for e in tick():
-                if e["kind"] in ("failure", "suspect"):
-                    alarm(e)
-        wall = time.monotonic() - started
-        info = store.r.info("cpu")
-        res.redis_cpu = 100 * (info["used_cpu_sys"] + info["used_cpu_user"] - redis0) / wall
-        res.rate = (sum(counters[0::2]) - ticks0) / wall
-        res.late_s = max(counters[1::2])
-        res.controller_cpu = 100 * (time.process_time() - ctl0) / wall
-        res.sim_cpu = 100 * (sum(cpu_s(proc.pid) for proc in procs) - sim0) / wall
-        res.memory = store.r.info("memory")["used_memory"]
-        res.loop, res.errors = list(driver.times), driver.errors
-
-        # 2: a stale node.
-        victim = node_name(nodes // 2)
-        control[STOPPED_AT] = 0.0
-        control[STOP] = nodes // 2
-        deadline = time.monotonic() + WAIT_S
-        while res.stale_s is None and time.monotonic() < deadline:
-            for e in tick():
-                if e["kind"] == "failure" and mentions(e, victim) and res.stale_s is None:
-                    res.stale_s, res.stale_how = float(e["time"]), e["message"]
-                elif e["kind"] in ("failure", "suspect"):
-                    alarm(e)
-            current = store.plan()
-            if (res.stale_s is None and current and current["action"] == "stop"
-                    and mentions({"message": current.get("reason", "")}, victim)):
-                res.stale_s, res.stale_how = current["issued"], f"stop plan: {current['reason']}"
-        if res.stale_s is not None:
-            while not control[STOPPED_AT]:
-                time.sleep(0.01)
-            res.stale_s -= control[STOPPED_AT]
-        control[STOP] = -1
-        time.sleep(1.5 * INTERVAL_S)  # the victim beats again before anyone looks
-        restore()
-        driver.fresh()
-
-        # 3: a stalled rank, its peers waiting for it in a collective.
-        if not any(f.name == "hang_timeout_s" for f in dataclasses.fields(Settings)):
-            res.stall_how = "not available: controller/decide.py has no hang rule yet"
-            return res
-        settle = time.monotonic()
-        while time.monotonic() - settle < SETTLE_S:
-            for e in tick():
-                if e["kind"] in ("failure", "suspect"):
-                    alarm(e)
-        culprit_node = nodes // 3
-        culprit = culprit_node * RPN + 5
-        at = time.time()
-        control[STALL_RANK], control[STALL_STEP] = culprit, FIRST_STEP + (at - t0) // STEP_S
-        control[STALL_AT] = at
-        deadline = time.monotonic() + WAIT_S
-        while res.stall_s is None and time.monotonic() < deadline:
-            for e in tick():
-                if e["kind"] not in ("failure", "suspect"):
-                    continue
-                if mentions(e, node_name(culprit_node), culprit) and res.stall_s is None:
-                    res.stall_s, res.stall_how = float(e["time"]) - at, e["message"]
-                elif res.stall_s is None:
-                    res.stall_how += f" [first, naming another: {e['kind']}: {e['message']}]"
-        if res.stall_s is None:
-            res.stall_how = f"no event named the culprit within {WAIT_S:g} s" + res.stall_how
-        return res
-    finally:
-        control[QUIT] = 1
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-        cluster.stop_all()
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 # --- report -------------------------------------------------------------------------------------
 
 def verdict(ok: bool) -> str:
@@ -556,17 +574,21 @@ def report(r: Result) -> None:
           f"({100 * r.rate / need:.1f}%), latest tick {1000 * r.late_s:.0f} ms behind "
           f"schedule: " + ("sustained 1 Hz per node" if r.sustained else "did NOT sustain 1 Hz "
                            "per node: the figures below do not describe a 1 Hz cluster"))
-    med, tail, top = statistics.median(r.loop), p99(r.loop), max(r.loop)
-    print(f"  controller loop: tick median {1000 * med:.1f} ms, p99 {1000 * tail:.1f} ms, max "
-          f"{1000 * top:.1f} ms over {len(r.loop)} ticks ({r.errors} hit a Redis error) "
-          f"(target <= {TARGET_LOOP_S:g} s: {verdict(top <= TARGET_LOOP_S)})")
+    if not r.loop:
+        return
+    top = max(r.loop)
+    print(f"  controller loop: tick median {ms(statistics.median(r.loop))}, p99 "
+          f"{ms(p99(r.loop))}, max {ms(top)} over {len(r.loop)} ticks (target <= "
+          f"{TARGET_LOOP_S:g} s: {verdict(top <= TARGET_LOOP_S)}); CPU per tick median "
+          f"{ms(statistics.median(r.loop_cpu))}, max {ms(max(r.loop_cpu))}"
+          + (f"; {r.errors} tick(s) hit a Redis error" if r.errors else ""))
     limit = 2 * INTERVAL_S + r.loop_period
     if r.stale_s is None:
-        print(f"  stale node: no decision within {WAIT_S:g} s (target <= {limit:.2f} s: MISSED)")
+        print(f"  stale node: {r.stale_how} (target <= {limit:.2f} s: MISSED)")
     else:
         print(f"  stale node: decided {r.stale_s:.2f} s after its last tick (target <= 2 x "
               f"{INTERVAL_S:g} s + one loop {r.loop_period:.2f} s = {limit:.2f} s: "
-              f"{verdict(r.stale_s <= limit)}); {r.stale_how[:150]}")
+              f"{verdict(r.stale_s <= limit)}); {r.stale_how[:160]}")
     bound = STEP_S + max(HANG_TIMEOUT_S, HANG_STEP_FACTOR * STEP_S) + 2 * INTERVAL_S \
         + r.loop_period
     if r.stall_s is None:
@@ -575,14 +597,19 @@ def report(r: Result) -> None:
         print(f"  stalled rank: first event naming the culprit {r.stall_s:.2f} s after the "
               f"stall (no target; expected <= 1 step + threshold max({HANG_TIMEOUT_S:g}, "
               f"{HANG_STEP_FACTOR:g} x {STEP_S:g} s) + 2 intervals + one loop = {bound:.2f} s: "
-              f"{'within' if r.stall_s <= bound else 'OVER'}); {r.stall_how[:150]}")
-    print(f"  Redis: used_memory {r.memory / 2**20:,.1f} MiB; CPU {r.redis_cpu:.1f}% of one core "
-          f"(target <= {TARGET_REDIS_CPU:g}%: {verdict(r.redis_cpu <= TARGET_REDIS_CPU)}); "
-          f"beside it: controller process {r.controller_cpu:.0f}%, simulator "
-          f"{r.sim_cpu:.0f}% (2 cores = 200%)")
+              f"{'within' if r.stall_s <= bound else 'OVER'}); {r.stall_how[:160]}")
+    print(f"  Redis: used_memory {r.memory / 2**20:,.1f} MiB; CPU {r.cpu['redis']:.1f}% of one "
+          f"core (target <= {TARGET_REDIS_CPU:g}%: {verdict(r.cpu['redis'] <= TARGET_REDIS_CPU)})"
+          f"; beside it, % of one core: controller process {r.cpu['controller']:.0f}, simulator "
+          f"{r.cpu['simulator']:.0f}, other work on this machine {r.cpu['others']:.0f} "
+          f"(of {100 * (os.cpu_count() or 1)})")
     if r.false_alarms:
-        print(f"  false alarms ({len(r.false_alarms)}, decisions about healthy nodes; failures "
-              f"undone): " + " | ".join(r.false_alarms[:3]))
+        print(f"  false alarms: {len(r.false_alarms)} decision(s) about healthy nodes (failures "
+              f"undone), e.g. " + " | ".join(r.false_alarms[:2]))
+
+
+def ms(seconds: float) -> str:
+    return f"{1000 * seconds:,.0f} ms" if seconds >= 0.1 else f"{1000 * seconds:.1f} ms"
 
 
 def table(results: list[Result]) -> None:
@@ -590,12 +617,12 @@ def table(results: list[Result]) -> None:
           "stalled rank | Redis memory | Redis CPU |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        stale = "none" if r.stale_s is None else f"{r.stale_s:.2f} s"
-        stall = "n/a" if r.stall_s is None else f"{r.stall_s:.2f} s"
-        print(f"| {r.ranks:,} | {r.nodes:,} | {r.rate:,.0f} ({r.nodes:,}) | "
-              f"{1000 * statistics.median(r.loop):.0f} / {1000 * p99(r.loop):.0f} / "
-              f"{1000 * max(r.loop):.0f} ms | {stale} | {stall} | "
-              f"{r.memory / 2**20:,.1f} MiB | {r.redis_cpu:.1f}% |")
+        stale = "-" if r.stale_s is None else f"{r.stale_s:.2f} s"
+        stall = "-" if r.stall_s is None else f"{r.stall_s:.2f} s"
+        loop = " / ".join(ms(f(r.loop)) for f in (statistics.median, p99, max)) if r.loop \
+            else "-"
+        print(f"| {r.ranks:,} | {r.nodes:,} | {r.rate:,.0f} ({r.nodes:,}) | {loop} | {stale} | "
+              f"{stall} | {r.memory / 2**20:,.1f} MiB | {r.cpu.get('redis', 0):.1f}% |")
 
 
 def main() -> None:
@@ -603,22 +630,26 @@ def main() -> None:
     parser.add_argument("--sizes", default="1024,16384,131072", help="ranks, comma-separated")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of loop timing")
     parser.add_argument("--workers", type=int, default=0, help="simulator processes (0: auto)")
-    parser.add_argument("--what-if", choices=["slim-plan"], default=None,
-                        help="NOT the real traffic: see the module docstring")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the timed controller ticks and print the top functions")
     args = parser.parse_args()
     if args.duration < 20:
         print(f"note: --duration {args.duration:g} is under the 20 s Redis CPU window asked for")
     print(f"heartbeat every {INTERVAL_S:g} s, timeout {TIMEOUT_S:g} s; hang_timeout_s "
           f"{HANG_TIMEOUT_S:g}, hang_step_factor {HANG_STEP_FACTOR:g}; ranks step every "
-          f"{STEP_S:g} s; controller tick every {TICK_S:g} s; {os.cpu_count()} CPU(s)"
-          + (f"; WHAT-IF {args.what_if}: not the real agents' traffic" if args.what_if else ""),
+          f"{STEP_S:g} s; controller tick every {TICK_S:g} s; {os.cpu_count()} CPU(s)",
           flush=True)
     results = []
     for ranks in (int(s) for s in args.sizes.split(",")):
         print(f"\n== {ranks:,} ranks: {math.ceil(ranks / RPN):,} nodes x {RPN} ==", flush=True)
         began = time.monotonic()
-        r = run_size(ranks, args.duration, args.workers, args.what_if)
+        profile = cProfile.Profile() if args.profile else None
+        r = run_size(ranks, args.duration, args.workers, profile)
         report(r)
+        if profile is not None:
+            print(f"  cProfile of the {len(r.loop)} timed controller ticks, by own time:")
+            pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+            pstats.Stats(profile).sort_stats("cumulative").print_stats(25)
         print(f"  ({time.monotonic() - began:.0f} s)", flush=True)
         results.append(r)
     table(results)

@@ -77,6 +77,8 @@ class Agent:
         self.waiting_port: dict | None = None  # a run plan waiting for node 0's master port
         self.unreported: list[dict] = []  # exits Redis has not taken yet
         self.reset_ranks = True
+        self.plan_stamp: str | None = None  # of the last plan read
+        self.latest_plan: dict | None = None
         self.ended = False
         self.redis_down = False
         self.corrupt_tiles: set[int] = set()  # fault injection: tiles whose checks go wrong
@@ -103,8 +105,8 @@ class Agent:
                 self._reap()
                 self._drain_heartbeats()
                 now = time.monotonic()
-                if now >= next_tick:
-                    next_tick = now + self.interval_s
+                if now >= next_tick:  # a fixed cadence: late ticks do not push the next
+                    next_tick = max(next_tick + self.interval_s, now - self.interval_s / 2)
                     self._tick()
                 self._escalate()
                 time.sleep(POLL_S)
@@ -144,7 +146,7 @@ class Agent:
                  else "starting" if self.waiting_port else "idle")
         status = {"generation": -1 if self.generation is None else self.generation,
                   "state": state, "live_ranks": len(live), "host": self.host,
-                  "pids": [p.popen.pid for p in live], "plan": self.plan or {}}
+                  "pids": [p.popen.pid for p in live]}
         try:
             self._flush_exits()
             tick = self.store.agent_tick(self.node, status, dict(self.beats),
@@ -162,8 +164,15 @@ class Agent:
             self.reset_ranks = True
         for command in tick.commands:
             self._command(command)
-        if tick.plan is not None:
-            self._follow(tick.plan)
+        if tick.plan_stamp is not None and tick.plan_stamp != self.plan_stamp:
+            try:
+                self.latest_plan = self.store.plan()
+            except StoreUnavailable as e:
+                self._note_outage(e)
+                return
+            self.plan_stamp = tick.plan_stamp
+        if self.latest_plan is not None:
+            self._follow(self.latest_plan)
         self._check_node_faults()
 
     def _note_outage(self, e: Exception) -> None:

@@ -47,6 +47,9 @@ log = logging.getLogger("optimus.controller")
 TICK_S = 0.25
 HANG_CANDIDATES = 16  # nodes read in full when a hang is suspected; more: nobody stands out
 STRAGGLER_CHECK_S = 5.0  # how often the compute scores (one entry per node) are read
+# Job record fields that change every step: not worth a journal write (and an fsync) each.
+VOLATILE = frozenset({"progress_gen", "progress_step", "progress_at", "progress_moves",
+                      "step_times", "hang_since", "failure_since"})
 
 
 def settings_for(job: JobConfig, job_file: str, overrides: list[str], nodes: int,
@@ -80,6 +83,8 @@ class Controller:
         self.journal = Path(job.resolved_run_dir) / "controller.json"
         self._journaled: str | None = None
         self._compute_read = 0.0
+        self._index_key: tuple | None = None
+        self._index: dict[str, int] = {}
 
     def run(self, exit_when_done: bool = False) -> str | None:
         """Reconcile until the job ends (with `exit_when_done`) or forever; its final state."""
@@ -127,12 +132,11 @@ class Controller:
         job = _job_view(record)
         plan = self.store.plan()
         excluded = {n: e["reason"] for n, e in self.store.excluded().items()}
-        unhealthy_nodes = self.store.sweep([]).unhealthy
-        unhealthy = {n: _health(i) for n, i in self.store.node_info(unhealthy_nodes).items()}
         steps = committed_steps(self.checkpoint_dir)
         latest = steps[-1] if steps else None
         if job.state == "RUNNING" and plan is not None and plan["action"] == "run":
-            return self._observe_running(now, job, plan, excluded, unhealthy, latest)
+            return self._observe_running(now, job, plan, excluded, latest)
+        unhealthy = self._unhealthy(self.store.sweep([]).unhealthy)
         # Planning, draining, stopping: every node, once per tick (no generation is running,
         # or it is being torn down; at scale this is the rare path).
         info = self.store.nodes()
@@ -154,15 +158,20 @@ class Controller:
         return Observed(now=now, job=job, plan=plan, nodes=nodes, latest_step=latest,
                         unhealthy=unhealthy, excluded=excluded)
 
+    def _unhealthy(self, nodes: list[str]) -> dict[str, str]:
+        return {n: _health(i) for n, i in self.store.node_info(nodes).items()}
+
     def _observe_running(self, now: float, job: JobView, plan: dict, excluded: dict,
-                         unhealthy: dict, latest: int | None) -> Observed:
+                         latest: int | None) -> Observed:
         """A running generation: a fixed number of round trips, each O(nodes that matter) but
         the agents' beat times (one ZMSCORE over the plan's nodes)."""
         gen = plan["generation"]
         sweep = self.store.sweep(plan["nodes"])
+        unhealthy = self._unhealthy(sweep.unhealthy)
         exits = [_exit(r) for _, r in self.store.exits(plan.get("exits_from", "0"))
                  if r.get("generation") == gen]
-        suspects = {n: self.store.rank_beats(n) for n in sweep.nonfinite if n in plan["nodes"]}
+        index = self._node_index(plan)
+        suspects = self.store.rank_beats_of([n for n in sweep.nonfinite if n in index])
         waiting = 0
         stalled_job = (job.progress_at is not None and job.progress_gen == gen and now
                        - job.progress_at > min(self.s.hang_timeout_s, self.s.startup_timeout_s))
@@ -171,41 +180,53 @@ class Controller:
                 limit=HANG_CANDIDATES + 1)
             if len(candidates) <= HANG_CANDIDATES:  # more: nobody stands out
                 waiting = len(plan["nodes"]) - len(candidates)
-                for n in candidates:
-                    suspects[n] = self.store.rank_beats(n)
+                suspects.update(self.store.rank_beats_of(candidates))
         stacks = self.store.stacks(gen) if job.hang_since is not None else {}
         compute = None
         if time.monotonic() - self._compute_read >= STRAGGLER_CHECK_S:
             self._compute_read = time.monotonic()
             compute = self.store.compute_scores()
         return Observed(now=now, job=job, plan=plan, nodes={}, exits=exits,
-                        overdue=self._overdue(plan, now), latest_step=latest,
+                        overdue=self._overdue(plan, now, sweep.agent_beats),
+                        latest_step=latest,
                         agent_beats=sweep.agent_beats, progress=sweep.max_step,
                         unhealthy=unhealthy, nonfinite=frozenset(sweep.nonfinite),
                         suspects=suspects, waiting_in_collective=waiting, stacks=stacks,
                         compute=compute, excluded=excluded)
 
-    def _overdue(self, plan: dict, now: float) -> list[Overdue]:
+    def _overdue(self, plan: dict, now: float,
+                 agent_beats: dict[str, float | None]) -> list[Overdue]:
+        """The overdue ranks of late plan nodes, read in one round trip. A node's rank is
+        `confirmed` overdue once its agent beat after the deadline (and still relays the old
+        heartbeat); a rank with no heartbeat of this generation is past its startup timeout."""
+        late = self.store.overdue(now)
+        index = self._node_index(plan)
+        late = {n: d for n, d in late.items() if n in index}
         found = []
-        for node in self.store.overdue(now):
-            if node not in plan["nodes"]:
-                continue
-            rpn = plan["ranks_per_node"]
-            first = plan["nodes"].index(node) * rpn
-            beats = self.store.rank_beats(node)
+        rpn = plan["ranks_per_node"]
+        for node, beats in self.store.rank_beats_of(sorted(late)).items():
+            first = index[node] * rpn
+            confirmed = (agent_beats.get(node) or 0.0) > late[node]
             for local_rank in range(rpn):
                 beat = beats.get(local_rank)
                 if beat is None or beat.get("generation") != plan["generation"]:
-                    continue  # not started yet, or exited: the startup deadline covers it
+                    found.append(Overdue(node, first + local_rank, "no heartbeat within "
+                                         f"startup_timeout_s={self.s.startup_timeout_s:g}",
+                                         late[node], confirmed))
+                    continue
                 age = now - beat["time"]
                 if age > self.s.heartbeat_timeout_s:
                     found.append(Overdue(node, first + local_rank,
                                          f"no heartbeat for {age:.1f} s (step {beat['step']}, "
-                                         f"phase {beat['phase']})", beat["time"]))
-            if not any(o.node == node for o in found):
-                found.append(Overdue(node, first, "a rank sent no heartbeat within "
-                                     f"startup_timeout_s={self.s.startup_timeout_s:g}", now))
+                                         f"phase {beat['phase']})", beat["time"], confirmed))
         return found
+
+    def _node_index(self, plan: dict) -> dict[str, int]:
+        """Node -> node rank of the plan's generation (cached: plans are long at scale)."""
+        key = (plan["generation"], plan.get("issued"))
+        if self._index_key != key:
+            self._index_key, self._index = key, {n: i for i, n in enumerate(plan["nodes"])}
+        return self._index
 
     # --- apply ---------------------------------------------------------------------------------
 
@@ -222,7 +243,7 @@ class Controller:
             self.store.update_job(d.job)
         for kind, message, fields in d.events:
             self._event(kind, message, **fields)
-        if d.job or d.plan is not None or d.exclude:
+        if set(d.job) - VOLATILE or d.plan is not None or d.exclude:
             self._write_journal()
 
     def _event(self, kind: str, message: str, **fields) -> None:
@@ -232,8 +253,9 @@ class Controller:
     # --- the journal and rebuilding from it ----------------------------------------------------
 
     def _write_journal(self) -> None:
-        state = {"job": self.store.job_record(), "plan": self.store.plan(),
-                 "excluded": self.store.excluded()}
+        """On every change that matters after a loss of Redis: not on progress bookkeeping."""
+        record = {k: v for k, v in self.store.job_record().items() if k not in VOLATILE}
+        state = {"job": record, "plan": self.store.plan(), "excluded": self.store.excluded()}
         text = json.dumps(state, indent=1, sort_keys=True)
         if text == self._journaled:
             return

@@ -142,6 +142,7 @@ class Overdue:
     rank: int
     detail: str  # e.g. "no heartbeat for 4.1 s (step 12, phase backward)"
     since: float = 0.0
+    confirmed: bool = True  # the node's agent beat after the deadline, relaying the old beat
 
 
 @dataclass(frozen=True)
@@ -228,7 +229,8 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
     if s.straggler_action == "exclude":
         found += [Evidence(n, why, HARD, obs.now) for n, why in sorted(slow.items())]
     hang_fields: dict = {}
-    if not found and _stalled(obs, s):
+    moved = obs.progress is not None and obs.progress > job.progress_step
+    if not found and not moved and _stalled(obs, s):
         found, hang_fields = _hang(obs, s, d)
         if not found:
             return  # the agents are dumping stacks
@@ -251,7 +253,7 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
     if culprit is None:
         nodes = sorted({e.node for e in found if e.node})
         reason = (f"{found[0].what}; no culprit" if hang_fields else
-                  f"ranks on {', '.join(nodes)} lost their peers and no culprit showed within "
+                  f"ranks on {names(nodes)} lost their peers and no culprit showed within "
                   f"{s.settle_s:g} s ({found[0].what})")
         verdict = "nobody excluded"
     else:
@@ -383,9 +385,9 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
     spares = [n for n in chosen if n not in previous]
     start = (f"from the checkpoint of step {obs.latest_step}" if obs.latest_step is not None
              else "from scratch")
-    reason = f"generation {gen} on {', '.join(chosen)} {start}"
+    reason = f"generation {gen} on {names(chosen)} {start}"
     if previous and spares:
-        reason += f" (spares brought in: {', '.join(spares)})"
+        reason += f" (spares brought in: {names(spares)})"
     d.plan = {
         **s.launch,
         "generation": gen, "action": "run", "nodes": chosen,
@@ -398,6 +400,14 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
     d.job = {"state": RUNNING, "generation": gen, "reason": reason, "failure_since": None,
              "next_plan_at": None}
     d.note("generation", reason)
+
+
+def names(nodes: list[str], shown: int = 8) -> str:
+    """Node names for a message: all of a few, the first few of many (messages stay small at
+    10,000 nodes: they go into every plan and the job record)."""
+    if len(nodes) <= shown:
+        return ", ".join(nodes)
+    return f"{', '.join(nodes[:shown])} and {len(nodes) - shown} more"
 
 
 def _finish(d: Decision, obs: Observed, s: Settings, state: str, reason: str,

@@ -57,6 +57,7 @@ def evidence(obs, s) -> list[Evidence]:
     """Everything in the snapshot that says a node of the running generation failed."""
     plan = obs.plan
     nodes = plan["nodes"]
+    in_plan = set(nodes)
     found = [exit_evidence(e) for e in obs.exits if e.failed]
     found += [Evidence(n, f"bad tile {obs.unhealthy[n]}", HARD, obs.now)
               for n in nodes if n in obs.unhealthy]
@@ -71,19 +72,22 @@ def evidence(obs, s) -> list[Evidence]:
     # ranks is overdue and its agent has missed beats too (a healthy agent beats every
     # interval whatever its ranks do): a dead node is then named at the speed of a frozen rank.
     late = {o.node for o in obs.overdue}
-    lost = []
+    lost = set()
     for n in nodes:
         beat = obs.agent_beats.get(n)
         silent = obs.now - beat if beat else None
         if silent is None or silent > s.agent_timeout_s or (
                 n in late and silent > s.agent_silence_s):
-            lost.append(n)
+            lost.add(n)
             found.append(Evidence(n, f"node {n} lost: its agent has been silent for "
                                   f"{f'{silent:.1f} s' if silent is not None else 'ever'}",
                                   HARD, beat or 0.0))
-    # A lost node's ranks fall silent with it: their heartbeats say nothing more.
+    # A lost node's ranks fall silent with it: their heartbeats say nothing more. A rank is
+    # overdue only once its agent has beaten after the deadline and still relays the old
+    # heartbeat: an agent tick that is merely late is not a frozen rank.
     found += [Evidence(o.node, f"rank {o.rank} on {o.node}: {o.detail}", SOFT, o.since)
-              for o in obs.overdue if o.node in nodes and o.node not in lost]
+              for o in obs.overdue
+              if o.node in in_plan and o.node not in lost and o.confirmed]
     return found
 
 
@@ -125,19 +129,32 @@ def describe_rank(node: str, local_rank: int, beat: dict, now: float) -> str:
 def straggling(obs, s) -> dict[str, str]:
     """Plan nodes whose slowest rank's median compute time per step, over the window, exceeds
     `straggler_factor` x the median of the other nodes'; node -> why."""
-    scores = {n: v for n, v in (obs.compute or {}).items() if n in obs.plan["nodes"]}
+    in_plan = set(obs.plan["nodes"])
+    scores = {n: v for n, v in (obs.compute or {}).items() if n in in_plan}
+    ordered = sorted(scores.values())
+    position = {}  # score -> an index of it in `ordered` (equal scores share a median)
+    for i, v in enumerate(ordered):
+        position.setdefault(v, i)
     slow = {}
     for node, score in scores.items():
-        others = [v for n, v in scores.items() if n != node]
-        if not others:
+        if len(ordered) < 2:
             continue
-        median = statistics.median(others)
+        median = _median_without(ordered, position[score])  # O(1): linear in all
         if median > 0 and score > s.straggler_factor * median:
             slow[node] = (f"node {node} is a straggler: compute {score * 1e3:.0f} ms per step "
                           f"(median over its last {s.straggler_window} sampled steps) against "
                           f"{median * 1e3:.0f} ms for the others, {score / median:.1f}x > "
                           f"{s.straggler_factor:g}x")
     return slow
+
+
+def _median_without(ordered: list[float], i: int) -> float:
+    """The median of sorted `ordered` without its element `i`."""
+    m = len(ordered) - 1
+
+    def at(j: int) -> float:  # the j-th element of the list without element i
+        return ordered[j] if j < i else ordered[j + 1]
+    return at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
 
 
 def flaky(failures: dict[str, list[float]], node: str, now: float, s) -> tuple[bool, list]:

@@ -72,9 +72,9 @@ def prefix(job: str) -> str:
 
 @dataclass
 class AgentTick:
-    """What one agent tick read back: the plan, commands, whether to re-register."""
+    """What one agent tick read back: the plan's stamp, commands, whether to re-register."""
 
-    plan: dict | None
+    plan_stamp: str | None  # changes with every new plan; read the plan itself only then
     commands: list[dict]
     registered: bool
 
@@ -191,7 +191,15 @@ class Store:
         return json.loads(raw) if raw else None
 
     def set_plan(self, plan: dict) -> None:
-        self.call(lambda: self.r.set(self.k("plan"), json.dumps(plan)))
+        """The plan, and its stamp: agents read the (large) plan only when the stamp changes."""
+        stamp = f"{plan.get('generation')}:{plan.get('action')}:{plan.get('issued')}"
+
+        def write():
+            pipe = self.r.pipeline()
+            pipe.set(self.k("plan"), json.dumps(plan))
+            pipe.set(self.k("plan:stamp"), stamp)
+            pipe.execute()
+        self.call(write)
 
     def set_master_port(self, generation: int, port: int) -> None:
         self.call(lambda: self.r.set(self.k(f"gen:{generation}:master_port"), port, ex=86_400))
@@ -238,13 +246,12 @@ class Store:
             else:
                 pipe.zadd(self.k("beats"), {node: deadline})
             self._summary(pipe, node, summary)
-            pipe.get(self.k("plan"))
+            pipe.get(self.k("plan:stamp"))
             pipe.lpop(self.k(f"commands:{node}"), 100)
             pipe.hexists(self.k("nodes"), node)
             return pipe.execute()[-3:]
-        plan, chaos, registered = self.call(tick)
-        return AgentTick(json.loads(plan) if plan else None,
-                         [json.loads(c) for c in chaos or []], bool(registered))
+        stamp, commands, registered = self.call(tick)
+        return AgentTick(stamp, [json.loads(c) for c in commands or []], bool(registered))
 
     def _summary(self, pipe, node: str, summary: NodeSummary | None) -> None:
         """The node's row in each job-wide sorted set, so that every sweep is one range query."""
@@ -352,9 +359,24 @@ class Store:
             return pipe.execute()
         return {n: s for n, s in zip(nodes, self.call(read), strict=True) if s}
 
-    def overdue(self, now: float) -> list[str]:
-        """Nodes with a rank whose heartbeat deadline has passed: O(overdue), not O(nodes)."""
-        return self.call(lambda: self.r.zrangebyscore(self.k("beats"), "-inf", now))
+    def overdue(self, now: float) -> dict[str, float]:
+        """Nodes with a rank whose heartbeat deadline has passed, and that deadline:
+        O(overdue), not O(nodes)."""
+        return dict(self.call(lambda: self.r.zrangebyscore(self.k("beats"), "-inf", now,
+                                                           withscores=True)))
+
+    def rank_beats_of(self, nodes: list[str]) -> dict[str, dict[int, dict]]:
+        """`rank_beats` of several nodes in one round trip."""
+        if not nodes:
+            return {}
+
+        def read():
+            pipe = self.r.pipeline(transaction=False)
+            for n in nodes:
+                pipe.hgetall(self.k(f"ranks:{n}"))
+            return pipe.execute()
+        return {n: {int(lr): json.loads(v) for lr, v in raw.items()}
+                for n, raw in zip(nodes, self.call(read), strict=True)}
 
     def rank_beats(self, node: str) -> dict[int, dict]:
         raw = self.call(lambda: self.r.hgetall(self.k(f"ranks:{node}")))

@@ -247,7 +247,7 @@ def test_a_hang_names_the_rank_behind_asks_for_stacks_then_fails_with_them():
 
 
 def test_a_hang_with_everyone_at_the_front_blames_the_rank_outside_the_collective():
-    job = busy(progress_step=7, progress_at=NOW - 11, hang_since=NOW - 5)
+    job = busy(progress_step=8, progress_at=NOW - 11, hang_since=NOW - 5)
     suspects = {"n0": {0: beat(0, 8, "backward")}}
     d = decide(running(job=job, progress=8, suspects=suspects, waiting_in_collective=1), H)
     assert "rank 0 on n0 (local 0): step 8, phase backward" in d.job["reason"]
@@ -295,3 +295,20 @@ def test_a_stop_of_a_running_generation_drains_it_without_the_per_node_view():
     obs = Observed(**{**obs.__dict__, "nodes": {}})  # as observed while RUNNING
     d = decide(obs, H)
     assert d.job["state"] == STOPPING and d.plan["action"] == "stop"
+
+
+def test_progress_seen_this_tick_is_no_hang_and_an_unconfirmed_overdue_is_no_frozen_rank():
+    job = busy(progress_step=7, progress_at=NOW - 60)  # e.g. the controller was paused
+    d = decide(running(job=job, progress=9), H)
+    assert d.commands == [] and d.job["progress_step"] == 9
+    late_tick = Overdue("n1", 2, "no heartbeat for 5.2 s", NOW - 5.2, confirmed=False)
+    assert decide(running(overdue=[late_tick]), H).exclude == []
+
+
+def test_the_straggler_median_leaves_the_node_itself_out():
+    scores = {f"n{i}": 0.1 for i in range(5)} | {"n5": 0.25, "n6": 0.26}
+    plan = {**running_plan(), "nodes": sorted(scores)}
+    nodes = {n: node(n, generation=0, live=2) for n in scores}
+    d = decide(running(nodes=nodes, plan=plan, compute=scores), H)
+    assert d.job["stragglers"] == ["n5", "n6"]  # each 2.5x the median of the others (0.1)
+    assert "250 ms per step" in d.events[0][1] and "against 100 ms" in d.events[0][1]

@@ -43,15 +43,16 @@ def test_agent_tick_is_one_round_trip_that_writes_beats_and_reads_plan_and_chaos
     now = time.time()
     tick = s.agent_tick("n0", {"generation": 3, "state": "running", "live_ranks": 2},
                         {0: {"step": 7, "time": now}}, deadline=now - 1, reset_ranks=True)
-    assert tick.plan["generation"] == 3 and tick.commands == [{"kind": "kill_rank", "rank": 1}]
+    assert tick.plan_stamp == "3:run:None"  # generation:action:issued; the plan read apart
+    assert tick.commands == [{"kind": "kill_rank", "rank": 1}]
     assert tick.registered is False  # no `nodes` entry yet: the agent must register
     s.register_node("n0", {"host": "h", "health": "ok"})
     tick = s.agent_tick("n0", {"state": "running"}, {}, deadline=now + 60, reset_ranks=False)
     assert tick.registered and tick.commands == []
     assert s.rank_beats("n0")[0]["step"] == 7
-    assert s.overdue(now) == []  # deadline moved on
+    assert s.overdue(now) == {}  # deadline moved on
     s.agent_tick("n0", {"state": "running"}, {}, deadline=now - 1, reset_ranks=False)
-    assert s.overdue(now) == ["n0"]
+    assert s.overdue(now) == {"n0": now - 1}
     assert s.agent_status(["n0", "n9"]) == {"n0": {"generation": "3", "state": "running",
                                                    "live_ranks": "2"}}
 
@@ -73,7 +74,7 @@ def test_reset_forgets_the_job_but_keeps_its_event_history(redis_server):
     s.set_plan({"generation": 0})
     s.event("test", "note", "kept")
     other.update_job({"state": "RUNNING"})
-    assert s.reset() == 2
+    assert s.reset() == 3  # job, plan, plan:stamp
     assert s.job_record() == {} and s.plan() is None
     assert [e["message"] for _, e in s.events()] == ["kept"]
     assert other.job_record() == {"state": "RUNNING"}  # another job's keys are untouched
