@@ -335,7 +335,11 @@ def _hang(obs: Observed, s: Settings, d: Decision) -> tuple[list[Evidence], dict
                + (f"holding the others up: {named}" if culprits else "no rank stands out")
                + "; collecting stacks")
         return [], {}
-    wanted = {b.get("rank") for *_, b in culprits}
+    rpn = plan["ranks_per_node"]
+    culprit_nodes = {n for n, *_ in culprits}
+    sample = [n for n in plan["nodes"] if n not in culprit_nodes][:2]
+    wanted = {b.get("rank") for *_, b in culprits} | {
+        plan["nodes"].index(n) * rpn for n in sample}  # their local rank 0
     if obs.now - job.hang_since < s.stack_wait_s and not wanted <= set(obs.stacks):
         return [], {}
     fields = {"stacks": json.dumps({str(r): t[-4000:] for r, t in sorted(obs.stacks.items())})}

@@ -235,8 +235,11 @@ def test_a_hang_names_the_rank_behind_asks_for_stacks_then_fails_with_them():
     assert kind == "suspect" and "rank 2 on n1 (local 0): step 6, phase optim" in message
     # The stacks arrive: the failure names the rank and carries them.
     job = busy(progress_step=7, progress_at=NOW - 11, hang_since=NOW - 0.5)
+    culprit_only = {2: "Thread 0x1 (most recent call first):\n  wait"}
+    d = decide(running(job=job, progress=7, suspects=suspects, stacks=culprit_only), H)
+    assert d.plan is None  # the sample's stack (rank 0, on n0) is not in yet
     d = decide(running(job=job, progress=7, suspects=suspects,
-                       stacks={2: "Thread 0x1 (most recent call first):\n  wait"}), H)
+                       stacks={**culprit_only, 0: "Thread 0x2:\n  all_reduce"}), H)
     failure = [e for e in d.events if e[0] == "failure"][0]
     assert "hung: no step past 7" in failure[1] and "rank 2 on n1" in failure[1]
     assert "wait" in failure[2]["stacks"]
