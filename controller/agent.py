@@ -250,7 +250,7 @@ class Agent:
             with open(path, "ab") as out:
                 popen = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=die_with_parent)
             self.procs[local_rank] = RankProcess(
                 rank, local_rank, popen, path, time.time(),
                 stacks_path=log_dir / f"rank_{rank:05d}.stacks",
@@ -459,7 +459,7 @@ def _signal_group(popen: subprocess.Popen, sig: int) -> None:
         os.killpg(popen.pid, sig)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: SIGKILL when the agent dies (Linux)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

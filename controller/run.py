@@ -24,6 +24,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from controller.agent import die_with_parent
 from controller.decide import FAILED, TERMINAL
 from controller.store import Store, StoreUnavailable
 from optimus.checkpoint.manifest import committed_steps
@@ -41,8 +42,10 @@ class LocalCluster:
 
     def start(self, name: str, command: list[str]) -> subprocess.Popen:
         with open(self.control_dir / f"{name}.log", "ab") as out:
+            # Own sessions (a Ctrl-C is ours to handle), but gone if `optimus run` is killed.
             popen = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=die_with_parent)
         self.procs[name] = popen
         return popen
 
