@@ -126,7 +126,7 @@ class Controller:
 
     def observe(self) -> Observed:
         record = self.store.job_record()
-        if not record:
+        if not record.get("state"):  # none, or a retried write landed in a Redis that restarted
             record = self._rebuild()
         now = time.time()
         job = _job_view(record)
@@ -264,8 +264,9 @@ class Controller:
         self._journaled = text
 
     def _rebuild(self) -> dict[str, str]:
-        """No job record in Redis: a new job, or Redis restarted empty. Restore from the
-        journal (if it holds a job that has not ended) and wait for the agents to report."""
+        """No job record in Redis: a new job, or Redis restarted empty (a write the retries
+        carried across the restart may have left a few fields). Restore from the journal (if
+        it holds a job that has not ended) and wait for the agents to report."""
         journal = _read_json(self.journal)
         record = (journal or {}).get("job") or {}
         if not record or record.get("state") in TERMINAL:
