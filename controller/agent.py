@@ -20,7 +20,10 @@ the agent (a lost node takes its ranks with it, as a real one does).
 
 The heartbeat protocol (rank -> agent) is one JSON datagram per interval on a Unix datagram
 socket (OPTIMUS_AGENT_SOCKET); see optimus/health.py. Datagrams, not a stream: a rank never
-blocks on a slow or absent agent, and the agent never waits on a rank.
+blocks on a slow or absent agent, and the agent never waits on a rank. The other way, the
+agent relays the job's control word (operators' pause and checkpoint-now, from the `control`
+key it reads every tick) into a small file the ranks stat at every step boundary
+(OPTIMUS_CONTROL_FILE), rewritten atomically when the word changes.
 """
 
 from __future__ import annotations
@@ -38,18 +41,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from controller.health_check import health_check
 from controller.store import NodeSummary, Store, StoreUnavailable
+from optimus.files import write_atomic
 
 log = logging.getLogger("optimus.agent")
 
 POLL_S = 0.05
 TAIL_LINES = 20
 _PR_SET_PDEATHSIG = 1
+# A rank's state for the ranks-by-state count, from its heartbeat's phase.
+RANK_STATES = {"startup": "startup", "checkpoint": "checkpoint", "paused": "paused",
+               "done": "done"}  # every other phase is a step in progress: "training"
 
 
 @dataclass
@@ -90,6 +97,9 @@ class Agent:
         sock_dir.mkdir(mode=0o700, exist_ok=True)
         tag = hashlib.sha1(f"{store.job}/{node}/{os.getpid()}".encode()).hexdigest()[:12]
         self.socket_path = str(sock_dir / f"agent-{tag}.sock")  # short: AF_UNIX paths <= 107
+        self.control_path = sock_dir / f"agent-{tag}.control"
+        self.control: dict = {}
+        self._write_control({})
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -121,6 +131,8 @@ class Agent:
             self.sock.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.control_path)
 
     def stop_all_now(self) -> None:
         """On the agent's own SIGTERM/SIGINT: terminate the ranks, then go (they die with us)."""
@@ -147,7 +159,7 @@ class Agent:
                  else "starting" if self.waiting_port else "idle")
         status = {"generation": -1 if self.generation is None else self.generation,
                   "state": state, "live_ranks": len(live), "host": self.host,
-                  "pids": [p.popen.pid for p in live]}
+                  "pids": [p.popen.pid for p in live], "rank_states": self._rank_states(live)}
         try:
             self._flush_exits()
             tick = self.store.agent_tick(self.node, status, dict(self.beats),
@@ -165,6 +177,8 @@ class Agent:
             self.reset_ranks = True
         for command in tick.commands:
             self._command(command)
+        if tick.control is not None and tick.control != self.control:
+            self._write_control(tick.control)
         if tick.plan_stamp is not None and tick.plan_stamp != self.plan_stamp:
             try:
                 self.latest_plan = self.store.plan()
@@ -244,7 +258,8 @@ class Agent:
                    "OPTIMUS_NUM_NODES": str(len(plan["nodes"])),
                    "OPTIMUS_JOB_ID": self.store.job, "OPTIMUS_GENERATION": str(gen),
                    "OPTIMUS_MASTER_ADDR": plan["master_addr"], "OPTIMUS_MASTER_PORT": str(port),
-                   "OPTIMUS_AGENT_SOCKET": self.socket_path, "PYTHONUNBUFFERED": "1"}
+                   "OPTIMUS_AGENT_SOCKET": self.socket_path,
+                   "OPTIMUS_CONTROL_FILE": str(self.control_path), "PYTHONUNBUFFERED": "1"}
             path = log_dir / f"rank_{rank:05d}.log"
             env["OPTIMUS_STACKS_FILE"] = str(log_dir / f"rank_{rank:05d}.stacks")
             with open(path, "ab") as out:
@@ -352,7 +367,24 @@ class Agent:
             max_step=max(b["step"] for b in beats), min_step=min(b["step"] for b in beats),
             outside=sum(b["phase"] not in ("grad_sync",) for b in beats),
             nonfinite=not all(b.get("finite", True) for b in beats),
-            compute_s=max(statistics.median(c) for c in full) if full else None)
+            compute_s=max(statistics.median(c) for c in full) if full else None,
+            paused=sum(b["phase"] == "paused" for b in beats),
+            oldest_beat=min(b["time"] for b in beats))
+
+    def _rank_states(self, live: list[RankProcess]) -> dict[str, int]:
+        """How many of this node's live ranks are in each state (for the exporter)."""
+        states = Counter()
+        for p in live:
+            beat = self.beats.get(p.local_rank)
+            states["stopping" if p.stop_sent is not None else
+                   RANK_STATES.get(beat["phase"], "training") if beat else "startup"] += 1
+        return dict(states)
+
+    def _write_control(self, control: dict) -> None:
+        """The control word for this node's ranks, replaced atomically (they stat it)."""
+        self.control = dict(control)
+        write_atomic(self.control_path, json.dumps(control).encode(),
+                     self.control_path.with_suffix(".tmp"))
 
     # --- health --------------------------------------------------------------------------------
 

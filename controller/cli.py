@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 import optimus.cli as core
+from controller import ops  # noqa: F401 (adds `optimus job`, `optimus node`, `optimus events`)
 from controller.store import Store, StoreUnavailable, redis_url
 from optimus.config import ConfigError, check_job, load_job
 
@@ -69,9 +70,11 @@ def run(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node: int, 
               show_default=True, help="Leader lease, seconds: a standby takes over within it.")
 @click.option("--id", "ident", default=None, help="This controller's name in events.")
 @click.option("--exit-when-done", is_flag=True, help="Exit once the job has ended.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="Serve Prometheus /metrics here; default monitoring.metrics_port; 0: off.")
 def controller(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node: int,
                redis: str | None, lease_s: float, ident: str | None,
-               exit_when_done: bool) -> None:
+               exit_when_done: bool, metrics_port: int | None) -> None:
     """Supervise JOB: plan generations, detect failures, restart without the culprit.
 
     Run two for high availability: one leads, the other takes over if it dies."""
@@ -82,8 +85,14 @@ def controller(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node
     check_job(config, world=nodes * ranks_per_node, source=str(job))
     store = Store(redis_url(redis), config.name)
     store.ping()
-    ctl = Controller(store, config, settings_for(config, str(job), list(overrides), nodes,
-                                                 ranks_per_node), ident=ident, lease_s=lease_s)
+    settings = settings_for(config, str(job), list(overrides), nodes, ranks_per_node)
+    ctl = Controller(store, config, settings, ident=ident, lease_s=lease_s)
+    from controller.exporter import serve
+
+    url = serve(store, config, leading=lambda: ctl.leading, port=metrics_port,
+                agent_timeout_s=settings.agent_timeout_s)
+    if url:
+        logging.getLogger("optimus.controller").info("Prometheus metrics at %s", url)
     _terminate_on_sigterm()
     try:
         state = ctl.run(exit_when_done=exit_when_done)

@@ -27,6 +27,7 @@ import uuid
 from pathlib import Path
 
 from controller.decide import (
+    ACTIVE,
     TERMINAL,
     Decision,
     Exit,
@@ -34,12 +35,13 @@ from controller.decide import (
     NodeView,
     Observed,
     Overdue,
+    Request,
     Settings,
     decide,
 )
 from controller.store import Store, StoreUnavailable
 from optimus.checkpoint.manifest import committed_steps
-from optimus.config import JobConfig
+from optimus.config import ConfigError, JobConfig, check_job
 from optimus.files import write_atomic
 
 log = logging.getLogger("optimus.controller")
@@ -49,7 +51,21 @@ HANG_CANDIDATES = 16  # nodes read in full when a hang is suspected; more: nobod
 STRAGGLER_CHECK_S = 5.0  # how often the compute scores (one entry per node) are read
 # Job record fields that change every step: not worth a journal write (and an fsync) each.
 VOLATILE = frozenset({"progress_gen", "progress_step", "progress_at", "progress_moves",
-                      "step_times", "hang_since", "failure_since"})
+                      "step_times", "hang_since", "failure_since", "latest_checkpoint"})
+
+
+def node_counts(job: JobConfig, nodes: int, ranks_per_node: int) -> tuple[int, ...]:
+    """Node counts the job may run on, largest first: from `nodes` down to
+    supervision.min_nodes, those whose world size the layout accepts (dp shrinks)."""
+    lowest = min(job.supervision.min_nodes or nodes, nodes)
+    counts = []
+    for n in range(nodes, lowest - 1, -1):
+        try:
+            check_job(job, world=n * ranks_per_node)
+        except ConfigError:
+            continue
+        counts.append(n)
+    return tuple(counts) or (nodes,)
 
 
 def settings_for(job: JobConfig, job_file: str, overrides: list[str], nodes: int,
@@ -67,6 +83,7 @@ def settings_for(job: JobConfig, job_file: str, overrides: list[str], nodes: int
         agent_timeout_s=s.heartbeat_timeout_s, max_restarts=s.max_restarts,
         backoff_s=s.restart_backoff_s, backoff_max_s=s.restart_backoff_max_s,
         failure_grace_s=s.failure_grace_s, stop_grace_s=s.stop_grace_s,
+        node_counts=node_counts(job, nodes, ranks_per_node),
         launch={"job_file": str(Path(job_file).resolve()), "overrides": list(overrides),
                 "log_dir": str(Path(job.resolved_run_dir).resolve() / "logs"),
                 "node_faults": faults, "straggler_window": s.straggler_window})
@@ -85,6 +102,7 @@ class Controller:
         self._compute_read = 0.0
         self._index_key: tuple | None = None
         self._index: dict[str, int] = {}
+        self._latest_shown: int | None = None
 
     def run(self, exit_when_done: bool = False) -> str | None:
         """Reconcile until the job ends (with `exit_when_done`) or forever; its final state."""
@@ -131,11 +149,17 @@ class Controller:
         now = time.time()
         job = _job_view(record)
         plan = self.store.plan()
-        excluded = {n: e["reason"] for n, e in self.store.excluded().items()}
+        entries = self.store.excluded()
+        excluded = {n: e["reason"] for n, e in entries.items()}
+        draining = frozenset(n for n, e in entries.items() if e.get("mode") == "drain")
+        requests = [_request(i, r) for i, r in self.store.requests(job.requests_seen)]
+        operator = {"requests": requests, "control": self.store.control(),
+                    "draining": draining,
+                    "known_nodes": frozenset(self.store.nodes()) if requests else frozenset()}
         steps = committed_steps(self.checkpoint_dir)
         latest = steps[-1] if steps else None
-        if job.state == "RUNNING" and plan is not None and plan["action"] == "run":
-            return self._observe_running(now, job, plan, excluded, latest)
+        if job.state in ACTIVE and plan is not None and plan["action"] == "run":
+            return self._observe_running(now, job, plan, excluded, latest, operator)
         unhealthy = self._unhealthy(self.store.sweep([]).unhealthy)
         # Planning, draining, stopping: every node, once per tick (no generation is running,
         # or it is being torn down; at scale this is the rare path).
@@ -156,13 +180,13 @@ class Controller:
                 generation=int(st["generation"]) if st.get("generation") else None,
                 live_ranks=int(st.get("live_ranks", 0)), last_beat=beats.get(name, 0.0))
         return Observed(now=now, job=job, plan=plan, nodes=nodes, latest_step=latest,
-                        unhealthy=unhealthy, excluded=excluded)
+                        unhealthy=unhealthy, excluded=excluded, **operator)
 
     def _unhealthy(self, nodes: list[str]) -> dict[str, str]:
         return {n: _health(i) for n, i in self.store.node_info(nodes).items()}
 
     def _observe_running(self, now: float, job: JobView, plan: dict, excluded: dict,
-                         latest: int | None) -> Observed:
+                         latest: int | None, operator: dict) -> Observed:
         """A running generation: a fixed number of round trips, each O(nodes that matter) but
         the agents' beat times (one ZMSCORE over the plan's nodes)."""
         gen = plan["generation"]
@@ -192,7 +216,9 @@ class Controller:
                         agent_beats=sweep.agent_beats, progress=sweep.max_step,
                         unhealthy=unhealthy, nonfinite=frozenset(sweep.nonfinite),
                         suspects=suspects, waiting_in_collective=waiting, stacks=stacks,
-                        compute=compute, excluded=excluded)
+                        compute=compute, excluded=excluded,
+                        paused_nodes=self.store.paused_nodes(plan["ranks_per_node"]),
+                        **operator)
 
     def _overdue(self, plan: dict, now: float,
                  agent_beats: dict[str, float | None]) -> list[Overdue]:
@@ -233,29 +259,42 @@ class Controller:
     def apply(self, d: Decision, obs: Observed) -> None:
         for node, reason in dict(d.exclude).items():
             self.store.exclude(node, reason, by=f"controller {self.ident}")
+        for node, record in d.operator_exclude:
+            self.store.exclude(node, **record)
+        for node in d.include:
+            self.store.include(node)
+        if d.control is not None:
+            self.store.set_control(d.control)
         for node, command in d.commands:
             self.store.push_command(node, command)
         if d.plan is not None:
             if d.plan["action"] == "run" and d.plan != obs.plan:
                 d.plan["exits_from"] = self.store.last_exit_id()
             self.store.set_plan(d.plan)
+        if obs.latest_step is not None and obs.latest_step != self._latest_shown:
+            d.job["latest_checkpoint"] = obs.latest_step  # for `optimus job status`
+            self._latest_shown = obs.latest_step
         if d.job:
             self.store.update_job(d.job)
         for kind, message, fields in d.events:
             self._event(kind, message, **fields)
-        if set(d.job) - VOLATILE or d.plan is not None or d.exclude:
+        if (set(d.job) - VOLATILE or d.plan is not None or d.exclude or d.operator_exclude
+                or d.include or d.control is not None):
             self._write_journal()
 
     def _event(self, kind: str, message: str, **fields) -> None:
+        """An event; an operator's request is recorded under the operator's name (`actor`)."""
         log.info("%s: %s", kind, message)
-        self.store.event("controller", kind, message, controller=self.ident, **fields)
+        actor = fields.pop("actor", "controller")
+        self.store.event(actor, kind, message, controller=self.ident, **fields)
 
     # --- the journal and rebuilding from it ----------------------------------------------------
 
     def _write_journal(self) -> None:
         """On every change that matters after a loss of Redis: not on progress bookkeeping."""
         record = {k: v for k, v in self.store.job_record().items() if k not in VOLATILE}
-        state = {"job": record, "plan": self.store.plan(), "excluded": self.store.excluded()}
+        state = {"job": record, "plan": self.store.plan(), "excluded": self.store.excluded(),
+                 "control": self.store.control()}
         text = json.dumps(state, indent=1, sort_keys=True)
         if text == self._journaled:
             return
@@ -279,7 +318,9 @@ class Controller:
                         f"{self.s.ranks_per_node} rank(s)")
             return self.store.job_record()
         for node, entry in journal.get("excluded", {}).items():
-            self.store.exclude(node, entry.get("reason", "restored"), by=entry.get("by", "?"))
+            self.store.exclude(node, **{"reason": "restored", "by": "?", **entry})
+        if journal.get("control"):
+            self.store.set_control(journal["control"])
         plan = journal.get("plan")
         if plan:
             plan = {**plan, "exits_from": "0"}  # the exits stream was lost with Redis
@@ -308,6 +349,9 @@ def _job_view(r: dict[str, str]) -> JobView:
     return JobView(state=r.get("state", "PENDING"), reason=r.get("reason", ""),
                    generation=int(r.get("generation", -1)), restarts=int(r.get("restarts", 0)),
                    desired=r.get("desired") or None, desired_by=r.get("desired_by", ""),
+                   desired_reason=r.get("desired_reason", ""),
+                   requests_seen=r.get("requests_seen", "0"),
+                   restart_causes=loaded("restart_causes", {}),
                    failure_since=number("failure_since"), next_plan_at=number("next_plan_at"),
                    progress_gen=int(r["progress_gen"]) if r.get("progress_gen") else None,
                    progress_step=int(r.get("progress_step", -1)),
@@ -315,6 +359,13 @@ def _job_view(r: dict[str, str]) -> JobView:
                    progress_moves=int(r.get("progress_moves", 0)),
                    step_times=tuple(loaded("step_times", [])), hang_since=number("hang_since"),
                    failures=loaded("failures", {}), stragglers=tuple(loaded("stragglers", [])))
+
+
+def _request(rid: str, r: dict[str, str]) -> Request:
+    return Request(id=rid, action=r.get("action", ""), actor=r.get("actor", "?"),
+                   host=r.get("host", ""), reason=r.get("reason", ""),
+                   time=float(r.get("time") or 0.0), node=r.get("node", ""),
+                   checkpoint=r.get("checkpoint") == "1")
 
 
 def _health(info: dict) -> str:

@@ -6,9 +6,10 @@ this generation's rank exits, overdue heartbeats, the latest committed checkpoin
 Nothing here touches Redis, a clock or a process, so every rule is unit-tested on its own
 (tests/test_decide.py); `controller/controller.py` observes and applies.
 
-Job states: PENDING -> RUNNING -> (RESTARTING -> RUNNING)* -> COMPLETED | FAILED | STOPPED, with
-WAITING while too few healthy nodes are left for the layout and STOPPING while an operator's
-stop drains the ranks. A plan's `action` tells agents what to do with its generation: "run",
+Job states: PENDING -> RUNNING <-> PAUSING -> PAUSED, (RESTARTING -> RUNNING)*, then COMPLETED |
+FAILED | STOPPED, with WAITING while too few healthy nodes are left for the layout and STOPPING
+while an operator's stop drains the ranks. Operators' requests (controller/operator.py) are
+taken first, each tick. A plan's `action` tells agents what to do with its generation: "run",
 "stop" (terminate the ranks) or "end" (terminate them and exit: the job is over).
 
 Attribution. When a rank dies, its peers soon fail too (their collectives lose a partner), so
@@ -23,163 +24,39 @@ silent) and then restarts without excluding anyone.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
-from controller import detect
+from controller import detect, operator
 from controller.detect import COLLATERAL, HARD, Evidence
-
-RUNNING, RESTARTING, PENDING, WAITING, STOPPING = (
-    "RUNNING", "RESTARTING", "PENDING", "WAITING", "STOPPING")
-COMPLETED, FAILED, STOPPED = "COMPLETED", "FAILED", "STOPPED"
-TERMINAL = (COMPLETED, FAILED, STOPPED)
-
-@dataclass(frozen=True)
-class Settings:
-    nodes: int
-    ranks_per_node: int
-    heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 30.0
-    startup_timeout_s: float = 300.0
-    agent_timeout_s: float = 30.0
-    max_restarts: int = 10
-    backoff_s: float = 1.0
-    backoff_max_s: float = 60.0
-    failure_grace_s: float = 3.0  # SIGTERM -> SIGKILL when a generation failed
-    stop_grace_s: float = 60.0  # ... when an operator stops the job (a checkpoint is saved)
-    hang_timeout_s: float = 600.0
-    hang_step_factor: float = 10.0
-    straggler_factor: float = 2.0
-    straggler_window: int = 20
-    straggler_action: str = "report"
-    flaky_failures: int = 1
-    flaky_window_s: float = 3600.0
-    stack_wait_s: float = 3.0  # for the agents' stack dumps of a hang, before deciding
-    launch: dict = field(default_factory=dict)  # job file, overrides, log dir: into each plan
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.ranks_per_node
-
-    @property
-    def agent_silence_s(self) -> float:
-        """An agent this late (several missed beats) is suspect."""
-        return 2 * self.heartbeat_interval_s
-
-    @property
-    def settle_s(self) -> float:
-        """How long collateral-only evidence waits for a culprit to show."""
-        return self.agent_timeout_s + 1.0
-
-    def backoff(self, restarts: int) -> float:
-        return min(self.backoff_s * 2 ** max(restarts - 1, 0), self.backoff_max_s)
-
-
-@dataclass(frozen=True)
-class JobView:
-    state: str = PENDING
-    reason: str = ""
-    generation: int = -1  # the latest planned generation; -1: none yet
-    restarts: int = 0
-    desired: str | None = None  # "stop" when an operator asked
-    desired_by: str = ""
-    failure_since: float | None = None
-    next_plan_at: float | None = None
-    # Progress of the running generation: the furthest step, when it was reached, and the
-    # time per step of recent advances (for the hang threshold).
-    progress_gen: int | None = None
-    progress_step: int = -1
-    progress_at: float | None = None
-    progress_moves: int = 0
-    step_times: tuple[float, ...] = ()
-    hang_since: float | None = None  # a hang was noticed and stacks asked for
-    failures: dict = field(default_factory=dict)  # node -> times of its soft failures
-    stragglers: tuple[str, ...] = ()  # nodes reported as stragglers now
-
-
-@dataclass(frozen=True)
-class NodeView:
-    name: str
-    host: str
-    alive: bool  # its agent beat within agent_timeout_s
-    healthy: bool
-    health: str = "ok"
-    excluded: str | None = None  # the reason, when excluded
-    generation: int | None = None  # the generation its agent runs or last ran
-    live_ranks: int = 0
-    last_beat: float = 0.0
-
-
-@dataclass(frozen=True)
-class Exit:
-    node: str
-    rank: int
-    generation: int
-    code: int | None  # None when a signal ended it
-    signal: int | None = None
-    by_agent: bool = False  # the agent terminated it (a stop), not a fault
-    tail: str = ""
-    time: float = 0.0
-    local_rank: int = -1
-
-    @property
-    def ok(self) -> bool:
-        return self.code == 0 and not self.by_agent
-
-    @property
-    def failed(self) -> bool:
-        return not self.by_agent and (self.code != 0 or self.signal is not None)
-
-    def describe(self) -> str:
-        how = f"signal {self.signal}" if self.signal is not None else f"exit code {self.code}"
-        last = self.tail.strip().splitlines()[-1][:200] if self.tail.strip() else ""
-        return f"rank {self.rank} on {self.node} ended with {how}" + (f": {last}" if last else "")
-
-
-@dataclass(frozen=True)
-class Overdue:
-    node: str
-    rank: int
-    detail: str  # e.g. "no heartbeat for 4.1 s (step 12, phase backward)"
-    since: float = 0.0
-    confirmed: bool = True  # the node's agent beat after the deadline, relaying the old beat
-
-
-@dataclass(frozen=True)
-class Observed:
-    now: float
-    job: JobView
-    plan: dict | None
-    nodes: dict[str, NodeView]
-    exits: list[Exit] = field(default_factory=list)  # of the plan's generation
-    overdue: list[Overdue] = field(default_factory=list)
-    latest_step: int | None = None  # the newest committed checkpoint
-    # The running generation's sweep (see Store.sweep):
-    agent_beats: dict[str, float | None] = field(default_factory=dict)  # plan node -> beat
-    progress: int | None = None  # the furthest step any rank is at
-    unhealthy: dict[str, str] = field(default_factory=dict)  # node -> "<node>/<tile>: why"
-    nonfinite: frozenset[str] = frozenset()  # nodes with a rank reporting NaN/Inf of its own
-    suspects: dict[str, dict[int, dict]] = field(default_factory=dict)  # node -> heartbeats
-    waiting_in_collective: int = 0  # plan nodes whose ranks all wait in a collective
-    stacks: dict[int, str] = field(default_factory=dict)  # rank -> stack dump (a hang)
-    compute: dict[str, float] | None = None  # node -> compute score, when read this tick
-    excluded: dict[str, str] = field(default_factory=dict)  # node -> reason
-
-
-@dataclass
-class Decision:
-    job: dict[str, Any] = field(default_factory=dict)  # fields to write; None deletes
-    plan: dict | None = None  # the new plan, when it changes
-    exclude: list[tuple[str, str]] = field(default_factory=list)  # (node, reason)
-    events: list[tuple[str, str, dict]] = field(default_factory=list)  # (kind, message, more)
-    commands: list[tuple[str, dict]] = field(default_factory=list)  # (node, agent command)
-
-    def note(self, kind: str, message: str, **fields: Any) -> None:
-        self.events.append((kind, message, fields))
+from controller.view import (  # noqa: F401 (re-exported: the rules' vocabulary)
+    ACTIVE,
+    COMPLETED,
+    FAILED,
+    PAUSED,
+    PAUSING,
+    PENDING,
+    RESTARTING,
+    RUNNING,
+    STOPPED,
+    STOPPING,
+    TERMINAL,
+    WAITING,
+    Decision,
+    Exit,
+    JobView,
+    NodeView,
+    Observed,
+    Overdue,
+    Request,
+    Settings,
+)
 
 
 def decide(obs: Observed, s: Settings) -> Decision:
-    job, plan, d = obs.job, obs.plan, Decision()
+    d = Decision()
+    if obs.requests:
+        obs = operator.take_requests(obs, d)
+    job, plan = obs.job, obs.plan
     for node, why in sorted(obs.unhealthy.items()):  # a failed health check, in any state
         if node not in obs.excluded:
             d.exclude.append((node, f"bad tile {why}"))
@@ -189,11 +66,13 @@ def decide(obs: Observed, s: Settings) -> Decision:
         return d
     if job.desired == "stop" and job.state != STOPPING:
         who = job.desired_by or "an operator"
+        who += f" ({job.desired_reason})" if job.desired_reason else ""
         # A running generation is observed without the per-node view (`nodes` is empty).
         if plan is not None and plan["action"] == "run" and (
-                job.state == RUNNING or _live(obs, plan)):
+                job.state in ACTIVE or _live(obs, plan)):
             d.plan = _with_action(plan, "stop", s.stop_grace_s, f"stop asked by {who}", obs.now)
-            d.job = {"state": STOPPING, "reason": f"stop asked by {who}: ranks save and exit"}
+            d.job.update({"state": STOPPING,
+                          "reason": f"stop asked by {who}: ranks save and exit"})
             d.note("stopping", f"stop asked by {who}: generation {plan['generation']} saves a "
                    "checkpoint and exits")
         else:
@@ -205,7 +84,7 @@ def decide(obs: Observed, s: Settings) -> Decision:
             _finish(d, obs, s, STOPPED, f"stopped by {job.desired_by or 'an operator'}; latest "
                     f"committed checkpoint{at}")
         return d
-    if job.state == RUNNING and plan is not None and plan["action"] == "run":
+    if job.state in ACTIVE and plan is not None and plan["action"] == "run":
         _watch(obs, s, d)
         return d
     _plan_next(obs, s, d)
@@ -224,13 +103,17 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
                 f"finished{at}")
         return
     _track_progress(obs, s, d)
+    operator.pause_transition(obs, d)
+    if _leave(obs, s, d):
+        return
     found = detect.evidence(obs, s)
-    slow = _stragglers(obs, s, d) if obs.compute is not None else {}
+    training = job.state == RUNNING and job.desired != "pause"  # no stall or straggler paused
+    slow = _stragglers(obs, s, d) if obs.compute is not None and training else {}
     if s.straggler_action == "exclude":
-        found += [Evidence(n, why, HARD, obs.now) for n, why in sorted(slow.items())]
+        found += [Evidence(n, why, HARD, obs.now, "straggler") for n, why in sorted(slow.items())]
     hang_fields: dict = {}
     moved = obs.progress is not None and obs.progress > job.progress_step
-    if not found and not moved and _stalled(obs, s):
+    if not found and not moved and training and _stalled(obs, s):
         found, hang_fields = _hang(obs, s, d)
         if not found:
             return  # the agents are dumping stacks
@@ -249,6 +132,7 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
         return
 
     culprit = blamed[0] if blamed else None
+    cause = culprit.cause if culprit else "hang" if hang_fields else "unattributed"
     failures = dict(job.failures)
     if culprit is None:
         nodes = sorted({e.node for e in found if e.node})
@@ -278,9 +162,33 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
     d.plan = _with_action(plan, "stop", s.failure_grace_s, reason, obs.now)
     d.job.update({"state": RESTARTING, "reason": reason, "restarts": restarts,
                   "failure_since": None, "next_plan_at": obs.now + wait, "hang_since": None,
-                  "failures": failures})
+                  "failures": failures, "restart_causes": _counted(job, cause)})
     d.note("restarting", f"restart {restarts} of at most {s.max_restarts}: generation "
            f"{gen + 1} after {wait:g} s, from the latest committed checkpoint")
+
+
+def _leave(obs: Observed, s: Settings, d: Decision) -> bool:
+    """Nodes of this generation excluded while it runs (by an operator): the ranks save a
+    checkpoint and exit, and the next generation runs without them. Not a failure: it uses no
+    restart of max_restarts."""
+    plan = obs.plan
+    leaving = [n for n in plan["nodes"] if n in obs.excluded and n not in obs.draining]
+    if not leaving:
+        return False
+    gen = plan["generation"]
+    reason = (f"{names(leaving)} excluded ({obs.excluded[leaving[0]]}): generation {gen} "
+              "saves a checkpoint and stops, the next runs without "
+              + ("it" if len(leaving) == 1 else "them"))
+    d.plan = _with_action(plan, "stop", s.stop_grace_s, reason, obs.now)
+    d.job.update({"state": RESTARTING, "reason": reason, "failure_since": None,
+                  "next_plan_at": obs.now, "hang_since": None,
+                  "restart_causes": _counted(obs.job, "operator")})
+    d.note("restarting", reason)
+    return True
+
+
+def _counted(job: JobView, cause: str) -> dict:
+    return {**job.restart_causes, cause: job.restart_causes.get(cause, 0) + 1}
 
 
 def _track_progress(obs: Observed, s: Settings, d: Decision) -> None:
@@ -346,10 +254,10 @@ def _hang(obs: Observed, s: Settings, d: Decision) -> tuple[list[Evidence], dict
     what = (f"hung: no step past {job.progress_step} for {stalled_for:.1f} s (threshold "
             f"{threshold:.1f} s)")
     if not culprits:
-        return [Evidence("", f"{what}, every rank waiting", COLLATERAL, obs.now)], fields
+        return [Evidence("", f"{what}, every rank waiting", COLLATERAL, obs.now, "hang")], fields
     node, _, _ = culprits[0]
     return [Evidence(node, f"{what}: {named}, while the others wait in a collective", "soft",
-                     obs.now)], fields
+                     obs.now, "hang")], fields
 
 
 def _stragglers(obs: Observed, s: Settings, d: Decision) -> dict[str, str]:
@@ -377,14 +285,15 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
     usable = {n for n, v in obs.nodes.items() if v.alive and v.healthy and not v.excluded}
     chosen = [n for n in previous if n in usable]
     chosen += sorted(usable - set(chosen))  # then spares, in name order
-    if len(chosen) < s.nodes:
+    fits = [c for c in s.allowed_nodes if c <= len(chosen)]
+    if not fits:
         reason = _shortage(obs, s, usable)
         if job.state != WAITING or job.reason != reason:
-            d.job = {"state": WAITING, "reason": reason}
+            d.job.update({"state": WAITING, "reason": reason})
             d.note("waiting", reason)
         return
 
-    chosen = chosen[:s.nodes]
+    chosen = chosen[:fits[0]]
     gen = max(job.generation, plan["generation"] if plan else -1) + 1
     spares = [n for n in chosen if n not in previous]
     start = (f"from the checkpoint of step {obs.latest_step}" if obs.latest_step is not None
@@ -392,17 +301,20 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
     reason = f"generation {gen} on {names(chosen)} {start}"
     if previous and spares:
         reason += f" (spares brought in: {names(spares)})"
+    if len(chosen) < s.nodes:
+        reason += (f" (shrunk to {len(chosen)} of {s.nodes} nodes: the data-parallel degree "
+                   "shrinks with it)")
     d.plan = {
         **s.launch,
         "generation": gen, "action": "run", "nodes": chosen,
-        "ranks_per_node": s.ranks_per_node, "world_size": s.world_size,
+        "ranks_per_node": s.ranks_per_node, "world_size": len(chosen) * s.ranks_per_node,
         "master_addr": obs.nodes[chosen[0]].host, "master_port": 0,  # node 0's agent picks it
         "resume_step": obs.latest_step, "grace_s": s.failure_grace_s,
         "heartbeat_timeout_s": s.heartbeat_timeout_s, "startup_timeout_s": s.startup_timeout_s,
         "reason": reason, "issued": obs.now,
     }
-    d.job = {"state": RUNNING, "generation": gen, "reason": reason, "failure_since": None,
-             "next_plan_at": None}
+    d.job.update({"state": PAUSING if job.desired == "pause" else RUNNING, "generation": gen,
+                  "reason": reason, "failure_since": None, "next_plan_at": None})
     d.note("generation", reason)
 
 
@@ -416,8 +328,8 @@ def names(nodes: list[str], shown: int = 8) -> str:
 
 def _finish(d: Decision, obs: Observed, s: Settings, state: str, reason: str,
             **fields: Any) -> None:
-    d.job = {"state": state, "reason": reason, "failure_since": None, "next_plan_at": None,
-             **fields}
+    d.job.update({"state": state, "reason": reason, "failure_since": None,
+                  "next_plan_at": None, **fields})
     d.plan = _with_action(obs.plan, "end", s.failure_grace_s, reason, obs.now)
     d.note(state.lower(), reason)
 
@@ -447,6 +359,8 @@ def _shortage(obs: Observed, s: Settings, usable: set[str]) -> str:
             why.append(f"{name} silent")
         elif not node.healthy:
             why.append(f"{name} unhealthy ({node.health})")
-    return (f"waiting for nodes: the layout needs {s.nodes} x {s.ranks_per_node} ranks, "
+    need = (f"{s.nodes}" if s.allowed_nodes == (s.nodes,)
+            else f"{min(s.allowed_nodes)} to {s.nodes}")
+    return (f"waiting for nodes: the layout needs {need} x {s.ranks_per_node} ranks, "
             f"{len(usable)} healthy node(s) available"
             + (f"; {'; '.join(why)}" if why else ""))

@@ -34,6 +34,9 @@ _PEER_FAILURE = re.compile(
     re.IGNORECASE)
 
 HARD, SOFT, COLLATERAL = "hard", "soft", "collateral"
+# Why a generation ended, for the restarts counter (bounded: these values only).
+CAUSES = ("rank_exit", "heartbeat", "node_lost", "hang", "bad_tile", "straggler", "operator",
+          "unattributed")
 
 
 @dataclass(frozen=True)
@@ -42,15 +45,17 @@ class Evidence:
     what: str
     kind: str  # HARD, SOFT or COLLATERAL
     time: float
+    cause: str = "unattributed"  # one of CAUSES
 
 
 def exit_evidence(e) -> Evidence:
     if e.code == EXIT_BAD_TILE:
         return Evidence(e.node, f"bad tile {e.node}/{e.local_rank} (rank {e.rank}): its own "
-                        "loss or gradients were NaN/Inf", HARD, e.time)
+                        "loss or gradients were NaN/Inf", HARD, e.time, "bad_tile")
     collateral = e.code == EXIT_NONFINITE_ELSEWHERE or (
         bool(e.tail) and _PEER_FAILURE.search(e.tail) is not None)
-    return Evidence(e.node, e.describe(), COLLATERAL if collateral else SOFT, e.time)
+    return Evidence(e.node, e.describe(), COLLATERAL if collateral else SOFT, e.time,
+                    "rank_exit")
 
 
 def evidence(obs, s) -> list[Evidence]:
@@ -59,14 +64,14 @@ def evidence(obs, s) -> list[Evidence]:
     nodes = plan["nodes"]
     in_plan = set(nodes)
     found = [exit_evidence(e) for e in obs.exits if e.failed]
-    found += [Evidence(n, f"bad tile {obs.unhealthy[n]}", HARD, obs.now)
+    found += [Evidence(n, f"bad tile {obs.unhealthy[n]}", HARD, obs.now, "bad_tile")
               for n in nodes if n in obs.unhealthy]
     for node in (n for n in nodes if n in obs.nonfinite):
         bad = [(lr, b) for lr, b in sorted(obs.suspects.get(node, {}).items())
                if not b.get("finite", True)]
         which = ", ".join(f"{node}/{lr} (rank {b['rank']}, step {b['step']})" for lr, b in bad)
         found.append(Evidence(node, f"bad tile {which or node}: its own loss or gradients "
-                              "were NaN/Inf", HARD, obs.now))
+                              "were NaN/Inf", HARD, obs.now, "bad_tile"))
 
     # A node is lost when its agent is silent past agent_timeout_s, or sooner when one of its
     # ranks is overdue and its agent has missed beats too (a healthy agent beats every
@@ -81,12 +86,12 @@ def evidence(obs, s) -> list[Evidence]:
             lost.add(n)
             found.append(Evidence(n, f"node {n} lost: its agent has been silent for "
                                   f"{f'{silent:.1f} s' if silent is not None else 'ever'}",
-                                  HARD, beat or 0.0))
+                                  HARD, beat or 0.0, "node_lost"))
     # A lost node's ranks fall silent with it: their heartbeats say nothing more. A rank is
     # overdue only once its agent has beaten after the deadline and still relays the old
     # heartbeat: an agent tick that is merely late is not a frozen rank.
-    found += [Evidence(o.node, f"rank {o.rank} on {o.node}: {o.detail}", SOFT, o.since)
-              for o in obs.overdue
+    found += [Evidence(o.node, f"rank {o.rank} on {o.node}: {o.detail}", SOFT, o.since,
+                       "heartbeat") for o in obs.overdue
               if o.node in in_plan and o.node not in lost and o.confirmed]
     return found
 

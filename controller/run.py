@@ -120,7 +120,9 @@ def run_local(job: JobConfig, job_file: str, overrides: list[str], *, nodes: int
                                              str(job.supervision.heartbeat_interval_s)])
         console.print(f"optimus run: job {job.name}, {nodes} node(s) x {ranks_per_node} "
                       f"rank(s) + {spares} spare(s); Redis {url}; logs in {control_dir} and "
-                      f"{run_dir / 'logs'}")
+                      f"{run_dir / 'logs'}"
+                      + (f"; metrics on port {job.monitoring.metrics_port}"
+                         if job.monitoring.metrics_port else ""))
         state = _follow(console, store, cluster, job, interrupted)
     except KeyboardInterrupt:
         console.print("second Ctrl-C: killing every process now")
@@ -144,7 +146,7 @@ def _follow(console: Console, store: Store, cluster: LocalCluster, job: JobConfi
             asked_stop = True
             console.print("Ctrl-C: stopping; the ranks save a checkpoint first (Ctrl-C again "
                           "to kill everything)")
-            store.request("stop", by="optimus run (Ctrl-C)", reason="interrupted")
+            store.request("stop", "optimus run (Ctrl-C)", socket.gethostname(), "interrupted")
         try:
             for event_id, e in store.events(after=last_event):
                 last_event = event_id

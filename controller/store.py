@@ -34,6 +34,7 @@ from tenacity import (
 T = TypeVar("T")
 
 EVENTS_MAXLEN = 10_000  # approximate (MAXLEN ~): Redis trims whole nodes of the stream
+REQUESTS_MAXLEN = 1_000
 EXITS_MAXLEN = 200_000  # > one generation's ranks at 131k ranks
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
@@ -77,6 +78,7 @@ class AgentTick:
     plan_stamp: str | None  # changes with every new plan; read the plan itself only then
     commands: list[dict]
     registered: bool
+    control: dict | None = None  # what the ranks are asked: {"pause": bool, "checkpoint": n}
 
 
 @dataclass
@@ -88,6 +90,8 @@ class NodeSummary:
     outside: int  # ranks not in a collective phase
     nonfinite: bool  # a rank reported NaN/Inf of its own
     compute_s: float | None  # the slowest rank's median compute time over the window
+    paused: int = 0  # ranks waiting paused
+    oldest_beat: float | None = None  # time of the oldest rank heartbeat (None: none yet)
 
 
 @dataclass
@@ -128,14 +132,14 @@ class Store:
                     return fn()
         except RetryError as e:
             cause = e.last_attempt.exception()
-            raise StoreUnavailable(f"Redis at {_safe(self.url)} did not answer for "
+            raise StoreUnavailable(f"Redis at {safe_url(self.url)} did not answer for "
                                    f"{self.retry_s:g} s: {cause}") from None
         except redis.AuthenticationError as e:
-            raise StoreUnavailable(f"Redis at {_safe(self.url)} refused the credentials: {e}; "
+            raise StoreUnavailable(f"Redis at {safe_url(self.url)} refused the credentials: {e}; "
                                    "fix: put user:password in REDIS_URL") from None
         except redis.ResponseError as e:
             if "NOPERM" in str(e) or "NOAUTH" in str(e):
-                raise StoreUnavailable(f"Redis at {_safe(self.url)}: {e}; fix: grant this "
+                raise StoreUnavailable(f"Redis at {safe_url(self.url)}: {e}; fix: grant this "
                                        f"user the keys {self.p}*") from None
             raise
         raise AssertionError("unreachable")
@@ -208,9 +212,28 @@ class Store:
         raw = self.call(lambda: self.r.get(self.k(f"gen:{generation}:master_port")))
         return int(raw) if raw else None
 
-    def request(self, desired: str, by: str, reason: str) -> None:
-        """An operator's wish for the job ("stop"), for the controller to act on."""
-        self.update_job({"desired": desired, "desired_by": by, "desired_reason": reason})
+    # --- operators' requests and the ranks' control word ---------------------------------------
+
+    def request(self, action: str, actor: str, host: str, reason: str = "",
+                **fields: Any) -> str:
+        """An operator's request (controller/operator.py), for the leading controller to take;
+        its stream id, which the controller's answering event carries."""
+        entry = {"action": action, "actor": actor, "host": host, "reason": reason,
+                 "time": f"{time.time():.3f}", **{k: _text(v) for k, v in fields.items()}}
+        return self.call(lambda: self.r.xadd(self.k("requests"), entry,
+                                             maxlen=REQUESTS_MAXLEN, approximate=True))
+
+    def requests(self, after: str = "0") -> list[tuple[str, dict]]:
+        """Requests with ids greater than `after`, oldest first."""
+        start = "-" if after in ("0", "") else f"({after}"
+        return self.call(lambda: self.r.xrange(self.k("requests"), min=start, count=100))
+
+    def control(self) -> dict:
+        raw = self.call(lambda: self.r.get(self.k("control")))
+        return json.loads(raw) if raw else {}
+
+    def set_control(self, control: dict) -> None:
+        self.call(lambda: self.r.set(self.k("control"), json.dumps(control, sort_keys=True)))
 
     # --- nodes, agents, heartbeats -------------------------------------------------------------
 
@@ -249,18 +272,25 @@ class Store:
             pipe.get(self.k("plan:stamp"))
             pipe.lpop(self.k(f"commands:{node}"), 100)
             pipe.hexists(self.k("nodes"), node)
-            return pipe.execute()[-3:]
-        stamp, commands, registered = self.call(tick)
-        return AgentTick(stamp, [json.loads(c) for c in commands or []], bool(registered))
+            pipe.get(self.k("control"))
+            return pipe.execute()[-4:]
+        stamp, commands, registered, control = self.call(tick)
+        return AgentTick(stamp, [json.loads(c) for c in commands or []], bool(registered),
+                         json.loads(control) if control else None)
 
     def _summary(self, pipe, node: str, summary: NodeSummary | None) -> None:
         """The node's row in each job-wide sorted set, so that every sweep is one range query."""
         if summary is None:
-            for key in ("steps", "minsteps", "outside", "compute"):
+            for key in ("steps", "minsteps", "outside", "compute", "paused", "oldest"):
                 pipe.zrem(self.k(key), node)
             pipe.srem(self.k("nonfinite"), node)
             return
         pipe.zadd(self.k("steps"), {node: summary.max_step})
+        pipe.zadd(self.k("paused"), {node: summary.paused})
+        if summary.oldest_beat is None:
+            pipe.zrem(self.k("oldest"), node)
+        else:
+            pipe.zadd(self.k("oldest"), {node: summary.oldest_beat})
         pipe.zadd(self.k("minsteps"), {node: summary.min_step})
         pipe.zadd(self.k("outside"), {node: summary.outside})
         if summary.compute_s is None:
@@ -299,6 +329,31 @@ class Store:
         """Up to `limit` nodes with a rank outside the collective phase."""
         return self.call(lambda: self.r.zrangebyscore(self.k("outside"), 1, "+inf", start=0,
                                                       num=limit))
+
+    def paused_nodes(self, ranks_per_node: int) -> int:
+        """Nodes whose ranks all wait paused."""
+        return self.call(lambda: self.r.zcount(self.k("paused"), ranks_per_node, "+inf"))
+
+    def oldest_beats(self) -> dict[str, float]:
+        """Node -> the time of its oldest rank heartbeat, for nodes running ranks."""
+        return dict(self.call(lambda: self.r.zrange(self.k("oldest"), 0, -1, withscores=True)))
+
+    def node_steps(self) -> dict[str, float]:
+        """Node -> the furthest step of its ranks, for nodes running ranks."""
+        return dict(self.call(lambda: self.r.zrange(self.k("steps"), 0, -1, withscores=True)))
+
+    def furthest_step(self) -> int | None:
+        top = self.call(lambda: self.r.zrevrange(self.k("steps"), 0, 0, withscores=True))
+        return int(top[0][1]) if top else None
+
+    def agent_field(self, nodes: list[str], name: str) -> dict[str, str]:
+        """One field of several agents' status, in one round trip."""
+        def read():
+            pipe = self.r.pipeline(transaction=False)
+            for n in nodes:
+                pipe.hget(self.k(f"agent:{n}"), name)
+            return pipe.execute()
+        return {n: v for n, v in zip(nodes, self.call(read), strict=True) if v is not None}
 
     def compute_scores(self) -> dict[str, float]:
         return dict(self.call(lambda: self.r.zrange(self.k("compute"), 0, -1, withscores=True)))
@@ -398,9 +453,10 @@ class Store:
         raw = self.call(lambda: self.r.xrevrange(self.k("exits"), count=1))
         return raw[0][0] if raw else "0"
 
-    def exclude(self, node: str, reason: str, by: str) -> None:
-        self.call(lambda: self.r.hset(self.k("excluded"), node, json.dumps(
-            {"reason": reason, "by": by, "time": time.time()})))
+    def exclude(self, node: str, reason: str, by: str, **record: Any) -> None:
+        """Keep `node` out of generations: `mode` "exclude" (the default) or "drain"."""
+        entry = {"reason": reason, "by": by, "time": time.time(), "mode": "exclude", **record}
+        self.call(lambda: self.r.hset(self.k("excluded"), node, json.dumps(entry)))
 
     def include(self, node: str) -> bool:
         return bool(self.call(lambda: self.r.hdel(self.k("excluded"), node)))
@@ -416,8 +472,20 @@ class Store:
                                       approximate=True))
 
     def events(self, count: int = 100, after: str = "-") -> list[tuple[str, dict]]:
-        start = after if after == "-" else f"({after}"
+        start = after if after in ("-", "0") else f"({after}"
         return self.call(lambda: self.r.xrange(self.k("events"), min=start, count=count))
+
+    def events_tail(self, count: int) -> list[tuple[str, dict]]:
+        """The last `count` events, oldest first."""
+        return list(reversed(self.call(lambda: self.r.xrevrange(self.k("events"),
+                                                                count=count))))
+
+    def read_events(self, after: str, block_ms: int) -> list[tuple[str, dict]]:
+        """Events after id `after`, waiting up to `block_ms` for one (XREAD BLOCK); keep
+        block_ms under the socket timeout."""
+        raw = self.call(lambda: self.r.xread({self.k("events"): after}, count=500,
+                                             block=block_ms))
+        return raw[0][1] if raw else []
 
     def push_command(self, node: str, command: dict) -> None:
         """A command for one agent (chaos, dump_stacks, health_check), taken in its next tick."""
@@ -439,7 +507,7 @@ def _text(value: Any) -> str:
     return json.dumps(value)
 
 
-def _safe(url: str) -> str:
+def safe_url(url: str) -> str:
     """The URL without its password, for messages."""
     if "@" not in url:
         return url

@@ -7,7 +7,7 @@ ends normally. Version 1 of the datagram, every field always present:
 
     {"v": 1, "rank": 5, "local_rank": 1, "pid": 4242, "generation": 2, "time": 1.79e9,
      "step": 120, "phase": "backward", "phase_since": 1.79e9, "compute_s": 0.41,
-     "wait_s": 0.03, "finite": true, "seq": 57}
+     "wait_s": 0.03, "finite": true, "seq": 57, "metrics": null}
 
 - generation: OPTIMUS_GENERATION (`launch_env().restart_count`); time: time.time() at the send.
 - step: the step in progress; before the first one, the step the run resumed from (0: none).
@@ -26,16 +26,24 @@ ends normally. Version 1 of the datagram, every field always present:
   the device: device work queued earlier is charged to whichever phase first blocks on it.
 - finite: whether the last logged loss and grad norm were finite; true until one is logged.
 - seq: 0 for the first datagram, then +1 for each.
+- metrics: null, but on global rank 0 once a step is logged: {"loss", "tokens" (trained so
+  far, all ranks), "tokens_per_s", "mfu" (null where the device's peak is unknown),
+  "step_time_s", "checkpoint_s" (the last save, from its start to this rank's files written;
+  null before one)}. The controller's Prometheus exporter reads them from Redis.
 
 The socket never blocks, and every send error (no agent yet, agent gone, its queue full) is
 ignored: the next beat tries again, and reaches an agent that binds the same path again.
 Training only writes fields here (a few time.perf_counter()/time.time() calls a step); without
 OPTIMUS_AGENT_SOCKET `start_heartbeat` returns an object that does nothing and starts no thread.
 
-Commands. A rank asks for a command by setting a bit of its `Command` word (SIGTERM sets STOP).
-At every step boundary all ranks agree on the word, one all-reduce (MAX) of one 0/1 integer per
-command: a MAX per bit is an OR, so a bit set on any rank is set on all, and all act on it after
-the same step. New commands (pause, checkpoint now) are new bits; the agreement stays one call.
+Commands. Each rank collects what it was asked: SIGTERM asks for STOP; the agent's control file
+($OPTIMUS_CONTROL_FILE, a small JSON object the agent rewrites atomically when an operator acts:
+{"pause": true, "checkpoint": 3}) asks for PAUSE while "pause" is true, and for a checkpoint
+each time "checkpoint" (a sequence number) grows. At every step boundary all ranks agree, in one
+all-reduce (MAX) of three integers: a bit set on any rank is set on all (a MAX of 0/1 is an OR),
+and the checkpoint number agreed is the newest any rank has seen. Every rank then acts on the
+same values after the same step: nobody pauses, saves or stops a step before another. Ranks
+read the file with one stat() per boundary; they need not see a change at the same moment.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -59,7 +68,10 @@ SOCKET_ENV = "OPTIMUS_AGENT_SOCKET"
 VERSION = 1
 # Each phase, and whether its time counts as waiting (the rest of a step is compute).
 PHASES = {"startup": False, "data": True, "forward": False, "backward": False,
-          "grad_sync": True, "optim": False, "checkpoint": True, "done": False}
+          "grad_sync": True, "optim": False, "checkpoint": True, "paused": True,
+          "done": False}
+CONTROL_ENV = "OPTIMUS_CONTROL_FILE"
+PAUSE_POLL_S = 0.2  # while paused, how often the ranks agree on the commands again
 
 
 def start_heartbeat(env: LaunchEnv, interval_s: float) -> Heartbeat | NoHeartbeat:
@@ -84,6 +96,7 @@ class Heartbeat:
         self._phase = ("startup", time.time())
         self._last = (0.0, 0.0)  # compute_s, wait_s of the last completed step
         self._finite = True
+        self._metrics: dict | None = None  # rank 0's last logged step (see the module doc)
         self._step_began = 0.0
         self._waited = 0.0  # in the step in progress
         self._seq = 0
@@ -112,8 +125,12 @@ class Heartbeat:
         wall = time.perf_counter() - self._step_began
         self._last = (wall - self._waited, self._waited)
 
-    def logged(self, loss: float, grad_norm: float) -> None:
+    def logged(self, loss: float, grad_norm: float, metrics: dict | None = None) -> None:
+        """A logged step: whether its loss and norm were finite; rank 0 adds its metrics."""
         self._finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if metrics is not None:
+            self._metrics = {k: (v if v is None or math.isfinite(v) else None)
+                             for k, v in metrics.items()}
 
     def nonfinite(self) -> None:
         """This rank's own loss or gradients are NaN/Inf: say so now, not at the next beat."""
@@ -151,7 +168,7 @@ class Heartbeat:
         compute_s, wait_s = self._last
         beat = {**self._fixed, "time": time.time(), "step": step, "phase": phase,
                 "phase_since": since, "compute_s": compute_s, "wait_s": wait_s,
-                "finite": self._finite, "seq": self._seq}
+                "finite": self._finite, "seq": self._seq, "metrics": self._metrics}
         self._seq += 1
         with contextlib.suppress(OSError):  # no agent, agent gone, queue full: try next time
             self._sock.sendto(json.dumps(beat).encode(), self.path)
@@ -166,7 +183,8 @@ class _Phase:
         self.beat, self.name, self.waits = beat, name, waits
 
     def __enter__(self) -> None:
-        self.beat._phase = (self.name, time.time())
+        if self.beat._phase[0] != self.name:  # a phase entered again goes on: same `since`
+            self.beat._phase = (self.name, time.time())
         if self.waits:
             self.began = time.perf_counter()
 
@@ -193,7 +211,7 @@ class NoHeartbeat:
     def end_step(self) -> None:
         pass
 
-    def logged(self, loss: float, grad_norm: float) -> None:
+    def logged(self, loss: float, grad_norm: float, metrics: dict | None = None) -> None:
         pass
 
     def nonfinite(self) -> None:
@@ -213,18 +231,42 @@ class Command(enum.IntFlag):
     """What all ranks do together after a step: the bits of the word they agree on."""
 
     STOP = 1  # save a checkpoint of this step and leave training (SIGTERM)
+    PAUSE = 2  # wait at this step boundary until no rank is asked to pause any more
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """The commands every rank acts on after one step: the same on all of them."""
+
+    commands: Command
+    checkpoint: int  # the newest checkpoint request any rank has seen (0: none)
+
+    @property
+    def stop(self) -> bool:
+        return bool(self.commands & Command.STOP)
+
+    @property
+    def pause(self) -> bool:
+        return bool(self.commands & Command.PAUSE)
 
 
 class Commands:
-    """The commands this rank was given, and the word all ranks agree on at a step boundary.
+    """The commands this rank was given, and what all ranks agree on at a step boundary.
 
     `listen()` makes SIGTERM request STOP (from the main thread only: Python runs signal
-    handlers there); `close()` puts the previous handler back.
+    handlers there); `close()` puts the previous handler back. `start()` is the first agreement,
+    before the first step: it fixes which checkpoint request counts as done already (every rank
+    the same), so a restarted generation does not repeat an old one.
     """
 
-    def __init__(self, world_size: int, device: torch.device):
+    def __init__(self, world_size: int, device: torch.device, control_file: str | None = None):
         self.requested = Command(0)
+        self.checkpoint_seen = 0  # the newest checkpoint number in the control file
+        self.checkpoint_done = 0  # agreed: requests up to this one are served
         self.world_size, self.device = world_size, device
+        self.control_file = control_file if control_file is not None else os.environ.get(
+            CONTROL_ENV)
+        self._control_key: tuple | None = None
         self._listening = False
         self._previous = None
 
@@ -241,19 +283,55 @@ class Commands:
                           signal.SIG_DFL if self._previous is None else self._previous)
             self._listening = False
 
-    def agree(self) -> Command:
-        """Every rank's requested commands OR-ed together. Collective on the default group (all
-        ranks call it at the same step boundary); free with one rank."""
+    def start(self) -> Agreed:
+        """The agreement before the first step; requests made before it are not repeated."""
+        agreed = self.agree()
+        self.checkpoint_done = agreed.checkpoint
+        return Agreed(agreed.commands, agreed.checkpoint)
+
+    def agree(self) -> Agreed:
+        """Every rank's requests combined. Collective on the default group (all ranks call it
+        at the same step boundary); free with one rank."""
+        self._read_control()
+        stop_pause = [int(bool(self.requested & c)) for c in Command]
         if self.world_size == 1:
-            return self.requested
-        bits = torch.tensor([int(bool(self.requested & c)) for c in Command], dtype=torch.int32,
+            return Agreed(self.requested, self.checkpoint_seen)
+        word = torch.tensor([*stop_pause, self.checkpoint_seen], dtype=torch.int64,
                             device=self.device)
-        dist.all_reduce(bits, op=dist.ReduceOp.MAX)
+        dist.all_reduce(word, op=dist.ReduceOp.MAX)
+        values = word.tolist()
         agreed = Command(0)
-        for command, on in zip(Command, bits.tolist(), strict=True):
+        for command, on in zip(Command, values, strict=False):
             if on:
                 agreed |= command
-        return agreed
+        return Agreed(agreed, values[-1])
+
+    def checkpoint_due(self, agreed: Agreed) -> bool:
+        """Whether `agreed` carries a checkpoint request not served yet; marks it served."""
+        if agreed.checkpoint <= self.checkpoint_done:
+            return False
+        self.checkpoint_done = agreed.checkpoint
+        return True
+
+    def _read_control(self) -> None:
+        """Re-read the agent's control file when it changed (one stat() otherwise)."""
+        if not self.control_file:
+            return
+        try:
+            st = os.stat(self.control_file)
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if key == self._control_key:
+                return
+            with open(self.control_file, "rb") as f:
+                control = json.loads(f.read())
+        except (OSError, ValueError):
+            return  # none yet, or mid-replace: the next boundary reads it
+        self._control_key = key
+        if control.get("pause"):
+            self.requested |= Command.PAUSE
+        else:
+            self.requested &= ~Command.PAUSE
+        self.checkpoint_seen = max(self.checkpoint_seen, int(control.get("checkpoint") or 0))
 
     def _on_sigterm(self, signum, frame) -> None:
         self.requested |= Command.STOP

@@ -4,6 +4,8 @@ Run one rank:       optimus train jobs/tiny-gpt.yaml
 Run several ranks:  torchrun --nproc-per-node 2 -m optimus train jobs/tiny-gpt.yaml
 
 SIGTERM to any rank stops every rank after one same step, with a checkpoint of it (exit 0).
+Under an agent, operators pause, resume and checkpoint the ranks the same way: at a step
+boundary all ranks agree (optimus/health.py), so all act after the same step.
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ from optimus.checkpoint.state import Progress, training_state
 from optimus.config import JobConfig, check_trainable, job_hash, resolve_layout
 from optimus.data import build_loader, build_source
 from optimus.faults import RankFaults
-from optimus.health import Command, Commands, NonFinite, register_stack_dumps, start_heartbeat
+from optimus.health import (
+    PAUSE_POLL_S,
+    Agreed,
+    Commands,
+    NonFinite,
+    register_stack_dumps,
+    start_heartbeat,
+)
 from optimus.metrics import MetricsLog, StepMetrics, peak_flops
 from optimus.models import flops_per_token
 from optimus.optim import build_optimizer, lr_at, set_lr
@@ -117,7 +126,15 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             state["rng"].apply()  # making the iterator drew from the RNG; put it back
         heartbeat.resumed(progress.step)
 
-        for step in range(progress.step + 1, job.optim.steps + 1):
+        def save_now(step: int, wait: bool) -> None:
+            _save_now(ckpt, log, job, step, state, progress, layout, wait)
+        # A job paused (or stopped) across a restart stays so: agree before the first step too.
+        if _boundary(commands.start(), commands, heartbeat, log, progress.step, save_now):
+            _stop(ckpt, log, job, progress.step, state, progress, layout)
+            result.stopped_at = progress.step
+        first = job.optim.steps + 1 if result.stopped_at is not None else progress.step + 1
+
+        for step in range(first, job.optim.steps + 1):
             faults.step_start(step)
             heartbeat.begin_step(step)
             started = time.perf_counter()
@@ -160,17 +177,22 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                 step_time = time.perf_counter() - started
                 tokens_per_s, mfu = log.throughput(step_tokens, step_time)
                 result.losses.append(loss_value)
-                heartbeat.logged(loss_value, float(grad_norm))
+                heartbeat.logged(loss_value, float(grad_norm), None if env.rank else {
+                    "loss": loss_value, "tokens": progress.tokens, "tokens_per_s": tokens_per_s,
+                    "mfu": mfu, "step_time_s": step_time,
+                    "checkpoint_s": ckpt.stats.last_write_s if ckpt and ckpt.stats.saves_committed
+                    else None})
                 log.record(StepMetrics(step=step, loss=loss_value, grad_norm=float(grad_norm),
                                        lr=lr, tokens=progress.tokens, step_time_s=step_time,
                                        tokens_per_s=tokens_per_s, mfu=mfu,
                                        checkpoint=ckpt.stats.as_dict() if ckpt else None))
 
-            # The step boundary: if any rank was told to stop, every rank stops after this step.
+            # The step boundary: what any rank was told (stop, pause, checkpoint now), all do
+            # after this step.
             with heartbeat.phase("grad_sync"):
                 agreed = commands.agree()
             heartbeat.end_step()
-            if agreed & Command.STOP:
+            if _boundary(agreed, commands, heartbeat, log, step, save_now):
                 with heartbeat.phase("checkpoint"):
                     _stop(ckpt, log, job, step, state, progress, layout)
                 result.stopped_at = step
@@ -247,6 +269,50 @@ def _stop(ckpt: Checkpointer | None, log: MetricsLog, job: JobConfig, step: int,
              else "its checkpoint failed, a restart resumes from an older one")
     log.event("stopped", f"stopped after step {step} (SIGTERM); {where}", step=step,
               checkpoint_step=saved)
+
+
+def _boundary(agreed: Agreed, commands: Commands, heartbeat, log: MetricsLog, step: int,
+              save_now) -> bool:
+    """Act on what all ranks agreed after `step`: save now if asked, wait while paused (the
+    ranks keep agreeing every PAUSE_POLL_S, so all resume together). True: stop training."""
+    paused_at = None
+    while True:
+        if agreed.stop:
+            return True
+        if commands.checkpoint_due(agreed):
+            with heartbeat.phase("checkpoint"):
+                save_now(step, wait=agreed.pause)  # a pause holds a committed checkpoint
+        if not agreed.pause:
+            if paused_at is not None:
+                log.event("resumed", f"resumed after step {step}, paused for "
+                          f"{time.time() - paused_at:.1f} s", step=step)
+            return False
+        if paused_at is None:
+            paused_at = time.time()
+            log.event("paused", f"paused after step {step}", step=step)
+        with heartbeat.phase("paused"):
+            time.sleep(PAUSE_POLL_S)
+            agreed = commands.agree()
+
+
+def _save_now(ckpt: Checkpointer | None, log: MetricsLog, job: JobConfig, step: int,
+              state: dict, progress: Progress, layout, wait: bool) -> None:
+    """An operator's checkpoint of `step`, on every rank; with `wait`, until it is committed."""
+    if ckpt is None:
+        log.event("checkpoint", f"checkpoint of step {step} asked, but checkpointing is off "
+                  "(checkpoint.interval 0 and nothing to resume): nothing saved", step=step)
+        return
+    if ckpt.wait() == "failed":  # the save in flight lands first
+        log.event("checkpoint", ckpt.last_error, **ckpt.stats.as_dict())
+    outcome = ckpt.save(step, state, _meta(job, progress, layout))  # "exists": just saved
+    if wait:
+        outcome = ckpt.wait() or outcome
+    if outcome == "failed":
+        log.event("checkpoint", ckpt.last_error, **ckpt.stats.as_dict())
+        return
+    log.event("checkpoint", f"checkpoint of step {step} asked by an operator: "
+              + ("committed" if wait or outcome == "exists" else "writing in the background"),
+              step=step)
 
 
 def _nonfinite(step: int, loss_sum: torch.Tensor, model, heartbeat) -> None:

@@ -14,6 +14,7 @@ from optimus.config.schema import (
     FaultInjectionConfig,
     JobConfig,
     ModelConfig,
+    MonitoringConfig,
     OptimConfig,
     ParallelConfig,
     SupervisionConfig,
@@ -21,7 +22,8 @@ from optimus.config.schema import (
 
 __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "FaultInjectionConfig", "JobConfig",
-    "Layout", "ModelConfig", "OptimConfig", "ParallelConfig", "SupervisionConfig",
+    "Layout", "ModelConfig", "MonitoringConfig", "OptimConfig", "ParallelConfig",
+    "SupervisionConfig",
     "apply_override", "check_job", "check_trainable", "job_hash", "load_job", "resolve_layout",
     "validate_job",
 ]

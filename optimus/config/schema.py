@@ -132,6 +132,15 @@ class SupervisionConfig(Section):
     flaky_failures: PositiveInt = Field(
         1, description="attributed failures within flaky_window_s that exclude a node")
     flaky_window_s: PositiveFloat = 3600.0
+    min_nodes: PositiveInt | None = Field(
+        None, description="with too few nodes left, run on as few as this many (dp shrinks); "
+                          "None: always on all of --nodes")
+
+
+class MonitoringConfig(Section):
+    metrics_port: Annotated[int, Field(ge=0, le=65535)] = Field(
+        9780, description="the controller's Prometheus /metrics port; 0: off")
+    metrics_host: str = Field("0.0.0.0", description="the address /metrics listens on")
 
 
 class Fault(Section):
@@ -167,6 +176,7 @@ class JobConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     supervision: SupervisionConfig = Field(default_factory=SupervisionConfig)
+    monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
     fault_injection: FaultInjectionConfig = Field(default_factory=FaultInjectionConfig)
 
     @property

@@ -1,0 +1,218 @@
+"""The controller's Prometheus exporter: `/metrics`, computed from Redis at every scrape.
+
+One collector (prometheus_client's custom-Collector interface) reads the job's keys when
+Prometheus scrapes, so what it shows is what the store says now, whichever controller leads:
+a standby serves the same numbers with `optimus_controller_leader 0`. Nothing is kept between
+scrapes but the commit time of the newest checkpoint. A scrape costs a fixed number of round
+trips, O(nodes) only for two sorted-set reads and one field per node (docs/monitoring.md);
+there are no per-rank labels, so series stay few at 131,072 ranks.
+
+Names follow Prometheus's conventions: the `optimus_` prefix, base units (seconds, bytes),
+`_total` on counters, ratios 0..1. docs/monitoring.md lists them all.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from controller.detect import CAUSES
+from controller.store import Store, StoreUnavailable
+from controller.view import STATES
+from optimus.checkpoint.manifest import CheckpointError, committed_steps, read_manifest, step_dir
+from optimus.config import JobConfig
+
+log = logging.getLogger("optimus.exporter")
+
+AGE_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+RANK_STATES = ("startup", "training", "checkpoint", "paused", "stopping", "done")
+NODE_STATES = ("active", "spare", "excluded", "draining", "silent", "unhealthy")
+
+
+class JobCollector(Collector):
+    def __init__(self, store: Store, job: JobConfig, *, leading: Callable[[], bool],
+                 agent_timeout_s: float):
+        self.store, self.job = store, job
+        self.leading = leading
+        self.agent_timeout_s = agent_timeout_s
+        self._committed_at: dict[int, float] = {}
+
+    def collect(self) -> Iterator:
+        leader = GaugeMetricFamily("optimus_controller_leader",
+                                   "1 when this controller holds the leader lease")
+        leader.add_metric([], 1.0 if self.leading() else 0.0)
+        yield leader
+        try:
+            families = list(self._job_families())
+            up = 1.0
+        except StoreUnavailable as e:
+            log.warning("scrape without Redis: %s", e)
+            families, up = [], 0.0
+        yield _gauge("optimus_controller_up", "1 when this exporter could read Redis", up)
+        yield from families
+
+    # --- from Redis ----------------------------------------------------------------------------
+
+    def _job_families(self) -> Iterator:
+        store, now = self.store, time.time()
+        record = store.job_record()
+        plan = store.plan() or {}
+        state = record.get("state", "PENDING")
+
+        info = GaugeMetricFamily("optimus_job_info", "The job this controller supervises",
+                                 labels=["name"])
+        info.add_metric([self.job.name], 1.0)
+        yield info
+        states = GaugeMetricFamily("optimus_job_state", "1 for the job's current state",
+                                   labels=["state"])
+        for name in STATES:
+            states.add_metric([name], 1.0 if name == state else 0.0)
+        yield states
+        yield _gauge("optimus_generation", "The current generation (a restart starts the next)",
+                     float(record.get("generation", -1)))
+        yield _gauge("optimus_target_steps", "optim.steps of the job", self.job.optim.steps)
+
+        running = plan.get("action") == "run"
+        step = store.furthest_step() if running else None
+        if step is not None:
+            yield _gauge("optimus_step", "The furthest step any rank has reached", step)
+        yield from self._training(plan if running else {})
+
+        causes = _json(record.get("restart_causes"), {})
+        restarts = CounterMetricFamily("optimus_restarts", "Restarts of the job, by cause",
+                                       labels=["cause"])
+        for cause in CAUSES:
+            restarts.add_metric([cause], float(causes.get(cause, 0)))
+        yield restarts
+
+        yield from self._ranks_and_nodes(plan if running else {}, now)
+        yield _gauge("optimus_stragglers", "Nodes reported as stragglers now",
+                     len(_json(record.get("stragglers"), [])))
+        yield from self._checkpoints(now)
+        yield _gauge("optimus_heartbeat_timeout_seconds", "supervision.heartbeat_timeout_s",
+                     self.job.supervision.heartbeat_timeout_s)
+
+    def _training(self, plan: dict) -> Iterator:
+        """Rank 0's last logged step: loss, throughput, MFU, step time, tokens, last save."""
+        metrics = None
+        if plan.get("nodes"):
+            beat = self.store.rank_beats(plan["nodes"][0]).get(0)
+            if beat and beat.get("generation") == plan.get("generation"):
+                metrics = beat.get("metrics")
+        metrics = metrics or {}
+        described = (
+            ("loss", "optimus_loss", "The last logged training loss"),
+            ("tokens_per_s", "optimus_tokens_per_second", "Tokens per second, whole job"),
+            ("mfu", "optimus_mfu_ratio", "Model FLOPs utilisation, 0..1"),
+            ("step_time_s", "optimus_step_time_seconds", "Wall time of the last logged step"),
+            ("checkpoint_s", "optimus_checkpoint_duration_seconds",
+             "The last save, from its start to rank 0's files written"))
+        for key, name, text in described:
+            if metrics.get(key) is not None:
+                yield _gauge(name, text, metrics[key])
+        if metrics.get("tokens") is not None:
+            tokens = CounterMetricFamily("optimus_tokens", "Tokens trained so far (a restart "
+                                         "resumes from its checkpoint's count)")
+            tokens.add_metric([], float(metrics["tokens"]))
+            yield tokens
+
+    def _ranks_and_nodes(self, plan: dict, now: float) -> Iterator:
+        store = self.store
+        plan_nodes = plan.get("nodes", [])
+        ranks = dict.fromkeys(RANK_STATES, 0)
+        for raw in store.agent_field(plan_nodes, "rank_states").values():
+            for name, count in _json(raw, {}).items():
+                if name in ranks:
+                    ranks[name] += int(count)
+        family = GaugeMetricFamily("optimus_ranks", "Ranks of the running generation, by state",
+                                   labels=["state"])
+        for name, count in ranks.items():
+            family.add_metric([name], float(count))
+        yield family
+
+        ages = sorted(max(now - t, 0.0) for t in store.oldest_beats().values())
+        buckets, i = [], 0
+        for bound in AGE_BUCKETS:
+            while i < len(ages) and ages[i] <= bound:
+                i += 1
+            buckets.append((str(bound), float(i)))
+        buckets.append(("+Inf", float(len(ages))))
+        yield HistogramMetricFamily(
+            "optimus_heartbeat_age_seconds", "Per node of the running generation: the age of "
+            "its oldest rank heartbeat", buckets=buckets, sum_value=sum(ages))
+
+        excluded = store.excluded()
+        beats = store.agent_beats()
+        unhealthy = set(store.sweep([]).unhealthy)
+        in_plan = set(plan_nodes)
+        counts = dict.fromkeys(NODE_STATES, 0)
+        for node in set(beats) | set(excluded) | in_plan:
+            entry = excluded.get(node)
+            if entry is not None:
+                counts["draining" if entry.get("mode") == "drain" else "excluded"] += 1
+            elif now - beats.get(node, 0.0) > self.agent_timeout_s:
+                counts["silent"] += 1
+            elif node in unhealthy:
+                counts["unhealthy"] += 1
+            else:
+                counts["active" if node in in_plan else "spare"] += 1
+        nodes = GaugeMetricFamily("optimus_nodes", "Nodes by state", labels=["state"])
+        for name, count in counts.items():
+            nodes.add_metric([name], float(count))
+        yield nodes
+        yield _gauge("optimus_excluded_nodes", "Nodes excluded, by operators or the controller",
+                     sum(1 for e in excluded.values() if e.get("mode") != "drain"))
+
+    def _checkpoints(self, now: float) -> Iterator:
+        root = self.job.resolved_checkpoint_dir
+        yield _gauge("optimus_checkpoint_interval_steps", "checkpoint.interval (0: off)",
+                     self.job.checkpoint.interval)
+        steps = committed_steps(root)
+        if not steps:
+            return
+        latest = steps[-1]
+        if latest not in self._committed_at:
+            try:
+                manifest = read_manifest(step_dir(root, latest))
+                self._committed_at = {latest: float(manifest.get("committed_at", now))}
+            except (CheckpointError, OSError, ValueError):
+                return  # deleted by retention between the listing and the read
+        yield _gauge("optimus_checkpoint_step", "Step of the newest committed checkpoint", latest)
+        yield _gauge("optimus_checkpoint_age_seconds", "Since the newest checkpoint committed",
+                     max(now - self._committed_at[latest], 0.0))
+
+
+def serve(store: Store, job: JobConfig, *, leading: Callable[[], bool],
+          agent_timeout_s: float, port: int | None = None) -> str | None:
+    """Serve /metrics on monitoring.metrics_port (or `port`) in a daemon thread; its URL, or
+    None when off or the port is taken (the controller runs on without it, and says so)."""
+    port = job.monitoring.metrics_port if port is None else port
+    if not port:
+        return None
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(JobCollector(store, job, leading=leading, agent_timeout_s=agent_timeout_s))
+    host = job.monitoring.metrics_host
+    try:
+        start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        log.warning("no /metrics: cannot listen on %s:%d (%s); set monitoring.metrics_port to "
+                    "a free port (0: off)", host, port, e)
+        return None
+    return f"http://{host}:{port}/metrics"
+
+
+def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, text, value=float(value))
+
+
+def _json(raw: str | None, default):
+    try:
+        return json.loads(raw) if raw else default
+    except ValueError:
+        return default

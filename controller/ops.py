@@ -1,0 +1,453 @@
+"""The operator's commands: `optimus job ...`, `optimus node ...`, `optimus events`.
+
+    optimus job status|pause|resume|stop|checkpoint --job NAME
+    optimus node list|exclude|include|drain [NODE] --job NAME
+    optimus events --job NAME           (follows, like tail -f; --no-follow prints and exits)
+
+Every action is a request in the job's Redis stream, taken by the leading controller at its next
+tick (controller/operator.py says what each does). The command checks first that the request can
+be carried out (the same rule the controller applies), asks for confirmation on a terminal
+(--yes skips it), sends it, and waits for the controller's answering event: it prints that
+event and exits 0, or exits non-zero with one line saying why the request was refused. --wait
+waits on for the effect (PAUSED, RUNNING again, STOPPED, a generation without the node).
+Every output has `-o table` (rich, for people) and `-o json` (for scripts).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import socket
+import sys
+import time
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+import optimus.cli as core
+from controller import operator
+from controller.store import Store, StoreUnavailable, redis_url, safe_url
+from controller.view import PAUSED, RUNNING, STOPPED, TERMINAL
+
+ACK_TIMEOUT_S = 15.0  # a leading controller answers within a tick or two
+
+
+class Refused(Exception):
+    """The request cannot be carried out; the message says why."""
+
+
+core.USER_ERRORS = (*core.USER_ERRORS, Refused)
+main = core.main
+
+job_option = click.option("--job", "job_name", envvar="OPTIMUS_JOB", required=True,
+                          help="The job's name (`name` in its file); default $OPTIMUS_JOB.")
+redis_option = click.option(
+    "--redis", "redis", metavar="URL", default=None,
+    help="redis:// or rediss:// URL (user:password@ for ACLs); default $REDIS_URL, else "
+         "redis://127.0.0.1:6379/0.")
+output_option = click.option("-o", "--output", type=click.Choice(["table", "json"]),
+                             default="table", show_default=True)
+yes_option = click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
+wait_option = click.option("--wait/--no-wait", default=False, show_default=True,
+                           help="Wait until the request has taken effect.")
+timeout_option = click.option("--timeout", type=click.FloatRange(min=1), default=600.0,
+                              show_default=True, help="Seconds --wait waits at most.")
+
+
+def _console() -> Console:
+    return Console(highlight=False, soft_wrap=True)
+
+
+def _store(redis: str | None, job_name: str) -> tuple[Store, dict[str, str]]:
+    url = redis_url(redis)
+    store = Store(url, job_name)
+    record = store.job_record()
+    if not record.get("state"):
+        raise Refused(f"no job {job_name!r} in Redis at {safe_url(url)}; fix: --job is the `name` "
+                      "in the job file, and --redis (or $REDIS_URL) the URL the controller uses")
+    return store, record
+
+
+def _actor() -> tuple[str, str]:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return user, socket.gethostname()
+
+
+def _confirm(yes: bool, question: str) -> None:
+    if not yes and sys.stdin.isatty():
+        click.confirm(question, abort=True)
+
+
+def _send(store: Store, record: dict[str, str], action: str, *, reason: str, node: str = "",
+          checkpoint: bool = False) -> dict:
+    """Check, send, and wait for the controller's answer (its event); that event."""
+    entries = store.excluded()
+    why = operator.refusal(
+        action, record.get("state", ""), record.get("desired") or None, node=node,
+        known_nodes=frozenset(store.nodes()) | frozenset(entries),
+        excluded={n: e.get("reason", "") for n, e in entries.items()},
+        draining=frozenset(n for n, e in entries.items() if e.get("mode") == "drain"))
+    if why is not None:
+        raise Refused(f"{action} refused: {why}")
+    last = store.events_tail(1)
+    after = last[-1][0] if last else "0"
+    user, host = _actor()
+    fields = {"node": node} if node else {}
+    if checkpoint:
+        fields["checkpoint"] = True
+    rid = store.request(action, user, host, reason, **fields)
+    deadline = time.monotonic() + ACK_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for event_id, event in store.events(after=after):
+            after = event_id
+            if event.get("request") == rid:
+                if event.get("kind") == "refused":
+                    raise Refused(event.get("message", f"{action} refused"))
+                return {"id": event_id, **event}
+        time.sleep(0.1)
+    raise Refused(f"no controller answered request {rid} within {ACK_TIMEOUT_S:g} s (it stays "
+                  "queued and is taken when one leads); fix: check that `optimus controller` "
+                  "runs for this job against the same Redis")
+
+
+def _report(output: str, event: dict, waited: str | None = None) -> None:
+    if output == "json":
+        click.echo(json.dumps({"accepted": True, "event": event,
+                               **({"now": waited} if waited else {})}))
+        return
+    console = _console()
+    console.print(f"{event['message']}", markup=False)
+    if waited:
+        console.print(waited, markup=False)
+
+
+def _wait_state(store: Store, wanted: tuple[str, ...], timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        record = store.job_record()
+        if record.get("state") in wanted:
+            return f"job {record['state']}: {record.get('reason', '')}"
+        if record.get("state") in TERMINAL:
+            raise Refused(f"the job ended {record['state']} instead: {record.get('reason')}")
+        time.sleep(0.2)
+    raise Refused(f"timed out after {timeout:g} s waiting for {' or '.join(wanted)}")
+
+
+# --- optimus job ----------------------------------------------------------------------------------
+
+@main.group()
+def job() -> None:
+    """See a job, and pause, resume, stop or checkpoint it."""
+
+
+@job.command("status")
+@job_option
+@redis_option
+@output_option
+def job_status(job_name: str, redis: str | None, output: str) -> None:
+    """The job's state, progress, restarts and nodes."""
+    store, record = _store(redis, job_name)
+    status = _status(store, record)
+    if output == "json":
+        click.echo(json.dumps(status))
+        return
+    table = Table(title=f"job {job_name}", show_header=False, title_justify="left")
+    table.add_column("key", style="bold")
+    table.add_column("value")
+    for key, value in status.items():
+        if value in (None, "", [], {}):
+            continue
+        if isinstance(value, dict):
+            value = ", ".join(f"{k} {v}" for k, v in value.items())
+        elif isinstance(value, list):
+            value = ", ".join(map(str, value))
+        table.add_row(key.replace("_", " "), str(value))
+    _console().print(table)
+
+
+def _status(store: Store, record: dict[str, str]) -> dict:
+    plan = store.plan() or {}
+    running = plan.get("action") == "run"
+    step = store.furthest_step() if running else None
+    metrics = None
+    if running and plan.get("nodes"):
+        beat = store.rank_beats(plan["nodes"][0]).get(0)
+        if beat and beat.get("generation") == plan.get("generation"):
+            metrics = beat.get("metrics")
+    excluded = store.excluded()
+    return {
+        "job": store.job, "state": record.get("state"), "reason": record.get("reason", ""),
+        "desired": record.get("desired") or None, "generation": int(record.get("generation", -1)),
+        "step": step, "loss": (metrics or {}).get("loss"),
+        "tokens_per_s": (metrics or {}).get("tokens_per_s"),
+        "restarts": int(record.get("restarts", 0)),
+        "restart_causes": _loads(record.get("restart_causes"), {}),
+        "nodes": plan.get("nodes", []) if running else [],
+        "world_size": plan.get("world_size") if running else None,
+        "excluded": sorted(n for n, e in excluded.items() if e.get("mode") != "drain"),
+        "draining": sorted(n for n, e in excluded.items() if e.get("mode") == "drain"),
+        "stragglers": _loads(record.get("stragglers"), []),
+        "latest_checkpoint": int(record["latest_checkpoint"])
+        if record.get("latest_checkpoint") else None,
+        "leader": store.leader(),
+    }
+
+
+@job.command("pause")
+@job_option
+@redis_option
+@click.option("--checkpoint", is_flag=True, help="Save a checkpoint of the step first.")
+@click.option("--reason", default="", help="Why (recorded in the event).")
+@yes_option
+@wait_option
+@timeout_option
+@output_option
+def job_pause(job_name, redis, checkpoint, reason, yes, wait, timeout, output) -> None:
+    """Every rank stops after the same step (after a checkpoint of it, with --checkpoint)."""
+    store, record = _store(redis, job_name)
+    _confirm(yes, f"Pause job {job_name}" + (" after a checkpoint" if checkpoint else "") + "?")
+    event = _send(store, record, "pause", reason=reason, checkpoint=checkpoint)
+    _report(output, event, _wait_state(store, (PAUSED,), timeout) if wait else None)
+
+
+@job.command("resume")
+@job_option
+@redis_option
+@click.option("--reason", default="", help="Why (recorded in the event).")
+@wait_option
+@timeout_option
+@output_option
+def job_resume(job_name, redis, reason, wait, timeout, output) -> None:
+    """The ranks go on with the next step."""
+    store, record = _store(redis, job_name)
+    event = _send(store, record, "resume", reason=reason)
+    _report(output, event, _wait_state(store, (RUNNING,), timeout) if wait else None)
+
+
+@job.command("stop")
+@job_option
+@redis_option
+@click.option("--reason", required=True, help="Why (recorded in the event). Required.")
+@yes_option
+@wait_option
+@timeout_option
+@output_option
+def job_stop(job_name, redis, reason, yes, wait, timeout, output) -> None:
+    """The ranks save a checkpoint and exit; the job ends STOPPED."""
+    store, record = _store(redis, job_name)
+    _confirm(yes, f"Stop job {job_name} (the ranks save a checkpoint, then exit)?")
+    event = _send(store, record, "stop", reason=reason)
+    _report(output, event, _wait_state(store, (STOPPED,), timeout) if wait else None)
+
+
+@job.command("checkpoint")
+@job_option
+@redis_option
+@click.option("--reason", default="", help="Why (recorded in the event).")
+@wait_option
+@timeout_option
+@output_option
+def job_checkpoint(job_name, redis, reason, wait, timeout, output) -> None:
+    """Every rank saves a checkpoint after its next step."""
+    store, record = _store(redis, job_name)
+    before = record.get("latest_checkpoint")
+    event = _send(store, record, "checkpoint", reason=reason)
+    waited = None
+    if wait:
+        deadline = time.monotonic() + timeout
+        while store.job_record().get("latest_checkpoint") == before:
+            if time.monotonic() > deadline:
+                raise Refused(f"timed out after {timeout:g} s waiting for the checkpoint")
+            time.sleep(0.2)
+        waited = f"checkpoint of step {store.job_record()['latest_checkpoint']} committed"
+    _report(output, event, waited)
+
+
+# --- optimus node ---------------------------------------------------------------------------------
+
+@main.group()
+def node() -> None:
+    """List a job's nodes; exclude, drain or include one."""
+
+
+@node.command("list")
+@job_option
+@redis_option
+@output_option
+def node_list(job_name: str, redis: str | None, output: str) -> None:
+    """Every node: its role, agent, health, ranks and step."""
+    store, _ = _store(redis, job_name)
+    rows = _nodes(store)
+    if output == "json":
+        click.echo(json.dumps(rows))
+        return
+    table = Table(title=f"nodes of job {job_name}", title_justify="left")
+    for column in ("node", "host", "role", "agent", "health", "ranks", "step", "note"):
+        table.add_column(column)
+    for r in rows:
+        table.add_row(r["node"], r["host"], r["role"], r["agent"], r["health"],
+                      str(r["live_ranks"]), "" if r["step"] is None else str(r["step"]),
+                      r["note"])
+    _console().print(table)
+
+
+def _nodes(store: Store) -> list[dict]:
+    info, beats, excluded = store.nodes(), store.agent_beats(), store.excluded()
+    plan = store.plan() or {}
+    running = plan.get("action") == "run"
+    index = {n: i for i, n in enumerate(plan.get("nodes", []))} if running else {}
+    names = sorted(set(info) | set(beats) | set(excluded))
+    status = store.agent_status(names)
+    steps = store.node_steps()
+    rpn = plan.get("ranks_per_node", 0)
+    now = time.time()
+    rows = []
+    for name in names:
+        st, entry = status.get(name, {}), excluded.get(name)
+        if entry is not None:
+            role = "draining" if entry.get("mode") == "drain" else "excluded"
+            note = f"{entry.get('reason', '')} (by {entry.get('by', '?')})"
+        else:
+            role, note = "spare", ""
+        if name in index:
+            first = index[name] * rpn
+            role = (f"ranks {first}-{first + rpn - 1}" + (f", {role}" if entry else ""))
+        age = now - beats[name] if name in beats else None
+        agent = ("gone" if st.get("state") == "gone" else "never" if age is None
+                 else f"{st.get('state', '?')}, {age:.1f} s ago")
+        node_info = info.get(name, {})
+        rows.append({"node": name, "host": node_info.get("host", st.get("host", "")),
+                     "role": role, "agent": agent,
+                     "health": node_info.get("health_detail") or node_info.get("health", "?"),
+                     "live_ranks": int(st.get("live_ranks", 0)),
+                     "step": int(steps[name]) if name in steps else None,
+                     "excluded": entry, "note": note})
+    return rows
+
+
+def _node_action(action: str, job_name: str, redis: str | None, name: str, reason: str,
+                 yes: bool, wait: bool, timeout: float, output: str, question: str) -> None:
+    store, record = _store(redis, job_name)
+    _confirm(yes, question)
+    event = _send(store, record, action, reason=reason, node=name)
+    waited = None
+    if wait and action == "exclude":
+        waited = _wait_without(store, name, timeout)
+    _report(output, event, waited)
+
+
+def _wait_without(store: Store, name: str, timeout: float) -> str:
+    """Until a running generation leaves `name` out (or the job is not running it anyway)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        record, plan = store.job_record(), store.plan() or {}
+        if record.get("state") in TERMINAL:
+            raise Refused(f"the job ended {record['state']}: {record.get('reason')}")
+        if name not in plan.get("nodes", []) and record.get("state") in (RUNNING, PAUSED):
+            return f"generation {plan.get('generation')} runs without {name}"
+        if record.get("state") == "WAITING":
+            return f"job WAITING: {record.get('reason', '')}"
+        time.sleep(0.2)
+    raise Refused(f"timed out after {timeout:g} s waiting for a generation without {name}")
+
+
+@node.command("exclude")
+@click.argument("name")
+@job_option
+@redis_option
+@click.option("--reason", required=True, help="Why (recorded in the event). Required.")
+@yes_option
+@wait_option
+@timeout_option
+@output_option
+def node_exclude(name, job_name, redis, reason, yes, wait, timeout, output) -> None:
+    """Take NAME out until `include`; if it runs ranks, checkpoint and restart without it."""
+    _node_action("exclude", job_name, redis, name, reason, yes, wait, timeout, output,
+                 f"Exclude node {name} from job {job_name} (if it runs ranks, the job saves a "
+                 "checkpoint and restarts without it)?")
+
+
+@node.command("drain")
+@click.argument("name")
+@job_option
+@redis_option
+@click.option("--reason", default="", help="Why (recorded in the event).")
+@yes_option
+@output_option
+def node_drain(name, job_name, redis, reason, yes, output) -> None:
+    """Keep NAME out of future generations; the running one is left alone."""
+    _node_action("drain", job_name, redis, name, reason, yes, False, 0.0, output,
+                 f"Drain node {name} of job {job_name} (out of the next generation)?")
+
+
+@node.command("include")
+@click.argument("name")
+@job_option
+@redis_option
+@click.option("--reason", default="", help="Why (recorded in the event).")
+@output_option
+def node_include(name, job_name, redis, reason, output) -> None:
+    """Make an excluded or draining NAME usable again (a spare until a restart takes it)."""
+    _node_action("include", job_name, redis, name, reason, True, False, 0.0, output, "")
+
+
+# --- optimus events -------------------------------------------------------------------------------
+
+@main.command()
+@job_option
+@redis_option
+@click.option("-n", "--lines", "count", type=click.IntRange(min=0), default=20,
+              show_default=True, help="How many past events to show first.")
+@click.option("--follow/--no-follow", default=True, show_default=True,
+              help="Keep printing new events as they come, like tail -f (Ctrl-C ends).")
+@click.option("--kind", "kinds", multiple=True, help="Only events of this kind (repeatable).")
+@output_option
+def events(job_name: str, redis: str | None, count: int, follow: bool, kinds: tuple[str, ...],
+           output: str) -> None:
+    """The job's events: every controller decision and operator action, with who and why."""
+    store, _ = _store(redis, job_name)
+    console = _console()
+
+    def show(batch: list[tuple[str, dict]]) -> None:
+        for event_id, e in batch:
+            if kinds and e.get("kind") not in kinds:
+                continue
+            if output == "json":
+                click.echo(json.dumps({"id": event_id, **e}), nl=True)
+                continue
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S",
+                                  time.localtime(float(e.get("time", 0))))
+            by = f" (from {e['host']})" if e.get("host") else ""
+            console.print(f"{stamp} [{e.get('actor', '?')}{by}] {e.get('kind')}: "
+                          f"{e.get('message', '')}", markup=False)
+        sys.stdout.flush()
+
+    past = store.events_tail(count) if count else []
+    show(past)
+    if not follow:
+        return
+    after = past[-1][0] if past else (store.events_tail(1) or [("0", {})])[-1][0]
+    try:
+        while True:
+            try:
+                batch = store.read_events(after, block_ms=1000)
+            except StoreUnavailable as e:
+                console.print(f"Redis unavailable, retrying: {e}", markup=False)
+                time.sleep(1.0)
+                continue
+            if batch:
+                after = batch[-1][0]
+                show(batch)
+    except KeyboardInterrupt:
+        return
+
+
+def _loads(raw: str | None, default):
+    try:
+        return json.loads(raw) if raw else default
+    except ValueError:
+        return default

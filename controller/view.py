@@ -1,0 +1,198 @@
+"""What the controller sees and decides, as plain values: the job states, its settings, one
+snapshot of observations (`Observed`) and one `Decision`. Shared by the pure rules
+(`controller/decide.py`, `controller/operator.py`) and the code that observes and applies them
+(`controller/controller.py`); nothing here touches Redis, a clock or a process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+RUNNING, RESTARTING, PENDING, WAITING, STOPPING = (
+    "RUNNING", "RESTARTING", "PENDING", "WAITING", "STOPPING")
+PAUSING, PAUSED = "PAUSING", "PAUSED"
+COMPLETED, FAILED, STOPPED = "COMPLETED", "FAILED", "STOPPED"
+TERMINAL = (COMPLETED, FAILED, STOPPED)
+ACTIVE = (RUNNING, PAUSING, PAUSED)  # a generation runs (its ranks train, or wait paused)
+STATES = (PENDING, RUNNING, PAUSING, PAUSED, RESTARTING, WAITING, STOPPING, *TERMINAL)
+
+
+@dataclass(frozen=True)
+class Settings:
+    nodes: int
+    ranks_per_node: int
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 30.0
+    startup_timeout_s: float = 300.0
+    agent_timeout_s: float = 30.0
+    max_restarts: int = 10
+    backoff_s: float = 1.0
+    backoff_max_s: float = 60.0
+    failure_grace_s: float = 3.0  # SIGTERM -> SIGKILL when a generation failed
+    stop_grace_s: float = 60.0  # ... when an operator stops the job (a checkpoint is saved)
+    hang_timeout_s: float = 600.0
+    hang_step_factor: float = 10.0
+    straggler_factor: float = 2.0
+    straggler_window: int = 20
+    straggler_action: str = "report"
+    flaky_failures: int = 1
+    flaky_window_s: float = 3600.0
+    stack_wait_s: float = 3.0  # for the agents' stack dumps of a hang, before deciding
+    # Node counts a generation may run on, largest first: (nodes,) unless the job may shrink
+    # its data-parallel degree (supervision.min_nodes) when too few nodes are left.
+    node_counts: tuple[int, ...] = ()
+    launch: dict = field(default_factory=dict)  # job file, overrides, log dir: into each plan
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def allowed_nodes(self) -> tuple[int, ...]:
+        return self.node_counts or (self.nodes,)
+
+    @property
+    def agent_silence_s(self) -> float:
+        """An agent this late (several missed beats) is suspect."""
+        return 2 * self.heartbeat_interval_s
+
+    @property
+    def settle_s(self) -> float:
+        """How long collateral-only evidence waits for a culprit to show."""
+        return self.agent_timeout_s + 1.0
+
+    def backoff(self, restarts: int) -> float:
+        return min(self.backoff_s * 2 ** max(restarts - 1, 0), self.backoff_max_s)
+
+
+@dataclass(frozen=True)
+class JobView:
+    state: str = PENDING
+    reason: str = ""
+    generation: int = -1  # the latest planned generation; -1: none yet
+    restarts: int = 0
+    desired: str | None = None  # "stop" or "pause" when an operator asked
+    desired_by: str = ""
+    desired_reason: str = ""
+    requests_seen: str = "0"  # the id of the last operator request taken
+    restart_causes: dict = field(default_factory=dict)  # cause -> restarts it caused
+    failure_since: float | None = None
+    next_plan_at: float | None = None
+    # Progress of the running generation: the furthest step, when it was reached, and the
+    # time per step of recent advances (for the hang threshold).
+    progress_gen: int | None = None
+    progress_step: int = -1
+    progress_at: float | None = None
+    progress_moves: int = 0
+    step_times: tuple[float, ...] = ()
+    hang_since: float | None = None  # a hang was noticed and stacks asked for
+    failures: dict = field(default_factory=dict)  # node -> times of its soft failures
+    stragglers: tuple[str, ...] = ()  # nodes reported as stragglers now
+
+
+@dataclass(frozen=True)
+class NodeView:
+    name: str
+    host: str
+    alive: bool  # its agent beat within agent_timeout_s
+    healthy: bool
+    health: str = "ok"
+    excluded: str | None = None  # the reason, when excluded
+    generation: int | None = None  # the generation its agent runs or last ran
+    live_ranks: int = 0
+    last_beat: float = 0.0
+
+
+@dataclass(frozen=True)
+class Exit:
+    node: str
+    rank: int
+    generation: int
+    code: int | None  # None when a signal ended it
+    signal: int | None = None
+    by_agent: bool = False  # the agent terminated it (a stop), not a fault
+    tail: str = ""
+    time: float = 0.0
+    local_rank: int = -1
+
+    @property
+    def ok(self) -> bool:
+        return self.code == 0 and not self.by_agent
+
+    @property
+    def failed(self) -> bool:
+        return not self.by_agent and (self.code != 0 or self.signal is not None)
+
+    def describe(self) -> str:
+        how = f"signal {self.signal}" if self.signal is not None else f"exit code {self.code}"
+        last = self.tail.strip().splitlines()[-1][:200] if self.tail.strip() else ""
+        return f"rank {self.rank} on {self.node} ended with {how}" + (f": {last}" if last else "")
+
+
+@dataclass(frozen=True)
+class Overdue:
+    node: str
+    rank: int
+    detail: str  # e.g. "no heartbeat for 4.1 s (step 12, phase backward)"
+    since: float = 0.0
+    confirmed: bool = True  # the node's agent beat after the deadline, relaying the old beat
+
+
+@dataclass(frozen=True)
+class Observed:
+    now: float
+    job: JobView
+    plan: dict | None
+    nodes: dict[str, NodeView]
+    exits: list[Exit] = field(default_factory=list)  # of the plan's generation
+    overdue: list[Overdue] = field(default_factory=list)
+    latest_step: int | None = None  # the newest committed checkpoint
+    # The running generation's sweep (see Store.sweep):
+    agent_beats: dict[str, float | None] = field(default_factory=dict)  # plan node -> beat
+    progress: int | None = None  # the furthest step any rank is at
+    unhealthy: dict[str, str] = field(default_factory=dict)  # node -> "<node>/<tile>: why"
+    nonfinite: frozenset[str] = frozenset()  # nodes with a rank reporting NaN/Inf of its own
+    suspects: dict[str, dict[int, dict]] = field(default_factory=dict)  # node -> heartbeats
+    waiting_in_collective: int = 0  # plan nodes whose ranks all wait in a collective
+    stacks: dict[int, str] = field(default_factory=dict)  # rank -> stack dump (a hang)
+    compute: dict[str, float] | None = None  # node -> compute score, when read this tick
+    excluded: dict[str, str] = field(default_factory=dict)  # node -> reason (draining too)
+    draining: frozenset[str] = frozenset()  # excluded from future generations only
+    requests: list[Request] = field(default_factory=list)  # new operator requests, in order
+    control: dict = field(default_factory=dict)  # what agents pass to ranks: pause, checkpoint
+    paused_nodes: int = 0  # nodes of the running generation whose ranks all wait paused
+    known_nodes: frozenset[str] = frozenset()  # every registered node (read with requests)
+
+
+@dataclass(frozen=True)
+class Request:
+    """An operator's request from the CLI (the `requests` stream), applied by the controller."""
+
+    id: str
+    action: str  # pause, resume, stop, checkpoint, exclude, drain, include
+    actor: str
+    host: str
+    reason: str = ""
+    time: float = 0.0
+    node: str = ""
+    checkpoint: bool = False  # pause: save a checkpoint first
+
+    @property
+    def who(self) -> str:
+        return f"{self.actor}@{self.host}" if self.host else self.actor
+
+
+@dataclass
+class Decision:
+    job: dict[str, Any] = field(default_factory=dict)  # fields to write; None deletes
+    plan: dict | None = None  # the new plan, when it changes
+    exclude: list[tuple[str, str]] = field(default_factory=list)  # (node, reason)
+    events: list[tuple[str, str, dict]] = field(default_factory=list)  # (kind, message, more)
+    commands: list[tuple[str, dict]] = field(default_factory=list)  # (node, agent command)
+    control: dict | None = None  # the new control word for the ranks, when it changes
+    operator_exclude: list[tuple[str, dict]] = field(default_factory=list)  # (node, record)
+    include: list[str] = field(default_factory=list)
+
+    def note(self, kind: str, message: str, **fields: Any) -> None:
+        self.events.append((kind, message, fields))
