@@ -254,16 +254,17 @@ def job_stop(job_name, redis, reason, yes, wait, timeout, output) -> None:
 def job_checkpoint(job_name, redis, reason, wait, timeout, output) -> None:
     """Every rank saves a checkpoint after its next step."""
     store, record = _store(redis, job_name)
-    before = record.get("latest_checkpoint")
+    asked_at = store.furthest_step() or 0  # the step in progress now: the save comes after it
     event = _send(store, record, "checkpoint", reason=reason)
     waited = None
     if wait:
         deadline = time.monotonic() + timeout
-        while store.job_record().get("latest_checkpoint") == before:
+        while int(store.job_record().get("latest_checkpoint") or -1) < asked_at:
             if time.monotonic() > deadline:
                 raise Refused(f"timed out after {timeout:g} s waiting for the checkpoint")
             time.sleep(0.2)
-        waited = f"checkpoint of step {store.job_record()['latest_checkpoint']} committed"
+        waited = (f"checkpoint of step {store.job_record()['latest_checkpoint']} committed "
+                  f"(asked at step {asked_at})")
     _report(output, event, waited)
 
 

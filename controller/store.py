@@ -137,6 +137,10 @@ class Store:
         except redis.AuthenticationError as e:
             raise StoreUnavailable(f"Redis at {safe_url(self.url)} refused the credentials: {e}; "
                                    "fix: put user:password in REDIS_URL") from None
+        except redis.exceptions.NoPermissionError as e:
+            raise StoreUnavailable(f"Redis at {safe_url(self.url)} refused: {e} (NOPERM); fix: "
+                                   "use a Redis user allowed to do this (docs/redis-schema.md, "
+                                   "access control)") from None
         except redis.ResponseError as e:
             if "NOPERM" in str(e) or "NOAUTH" in str(e):
                 raise StoreUnavailable(f"Redis at {safe_url(self.url)}: {e}; fix: grant this "

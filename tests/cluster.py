@@ -27,8 +27,8 @@ def free_port() -> int:
 class RedisServer:
     """redis-server on a free loopback port, no persistence: a restart comes back empty."""
 
-    def __init__(self, workdir: Path):
-        self.workdir, self.port = workdir, free_port()
+    def __init__(self, workdir: Path, *args: str):
+        self.workdir, self.port, self.args = workdir, free_port(), list(args)
         self.proc: subprocess.Popen | None = None
         self.start()
 
@@ -39,7 +39,7 @@ class RedisServer:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir)],
+             "--appendonly", "no", "--dir", str(self.workdir), *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -110,6 +110,19 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def metrics_so_far(run_dir: Path) -> list[dict]:
+    """What rank 0 has logged so far (nothing yet, or a line half written, is fine)."""
+    try:
+        text = (run_dir / "metrics.jsonl").read_text()
+    except FileNotFoundError:
+        return []
+    rows = []
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            rows.append(json.loads(line))
+    return rows
+
+
 def final_loss(run_dir: Path, step: int) -> float:
     """The loss logged for `step`, from the last generation that logged it."""
     losses = [m["loss"] for m in metrics(run_dir) if m.get("step") == step and "loss" in m]
@@ -117,8 +130,10 @@ def final_loss(run_dir: Path, step: int) -> float:
     return losses[-1]
 
 
-def train_ranks(job: Path, world: int, *, timeout: float = 120, env: dict | None = None) -> None:
-    """A plain run of `job` on `world` local ranks (the agent's environment, no agent)."""
+def train_ranks(job: Path, world: int, *, timeout: float = 120, env: dict | None = None,
+                until_step: int | None = None) -> None:
+    """A plain run of `job` on `world` local ranks (the agent's environment, no agent); with
+    `until_step`, stopped (SIGTERM, so all ranks agree) once rank 0 has logged that step."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -129,6 +144,13 @@ def train_ranks(job: Path, world: int, *, timeout: float = 120, env: dict | None
         procs.append(subprocess.Popen([sys.executable, "-m", "optimus", "train", str(job)],
                                       cwd=ROOT, env=rank_env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT))
+    if until_step is not None:
+        run = Path(yaml.safe_load(job.read_text())["run_dir"])
+
+        def logged() -> bool:
+            return any(m.get("step", 0) >= until_step for m in metrics_so_far(run))
+        wait_for(logged, timeout, f"step {until_step} in {run}", interval=0.05)
+        procs[0].send_signal(signal.SIGTERM)
     for p in procs:
         out, _ = p.communicate(timeout=timeout)
         assert p.returncode == 0, out.decode(errors="replace")[-3000:]

@@ -1,20 +1,25 @@
-"""Where a rank runs: launch environment, device and backend, process group, layout."""
+"""Where a rank runs: launch environment, device and backend, process group, layout.
 
-from optimus.runtime.device import DeviceError, device_name, pick_backend, pick_device
-from optimus.runtime.dims import ParallelDims
-from optimus.runtime.dist import destroy_distributed, init_distributed
+The torch-bound names load on first use (PEP 562), so that the `optimus` command's operator
+subcommands, which need only `LaunchError`, start without torch.
+"""
+
+import importlib
+
 from optimus.runtime.launch import LaunchEnv, LaunchError, expand_hostlist, launch_env
 
-__all__ = [
-    "DeviceError",
-    "LaunchEnv",
-    "LaunchError",
-    "ParallelDims",
-    "destroy_distributed",
-    "device_name",
-    "expand_hostlist",
-    "init_distributed",
-    "launch_env",
-    "pick_backend",
-    "pick_device",
-]
+_WHERE = {
+    "DeviceError": "device", "device_name": "device", "pick_backend": "device",
+    "pick_device": "device", "ParallelDims": "dims", "destroy_distributed": "dist",
+    "init_distributed": "dist",
+}
+
+__all__ = ["LaunchEnv", "LaunchError", "expand_hostlist", "launch_env", *sorted(_WHERE)]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'optimus.runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"optimus.runtime.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,354 @@
+"""Operators against a live `optimus run` job: every command of `optimus job`, `optimus node` and
+`optimus events`, run as a separate process the way an operator runs it, then a real scrape of
+the controller's /metrics, and Redis ACLs that keep agents from acting as operators.
+
+The live job (two nodes and a spare) is paused with a checkpoint, resumed, checkpointed on
+demand, loses a node to an operator's exclusion, and is stopped; its loss curve must equal,
+bit for bit, that of a plain run that was never paused or restarted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import redis
+from cluster import (
+    ROOT,
+    Processes,
+    RedisServer,
+    free_port,
+    metrics,
+    metrics_so_far,
+    train_ranks,
+    wait_for,
+    write_job,
+)
+from promql import exported_names, metric_names, monitoring_expressions
+
+from controller.store import Store
+from optimus.checkpoint.manifest import committed_steps
+
+JOB = "ops"
+
+
+def optimus(*args: str, url: str, timeout: float = 120, stdin=None) -> subprocess.CompletedProcess:
+    """The `optimus` command, as an operator runs it."""
+    return subprocess.run([sys.executable, "-m", "controller", *args], cwd=ROOT,
+                          env={**os.environ, "REDIS_URL": url}, capture_output=True, text=True,
+                          timeout=timeout, stdin=stdin if stdin is not None else subprocess.DEVNULL)
+
+
+def ok(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+class Live:
+    def __init__(self, tmp: Path):
+        self.run = tmp / "run"
+        self.job = write_job(tmp / "job.yaml", self.run, name=JOB, steps=10_000,
+                             peak_tflops=0.05)  # MFU is exported only with a known peak
+        self.port = free_port()
+        self.out = tmp / "optimus-run.out"
+        with open(self.out, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "controller", "run", str(self.job), "--nodes", "2",
+                 "--spares", "1", "--set", f"monitoring.metrics_port={self.port}"],
+                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        line = wait_for(lambda: next((w for w in self.out.read_text().split() if
+                                      w.startswith("redis://")), None), 60, "the Redis URL")
+        self.url = line.rstrip(";")
+        self.store = Store(self.url, JOB)
+
+    def beats(self) -> list[dict]:
+        plan = self.store.plan()
+        if not plan:
+            return []
+        return [b for n in plan["nodes"] for b in self.store.rank_beats(n).values()
+                if b.get("generation") == plan["generation"]]
+
+    def step(self) -> int:
+        return min((b["step"] for b in self.beats()), default=0)
+
+    def scrape(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    job = Live(tmp_path_factory.mktemp("operator"))
+    try:
+        yield job
+    finally:
+        job.close()
+
+
+@pytest.fixture(scope="module")
+def followed(live):
+    """`optimus events -o json`, following from the start, for the whole module."""
+    wait_for(lambda: live.store.job_record().get("state"), 60, "the job in Redis")
+    p = subprocess.Popen([sys.executable, "-m", "controller", "events", "--job", JOB, "-o",
+                          "json", "-n", "1000"], cwd=ROOT, env={**os.environ,
+                                                                "REDIS_URL": live.url},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    yield p
+    if p.poll() is None:
+        p.kill()
+
+
+def sample(scrape: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(scrape):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise AssertionError(f"{name}{labels} not exported")
+
+
+def test_pause_holds_every_rank_at_one_step_after_a_checkpoint_and_resume_goes_on(live,
+                                                                                  followed):
+    wait_for(lambda: live.step() >= 3, 120, "step 3")
+    out = ok(optimus("job", "pause", "--job", JOB, "--checkpoint", "--reason", "maintenance",
+                     "--wait", "--timeout", "60", "-o", "json", url=live.url))
+    answer = json.loads(out)
+    assert answer["event"]["kind"] == "pause" and answer["event"]["reason"] == "maintenance"
+    assert answer["now"].startswith("job PAUSED: paused at step ")
+
+    first = live.beats()
+    paused_at = first[0]["step"]
+    assert len(first) == 2 and {(b["phase"], b["step"]) for b in first} == {("paused",
+                                                                             paused_at)}
+    time.sleep(2.0)
+    later = live.beats()
+    assert {(b["phase"], b["step"]) for b in later} == {("paused", paused_at)}
+    assert min(b["seq"] for b in later) > max(b["seq"] for b in first)  # alive, not frozen
+    assert paused_at in committed_steps(live.run / "checkpoints")  # saved, then paused
+    logged = metrics_so_far(live.run)
+    assert max(m["step"] for m in logged if "loss" in m) == paused_at
+    assert [m["step"] for m in logged if m.get("event") == "paused"] == [paused_at]
+
+    scrape = live.scrape()  # the exporter sees the pause too
+    assert sample(scrape, "optimus_job_state", state="PAUSED") == 1
+    assert sample(scrape, "optimus_ranks", state="paused") == 2
+    assert sample(scrape, "optimus_step") == paused_at
+
+    refused = optimus("job", "pause", "--job", JOB, url=live.url)
+    assert refused.returncode != 0
+    assert refused.stderr.strip() == "error: pause refused: the job is already paused"
+
+    ok(optimus("job", "resume", "--job", JOB, "--wait", "--timeout", "60", url=live.url))
+    wait_for(lambda: live.step() >= paused_at + 3, 60, "steps after the resume")
+    assert [m["step"] for m in metrics_so_far(live.run) if m.get("event") == "resumed"] == [
+        paused_at]
+
+
+def _asked(live: Live) -> list[int]:
+    """Steps of the checkpoints rank 0 saved because an operator asked."""
+    return [m["step"] for m in metrics_so_far(live.run) if m.get("event") == "checkpoint"
+            and "asked by an operator" in m["message"]]
+
+
+def test_checkpoint_now_saves_the_next_step_on_every_rank(live):
+    earlier = _asked(live)  # the pause's
+    at = live.step()
+    out = ok(optimus("job", "checkpoint", "--job", JOB, "--wait", "--timeout", "60",
+                     url=live.url))
+    saved = int(out.split("checkpoint of step ")[1].split()[0])
+    assert saved >= at and saved in committed_steps(live.run / "checkpoints")
+    (step,) = wait_for(lambda: _asked(live)[len(earlier):], 30, "the operator's checkpoint")
+    assert step >= at
+    wait_for(lambda: step in committed_steps(live.run / "checkpoints"), 30, f"step {step}")
+
+
+def test_a_live_scrape_exports_every_metric_the_dashboard_and_alerts_use(live):
+    scrape = live.scrape()
+    exported = exported_names(scrape)
+    for where, expr in monitoring_expressions().items():
+        missing = metric_names(expr) - exported
+        assert not missing, f"{where} uses {sorted(missing)}, which /metrics does not export"
+    assert sample(scrape, "optimus_job_state", state="RUNNING") == 1
+    assert sample(scrape, "optimus_controller_up") == sample(scrape,
+                                                             "optimus_controller_leader") == 1
+    assert sample(scrape, "optimus_nodes", state="active") == 2
+    assert sample(scrape, "optimus_nodes", state="spare") == 1
+    assert sample(scrape, "optimus_checkpoint_step") == committed_steps(
+        live.run / "checkpoints")[-1]
+    assert sample(scrape, "optimus_heartbeat_age_seconds_count") == 2  # one per node
+    assert sample(scrape, "optimus_heartbeat_age_seconds_bucket", le="5.0") == 2
+    assert 0 < sample(scrape, "optimus_mfu_ratio") < 1
+    assert sample(scrape, "optimus_tokens_total") > 0
+    status = json.loads(ok(optimus("job", "status", "--job", JOB, "-o", "json", url=live.url)))
+    assert status["state"] == "RUNNING" and status["nodes"] == ["node0", "node1"]
+    assert status["step"] >= sample(scrape, "optimus_step")
+
+
+def test_an_excluded_node_leaves_with_a_checkpoint_and_stays_out_until_included(live):
+    # On a terminal, the command asks first; "n" changes nothing.
+    main, secondary = pty.openpty()
+    try:
+        os.write(main, b"n\n")
+        asked = optimus("node", "exclude", "node1", "--job", JOB, "--reason", "ECC errors",
+                        url=live.url, stdin=secondary)
+    finally:
+        os.close(main)
+        os.close(secondary)
+    assert asked.returncode == 1 and "Exclude node node1 from job ops" in asked.stdout
+    assert "Aborted" in asked.stderr and live.store.excluded() == {}
+
+    missing = optimus("node", "exclude", "node1", "--job", JOB, url=live.url)
+    assert missing.returncode == 2 and "Missing option '--reason'" in missing.stderr
+    before = committed_steps(live.run / "checkpoints")[-1]
+    out = ok(optimus("node", "exclude", "node1", "--job", JOB, "--reason", "ECC errors",
+                     "--yes", "--wait", "--timeout", "90", url=live.url))
+    assert out.splitlines() == ["node node1 excluded by " + _who() + ": ECC errors",
+                                "generation 1 runs without node1"]
+    plan = live.store.plan()
+    assert plan["nodes"] == ["node0", "node2"] and plan["resume_step"] > before
+    stopped = [m for m in metrics(live.run) if m.get("event") == "stopped"]
+    assert stopped[-1]["checkpoint_step"] == plan["resume_step"]  # nothing lost in between
+    record = live.store.job_record()
+    assert record["restarts"] == "0" and json.loads(record["restart_causes"]) == {"operator": 1}
+
+    rows = {r["node"]: r for r in json.loads(ok(optimus("node", "list", "--job", JOB, "-o",
+                                                        "json", url=live.url)))}
+    assert rows["node1"]["role"] == "excluded"
+    assert rows["node1"]["excluded"]["reason"] == "ECC errors"
+    assert rows["node1"]["excluded"]["by"] == _who()
+    assert rows["node2"]["role"] == "ranks 1-1"
+    again = optimus("node", "exclude", "node1", "--job", JOB, "--reason", "x", url=live.url)
+    assert "node node1 is already excluded (ECC errors)" in again.stderr
+    unknown = optimus("node", "drain", "node9", "--job", JOB, "--yes", url=live.url)
+    assert unknown.returncode == 2 and "no node 'node9' in this job" in unknown.stderr
+
+    ok(optimus("node", "include", "node1", "--job", JOB, url=live.url))
+    ok(optimus("node", "drain", "node0", "--job", JOB, "--yes", "--reason", "kernel update",
+               url=live.url))
+    rows = {r["node"]: r for r in json.loads(ok(optimus("node", "list", "--job", JOB, "-o",
+                                                        "json", url=live.url)))}
+    assert rows["node1"]["role"] == "spare" and rows["node1"]["excluded"] is None
+    assert rows["node0"]["role"] == "ranks 0-0, draining"  # finishes this generation
+    assert live.store.plan()["generation"] == 1
+
+
+def test_unknown_jobs_are_refused_in_one_line_and_events_print_as_a_table(live):
+    result = optimus("job", "status", "--job", "nope", url=live.url)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: no job 'nope' in Redis at redis://127.0.0.1:")
+    assert len(result.stderr.strip().splitlines()) == 1
+    table = ok(optimus("events", "--job", JOB, "--no-follow", "-n", "3", "--kind", "drain",
+                       url=live.url))
+    assert len(table.splitlines()) == 1
+    assert "drain: node node0 drains by " + _who() + ": kernel update" in table
+
+
+def test_stop_saves_and_ends_the_job_and_its_loss_curve_is_an_unpaused_runs(live, followed,
+                                                                            tmp_path):
+    refused = optimus("job", "stop", "--job", JOB, url=live.url)
+    assert refused.returncode == 2 and "Missing option '--reason'" in refused.stderr
+    ok(optimus("job", "stop", "--job", JOB, "--reason", "test over", "--yes", "--wait",
+               "--timeout", "120", url=live.url))
+    assert live.proc.wait(timeout=60) == 0
+    lines = metrics(live.run)
+    last = max(m["step"] for m in lines if "loss" in m)
+    assert committed_steps(live.run / "checkpoints")[-1] == last
+    assert len([m for m in lines if m.get("event") == "resume"]) == 1  # the exclusion's restart
+
+    # A plain run, never paused, checkpointed on demand or restarted: the same losses exactly.
+    reference = write_job(tmp_path / "job.yaml", tmp_path / "ref", name=JOB, steps=10_000)
+    train_ranks(reference, 2, until_step=last, timeout=180)
+    expected = {m["step"]: m["loss"] for m in metrics(tmp_path / "ref") if "loss" in m}
+    got = {}
+    for m in lines:
+        if "loss" in m:
+            got[m["step"]] = m["loss"]  # a step logged twice (before a restart): the later
+    assert [got[s] for s in range(1, last + 1)] == [expected[s] for s in range(1, last + 1)]
+
+    # The audit trail: every operator action, with who, from where and why, as followed live.
+    followed.send_signal(signal.SIGINT)
+    out, _ = followed.communicate(timeout=30)
+    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    by_operator = [(e["kind"], e.get("reason", "")) for e in events if e["actor"] != "controller"
+                   and not e["actor"].startswith("agent:")]
+    assert by_operator == [("pause", "maintenance"), ("resume", ""), ("checkpoint", ""),
+                           ("exclude", "ECC errors"), ("include", ""),
+                           ("drain", "kernel update"), ("stop", "test over")]
+    assert all(e["host"] and e["actor"] == _who().split("@")[0]
+               for e in events if e["kind"] in ("pause", "exclude", "stop"))
+    kinds = [e["kind"] for e in events]
+    assert kinds.index("paused") < kinds.index("resumed") < kinds.index("stopped")
+
+
+def _who() -> str:
+    import getpass
+    import socket
+
+    return f"{getpass.getuser()}@{socket.gethostname()}"
+
+
+# --- access control -------------------------------------------------------------------------------
+
+def test_agents_credentials_cannot_act_as_an_operator(tmp_path):
+    """The ACL users of deploy/redis-users.acl run a whole job; the agent's cannot pause it."""
+    secrets = {"controller": "c-pw", "agent": "a-pw", "operator": "o-pw"}
+    acl = (ROOT / "deploy" / "redis-users.acl").read_text()
+    for user, password in secrets.items():
+        acl = acl.replace(f"CHANGE-ME-{user}", password)
+    (tmp_path / "users.acl").write_text(acl)
+    server = RedisServer(tmp_path, "--aclfile", str(tmp_path / "users.acl"))
+    procs = Processes(tmp_path)
+    url = {u: f"redis://optimus-{u}:{p}@127.0.0.1:{server.port}/0" for u, p in secrets.items()}
+    try:
+        run = tmp_path / "run"
+        job = write_job(tmp_path / "job.yaml", run, name="acl", steps=40)
+        procs.start("controller", "controller", str(job), "--nodes", "2", "--ranks-per-node",
+                    "1", "--redis", url["controller"], "--exit-when-done", "--metrics-port", "0")
+        for i in range(2):
+            procs.start(f"agent{i}", "agent", "--job", "acl", "--node", f"node{i}", "--redis",
+                        url["agent"], "--interval", "0.25")
+        operator = Store(url["operator"], "acl")
+        wait_for(lambda: operator.job_record().get("state") == "RUNNING", 60, "RUNNING")
+
+        as_agent = optimus("job", "pause", "--job", "acl", "--yes", url=url["agent"])
+        assert as_agent.returncode == 2 and "NOPERM" in as_agent.stderr
+        assert len(as_agent.stderr.strip().splitlines()) == 1
+        agent = redis.Redis.from_url(url["agent"])
+        for attempt in (lambda: agent.xadd("optimus:{acl}:requests", {"action": "pause"}),
+                        lambda: agent.set("optimus:{acl}:control", '{"pause": true}'),
+                        lambda: agent.hset("optimus:{acl}:job", "desired", "stop"),
+                        lambda: agent.hset("optimus:{acl}:excluded", "node1", "{}"),
+                        lambda: agent.set("optimus:{acl}:plan", "{}"),
+                        lambda: agent.rpush("optimus:{acl}:commands:node1", "{}")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                attempt()
+
+        ok(optimus("job", "checkpoint", "--job", "acl", "--reason", "audit", "--wait",
+                   "--timeout", "60", url=url["operator"]))
+        with pytest.raises(redis.exceptions.NoPermissionError):  # operators only ask
+            redis.Redis.from_url(url["operator"]).hset("optimus:{acl}:job", "state", "FAILED")
+        assert procs.procs["controller"].wait(timeout=120) == 0
+        assert operator.job_record()["state"] == "COMPLETED"
+        kinds = [e["kind"] for _, e in operator.events(count=1000)]
+        assert "checkpoint" in kinds and "pause" not in kinds
+    finally:
+        procs.stop_all()
+        server.stop()
