@@ -1,12 +1,13 @@
 # The quick start: `make demo` trains the tiny job end to end, `make test` runs the tests.
 # Both build .venv from nothing on first use: torch 2.13.0 from the machine's local CPU build
-# (never a CUDA build), then Optimus itself with its dev extras.
+# (never a CUDA build), then Optimus itself with its dev extras; `make test` also installs
+# promtool (Debian's prometheus package) when it is missing.
 
 VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv promtool demo test lint bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +22,16 @@ demo: venv
 	rm -rf runs/tiny-gpt   # a fresh run each time, rather than resuming the last one
 	$(BIN)/optimus run jobs/tiny-gpt.yaml --nodes 2 --ranks-per-node 1 --spares 1
 
-test: venv
+# promtool checks the alert rules (tests/test_monitoring.py): Debian's prometheus package.
+promtool:
+	@command -v promtool >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y --no-install-recommends prometheus >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && \
+	    $$SUDO apt-get install -y --no-install-recommends prometheus >/dev/null; }; }
+	@command -v promtool >/dev/null || { echo "promtool is missing: apt-get install prometheus"; exit 1; }
+
+test: venv promtool
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
 

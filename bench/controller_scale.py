@@ -76,11 +76,13 @@ from unittest import mock
 
 import hiredis
 import redis
+from prometheus_client import CollectorRegistry, generate_latest
 
 import controller.store as store_module
 from controller.controller import TICK_S, Controller, settings_for
 from controller.decide import Settings
 from controller.decide import names as decide_names
+from controller.exporter import JobCollector
 from controller.run import LocalCluster, start_redis
 from controller.store import NodeSummary, Store, prefix
 from optimus.config import validate_job
@@ -96,7 +98,7 @@ PHASES = ((0.05, "data"), (0.40, "forward"), (0.85, "backward"), (0.95, "grad_sy
           (1.0, "optim"))
 GRAD_SYNC_AT = 0.85
 BEAT_FIELDS = ("v", "rank", "local_rank", "pid", "generation", "time", "step", "phase",
-               "phase_since", "compute_s", "wait_s", "finite", "seq", "received")
+               "phase_since", "compute_s", "wait_s", "finite", "seq", "metrics", "received")
 TARGET_LOOP_S, TARGET_REDIS_CPU = 1.0, 50.0
 MAX_BATCH = 64  # nodes in one pipeline
 SETTLE_S = 4.0  # normal running between the two faults
@@ -134,20 +136,24 @@ def tick_commands(p: str, node: str, status: tuple, beats: list[str], deadline: 
             ("HSET", f"{p}ranks:{node}", *ranks),
             ("ZADD", p + "beats", deadline, node),
             ("ZADD", p + "steps", summary.max_step, node),
+            ("ZADD", p + "paused", summary.paused, node),
+            ("ZADD", p + "oldest", summary.oldest_beat, node),
             ("ZADD", p + "minsteps", summary.min_step, node),
             ("ZADD", p + "outside", summary.outside, node),
             ("ZADD", p + "compute", summary.compute_s, node),
             ("SREM", p + "nonfinite", node),
             ("GET", p + "plan:stamp"),
             ("LPOP", f"{p}commands:{node}", 100),
-            ("HEXISTS", p + "nodes", node)]
+            ("HEXISTS", p + "nodes", node),
+            ("GET", p + "control")]
 
 
 def status_command(p: str, node: str, i: int) -> tuple:
     """HSET agent:<node> with what the agent's `_tick` sends for a generation it runs."""
     pids = json.dumps([pid_of(i * RPN + lr) for lr in range(RPN)])
     return ("HSET", f"{p}agent:{node}", "generation", "0", "state", "running",
-            "live_ranks", str(RPN), "host", f"host{i}", "pids", pids)
+            "live_ranks", str(RPN), "host", f"host{i}", "pids", pids,
+            "rank_states", json.dumps({"training": RPN}))
 
 
 def pid_of(rank: int) -> int:
@@ -164,7 +170,7 @@ def beat_json(head: str, t: float, step: int, phase: str, since: float, compute_
     """json.dumps of a rank's heartbeat as the agent relays it (checked at start-up)."""
     return (f'{head}"time": {t!r}, "step": {step}, "phase": "{phase}", "phase_since": '
             f'{since!r}, "compute_s": {compute_s!r}, "wait_s": {wait_s!r}, "finite": true, '
-            f'"seq": {seq}, "received": {t + 0.0002!r}}}')
+            f'"seq": {seq}, "metrics": null, "received": {t + 0.0002!r}}}')
 
 
 def check_commands(url: str, plan: dict) -> None:
@@ -172,9 +178,11 @@ def check_commands(url: str, plan: dict) -> None:
     p, node, now = prefix(JOB), node_name(7), 1.7e9 + 0.123456
     beats = [beat_json(beat_head(7 * RPN + lr, lr), now - 0.3 - lr / 100, FIRST_STEP + 3,
                        "backward", now - 0.5, 0.85, 0.15, 99) for lr in range(RPN)]
-    summary = NodeSummary(FIRST_STEP + 3, FIRST_STEP + 3, RPN, False, 0.85)
+    summary = NodeSummary(FIRST_STEP + 3, FIRST_STEP + 3, RPN, False, 0.85, 0,
+                          now - 0.3 - (RPN - 1) / 100)
     status = {"generation": 0, "state": "running", "live_ranks": RPN, "host": "host7",
-              "pids": [pid_of(7 * RPN + lr) for lr in range(RPN)]}
+              "pids": [pid_of(7 * RPN + lr) for lr in range(RPN)],
+              "rank_states": {"training": RPN}}
     recorded = redis.Redis().pipeline(transaction=False)  # never executed
 
     class Deferred:  # agent_tick's pipeline: queue into `recorded`, answer as Redis would
@@ -182,7 +190,7 @@ def check_commands(url: str, plan: dict) -> None:
             return getattr(recorded, name)
 
         def execute(self):
-            return [None, None, 1]
+            return [None, None, 1, None]
 
     store = Store(url, JOB)
     store.r = mock.Mock(pipeline=lambda transaction=True: Deferred())
@@ -277,7 +285,8 @@ class Agents:
             times.append(t)
             steps.append(step)
             outside += phase != "grad_sync"
-        summary = NodeSummary(max(steps), min(steps), outside, False, self.slowest[i - self.lo])
+        summary = NodeSummary(max(steps), min(steps), outside, False, self.slowest[i - self.lo],
+                              0, min(times))
         return tick_commands(self.p, node_name(i), self.status[i - self.lo], beats,
                              min(times) + TIMEOUT_S, summary, now)
 
@@ -337,6 +346,8 @@ class Result:
     memory: int = 0
     cpu: dict[str, float] = field(default_factory=dict)  # % of one core, over the loop window
     false_alarms: list[str] = field(default_factory=list)
+    scrape: list[float] = field(default_factory=list)  # wall time of each /metrics render
+    scrape_bytes: int = 0
 
     @property
     def sustained(self) -> bool:
@@ -396,6 +407,10 @@ class Size:
             proc.start()
         time.sleep(max(self.t0 - time.time(), 0) + 2.5 * INTERVAL_S)  # every node beat twice
         self.ctl = Controller(store, job, settings)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(JobCollector(store, job, leading=lambda: True,
+                                       agent_timeout_s=settings.agent_timeout_s))
+        self.registry = registry
         self.after = "-"
 
     def restore(self) -> None:
@@ -452,6 +467,15 @@ class Size:
         res.rate = (sum(counters[0::2]) - ticks) / wall
         res.late_s = max(counters[1::2])
         res.memory = store.r.info("memory")["used_memory"]
+
+    def scrapes(self, count: int = 10) -> None:
+        """The exporter's /metrics body, rendered as a scrape renders it, while all beat."""
+        for _ in range(count):
+            started = time.monotonic()
+            body = generate_latest(self.registry)
+            self.res.scrape.append(time.monotonic() - started)
+            self.res.scrape_bytes = len(body)
+            self.tick()
 
     def cpu_now(self) -> dict[str, float]:
         """CPU seconds so far: Redis (INFO cpu), this process, the simulator, the machine."""
@@ -535,6 +559,7 @@ def run_size(ranks: int, duration: float, workers: int,
     size = Size(ranks, workers, profile)
     try:
         size.steady(duration)
+        size.scrapes()
         if size.res.rate >= 0.9 * size.nodes / INTERVAL_S:
             size.stale_node()
             size.stalled_rank()
@@ -603,6 +628,11 @@ def report(r: Result) -> None:
           f"; beside it, % of one core: controller process {r.cpu['controller']:.0f}, simulator "
           f"{r.cpu['simulator']:.0f}, other work on this machine {r.cpu['others']:.0f} "
           f"(of {100 * (os.cpu_count() or 1)})")
+    if r.scrape:
+        print(f"  exporter: /metrics ({r.scrape_bytes:,} bytes) computed from Redis in "
+              f"{ms(statistics.median(r.scrape))} median, {ms(max(r.scrape))} max over "
+              f"{len(r.scrape)} scrapes (no target; at a 15 s scrape interval that is "
+              f"{100 * statistics.median(r.scrape) / 15:.1f}% of a core)")
     if r.false_alarms:
         print(f"  false alarms: {len(r.false_alarms)} decision(s) about healthy nodes (failures "
               f"undone), e.g. " + " | ".join(r.false_alarms[:2]))
@@ -614,15 +644,16 @@ def ms(seconds: float) -> str:
 
 def table(results: list[Result]) -> None:
     print("\n| ranks | nodes | sim ticks/s (needed) | loop median / p99 / max | stale node | "
-          "stalled rank | Redis memory | Redis CPU |")
-    print("|---|---|---|---|---|---|---|---|")
+          "stalled rank | Redis memory | Redis CPU | /metrics median |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         stale = "-" if r.stale_s is None else f"{r.stale_s:.2f} s"
         stall = "-" if r.stall_s is None else f"{r.stall_s:.2f} s"
         loop = " / ".join(ms(f(r.loop)) for f in (statistics.median, p99, max)) if r.loop \
             else "-"
         print(f"| {r.ranks:,} | {r.nodes:,} | {r.rate:,.0f} ({r.nodes:,}) | {loop} | {stale} | "
-              f"{stall} | {r.memory / 2**20:,.1f} MiB | {r.cpu.get('redis', 0):.1f}% |")
+              f"{stall} | {r.memory / 2**20:,.1f} MiB | {r.cpu.get('redis', 0):.1f}% | "
+              f"{ms(statistics.median(r.scrape)) if r.scrape else '-'} |")
 
 
 def main() -> None:
