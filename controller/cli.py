@@ -72,9 +72,17 @@ def run(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node: int, 
 @click.option("--exit-when-done", is_flag=True, help="Exit once the job has ended.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve Prometheus /metrics here; default monitoring.metrics_port; 0: off.")
+@click.option("--linger", "linger_s", type=click.FloatRange(min=0), default=None,
+              help="With --exit-when-done, serve /metrics this long after the job ended; "
+                   "default monitoring.linger_s.")
+@click.option("--resubmit", is_flag=True,
+              help="If Redis holds the job as ended (COMPLETED, FAILED, STOPPED), start it "
+                   "again from its latest committed checkpoint; without this, an ended job is "
+                   "left alone.")
 def controller(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node: int,
                redis: str | None, lease_s: float, ident: str | None,
-               exit_when_done: bool, metrics_port: int | None) -> None:
+               exit_when_done: bool, metrics_port: int | None, linger_s: float | None,
+               resubmit: bool) -> None:
     """Supervise JOB: plan generations, detect failures, restart without the culprit.
 
     Run two for high availability: one leads, the other takes over if it dies."""
@@ -85,6 +93,8 @@ def controller(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node
     check_job(config, world=nodes * ranks_per_node, source=str(job))
     store = Store(redis_url(redis), config.name)
     store.ping()
+    if resubmit:
+        _resubmit(store, config)
     settings = settings_for(config, str(job), list(overrides), nodes, ranks_per_node)
     ctl = Controller(store, config, settings, ident=ident, lease_s=lease_s)
     from controller.exporter import serve
@@ -99,6 +109,22 @@ def controller(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node
         click.echo(f"job {config.name}: {state}")
     finally:
         ctl.release()
+    linger = config.monitoring.linger_s if linger_s is None else linger_s
+    if url and linger:  # the final state, for one or two more scrapes
+        time.sleep(linger)
+
+
+def _resubmit(store: Store, config) -> None:
+    """A job that ended in Redis becomes a new submission (its checkpoints stay: the first
+    generation resumes from the latest)."""
+    from controller.decide import TERMINAL
+
+    state = store.job_record().get("state")
+    if state in TERMINAL:
+        store.reset()
+        (Path(config.resolved_run_dir) / "controller.json").unlink(missing_ok=True)
+        store.event("controller", "resubmitted", f"job {config.name} was {state}; submitted "
+                    "again (--resubmit), from its latest committed checkpoint")
 
 
 @main.command()

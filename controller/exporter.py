@@ -48,6 +48,10 @@ class JobCollector(Collector):
                                    "1 when this controller holds the leader lease")
         leader.add_metric([], 1.0 if self.leading() else 0.0)
         yield leader
+        info = GaugeMetricFamily("optimus_job_info", "The job this controller supervises",
+                                 labels=["name"])
+        info.add_metric([self.job.name], 1.0)
+        yield info
         try:
             families = list(self._job_families())
             up = 1.0
@@ -65,10 +69,6 @@ class JobCollector(Collector):
         plan = store.plan() or {}
         state = record.get("state", "PENDING")
 
-        info = GaugeMetricFamily("optimus_job_info", "The job this controller supervises",
-                                 labels=["name"])
-        info.add_metric([self.job.name], 1.0)
-        yield info
         states = GaugeMetricFamily("optimus_job_state", "1 for the job's current state",
                                    labels=["state"])
         for name in STATES:
@@ -116,11 +116,9 @@ class JobCollector(Collector):
         for key, name, text in described:
             if metrics.get(key) is not None:
                 yield _gauge(name, text, metrics[key])
-        if metrics.get("tokens") is not None:
-            tokens = CounterMetricFamily("optimus_tokens", "Tokens trained so far (a restart "
-                                         "resumes from its checkpoint's count)")
-            tokens.add_metric([], float(metrics["tokens"]))
-            yield tokens
+        if metrics.get("tokens") is not None:  # a gauge: a restart goes back to its checkpoint's
+            yield _gauge("optimus_tokens", "Tokens trained up to the last logged step",
+                         metrics["tokens"])
 
     def _ranks_and_nodes(self, plan: dict, now: float) -> Iterator:
         store = self.store
@@ -137,6 +135,9 @@ class JobCollector(Collector):
         yield family
 
         ages = sorted(max(now - t, 0.0) for t in store.oldest_beats().values())
+        timeout = self.job.supervision.heartbeat_timeout_s
+        yield _gauge("optimus_heartbeat_overdue_nodes", "Nodes whose oldest rank heartbeat is "
+                     "older than heartbeat_timeout_s", sum(a > timeout for a in ages))
         buckets, i = [], 0
         for bound in AGE_BUCKETS:
             while i < len(ages) and ages[i] <= bound:

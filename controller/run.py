@@ -113,7 +113,8 @@ def run_local(job: JobConfig, job_file: str, overrides: list[str], *, nodes: int
         sets = [a for o in overrides for a in ("--set", o)]
         cluster.start("controller", [*py, "controller", job_file, "--nodes", str(nodes),
                                      "--ranks-per-node", str(ranks_per_node), "--redis", url,
-                                     "--lease", str(lease_s), "--exit-when-done", *sets])
+                                     "--lease", str(lease_s), "--exit-when-done",
+                                     "--linger", "0", *sets])
         for i in range(nodes + spares):
             cluster.start(f"agent-node{i}", [*py, "agent", "--job", job.name, "--node",
                                              f"node{i}", "--redis", url, "--interval",

@@ -100,6 +100,7 @@ def write_job(path: Path, run_dir: Path, *, name: str = "e2e", steps: int = 30,
                         "heartbeat_timeout_s": 3.0, "restart_backoff_s": 0.2,
                         "failure_grace_s": 1.0, "stop_grace_s": 30.0, **supervision},
         "fault_injection": {"faults": faults or []},
+        "monitoring": {"metrics_port": 0},  # tests that scrape /metrics pick a free port
     }
     path.write_text(yaml.safe_dump(job))
     return path

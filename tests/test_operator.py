@@ -115,14 +115,14 @@ def followed(live):
         p.kill()
 
 
-def sample(scrape: str, name: str, **labels: str) -> float:
+def sample(scrape: str, metric: str, **labels: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     for family in text_string_to_metric_families(scrape):
         for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+            if s.name == metric and all(s.labels.get(k) == v for k, v in labels.items()):
                 return s.value
-    raise AssertionError(f"{name}{labels} not exported")
+    raise AssertionError(f"{metric}{labels} not exported")
 
 
 def test_pause_holds_every_rank_at_one_step_after_a_checkpoint_and_resume_goes_on(live,
@@ -196,7 +196,8 @@ def test_a_live_scrape_exports_every_metric_the_dashboard_and_alerts_use(live):
     assert sample(scrape, "optimus_heartbeat_age_seconds_count") == 2  # one per node
     assert sample(scrape, "optimus_heartbeat_age_seconds_bucket", le="5.0") == 2
     assert 0 < sample(scrape, "optimus_mfu_ratio") < 1
-    assert sample(scrape, "optimus_tokens_total") > 0
+    assert sample(scrape, "optimus_tokens") > 0
+    assert sample(scrape, "optimus_heartbeat_overdue_nodes") == 0
     status = json.loads(ok(optimus("job", "status", "--job", JOB, "-o", "json", url=live.url)))
     assert status["state"] == "RUNNING" and status["nodes"] == ["node0", "node1"]
     assert status["step"] >= sample(scrape, "optimus_step")
@@ -351,4 +352,41 @@ def test_agents_credentials_cannot_act_as_an_operator(tmp_path):
         assert "checkpoint" in kinds and "pause" not in kinds
     finally:
         procs.stop_all()
+        server.stop()
+
+
+def test_without_redis_the_exporter_answers_with_up_0_and_the_job_name(tmp_path):
+    from controller.exporter import serve
+    from optimus.config import load_job
+
+    job = load_job(write_job(tmp_path / "job.yaml", tmp_path / "run", name="dark"))
+    store = Store(f"redis://127.0.0.1:{free_port()}/0", "dark", timeout_s=0.2, retry_s=0.3)
+    port = free_port()
+    assert serve(store, job, leading=lambda: False, agent_timeout_s=3.0, port=port)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        scrape = r.read().decode()
+    assert sample(scrape, "optimus_controller_up") == 0
+    assert sample(scrape, "optimus_controller_leader") == 0
+    assert sample(scrape, "optimus_job_info", name="dark") == 1
+    assert "optimus_job_state" not in scrape  # nothing made up while Redis is unreadable
+
+
+def test_resubmit_starts_an_ended_job_again_and_nothing_else(tmp_path):
+    from controller.cli import _resubmit
+    from optimus.config import load_job
+
+    server = RedisServer(tmp_path)
+    try:
+        job = load_job(write_job(tmp_path / "job.yaml", tmp_path / "run", name="again"))
+        store = Store(server.url, "again")
+        store.update_job({"state": "RUNNING", "generation": 3})
+        _resubmit(store, job)  # a running job is left alone
+        assert store.job_record()["state"] == "RUNNING"
+        store.update_job({"state": "FAILED", "reason": "5 restarts used up"})
+        store.exclude("node1", "bad tile", by="controller")
+        _resubmit(store, job)
+        assert store.job_record() == {} and store.excluded() == {}
+        (event,) = [e for _, e in store.events() if e["kind"] == "resubmitted"]
+        assert event["message"].startswith("job again was FAILED; submitted again")
+    finally:
         server.stop()

@@ -141,6 +141,9 @@ class MonitoringConfig(Section):
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = Field(
         9780, description="the controller's Prometheus /metrics port; 0: off")
     metrics_host: str = Field("0.0.0.0", description="the address /metrics listens on")
+    linger_s: NonNegativeFloat = Field(
+        30.0, description="with --exit-when-done, keep serving /metrics this long after the "
+                          "job ended, so that Prometheus scrapes its final state")
 
 
 class Fault(Section):
