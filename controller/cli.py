@@ -76,9 +76,9 @@ def run(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node: int, 
               help="With --exit-when-done, serve /metrics this long after the job ended; "
                    "default monitoring.linger_s.")
 @click.option("--resubmit", is_flag=True,
-              help="If Redis holds the job as ended (COMPLETED, FAILED, STOPPED), start it "
-                   "again from its latest committed checkpoint; without this, an ended job is "
-                   "left alone.")
+              help="If Redis holds the job as FAILED or STOPPED, start it again from its "
+                   "latest committed checkpoint (exclusions stay); without this, an ended job "
+                   "is left alone.")
 def controller(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node: int,
                redis: str | None, lease_s: float, ident: str | None,
                exit_when_done: bool, metrics_port: int | None, linger_s: float | None,
@@ -115,16 +115,21 @@ def controller(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node
 
 
 def _resubmit(store: Store, config) -> None:
-    """A job that ended in Redis becomes a new submission (its checkpoints stay: the first
-    generation resumes from the latest)."""
-    from controller.decide import TERMINAL
+    """A job that FAILED or was STOPPED becomes a new submission: its checkpoints stay (the
+    first generation resumes from the latest), and so do its exclusions. A COMPLETED job is
+    left alone, so a controller restarted with --resubmit never trains a finished job again."""
+    from controller.decide import FAILED, STOPPED
 
     state = store.job_record().get("state")
-    if state in TERMINAL:
+    if state in (FAILED, STOPPED):
+        excluded = store.excluded()
         store.reset()
+        for node, entry in excluded.items():
+            store.exclude(node, **entry)
         (Path(config.resolved_run_dir) / "controller.json").unlink(missing_ok=True)
         store.event("controller", "resubmitted", f"job {config.name} was {state}; submitted "
-                    "again (--resubmit), from its latest committed checkpoint")
+                    "again (--resubmit), from its latest committed checkpoint"
+                    + (f"; still excluded: {', '.join(sorted(excluded))}" if excluded else ""))
 
 
 @main.command()

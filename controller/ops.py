@@ -55,6 +55,22 @@ timeout_option = click.option("--timeout", type=click.FloatRange(min=1), default
                               show_default=True, help="Seconds --wait waits at most.")
 
 
+def request_options(*, reason_required: bool = False, confirm: bool = False,
+                    wait: bool = True):
+    """The options every request command shares, in one order."""
+    reason = (click.option("--reason", required=True,
+                           help="Why (recorded in the event). Required.") if reason_required
+              else click.option("--reason", default="", help="Why (recorded in the event)."))
+    options = [job_option, redis_option, reason, *([yes_option] if confirm else []),
+               *([wait_option, timeout_option] if wait else []), output_option]
+
+    def apply(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+    return apply
+
+
 def _console() -> Console:
     return Console(highlight=False, soft_wrap=True)
 
@@ -198,14 +214,8 @@ def _status(store: Store, record: dict[str, str]) -> dict:
 
 
 @job.command("pause")
-@job_option
-@redis_option
 @click.option("--checkpoint", is_flag=True, help="Save a checkpoint of the step first.")
-@click.option("--reason", default="", help="Why (recorded in the event).")
-@yes_option
-@wait_option
-@timeout_option
-@output_option
+@request_options(confirm=True)
 def job_pause(job_name, redis, checkpoint, reason, yes, wait, timeout, output) -> None:
     """Every rank stops after the same step (after a checkpoint of it, with --checkpoint)."""
     store, record = _store(redis, job_name)
@@ -215,12 +225,7 @@ def job_pause(job_name, redis, checkpoint, reason, yes, wait, timeout, output) -
 
 
 @job.command("resume")
-@job_option
-@redis_option
-@click.option("--reason", default="", help="Why (recorded in the event).")
-@wait_option
-@timeout_option
-@output_option
+@request_options()
 def job_resume(job_name, redis, reason, wait, timeout, output) -> None:
     """The ranks go on with the next step."""
     store, record = _store(redis, job_name)
@@ -229,13 +234,7 @@ def job_resume(job_name, redis, reason, wait, timeout, output) -> None:
 
 
 @job.command("stop")
-@job_option
-@redis_option
-@click.option("--reason", required=True, help="Why (recorded in the event). Required.")
-@yes_option
-@wait_option
-@timeout_option
-@output_option
+@request_options(reason_required=True, confirm=True)
 def job_stop(job_name, redis, reason, yes, wait, timeout, output) -> None:
     """The ranks save a checkpoint and exit; the job ends STOPPED."""
     store, record = _store(redis, job_name)
@@ -245,12 +244,7 @@ def job_stop(job_name, redis, reason, yes, wait, timeout, output) -> None:
 
 
 @job.command("checkpoint")
-@job_option
-@redis_option
-@click.option("--reason", default="", help="Why (recorded in the event).")
-@wait_option
-@timeout_option
-@output_option
+@request_options()
 def job_checkpoint(job_name, redis, reason, wait, timeout, output) -> None:
     """Every rank saves a checkpoint after its next step."""
     store, record = _store(redis, job_name)
@@ -358,13 +352,7 @@ def _wait_without(store: Store, name: str, timeout: float) -> str:
 
 @node.command("exclude")
 @click.argument("name")
-@job_option
-@redis_option
-@click.option("--reason", required=True, help="Why (recorded in the event). Required.")
-@yes_option
-@wait_option
-@timeout_option
-@output_option
+@request_options(reason_required=True, confirm=True)
 def node_exclude(name, job_name, redis, reason, yes, wait, timeout, output) -> None:
     """Take NAME out until `include`; if it runs ranks, checkpoint and restart without it."""
     _node_action("exclude", job_name, redis, name, reason, yes, wait, timeout, output,
@@ -374,11 +362,7 @@ def node_exclude(name, job_name, redis, reason, yes, wait, timeout, output) -> N
 
 @node.command("drain")
 @click.argument("name")
-@job_option
-@redis_option
-@click.option("--reason", default="", help="Why (recorded in the event).")
-@yes_option
-@output_option
+@request_options(confirm=True, wait=False)
 def node_drain(name, job_name, redis, reason, yes, output) -> None:
     """Keep NAME out of future generations; the running one is left alone."""
     _node_action("drain", job_name, redis, name, reason, yes, False, 0.0, output,
@@ -387,10 +371,7 @@ def node_drain(name, job_name, redis, reason, yes, output) -> None:
 
 @node.command("include")
 @click.argument("name")
-@job_option
-@redis_option
-@click.option("--reason", default="", help="Why (recorded in the event).")
-@output_option
+@request_options(wait=False)
 def node_include(name, job_name, redis, reason, output) -> None:
     """Make an excluded or draining NAME usable again (a spare until a restart takes it)."""
     _node_action("include", job_name, redis, name, reason, True, False, 0.0, output, "")

@@ -309,7 +309,9 @@ def _who() -> str:
 # --- access control -------------------------------------------------------------------------------
 
 def test_agents_credentials_cannot_act_as_an_operator(tmp_path):
-    """The ACL users of deploy/redis-users.acl run a whole job; the agent's cannot pause it."""
+    """The ACL users of deploy/redis-users.acl run a whole job; the agent's cannot pause it.
+    The job may shrink (min_nodes 1): excluding one of its two nodes, with no spare, goes on
+    on the other with half the data-parallel degree."""
     secrets = {"controller": "c-pw", "agent": "a-pw", "operator": "o-pw"}
     acl = (ROOT / "deploy" / "redis-users.acl").read_text()
     for user, password in secrets.items():
@@ -320,7 +322,7 @@ def test_agents_credentials_cannot_act_as_an_operator(tmp_path):
     url = {u: f"redis://optimus-{u}:{p}@127.0.0.1:{server.port}/0" for u, p in secrets.items()}
     try:
         run = tmp_path / "run"
-        job = write_job(tmp_path / "job.yaml", run, name="acl", steps=40)
+        job = write_job(tmp_path / "job.yaml", run, name="acl", steps=40, min_nodes=1)
         procs.start("controller", "controller", str(job), "--nodes", "2", "--ranks-per-node",
                     "1", "--redis", url["controller"], "--exit-when-done", "--metrics-port", "0")
         for i in range(2):
@@ -344,10 +346,18 @@ def test_agents_credentials_cannot_act_as_an_operator(tmp_path):
 
         ok(optimus("job", "checkpoint", "--job", "acl", "--reason", "audit", "--wait",
                    "--timeout", "60", url=url["operator"]))
+        out = ok(optimus("node", "exclude", "node1", "--job", "acl", "--reason", "shrink",
+                         "--yes", "--wait", "--timeout", "60", url=url["operator"]))
+        assert out.splitlines()[-1] == "generation 1 runs without node1"
+        plan = operator.plan()
+        assert (plan["nodes"], plan["world_size"]) == (["node0"], 1)
+        assert "shrunk to 1 of 2 nodes" in plan["reason"]
         with pytest.raises(redis.exceptions.NoPermissionError):  # operators only ask
             redis.Redis.from_url(url["operator"]).hset("optimus:{acl}:job", "state", "FAILED")
         assert procs.procs["controller"].wait(timeout=120) == 0
         assert operator.job_record()["state"] == "COMPLETED"
+        resumed = [m for m in metrics(run) if m.get("event") == "resume"]
+        assert len(resumed) == 1 and max(m["step"] for m in metrics(run) if "loss" in m) == 40
         kinds = [e["kind"] for _, e in operator.events(count=1000)]
         assert "checkpoint" in kinds and "pause" not in kinds
     finally:
@@ -379,14 +389,22 @@ def test_resubmit_starts_an_ended_job_again_and_nothing_else(tmp_path):
     try:
         job = load_job(write_job(tmp_path / "job.yaml", tmp_path / "run", name="again"))
         store = Store(server.url, "again")
-        store.update_job({"state": "RUNNING", "generation": 3})
-        _resubmit(store, job)  # a running job is left alone
-        assert store.job_record()["state"] == "RUNNING"
+        for state in ("RUNNING", "COMPLETED"):  # running, or finished: left alone
+            store.update_job({"state": state, "generation": 3})
+            _resubmit(store, job)
+            assert store.job_record()["state"] == state
         store.update_job({"state": "FAILED", "reason": "5 restarts used up"})
-        store.exclude("node1", "bad tile", by="controller")
+        store.exclude("node1", "ECC errors", by="ana@desk", mode="exclude")
         _resubmit(store, job)
-        assert store.job_record() == {} and store.excluded() == {}
+        assert store.job_record() == {}
+        assert store.excluded()["node1"]["reason"] == "ECC errors"  # still out
         (event,) = [e for _, e in store.events() if e["kind"] == "resubmitted"]
-        assert event["message"].startswith("job again was FAILED; submitted again")
+        assert event["message"] == ("job again was FAILED; submitted again (--resubmit), from "
+                                    "its latest committed checkpoint; still excluded: node1")
     finally:
         server.stop()
+
+
+def test_the_operator_commands_start_without_torch():
+    code = "import sys, controller.cli; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0

@@ -1,11 +1,10 @@
 """Where a rank runs: launch environment, device and backend, process group, layout.
 
-The torch-bound names load on first use (PEP 562), so that the `optimus` command's operator
-subcommands, which need only `LaunchError`, start without torch.
+The torch-bound names load on first use (optimus/lazy.py): the `optimus` command imports
+`LaunchError` only.
 """
 
-import importlib
-
+from optimus.lazy import lazy_names
 from optimus.runtime.launch import LaunchEnv, LaunchError, expand_hostlist, launch_env
 
 _WHERE = {
@@ -13,13 +12,5 @@ _WHERE = {
     "pick_device": "device", "ParallelDims": "dims", "destroy_distributed": "dist",
     "init_distributed": "dist",
 }
-
 __all__ = ["LaunchEnv", "LaunchError", "expand_hostlist", "launch_env", *sorted(_WHERE)]
-
-
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'optimus.runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"optimus.runtime.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _WHERE)
