@@ -254,17 +254,48 @@ def test_a_step_splits_into_compute_and_wait_by_phase(socket_dir):
 
 def _agree_after_sigterm(rank: int, world_size: int) -> list:
     before = signal.getsignal(signal.SIGTERM)
-    commands = Commands(world_size, torch.device("cpu")).listen()
-    agreed = [int(commands.agree())]
+    commands = Commands(world_size, torch.device("cpu"), control_file="").listen()
+    agreed = [int(commands.agree().commands)]
     if rank == 1:
         os.kill(os.getpid(), signal.SIGTERM)  # handled: this rank only asks to stop
-    agreed.append(int(commands.agree()))
+    agreed.append(int(commands.agree().commands))
     commands.close()
     return [*agreed, signal.getsignal(signal.SIGTERM) == before]
 
 
 def test_sigterm_on_one_rank_is_agreed_by_all(run_ranks):
     assert run_ranks(_agree_after_sigterm, 2, timeout=60) == [[0, int(Command.STOP), True]] * 2
+
+
+def _agree_on_control_files(rank: int, world_size: int, folder: str) -> list:
+    """Each rank has its own node's control file; they change at different moments."""
+    path = Path(folder) / f"node{rank}.control"
+    path.write_text(json.dumps({"pause": False, "checkpoint": 3}))
+    commands = Commands(world_size, torch.device("cpu"), control_file=str(path))
+    seen = [commands.start().checkpoint, commands.checkpoint_done]  # 3 is served already
+    if rank == 0:  # only node 0's agent has written the operator's pause and checkpoint yet
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pause": True, "checkpoint": 4}))
+        os.replace(tmp, path)
+    agreed = commands.agree()
+    seen += [agreed.pause, agreed.checkpoint, commands.checkpoint_due(agreed),
+             commands.checkpoint_due(agreed)]  # served once
+    if rank == 1:  # node 1's file catches up: the same request, not a second checkpoint
+        path.write_text(json.dumps({"pause": True, "checkpoint": 4}))
+    agreed = commands.agree()
+    seen += [agreed.pause, commands.checkpoint_due(agreed)]
+    if rank == 0:  # resumed on node 0 only: everybody stays paused until node 1 sees it too
+        path.write_text(json.dumps({"pause": False, "checkpoint": 4}))
+    seen.append(commands.agree().pause)
+    if rank == 1:
+        path.write_text(json.dumps({"pause": False, "checkpoint": 4}))
+    seen.append(commands.agree().pause)
+    return seen
+
+
+def test_ranks_agree_on_the_control_word_whichever_saw_it_first(run_ranks, tmp_path):
+    expected = [3, 3, True, 4, True, False, True, False, True, False]
+    assert run_ranks(_agree_on_control_files, 2, str(tmp_path), timeout=60) == [expected] * 2
 
 
 def test_sigterm_to_one_rank_stops_both_after_one_step_then_resume(socket_dir, tmp_path):
