@@ -149,12 +149,11 @@ class Controller:
         now = time.time()
         job = _job_view(record)
         plan = self.store.plan()
-        entries = self.store.excluded()
+        entries, raw, control = self.store.operator_view(job.requests_seen)
         excluded = {n: e["reason"] for n, e in entries.items()}
         draining = frozenset(n for n, e in entries.items() if e.get("mode") == "drain")
-        requests = [_request(i, r) for i, r in self.store.requests(job.requests_seen)]
-        operator = {"requests": requests, "control": self.store.control(),
-                    "draining": draining,
+        requests = [_request(i, r) for i, r in raw]
+        operator = {"requests": requests, "control": control, "draining": draining,
                     "known_nodes": frozenset(self.store.nodes()) if requests else frozenset()}
         steps = committed_steps(self.checkpoint_dir)
         latest = steps[-1] if steps else None
@@ -190,7 +189,7 @@ class Controller:
         """A running generation: a fixed number of round trips, each O(nodes that matter) but
         the agents' beat times (one ZMSCORE over the plan's nodes)."""
         gen = plan["generation"]
-        sweep = self.store.sweep(plan["nodes"])
+        sweep = self.store.sweep(plan["nodes"], plan["ranks_per_node"])
         unhealthy = self._unhealthy(sweep.unhealthy)
         exits = [_exit(r) for _, r in self.store.exits(plan.get("exits_from", "0"))
                  if r.get("generation") == gen]
@@ -217,7 +216,7 @@ class Controller:
                         unhealthy=unhealthy, nonfinite=frozenset(sweep.nonfinite),
                         suspects=suspects, waiting_in_collective=waiting, stacks=stacks,
                         compute=compute, excluded=excluded,
-                        paused_nodes=self.store.paused_nodes(plan["ranks_per_node"]),
+                        paused_nodes=sweep.paused_nodes,
                         **operator)
 
     def _overdue(self, plan: dict, now: float,

@@ -101,6 +101,7 @@ class Sweep:
     min_step: int | None
     nonfinite: list[str]
     unhealthy: list[str]
+    paused_nodes: int = 0  # nodes with at least `ranks_per_node` ranks paused
 
 
 class Store:
@@ -227,10 +228,19 @@ class Store:
         return self.call(lambda: self.r.xadd(self.k("requests"), entry,
                                              maxlen=REQUESTS_MAXLEN, approximate=True))
 
-    def requests(self, after: str = "0") -> list[tuple[str, dict]]:
-        """Requests with ids greater than `after`, oldest first."""
-        start = "-" if after in ("0", "") else f"({after}"
-        return self.call(lambda: self.r.xrange(self.k("requests"), min=start, count=100))
+    def operator_view(self, after: str) -> tuple[dict[str, dict], list[tuple[str, dict]], dict]:
+        """What the controller reads each tick for operators, in one round trip: exclusions,
+        requests newer than `after`, the control word."""
+        def read():
+            pipe = self.r.pipeline(transaction=False)
+            pipe.hgetall(self.k("excluded"))
+            pipe.xrange(self.k("requests"), min="-" if after in ("0", "") else f"({after}",
+                        count=100)
+            pipe.get(self.k("control"))
+            return pipe.execute()
+        excluded, requests, control = self.call(read)
+        return ({n: json.loads(v) for n, v in excluded.items()}, requests,
+                json.loads(control) if control else {})
 
     def control(self) -> dict:
         raw = self.call(lambda: self.r.get(self.k("control")))
@@ -244,14 +254,18 @@ class Store:
     def register_node(self, node: str, info: dict) -> None:
         def write():
             pipe = self.r.pipeline()
-            pipe.hset(self.k("nodes"), node, json.dumps(info))
-            if info.get("health") == "ok":
-                pipe.srem(self.k("unhealthy"), node)
-            else:
-                pipe.sadd(self.k("unhealthy"), node)
+            self._node_record(pipe, node, info)
             pipe.zadd(self.k("agents"), {node: time.time()})
             pipe.execute()
         self.call(write)
+
+    def _node_record(self, pipe, node: str, info: dict) -> None:
+        """The node's record and its place in the `unhealthy` set."""
+        pipe.hset(self.k("nodes"), node, json.dumps(info))
+        if info.get("health") == "ok":
+            pipe.srem(self.k("unhealthy"), node)
+        else:
+            pipe.sadd(self.k("unhealthy"), node)
 
     def agent_tick(self, node: str, status: dict, rank_beats: dict[int, dict],
                    deadline: float | None, reset_ranks: bool,
@@ -306,7 +320,7 @@ class Store:
         else:
             pipe.srem(self.k("nonfinite"), node)
 
-    def sweep(self, plan_nodes: list[str]) -> Sweep:
+    def sweep(self, plan_nodes: list[str], ranks_per_node: int = 1) -> Sweep:
         """The controller's per-tick view of a running generation, in one round trip, whatever
         the number of nodes: O(plan nodes) only for the agents' beat times (ZMSCORE)."""
         def read():
@@ -316,13 +330,14 @@ class Store:
             pipe.zrange(self.k("minsteps"), 0, 0, withscores=True)
             pipe.smembers(self.k("nonfinite"))
             pipe.smembers(self.k("unhealthy"))
+            pipe.zcount(self.k("paused"), ranks_per_node, "+inf")
             return pipe.execute()
-        beats, top, bottom, nonfinite, unhealthy = self.call(read)
+        beats, top, bottom, nonfinite, unhealthy, paused = self.call(read)
         return Sweep(
             agent_beats=dict(zip(plan_nodes, beats or [], strict=False)),
             max_step=int(top[0][1]) if top else None,
             min_step=int(bottom[0][1]) if bottom else None,
-            nonfinite=sorted(nonfinite), unhealthy=sorted(unhealthy))
+            nonfinite=sorted(nonfinite), unhealthy=sorted(unhealthy), paused_nodes=paused)
 
     def behind(self, below_step: int) -> list[str]:
         """Nodes with a rank at a step below `below_step`."""
@@ -333,10 +348,6 @@ class Store:
         """Up to `limit` nodes with a rank outside the collective phase."""
         return self.call(lambda: self.r.zrangebyscore(self.k("outside"), 1, "+inf", start=0,
                                                       num=limit))
-
-    def paused_nodes(self, ranks_per_node: int) -> int:
-        """Nodes whose ranks all wait paused."""
-        return self.call(lambda: self.r.zcount(self.k("paused"), ranks_per_node, "+inf"))
 
     def oldest_beats(self) -> dict[str, float]:
         """Node -> the time of its oldest rank heartbeat, for nodes running ranks."""
@@ -366,11 +377,7 @@ class Store:
         """An agent's health check result: the node record, and the `unhealthy` set."""
         def write():
             pipe = self.r.pipeline()
-            pipe.hset(self.k("nodes"), node, json.dumps(info))
-            if info.get("health") == "ok":
-                pipe.srem(self.k("unhealthy"), node)
-            else:
-                pipe.sadd(self.k("unhealthy"), node)
+            self._node_record(pipe, node, info)
             pipe.execute()
         self.call(write)
 
@@ -425,7 +432,7 @@ class Store:
                                                            withscores=True)))
 
     def rank_beats_of(self, nodes: list[str]) -> dict[str, dict[int, dict]]:
-        """`rank_beats` of several nodes in one round trip."""
+        """Each node's ranks' latest heartbeats (local rank -> beat), in one round trip."""
         if not nodes:
             return {}
 
@@ -438,8 +445,7 @@ class Store:
                 for n, raw in zip(nodes, self.call(read), strict=True)}
 
     def rank_beats(self, node: str) -> dict[int, dict]:
-        raw = self.call(lambda: self.r.hgetall(self.k(f"ranks:{node}")))
-        return {int(lr): json.loads(v) for lr, v in raw.items()}
+        return self.rank_beats_of([node])[node]
 
     # --- exits, exclusions, events, chaos ------------------------------------------------------
 

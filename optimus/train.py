@@ -129,10 +129,11 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         def save_now(step: int, wait: bool) -> None:
             _save_now(ckpt, log, job, step, state, progress, layout, wait)
         # A job paused (or stopped) across a restart stays so: agree before the first step too.
+        first = progress.step + 1
         if _boundary(commands.start(), commands, heartbeat, log, progress.step, save_now):
-            _stop(ckpt, log, job, progress.step, state, progress, layout)
-            result.stopped_at = progress.step
-        first = job.optim.steps + 1 if result.stopped_at is not None else progress.step + 1
+            with heartbeat.phase("checkpoint"):
+                _stop(ckpt, log, job, progress.step, state, progress, layout)
+            result.stopped_at, first = progress.step, job.optim.steps + 1  # no step to take
 
         for step in range(first, job.optim.steps + 1):
             faults.step_start(step)
