@@ -43,6 +43,7 @@ class StepMetrics:
     tokens_per_s: float
     mfu: float | None  # 0..1, None where the device's peak is unknown
     checkpoint: dict | None = None  # the checkpointer's counters, when checkpointing
+    moe: dict | None = None  # per MoE layer, slots routed to each expert; dropped; aux loss
 
 
 class MetricsLog:

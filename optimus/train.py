@@ -37,6 +37,7 @@ from optimus.health import (
 from optimus.metrics import MetricsLog, StepMetrics, peak_flops
 from optimus.models import flops_per_token
 from optimus.optim import build_optimizer, lr_at, set_lr
+from optimus.parallel.experts import expert_step
 from optimus.parallel.grads import clip_grad_norm_, local_grads_finite
 from optimus.parallel.plan import IGNORE_INDEX, build_parallel_model
 from optimus.runtime import (
@@ -148,7 +149,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                 microbatches = [next(batches) for _ in range(job.data.microbatches)]
             with heartbeat.phase("grad_sync"):
                 step_tokens = _count_tokens(microbatches, device, dp_group)
-            model.loss_fn.tokens = step_tokens
+            model.set_step_tokens(step_tokens)
             with autocast:  # marks the phases "forward" and "backward"
                 loss_sum = model.forward_backward(microbatches, device, heartbeat)
             faults.after_backward(step, model.parameters(), loss_sum)
@@ -162,6 +163,8 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                 faults.in_optimizer(step)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+            with heartbeat.phase("grad_sync"):  # the experts' load, all ranks; their balance
+                experts = expert_step(model.moe, job.model, dp_group, pp_group, device)
             progress.advance(step_tokens)
             if ckpt is not None:
                 with heartbeat.phase("checkpoint"):
@@ -186,7 +189,8 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                 log.record(StepMetrics(step=step, loss=loss_value, grad_norm=float(grad_norm),
                                        lr=lr, tokens=progress.tokens, step_time_s=step_time,
                                        tokens_per_s=tokens_per_s, mfu=mfu,
-                                       checkpoint=ckpt.stats.as_dict() if ckpt else None))
+                                       checkpoint=ckpt.stats.as_dict() if ckpt else None,
+                                       moe=experts))
 
             # The step boundary: what any rank was told (stop, pause, checkpoint now), all do
             # after this step.

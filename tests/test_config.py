@@ -138,8 +138,10 @@ def test_batch_must_split_into_microbatches_and_dp():
 
 
 def test_experts_borrow_from_dp():
-    err = refusal(job(parallel={"ep": 4}), world=2)
+    err = refusal(job(parallel={"ep": 4}, model={"moe": {"experts": 8}}), world=2)
     assert keys(err) == ["parallel.ep"] and "use ep among 1, 2" in str(err)
+    err = refusal(job(parallel={"ep": 2}), world=2)  # a dense model has no experts to shard
+    assert keys(err) == ["parallel.ep"] and "ep=2 needs experts" in str(err)
 
 
 def test_other_cross_field_checks():

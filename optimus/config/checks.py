@@ -93,6 +93,18 @@ def _static_problems(job: JobConfig) -> list[tuple[str, str, str]]:
         problem = schedule_problem(p.schedule, p.pp, p.virtual_stages, d.microbatches)
         if problem:
             out.append(("parallel.schedule", *problem))
+    moe = m.moe
+    if moe.experts:
+        if moe.top_k > moe.experts:
+            out.append(("model.moe.top_k", f"{moe.top_k} is more than experts={moe.experts}",
+                        f"use top_k <= {moe.experts}"))
+        if moe.dense_layers >= m.n_layers:
+            out.append(("model.moe.dense_layers", f"{moe.dense_layers} leaves no MoE layer of "
+                        f"n_layers={m.n_layers}", f"use dense_layers < {m.n_layers}, or "
+                        "experts: 0 for a dense model"))
+    elif p.ep > 1:
+        out.append(("parallel.ep", f"ep={p.ep} needs experts to shard",
+                    "set model.moe.experts, or ep: 1"))
     if d.seq_len > m.max_seq_len:
         out.append(("data.seq_len", f"{d.seq_len} is longer than model.max_seq_len="
                     f"{m.max_seq_len}", f"use seq_len <= {m.max_seq_len}"))
@@ -187,5 +199,9 @@ def check_trainable(job: JobConfig, source: str = "job") -> None:
         if value != works:
             problems.append((key, f"{value} validates but this build cannot train it yet",
                              f"set {key}: {works}"))
+    if job.model.moe.experts and job.parallel.tp > 1:
+        problems.append(("parallel.tp", f"tp={job.parallel.tp} with MoE layers validates but "
+                         "this build cannot train it yet", "set parallel.tp: 1 for an MoE "
+                         "model"))
     if problems:
         raise ConfigError(source, problems=problems)

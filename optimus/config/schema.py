@@ -21,6 +21,28 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 
 
+class MoEConfig(Section):
+    """Mixture of experts in the feed-forward of every layer past `dense_layers`."""
+
+    experts: NonNegativeInt = Field(0, description="routed experts per MoE layer; 0: dense")
+    top_k: PositiveInt = Field(2, description="experts each token is sent to")
+    score: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="router scores; sigmoid weights are renormalised over the top k")
+    shared_experts: NonNegativeInt = Field(
+        0, description="experts every token also goes through (one SwiGLU this many wide)")
+    expert_ffn_dim: PositiveInt | None = Field(None, description="None: model.ffn_dim")
+    capacity_factor: PositiveFloat | None = Field(
+        None, description="None: dropless; else each expert takes at most "
+                          "ceil(factor x tokens x top_k / experts) tokens, the rest are dropped")
+    balance: Literal["aux_loss", "bias", "none"] = Field(
+        "aux_loss", description="aux_loss: a load-balancing loss; bias: loss-free, a per-expert "
+                                "bias on the routing scores follows the load")
+    aux_loss_coeff: NonNegativeFloat = 0.01
+    bias_update_rate: NonNegativeFloat = Field(
+        1e-3, description="bias: the step by which an under- or over-loaded expert's bias moves")
+    dense_layers: NonNegativeInt = Field(0, description="the first k layers stay dense")
+
+
 class ModelConfig(Section):
     vocab_size: Annotated[int, Field(ge=2)] = 257
     dim: Annotated[int, Field(ge=8)] = 256
@@ -33,6 +55,7 @@ class ModelConfig(Section):
     rope_theta: PositiveFloat = 10000.0
     norm_eps: PositiveFloat = 1e-5
     init_std: PositiveFloat = 0.02
+    moe: MoEConfig = Field(default_factory=MoEConfig)
 
     @model_validator(mode="after")
     def _resolve(self) -> ModelConfig:
@@ -43,6 +66,8 @@ class ModelConfig(Section):
             hidden = int(2 * 4 * self.dim / 3)
             m = self.ffn_multiple_of
             object.__setattr__(self, "ffn_dim", m * ((hidden + m - 1) // m))
+        if self.moe.expert_ffn_dim is None:
+            object.__setattr__(self.moe, "expert_ffn_dim", self.ffn_dim)
         return self
 
     @property

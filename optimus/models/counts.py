@@ -1,42 +1,53 @@
-"""Parameter and FLOP counts of the dense GPT, by formula (for MFU and for planning)."""
+"""Parameter and FLOP counts of the GPT (dense or MoE), by formula (for MFU and planning)."""
 
 from __future__ import annotations
 
+from optimus.models.moe import is_moe_layer
 
-def _matmul_params_per_layer(cfg) -> int:
+
+def _matmul_params_per_layer(cfg, layer: int, active: bool) -> int:
     head_dim = cfg.dim // cfg.n_heads
     q = cfg.dim * cfg.n_heads * head_dim
     kv = 2 * cfg.dim * cfg.n_kv_heads * head_dim
     o = cfg.n_heads * head_dim * cfg.dim
-    ffn = 3 * cfg.dim * cfg.ffn_dim
-    return q + kv + o + ffn
+    if not is_moe_layer(cfg, layer):
+        return q + kv + o + 3 * cfg.dim * cfg.ffn_dim
+    m = cfg.moe
+    expert = 3 * cfg.dim * m.expert_ffn_dim
+    routed = m.top_k if active else m.experts  # a token goes through top_k of them
+    return q + kv + o + cfg.dim * m.experts + (routed + m.shared_experts) * expert
 
 
-def matmul_param_count(cfg) -> int:
+def matmul_param_count(cfg, active: bool = False) -> int:
     """Parameters that enter a matmul: every weight but the embedding table and the norms.
 
-    The output head is included (it is a matmul; it is not tied to the embedding).
+    The output head is included (it is a matmul; it is not tied to the embedding). With
+    `active`, an MoE layer counts only the experts one token goes through (top_k routed and
+    the shared ones), and its router.
     """
-    return cfg.n_layers * _matmul_params_per_layer(cfg) + cfg.dim * cfg.vocab_size
+    layers = sum(_matmul_params_per_layer(cfg, i, active) for i in range(cfg.n_layers))
+    return layers + cfg.dim * cfg.vocab_size
 
 
-def param_count(cfg) -> int:
-    """Exact number of parameters of `GPT(cfg)`.
+def param_count(cfg, active: bool = False) -> int:
+    """Exact number of parameters of `GPT(cfg)` (with `active`: those one token uses).
 
-    embedding V*d + per layer (q d*h*hd, k and v d*kvh*hd each, o h*hd*d, SwiGLU 3*d*ffn,
-    two norms 2*d) + final norm d + output head d*V, with hd = dim // n_heads.
+    embedding V*d + per layer (q d*h*hd, k and v d*kvh*hd each, o h*hd*d, two norms 2*d, and
+    a SwiGLU 3*d*ffn, or in an MoE layer a router d*E and (E + shared) experts of 3*d*ffn_e)
+    + final norm d + output head d*V, with hd = dim // n_heads.
     """
     embedding = cfg.vocab_size * cfg.dim
     norms = (2 * cfg.n_layers + 1) * cfg.dim
-    return embedding + norms + matmul_param_count(cfg)
+    return embedding + norms + matmul_param_count(cfg, active)
 
 
 def flops_per_token(cfg, seq_len: int) -> int:
     """Training FLOPs per token (forward + backward), the numerator of MFU.
 
     6 * N_matmul + 12 * n_layers * n_heads * head_dim * seq_len, where N_matmul is
-    `matmul_param_count(cfg)`. A multiply-add is 2 FLOPs, so a weight costs 2 FLOPs per token
-    forward and the backward costs twice the forward (gradients of inputs and of weights):
+    `matmul_param_count(cfg, active=True)` (in an MoE layer, the experts a token goes
+    through). A multiply-add is 2 FLOPs, so a weight costs 2 FLOPs per token forward and the
+    backward costs twice the forward (gradients of inputs and of weights):
     6 per weight per token. Attention scores (Q K^T) and the weighted sum (P V) each cost
     2 * head_dim * seq_len per head per token forward, so 4 forward and 12 in all; the full
     T x T matrix is counted although causal attention needs only half, as is conventional
@@ -44,4 +55,4 @@ def flops_per_token(cfg, seq_len: int) -> int:
     """
     head_dim = cfg.dim // cfg.n_heads
     attention = 12 * cfg.n_layers * cfg.n_heads * head_dim * seq_len
-    return 6 * matmul_param_count(cfg) + attention
+    return 6 * matmul_param_count(cfg, active=True) + attention

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from optimus.models.moe import MoE, is_moe_layer
+
 
 def default_ffn_dim(dim: int, multiple_of: int) -> int:
     """Llama's SwiGLU hidden size: 2/3 of 4 * dim, rounded up to a multiple of `multiple_of`."""
@@ -97,14 +99,20 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block."""
+    """Pre-norm transformer block; its feed-forward is a mixture of experts in MoE layers."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+        if is_moe_layer(cfg, layer):
+            m = cfg.moe
+            shared = (FeedForward(cfg.dim, m.expert_ffn_dim * m.shared_experts)
+                      if m.shared_experts else None)
+            self.feed_forward = MoE(cfg, layer, shared)
+        else:
+            self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -122,7 +130,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.reset_rope()
@@ -174,10 +182,11 @@ def init_weights(model: GPT, seed: int) -> None:
 
     Each parameter gets its own CPU float32 generator, so the values do not depend on which
     other parameters exist (a pipeline stage gets the same values as the full model), on the
-    device or on the dtype. Norm weights are ones; embeddings and linear weights are
-    normal(0, init_std), except the residual-branch outputs `wo` and `w2`, scaled by
-    1/sqrt(2 * n_layers) (GPT-2) so the residual stream's variance does not grow with depth.
-    DTensor parameters (already sharded) get their shard of the same full tensor.
+    device or on the dtype. Norm weights are ones; embeddings, linear, router and expert
+    weights are normal(0, init_std), except the residual-branch outputs (`wo`, every `w2`),
+    scaled by 1/sqrt(2 * n_layers) (GPT-2) so the residual stream's variance does not grow with
+    depth. DTensor parameters (already sharded) get their shard of the same full tensor. MoE
+    buffers (the balancing bias, the load counters) start at zero.
     """
     cfg = model.cfg
     for name, p in model.named_parameters():
@@ -186,11 +195,14 @@ def init_weights(model: GPT, seed: int) -> None:
             full = torch.ones(p.shape, dtype=torch.float32)
         else:
             std = cfg.init_std
-            if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            if name.endswith(("attention.wo.weight", ".w2.weight", "experts.w2")):
                 std /= math.sqrt(2 * cfg.n_layers)
             g = torch.Generator().manual_seed(param_seed(seed, name))
             full = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=g)
         _copy_full(p, full)
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.reset_buffers()
     model.reset_rope()
 
 

@@ -7,7 +7,7 @@ activation checkpointing -> data-parallel sharding (FSDP2 over `dp`).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from optimus.config import JobConfig, Layout
 from optimus.health import NO_HEARTBEAT, Heartbeat, NoHeartbeat
 from optimus.models import build_model
+from optimus.models.moe import MoE, moe_layers
 from optimus.parallel.activation_checkpoint import apply_activation_checkpointing
 from optimus.parallel.data_parallel import apply_data_parallel, set_gradient_sync
 from optimus.parallel.pipeline import build_schedule, build_stage_models, run_pipeline_step
@@ -54,6 +55,13 @@ class ParallelModel:
     num_stages: int
     loss_fn: TokenSumLoss
     tp_enabled: bool
+    moe: list[MoE] = field(default_factory=list)  # the MoE layers of these chunks
+
+    def set_step_tokens(self, tokens: int) -> None:
+        """The step's global token count: the loss and any auxiliary loss divide by it."""
+        self.loss_fn.tokens = tokens
+        for layer in self.moe:
+            layer.step_tokens = tokens
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for part in self.parts:
@@ -138,4 +146,5 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
     if layout.pp > 1:
         schedule = build_schedule(parts, ids, num_stages, mesh["pp"].get_group(), device,
                                   p.schedule, job.data.microbatches, loss_fn)
-    return ParallelModel(parts, schedule, ids, num_stages, loss_fn, layout.tp > 1)
+    return ParallelModel(parts, schedule, ids, num_stages, loss_fn, layout.tp > 1,
+                         [m for part in parts for m in moe_layers(part)])

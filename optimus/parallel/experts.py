@@ -1,0 +1,47 @@
+"""After each step: the experts' load across all ranks, the loss-free balancing bias, metrics.
+
+Every MoE layer counts, during the step, the slots routed to each of its experts and the slots
+dropped for capacity. Here they are summed over every rank in one all-reduce of a
+[n_layers, experts + 1] tensor indexed by global layer (a pipeline stage fills its own rows, a
+data-parallel replica adds its tokens), so that every rank sees the whole model's load. With
+`balance: bias` each layer then moves its expert bias by `bias_update_rate` towards the mean
+load (up for an expert below it, down above it): the same update on every replica, since
+every replica saw the same sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from optimus.models.moe import MoE, is_moe_layer
+
+
+def expert_step(layers: list[MoE], cfg, dp_group: dist.ProcessGroup,
+                pp_group: dist.ProcessGroup, device: torch.device) -> dict | None:
+    """Sum the step's load over the data-parallel replicas and pipeline stages, update the
+    biases, reset the counters; the step's figures ({"load": per MoE layer, "dropped": slots,
+    "aux_loss": mean over layers and replicas}), None without MoE."""
+    m = cfg.moe
+    if not m.experts:
+        return None
+    stats = torch.zeros(cfg.n_layers, m.experts + 2, device=device)
+    for layer in layers:
+        stats[layer.layer, :m.experts] = layer.load
+        stats[layer.layer, m.experts] = layer.dropped
+        if layer.last_aux_loss is not None:
+            stats[layer.layer, m.experts + 1] = layer.last_aux_loss
+    for group in (dp_group, pp_group):
+        if group.size() > 1:
+            dist.all_reduce(stats, group=group)
+    for layer in layers:
+        load = stats[layer.layer, :m.experts]
+        if m.balance == "bias":
+            layer.expert_bias += m.bias_update_rate * torch.sign(load.mean() - load)
+        layer.load.zero_()
+        layer.dropped.zero_()
+    moe_rows = [i for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
+    replicas = dp_group.size()  # every replica added its own aux loss
+    return {"load": [[int(v) for v in stats[i, :m.experts].tolist()] for i in moe_rows],
+            "dropped": int(stats[moe_rows, m.experts].sum()),
+            "aux_loss": float(stats[moe_rows, m.experts + 1].mean()) / replicas}

@@ -1,0 +1,176 @@
+"""The mixture-of-experts layer: routing, dispatch and combine, capacity, balancing, and MoE
+models training like one process under data and pipeline parallelism."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_parallel_matrix import relative_error
+
+from optimus.config import ConfigError, check_job, check_trainable, validate_job
+from optimus.models import build_model, param_count
+from optimus.models.moe import MoE, grouped_mm, padded_grouped_mm
+from optimus.train import train
+
+
+def moe_job(**moe) -> dict:
+    return {"name": "moe",
+            "model": {"vocab_size": 256, "dim": 64, "n_layers": 4, "n_heads": 4,
+                      "n_kv_heads": 2, "ffn_dim": 128, "max_seq_len": 32,
+                      "moe": {"experts": 4, "top_k": 2, "expert_ffn_dim": 32,
+                              "shared_experts": 1, "dense_layers": 1, **moe}},
+            "optim": {"steps": 5, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 2},
+            "data": {"seq_len": 32, "batch_size": 8, "microbatches": 4},
+            "parallel": {"device": "cpu"}}
+
+
+def layer(**moe) -> MoE:
+    model = build_model(validate_job(moe_job(**moe)).model, seed=7)
+    return model.layers["1"].feed_forward
+
+
+def naive(m: MoE, tokens: torch.Tensor, keep=None) -> torch.Tensor:
+    """Token by token: the weighted sum of its k experts (those `keep` allows), + shared."""
+    _, chosen, weights = m.route(tokens)
+    out = torch.zeros_like(tokens)
+    w = m.experts
+    for t in range(tokens.shape[0]):
+        for j in range(m.top_k):
+            e = int(chosen[t, j])
+            if keep is not None and not keep(t, e):
+                continue
+            x = tokens[t]
+            h = torch.nn.functional.silu(x @ w.w1[e]) * (x @ w.w3[e])
+            out[t] += weights[t, j] * (h @ w.w2[e])
+    return out + (m.shared(tokens) if m.shared is not None else 0)
+
+
+def test_dropless_every_token_reaches_exactly_k_experts_and_comes_back():
+    m = layer()
+    tokens = torch.randn(40, 64)
+    out = m(tokens.view(2, 20, 64)).view(40, 64)  # a training pass: its load is counted
+    with torch.no_grad():
+        assert torch.allclose(out, naive(m, tokens), atol=1e-5)
+    assert m.load.sum() == 40 * 2 and m.dropped == 0  # k slots per token, none dropped
+    _, chosen, _ = m.route(tokens)
+    assert m.load.tolist() == torch.bincount(chosen.flatten(), minlength=4).float().tolist()
+
+
+def test_a_capacity_factor_drops_the_slots_past_an_experts_capacity_and_counts_them():
+    m = layer(capacity_factor=0.5)
+    tokens = torch.randn(40, 64)
+    _, chosen, _ = m.route(tokens)
+    capacity = math.ceil(0.5 * 40 * 2 / 4)  # 10 slots per expert
+    seen = torch.zeros(4, dtype=torch.long)
+    kept = set()
+    for t in range(40):  # the first slots in token order are kept
+        for j in range(2):
+            e = int(chosen[t, j])
+            if seen[e] < capacity:
+                kept.add((t, e))
+            seen[e] += 1
+    out = m(tokens.view(1, 40, 64)).view(40, 64)
+    with torch.no_grad():
+        assert torch.allclose(out, naive(m, tokens, keep=lambda t, e: (t, e) in kept),
+                              atol=1e-5)
+    assert int(m.dropped) == 80 - len(kept) > 0
+
+
+def test_padded_grouped_mm_equals_one_matmul_per_expert_with_gradients():
+    counts = torch.tensor([3, 0, 5, 1])
+    x = torch.randn(9, 6, requires_grad=True)
+    w = torch.randn(4, 6, 5, requires_grad=True)
+    out = grouped_mm(x, w, counts)  # on CPU: the padded batched matmul
+    starts = [0, 3, 3, 8]
+    ref = torch.cat([x[s:s + c] @ w[e] for e, (s, c) in enumerate(zip(starts, counts.tolist(),
+                                                                       strict=True))])
+    assert torch.allclose(out, ref, atol=1e-6)
+    g = torch.randn_like(out)
+    gx, gw = torch.autograd.grad(out, (x, w), g)
+    rx, rw = torch.autograd.grad(ref, (x, w), g)
+    assert torch.allclose(gx, rx, atol=1e-5) and torch.allclose(gw, rw, atol=1e-5)
+    assert padded_grouped_mm(x[:0], w, torch.zeros(4, dtype=torch.long)).shape == (0, 5)
+
+
+def test_the_aux_loss_pulls_on_the_router_only_when_balancing_by_loss():
+    tokens = torch.randn(2, 16, 64)
+    grads = {}
+    for balance in ("aux_loss", "none"):
+        m = layer(balance=balance, aux_loss_coeff=0.5)
+        m.step_tokens = 32
+        (m(tokens) * 0).sum().backward()  # nothing but the auxiliary loss
+        grads[balance] = m.router.weight.grad
+    assert grads["none"].abs().max() == 0
+    assert grads["aux_loss"].abs().max() > 0
+    scores = torch.full((8, 4), 0.25)  # perfectly balanced: the loss is 1
+    chosen = torch.tensor([[0, 1], [2, 3]] * 4)
+    assert float(layer().aux_loss(scores, chosen)) == pytest.approx(1.0)
+    skewed = torch.tensor([[0, 1]] * 8)
+    assert float(layer().aux_loss(torch.tensor([[0.5, 0.5, 0, 0]] * 8), skewed)) == 2.0
+
+
+def test_sigmoid_scores_and_the_bias_choose_but_do_not_weigh():
+    m = layer(score="sigmoid", balance="bias")
+    tokens = torch.randn(10, 64)
+    with torch.no_grad():
+        m.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 100.0]))
+        scores, chosen, weights = m.route(tokens)
+    assert (chosen == 3).any(-1).all()  # the bias made expert 3 everybody's choice
+    assert torch.allclose(weights.sum(-1), torch.ones(10))  # renormalised over the top k
+    assert torch.allclose(weights, scores.gather(-1, chosen) / scores.gather(
+        -1, chosen).sum(-1, keepdim=True))
+
+
+def test_moe_configs_are_checked_and_counted():
+    cfg = validate_job(moe_job()).model
+    model = build_model(cfg, seed=1)
+    assert param_count(cfg) == sum(p.numel() for p in model.parameters())
+    assert [type(b.feed_forward).__name__ for b in model.layers.values()] == [
+        "FeedForward", "MoE", "MoE", "MoE"]
+    # Active: top_k of 4 experts: 2 x 3 x 64 x 32 fewer weights per MoE layer.
+    assert param_count(cfg) - param_count(cfg, active=True) == 3 * 2 * 3 * 64 * 32
+    with pytest.raises(ConfigError, match="top_k"):
+        check_job(validate_job(moe_job(top_k=5)))
+    with pytest.raises(ConfigError, match="ep=2 needs experts"):
+        check_job(validate_job({**moe_job(), "model": {**moe_job()["model"], "moe": {}},
+                                "parallel": {"ep": 2}}))
+    with pytest.raises(ConfigError, match="tp=2 with MoE layers"):
+        check_trainable(validate_job({**moe_job(), "parallel": {"tp": 2}}))
+
+
+def _train(rank: int, world_size: int, raw: dict) -> dict:
+    result = train(validate_job(raw, world=world_size), keep_state=True, quiet=True)
+    return {"losses": result.losses, "state": result.state,
+            "moe": [m.moe for m in result.metrics]}
+
+
+@pytest.mark.parametrize("name,world,parallel,moe", [
+    ("DP2-bias", 2, {}, {"balance": "bias", "bias_update_rate": 0.01}),
+    ("PP2-aux-loss", 2, {"pp": 2, "schedule": "1f1b"}, {"balance": "aux_loss"}),
+])
+def test_moe_layouts_train_like_one_process(run_ranks, name, world, parallel, moe):
+    raw = moe_job(**moe)
+    (one,) = run_ranks(_train, 1, raw, timeout=120)
+    ranks = run_ranks(_train, world, {**raw, "parallel": {**raw["parallel"], **parallel}},
+                      timeout=240)
+    merged: dict[str, torch.Tensor] = {}
+    for result in ranks:
+        assert result["losses"] == pytest.approx(one["losses"], rel=1e-5)
+        merged.update(result["state"])
+    # Every rank saw the whole model's load, summed over replicas and stages. A pipeline's
+    # first step also counts torch's one-time metadata inference (each stage runs once on
+    # placeholder tensors): compared from step 2 there. Known gap, for the EP work: give MoE
+    # stages static metadata so that no such pass runs.
+    first = 1 if "pp" in parallel else 0
+    assert all(r["moe"][first:] == one["moe"][first:] for r in ranks)
+    assert sum(one["moe"][0]["load"][0]) == 8 * 32 * 2  # every token of the step, twice
+    assert merged.keys() == one["state"].keys()
+    for key, value in one["state"].items():
+        if value.norm() == 0:  # an expert bias that never moves (balanced by the loss)
+            assert torch.equal(merged[key], value), key
+        else:
+            assert relative_error(merged[key], value) <= 1e-5, key
+    if moe["balance"] == "bias":  # the bias moved, the same on every replica
+        assert one["state"]["layers.1.feed_forward.expert_bias"].abs().sum() > 0
