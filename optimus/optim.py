@@ -11,13 +11,19 @@ from optimus.config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (norm weights are vectors and stay undecayed)."""
-    decay, no_decay = [], []
+    """AdamW; weight decay on matrices only (norm weights are vectors and stay undecayed).
+
+    Parameters sharded on different meshes (under expert parallelism: experts over (edp, ep),
+    the rest over dp) go in separate groups: a fused or foreach step works on one mesh at once.
+    """
+    groups: dict[tuple, list] = {}
     for param in model.parameters():
         if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+            mesh = getattr(param, "device_mesh", None)
+            key = (param.dim() >= 2, None if mesh is None else mesh.mesh_dim_names)
+            groups.setdefault(key, []).append(param)
+    groups = [{"params": params, "weight_decay": cfg.weight_decay if decay else 0.0}
+              for (decay, _), params in groups.items()]
     fused = cfg.fused
     if fused is None:
         # The fused kernel exists for cpu, cuda and xpu in torch 2.13.

@@ -146,25 +146,50 @@ def _train(rank: int, world_size: int, raw: dict) -> dict:
             "moe": [m.moe for m in result.metrics]}
 
 
-@pytest.mark.parametrize("name,world,parallel,moe", [
-    ("DP2-bias", 2, {}, {"balance": "bias", "bias_update_rate": 0.01}),
-    ("PP2-aux-loss", 2, {"pp": 2, "schedule": "1f1b"}, {"balance": "aux_loss"}),
-])
-def test_moe_layouts_train_like_one_process(run_ranks, name, world, parallel, moe):
-    raw = moe_job(**moe)
-    (one,) = run_ranks(_train, 1, raw, timeout=120)
-    ranks = run_ranks(_train, world, {**raw, "parallel": {**raw["parallel"], **parallel}},
-                      timeout=240)
+_reference: dict[str, dict] = {}
+
+
+def one_process(run_ranks, balance: str) -> dict:
+    """The single-process run, one sequence per microbatch (as every layout below has it: the
+    auxiliary loss is per microbatch, so the microbatches must hold the same sequences)."""
+    if balance not in _reference:
+        raw = moe_job(balance=balance, bias_update_rate=0.01)
+        raw["data"]["microbatches"] = 8
+        (_reference[balance],) = run_ranks(_train, 1, raw, timeout=120)
+    return _reference[balance]
+
+
+# name: (world, parallel, microbatches of one sequence each, balancing)
+LAYOUTS = {
+    "DP2": (2, {}, 4, "bias"),
+    "PP2": (2, {"pp": 2, "schedule": "1f1b"}, 8, "aux_loss"),
+    "EP2": (2, {"ep": 2}, 4, "bias"),
+    "EP2xDP2": (4, {"ep": 2}, 2, "aux_loss"),
+    "EP2xPP2": (4, {"ep": 2, "pp": 2, "schedule": "1f1b"}, 4, "aux_loss"),
+    "EP4": (8, {"ep": 4}, 1, "bias"),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_moe_layouts_train_like_one_process(run_ranks, name):
+    world, parallel, microbatches, balance = LAYOUTS[name]
+    one = one_process(run_ranks, balance)
+    raw = moe_job(balance=balance, bias_update_rate=0.01)
+    raw["data"]["microbatches"] = microbatches
+    raw["parallel"].update(parallel)
+    ranks = run_ranks(_train, world, raw, timeout=240)
     merged: dict[str, torch.Tensor] = {}
     for result in ranks:
         assert result["losses"] == pytest.approx(one["losses"], rel=1e-5)
         merged.update(result["state"])
-    # Every rank saw the whole model's load, summed over replicas and stages. A pipeline's
-    # first step also counts torch's one-time metadata inference (each stage runs once on
-    # placeholder tensors): compared from step 2 there. Known gap, for the EP work: give MoE
-    # stages static metadata so that no such pass runs.
-    first = 1 if "pp" in parallel else 0
-    assert all(r["moe"][first:] == one["moe"][first:] for r in ranks)
+        # Every rank saw the whole model's load, summed over replicas and stages. A pipeline's
+        # first step also counts torch's one-time metadata inference (each stage runs once on
+        # placeholder tensors), so there the counts are compared from step 2. Known gap, for
+        # the next step of this work: give MoE stages static metadata so no such pass runs.
+        first = 1 if "pp" in parallel else 0
+        for got, want in zip(result["moe"][first:], one["moe"][first:], strict=True):
+            assert (got["load"], got["dropped"]) == (want["load"], want["dropped"])
+            assert got["aux_loss"] == pytest.approx(want["aux_loss"], rel=1e-5)
     assert sum(one["moe"][0]["load"][0]) == 8 * 32 * 2  # every token of the step, twice
     assert merged.keys() == one["state"].keys()
     for key, value in one["state"].items():
@@ -172,5 +197,47 @@ def test_moe_layouts_train_like_one_process(run_ranks, name, world, parallel, mo
             assert torch.equal(merged[key], value), key
         else:
             assert relative_error(merged[key], value) <= 1e-5, key
-    if moe["balance"] == "bias":  # the bias moved, the same on every replica
+    if balance == "bias":  # the bias moved, the same on every replica
         assert one["state"]["layers.1.feed_forward.expert_bias"].abs().sum() > 0
+    else:
+        assert one["moe"][-1]["aux_loss"] >= 1.0  # 1 when perfectly balanced
+
+
+def _ep_steps(rank: int, world_size: int, steps: int) -> dict:
+    """`steps` training steps of an EP2 model: live tensors and peak memory as they go."""
+    import gc
+    import resource
+
+    from optimus.config import resolve_layout
+    from optimus.optim import build_optimizer
+    from optimus.parallel.experts import expert_step
+    from optimus.parallel.plan import build_parallel_model
+    from optimus.runtime import ParallelDims
+
+    job = validate_job({**moe_job(), "parallel": {"device": "cpu", "ep": 2}}, world=world_size)
+    layout = resolve_layout(job, world_size)
+    mesh = ParallelDims(dp=layout.dp, tp=1, pp=1, ep=layout.ep,
+                        world_size=world_size).build_mesh("cpu")
+    cpu = torch.device("cpu")
+    model = build_parallel_model(job, layout, mesh, cpu)
+    optimizer = build_optimizer(model.state_view(), job.optim, cpu)
+    g = torch.Generator().manual_seed(rank)
+    tensors, peak = [], []
+    for _ in range(steps):
+        batch = torch.randint(0, 256, (4, 33), generator=g)
+        model.set_step_tokens(2 * 4 * 32)
+        model.forward_backward([{"input_ids": batch[:, :-1], "labels": batch[:, 1:]}], cpu)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        expert_step(model.moe, job.model, mesh["dp"].get_group(), mesh["pp"].get_group(), cpu)
+        gc.collect()
+        tensors.append(sum(isinstance(o, torch.Tensor) for o in gc.get_objects()))
+        peak.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return {"tensors": tensors, "peak_kib": peak}
+
+
+def test_expert_parallel_dispatch_keeps_no_memory_across_steps(run_ranks):
+    for result in run_ranks(_ep_steps, 2, 50, timeout=240):
+        assert len(set(result["tensors"][5:])) == 1, result["tensors"]  # nothing accumulates
+        grown = result["peak_kib"][-1] - result["peak_kib"][9]
+        assert grown < 16 * 1024, f"peak memory grew {grown} KiB from step 10 to 50"

@@ -152,6 +152,10 @@ def _layout_problems(job: JobConfig, world: int) -> tuple[Layout | None, list]:
     if dp % p.ep:
         out.append(("parallel.ep", f"ep={p.ep} does not divide dp={dp}; experts borrow "
                     "their ranks from dp", f"use ep among {_divisors(dp)}"))
+    experts = job.model.moe.experts
+    if experts and experts % p.ep:
+        out.append(("parallel.ep", f"{experts} experts do not split over ep={p.ep}",
+                    f"use ep among {_divisors(experts)}"))
     per_step = d.microbatches * dp
     if d.batch_size % per_step:
         nearest = max(per_step, round(d.batch_size / per_step) * per_step)
@@ -187,7 +191,7 @@ def resolve_layout(job: JobConfig, world: int, source: str = "job") -> Layout:
 
 
 # What a layout may ask for that this build cannot train yet: (key, value that works).
-_NOT_YET_TRAINABLE = {"parallel.ep": 1}
+_NOT_YET_TRAINABLE: dict[str, object] = {}
 
 
 def check_trainable(job: JobConfig, source: str = "job") -> None:

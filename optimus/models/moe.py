@@ -46,8 +46,14 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: [tokens, dim], sorted by expert, `counts[e]` rows for expert e."""
-        h = F.silu(grouped_mm(x, self.w1, counts)) * grouped_mm(x, self.w3, counts)
-        return grouped_mm(h, self.w2, counts)
+        return swiglu_experts(x, self.w1, self.w3, self.w2, counts)
+
+
+def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                   counts: torch.Tensor) -> torch.Tensor:
+    """Each group of rows of `x` through its expert's SwiGLU (weights stacked by expert)."""
+    h = F.silu(grouped_mm(x, w1, counts)) * grouped_mm(x, w3, counts)
+    return grouped_mm(h, w2, counts)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -109,12 +115,13 @@ class MoE(nn.Module):
         self.register_buffer("load", torch.zeros(m.experts), persistent=False)
         self.register_buffer("dropped", torch.zeros(()), persistent=False)
         self.step_tokens = 1  # the step's global token count (the trainer sets it)
-        self.last_aux_loss: torch.Tensor | None = None  # of the last microbatch
+        self.aux_total: torch.Tensor | None = None  # this step's, token-weighted, this rank
 
     def reset_buffers(self) -> None:
         self.expert_bias.zero_()
         self.load.zero_()
         self.dropped.zero_()
+        self.aux_total = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, dim = x.shape
@@ -124,11 +131,10 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(tokens)
         if self.balance == "aux_loss" and self.training and torch.is_grad_enabled():
-            aux = self.aux_loss(scores, chosen)
-            self.last_aux_loss = aux.detach()
             # Token-weighted over the step's microbatches and ranks, as the main loss is.
-            out = _AddAuxLoss.apply(out, aux * self.aux_loss_coeff
-                                    * (tokens.shape[0] / self.step_tokens))
+            aux = self.aux_loss(scores, chosen) * (tokens.shape[0] / self.step_tokens)
+            self.aux_total = aux.detach() + (0 if self.aux_total is None else self.aux_total)
+            out = _AddAuxLoss.apply(out, aux * self.aux_loss_coeff)
         return out.view(b, s, dim)
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -145,13 +151,19 @@ class MoE(nn.Module):
     def dispatch(self, tokens: torch.Tensor, chosen: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:
         """Send each token to its experts, run them, and bring the weighted outputs back."""
-        slots = chosen.reshape(-1)  # token t's j-th expert is slot t * k + j
-        order = torch.argsort(slots, stable=True)  # slots grouped by expert, in token order
+        kept, counts = self.slots(chosen, tokens.shape[0])
+        y = self.experts(tokens[kept // self.top_k], counts)
+        return self.combine(tokens, kept, y, weights)
+
+    def slots(self, chosen: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots that go to an expert, grouped by expert in token order (slot t * k + j is
+        token t's j-th expert), and how many each expert takes; counts the load and drops."""
+        slots = chosen.reshape(-1)
+        order = torch.argsort(slots, stable=True)
         counts = torch.bincount(slots, minlength=self.experts_n)
         kept = order
         if self.capacity_factor is not None:
-            capacity = math.ceil(self.capacity_factor * tokens.shape[0] * self.top_k
-                                 / self.experts_n)
+            capacity = math.ceil(self.capacity_factor * n_tokens * self.top_k / self.experts_n)
             starts = torch.cumsum(counts, 0) - counts
             rank = torch.arange(order.numel(), device=order.device) - torch.repeat_interleave(
                 starts, counts)  # each slot's place in its expert's queue
@@ -161,10 +173,13 @@ class MoE(nn.Module):
             with torch.no_grad():
                 self.load += torch.bincount(slots, minlength=self.experts_n).float()
                 self.dropped += slots.numel() - kept.numel()
-        token = kept // self.top_k
-        y = self.experts(tokens[token], counts)
+        return kept, counts
+
+    def combine(self, tokens: torch.Tensor, kept: torch.Tensor, y: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+        """Each token's experts' outputs `y` (in `kept` order), weighted and summed."""
         y = y * weights.reshape(-1)[kept].unsqueeze(-1).to(y.dtype)
-        return torch.zeros_like(tokens).index_add(0, token, y)
+        return torch.zeros_like(tokens).index_add(0, kept // self.top_k, y)
 
     def aux_loss(self, scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """experts x sum over experts of (fraction of slots routed to it) x (its mean

@@ -1,4 +1,4 @@
-"""Sharded data parallel over the `dp` mesh axis with FSDP2 (`fully_shard`).
+"""Sharded data parallel over the `dp` mesh axis with FSDP2 (`fully_shard`); experts over `edp`.
 
 Parameters, gradients and optimizer state are sharded across dp (ZeRO-3). Gradients are
 *summed* across ranks, not averaged: the trainer already divides the loss by the global token
@@ -11,9 +11,20 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from optimus.models.moe import moe_layers
 
-def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
-    """Shard each transformer block as its own unit, the rest (embedding, head) at the root."""
+
+def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh,
+                        edp_mesh: DeviceMesh | None = None) -> nn.Module:
+    """Shard each transformer block as its own unit, the rest (embedding, head) at the root.
+
+    Under expert parallelism (`edp_mesh`), each MoE layer's experts, already sharded by expert
+    over `ep`, are their own unit sharded over the expert-data-parallel `edp`: the replicas of
+    the same experts. Everything else shards over the whole `dp`.
+    """
+    if edp_mesh is not None:
+        for moe in moe_layers(model):
+            fully_shard(moe.experts, mesh=edp_mesh)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)

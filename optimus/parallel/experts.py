@@ -21,7 +21,7 @@ def expert_step(layers: list[MoE], cfg, dp_group: dist.ProcessGroup,
                 pp_group: dist.ProcessGroup, device: torch.device) -> dict | None:
     """Sum the step's load over the data-parallel replicas and pipeline stages, update the
     biases, reset the counters; the step's figures ({"load": per MoE layer, "dropped": slots,
-    "aux_loss": mean over layers and replicas}), None without MoE."""
+    "aux_loss": the step's, token-weighted, mean over layers}), None without MoE."""
     m = cfg.moe
     if not m.experts:
         return None
@@ -29,8 +29,8 @@ def expert_step(layers: list[MoE], cfg, dp_group: dist.ProcessGroup,
     for layer in layers:
         stats[layer.layer, :m.experts] = layer.load
         stats[layer.layer, m.experts] = layer.dropped
-        if layer.last_aux_loss is not None:
-            stats[layer.layer, m.experts + 1] = layer.last_aux_loss
+        if layer.aux_total is not None:
+            stats[layer.layer, m.experts + 1] = layer.aux_total
     for group in (dp_group, pp_group):
         if group.size() > 1:
             dist.all_reduce(stats, group=group)
@@ -40,8 +40,8 @@ def expert_step(layers: list[MoE], cfg, dp_group: dist.ProcessGroup,
             layer.expert_bias += m.bias_update_rate * torch.sign(load.mean() - load)
         layer.load.zero_()
         layer.dropped.zero_()
+        layer.aux_total = None
     moe_rows = [i for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
-    replicas = dp_group.size()  # every replica added its own aux loss
     return {"load": [[int(v) for v in stats[i, :m.experts].tolist()] for i in moe_rows],
             "dropped": int(stats[moe_rows, m.experts].sum()),
-            "aux_loss": float(stats[moe_rows, m.experts + 1].mean()) / replicas}
+            "aux_loss": float(stats[moe_rows, m.experts + 1].mean())}

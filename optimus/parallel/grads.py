@@ -21,16 +21,25 @@ def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float,
     were the bad ones (`local_grads_finite`).
     """
     params = [p for p in params if p.grad is not None]
-    grads = [p.grad for p in params]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    by_mesh: dict = {}  # gradients on different meshes (experts under EP) are normed apart
+    for p in params:
+        mesh = getattr(p.grad, "device_mesh", None)
+        by_mesh.setdefault(None if mesh is None else mesh.mesh_dim_names, []).append(p)
+    squared = None
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0,
+                                             foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squared = norm.pow(2) if squared is None else squared + norm.pow(2)
+    if squared is None:
+        return torch.zeros(())
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        squared = norm.pow(2)
         dist.all_reduce(squared, group=pp_group)
-        norm = squared.sqrt()
+    norm = squared.sqrt()
     if max_norm > 0 and not (leave_nonfinite and not bool(torch.isfinite(norm))):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm
 
 

@@ -1,7 +1,8 @@
 """Build this rank's share of the model for a layout, and run one step's forward and backward.
 
 Plans are applied in one fixed order: pipeline split, then per stage tensor parallel ->
-activation checkpointing -> data-parallel sharding (FSDP2 over `dp`).
+expert parallel -> activation checkpointing -> data-parallel sharding (FSDP2 over `dp`, experts
+over `edp`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from optimus.models import build_model
 from optimus.models.moe import MoE, moe_layers
 from optimus.parallel.activation_checkpoint import apply_activation_checkpointing
 from optimus.parallel.data_parallel import apply_data_parallel, set_gradient_sync
+from optimus.parallel.expert_parallel import apply_expert_parallel
 from optimus.parallel.pipeline import build_schedule, build_stage_models, run_pipeline_step
 from optimus.parallel.schedule_rules import stage_ids as pipeline_stage_ids
 from optimus.parallel.schedule_rules import stage_style
@@ -139,9 +141,11 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
     for part in parts:
         if layout.tp > 1:
             apply_tensor_parallel(part, mesh["tp"])
+        if layout.ep > 1:
+            apply_expert_parallel(part, mesh["ep"])
         apply_activation_checkpointing(part, p.activation_checkpoint, p.ac_every)
         if layout.dp > 1:
-            apply_data_parallel(part, mesh["dp"])
+            apply_data_parallel(part, mesh["dp"], mesh["edp"] if layout.ep > 1 else None)
     schedule = None
     if layout.pp > 1:
         schedule = build_schedule(parts, ids, num_stages, mesh["pp"].get_group(), device,
