@@ -203,37 +203,91 @@ def test_moe_layouts_train_like_one_process(run_ranks, name):
         assert one["moe"][-1]["aux_loss"] >= 1.0  # 1 when perfectly balanced
 
 
+def _ep_model(world_size: int, ep: int):
+    """An EP model, its optimizer and mesh, built as the trainer builds them."""
+    from optimus.config import resolve_layout
+    from optimus.optim import build_optimizer
+    from optimus.parallel.plan import build_parallel_model
+    from optimus.runtime import ParallelDims
+
+    raw = {**moe_job(), "parallel": {"device": "cpu", "ep": ep}}
+    raw["data"]["microbatches"] = 1
+    job = validate_job(raw, world=world_size)
+    layout = resolve_layout(job, world_size)
+    mesh = ParallelDims(dp=layout.dp, tp=1, pp=1, ep=layout.ep,
+                        world_size=world_size).build_mesh("cpu")
+    model = build_parallel_model(job, layout, mesh, torch.device("cpu"))
+    return job, model, build_optimizer(model.state_view(), job.optim, torch.device("cpu")), mesh
+
+
+def _steps(job, model, optimizer, mesh, seed: int):
+    """Training steps on random tokens, forever (one per `next`)."""
+    from optimus.parallel.experts import expert_step
+
+    cpu = torch.device("cpu")
+    g = torch.Generator().manual_seed(seed)
+    dp = mesh["dp"].size()
+    while True:
+        batch = torch.randint(0, 256, (4, 33), generator=g)
+        model.set_step_tokens(dp * 4 * 32)
+        model.forward_backward([{"input_ids": batch[:, :-1], "labels": batch[:, 1:]}], cpu)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        expert_step(model.moe, job.model, mesh["dp"].get_group(), mesh["pp"].get_group(), cpu)
+        yield
+
+
 def _ep_steps(rank: int, world_size: int, steps: int) -> dict:
     """`steps` training steps of an EP2 model: live tensors and peak memory as they go."""
     import gc
     import resource
 
-    from optimus.config import resolve_layout
-    from optimus.optim import build_optimizer
-    from optimus.parallel.experts import expert_step
-    from optimus.parallel.plan import build_parallel_model
-    from optimus.runtime import ParallelDims
-
-    job = validate_job({**moe_job(), "parallel": {"device": "cpu", "ep": 2}}, world=world_size)
-    layout = resolve_layout(job, world_size)
-    mesh = ParallelDims(dp=layout.dp, tp=1, pp=1, ep=layout.ep,
-                        world_size=world_size).build_mesh("cpu")
-    cpu = torch.device("cpu")
-    model = build_parallel_model(job, layout, mesh, cpu)
-    optimizer = build_optimizer(model.state_view(), job.optim, cpu)
-    g = torch.Generator().manual_seed(rank)
+    job, model, optimizer, mesh = _ep_model(world_size, ep=2)
+    run = _steps(job, model, optimizer, mesh, seed=rank)
     tensors, peak = [], []
     for _ in range(steps):
-        batch = torch.randint(0, 256, (4, 33), generator=g)
-        model.set_step_tokens(2 * 4 * 32)
-        model.forward_backward([{"input_ids": batch[:, :-1], "labels": batch[:, 1:]}], cpu)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        expert_step(model.moe, job.model, mesh["dp"].get_group(), mesh["pp"].get_group(), cpu)
+        next(run)
         gc.collect()
         tensors.append(sum(isinstance(o, torch.Tensor) for o in gc.get_objects()))
         peak.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     return {"tensors": tensors, "peak_kib": peak}
+
+
+def _optimizer_shares(rank: int, world_size: int) -> list[tuple]:
+    """Per parameter: its global size, this rank's optimizer-state elements, its mesh."""
+    from torch.distributed.tensor import DTensor
+
+    job, model, optimizer, mesh = _ep_model(world_size, ep=2)
+    next(_steps(job, model, optimizer, mesh, seed=rank))
+    out = []
+    for name, p in model.state_view().named_parameters():
+        state = optimizer.state[p]
+        local = sum((t.to_local() if isinstance(t, DTensor) else t).numel()
+                    for key, t in state.items() if key != "step")
+        out.append((name, p.numel(), local, p.shape[0] if p.dim() else 1,
+                    p.device_mesh.mesh_dim_names))
+    return out
+
+
+def test_the_optimizer_state_is_sharded_over_dp_and_experts_over_edp(run_ranks):
+    """EP2 x EDP2: dense state over the 4 dp ranks; each expert's over its 2 edp replicas, of
+    the experts its ep rank holds. Each rank holds its share to within one block (a row of
+    dim 0, which FSDP splits unevenly when it does not divide)."""
+    ranks = run_ranks(_optimizer_shares, 4, timeout=180)
+    total_state = 0
+    for params in zip(*ranks, strict=True):
+        name, numel, _, rows, mesh = params[0]
+        expert = ".experts." in name
+        assert mesh == (("edp", "ep") if expert else ("dp",)), name
+        group = 2 * 2 if expert else 4  # ep x edp, or dp: a quarter of the state either way
+        block = 2 * numel // rows  # exp_avg and exp_avg_sq of one row
+        for _, _, local, _, _ in params:
+            assert abs(local - 2 * numel / group) <= block, (name, local, 2 * numel / group)
+        assert sum(p[2] for p in params) == 2 * numel  # every element exactly once
+        total_state += 2 * numel
+    assert sum(p[2] for p in ranks[0]) <= total_state / 4 * 1.05
+
+
 
 
 def test_expert_parallel_dispatch_keeps_no_memory_across_steps(run_ranks):
@@ -241,3 +295,33 @@ def test_expert_parallel_dispatch_keeps_no_memory_across_steps(run_ranks):
         assert len(set(result["tensors"][5:])) == 1, result["tensors"]  # nothing accumulates
         grown = result["peak_kib"][-1] - result["peak_kib"][9]
         assert grown < 16 * 1024, f"peak memory grew {grown} KiB from step 10 to 50"
+
+
+def test_an_ep2xdp2_checkpoint_resumes_at_ep4_and_on_one_rank(run_ranks, tmp_path):
+    import shutil
+
+    from test_checkpoint_resume import _keep_only, _per_step_samples
+    from test_checkpoint_resume import _train as train_keeping_samples
+    from test_checkpoint_resume import job as checkpointed_job
+
+    from optimus.checkpoint import committed_steps
+
+    moe = {"experts": 4, "top_k": 2, "expert_ffn_dim": 32, "balance": "bias",
+           "bias_update_rate": 0.01}
+    saved = tmp_path / "saved"
+    raw = checkpointed_job(saved, model={"moe": moe}, parallel={"ep": 2},
+                           data={"microbatches": 1})
+    original = run_ranks(train_keeping_samples, 4, raw, timeout=240)  # EP2 x EDP2
+    _keep_only(saved / "checkpoints", 4)
+    reference = _per_step_samples(original)
+    for name, world, parallel in (("ep4", 8, {"ep": 4}), ("one-rank", 1, {})):
+        run_dir = tmp_path / name
+        shutil.copytree(saved / "checkpoints", run_dir / "checkpoints")
+        resumed = run_ranks(train_keeping_samples, world, checkpointed_job(
+            run_dir, model={"moe": moe}, parallel=parallel, data={"microbatches": 1}),
+            timeout=240)
+        for result in resumed:
+            assert result["steps"] == [5, 6, 7, 8]
+            assert result["losses"] == pytest.approx(original[0]["losses"][4:], rel=1e-5)
+        assert _per_step_samples(resumed) == reference[4:]  # the data goes on exactly
+        assert committed_steps(run_dir / "checkpoints")[-1] == 8
