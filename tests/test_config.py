@@ -191,6 +191,21 @@ def test_every_job_file_in_the_repo_validates():
         load_job(path)
 
 
+def test_the_mula_jobs_validate_on_768_aurora_tiles_with_their_sizes():
+    from optimus.models import param_count
+
+    runner = CliRunner()
+    for name, layout in (("mula-1b", "dp=768 tp=1 pp=1 ep=1"),
+                         ("mula-7b-a1b", "dp=768 tp=1 pp=1 ep=8")):
+        result = runner.invoke(main, ["config", "check", str(REPO / "jobs" / f"{name}.yaml"),
+                                      "--world", "768"])
+        assert result.exit_code == 0 and layout in result.output, result.output
+    dense = load_job(REPO / "jobs" / "mula-1b.yaml").model
+    moe = load_job(REPO / "jobs" / "mula-7b-a1b.yaml").model
+    assert 1.1e9 < param_count(dense) < 1.2e9
+    assert 7.0e9 < param_count(moe) < 7.5e9 and 1.2e9 < param_count(moe, active=True) < 1.3e9
+
+
 def test_the_paper_layouts_validate_for_their_world_sizes():
     runner = CliRunner()
     big = runner.invoke(main, ["config", "check", str(REPO / "jobs" / "gpt-175b.yaml"),
