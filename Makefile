@@ -40,6 +40,7 @@ bench: venv
 	$(BIN)/python bench/pipeline.py
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/recovery.py
+	$(BIN)/python bench/moe.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
