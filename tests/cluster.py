@@ -86,13 +86,15 @@ class Processes:
 
 def write_job(path: Path, run_dir: Path, *, name: str = "e2e", steps: int = 30,
               faults: list[dict] | None = None, async_mode: str = "thread",
-              **supervision) -> Path:
+              moe: dict | None = None, ep: int = 1, **supervision) -> Path:
     """A tiny job that trains in ~0.2 s a step on two ranks, checkpoints every 10 steps and
-    keeps them all (a test compares against any of them)."""
+    keeps them all (a test compares against any of them); `moe` makes it a mixture of
+    experts, `ep` shards them."""
     job = {
         "name": name, "seed": 1234, "run_dir": str(run_dir),
         "model": {"vocab_size": 264, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
-                  "max_seq_len": 64},
+                  "max_seq_len": 64, **({"moe": moe} if moe else {})},
+        "parallel": {"ep": ep},
         "optim": {"steps": steps, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5},
         "data": {"source": "synthetic", "seq_len": 64, "batch_size": 8, "microbatches": 1},
         "checkpoint": {"interval": 10, "keep_last": 100, "async_mode": async_mode},

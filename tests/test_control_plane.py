@@ -36,7 +36,8 @@ from optimus.checkpoint.manifest import committed_steps, step_dir
 STEPS = 30
 FAULT_STEP = 15
 
-_reference_losses: dict[int, float] = {}  # resume step -> final loss of an unfaulted run
+_reference_losses: dict[tuple, float] = {}  # (resume step, moe) -> an unfaulted run's loss
+MOE = {"experts": 4, "top_k": 2, "expert_ffn_dim": 64, "balance": "bias"}  # EP2 on 2 nodes
 
 
 @pytest.fixture
@@ -53,29 +54,36 @@ def procs(tmp_path):
     p.stop_all()
 
 
-def reference_loss(tmp_path_factory, faulty_run: Path, resume_step: int) -> float:
+def reference_loss(tmp_path_factory, faulty_run: Path, resume_step: int,
+                   moe: bool = False) -> float:
     """Final loss of a plain two-rank run resumed from the faulty run's checkpoint."""
-    if resume_step not in _reference_losses:
+    key = (resume_step, moe)
+    if key not in _reference_losses:
         ref = tmp_path_factory.mktemp(f"reference-{resume_step}")
         shutil.copytree(step_dir(faulty_run / "checkpoints", resume_step),
                         step_dir(ref / "checkpoints", resume_step))
-        job = write_job(ref / "job.yaml", ref, steps=STEPS)
+        job = write_job(ref / "job.yaml", ref, steps=STEPS, **_moe(moe))
         train_ranks(job, 2)
         assert metrics(ref)[0]["event"] == "resume"
-        _reference_losses[resume_step] = final_loss(ref, STEPS)
-    return _reference_losses[resume_step]
+        _reference_losses[key] = final_loss(ref, STEPS)
+    return _reference_losses[key]
 
 
-@pytest.mark.parametrize("fault,evidence", [
-    ({"kind": "kill_rank", "rank": 1}, "rank 1 on {node} ended with signal 9"),
-    ({"kind": "freeze_rank", "rank": 1}, "rank 1 on {node}: no heartbeat for"),
-    ({"kind": "kill_node", "node": 1}, "node {node} lost: its agent has been silent"),
-], ids=["kill_rank", "freeze_rank", "kill_node"])
-def test_fault_excludes_the_culprit_and_finishes_on_the_spare(fault, evidence, tmp_path,
+def _moe(moe: bool) -> dict:
+    return {"moe": MOE, "ep": 2} if moe else {}
+
+
+@pytest.mark.parametrize("fault,evidence,moe", [
+    ({"kind": "kill_rank", "rank": 1}, "rank 1 on {node} ended with signal 9", False),
+    ({"kind": "freeze_rank", "rank": 1}, "rank 1 on {node}: no heartbeat for", False),
+    ({"kind": "kill_node", "node": 1}, "node {node} lost: its agent has been silent", False),
+    ({"kind": "kill_rank", "rank": 1}, "rank 1 on {node} ended with signal 9", True),
+], ids=["kill_rank", "freeze_rank", "kill_node", "kill_rank-moe-ep2"])
+def test_fault_excludes_the_culprit_and_finishes_on_the_spare(fault, evidence, moe, tmp_path,
                                                               tmp_path_factory):
     run = tmp_path / "run"
     job = write_job(tmp_path / "job.yaml", run, steps=STEPS,
-                    faults=[{**fault, "step": FAULT_STEP}])
+                    faults=[{**fault, "step": FAULT_STEP}], **_moe(moe))
     out = subprocess.run([sys.executable, "-m", "controller", "run", str(job), "--nodes", "2",
                           "--ranks-per-node", "1", "--spares", "1"], cwd=ROOT,
                          capture_output=True, text=True, timeout=240)
@@ -101,7 +109,10 @@ def test_fault_excludes_the_culprit_and_finishes_on_the_spare(fault, evidence, t
     resume_step = resumes[0]["step"]
     # No later step can be committed: a frozen rank thawed by the stop may still save this one.
     assert 0 < resume_step <= FAULT_STEP
-    assert final_loss(run, STEPS) == reference_loss(tmp_path_factory, run, resume_step)
+    assert final_loss(run, STEPS) == reference_loss(tmp_path_factory, run, resume_step, moe)
+    if moe:  # the experts' load went on being counted across the restart
+        last = [m for m in metrics(run) if "loss" in m][-1]
+        assert sum(last["moe"]["load"][0]) == 8 * 64 * 2  # batch x seq x top_k
 
 
 def _agents(procs: Processes, url: str, n: int = 2) -> None:
