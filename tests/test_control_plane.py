@@ -37,7 +37,7 @@ STEPS = 30
 FAULT_STEP = 15
 
 _reference_losses: dict[tuple, float] = {}  # (resume step, moe) -> an unfaulted run's loss
-MOE = {"experts": 4, "top_k": 2, "expert_ffn_dim": 64, "balance": "bias"}  # EP2 on 2 nodes
+MOE = {"experts": 4, "top_k": 2, "expert_ffn_dim": 64, "balance": "bias"}
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def reference_loss(tmp_path_factory, faulty_run: Path, resume_step: int,
 
 
 def _moe(moe: bool) -> dict:
-    return {"moe": MOE, "ep": 2} if moe else {}
+    return {"moe": MOE} if moe else {}
 
 
 @pytest.mark.parametrize("fault,evidence,moe", [
@@ -78,7 +78,7 @@ def _moe(moe: bool) -> dict:
     ({"kind": "freeze_rank", "rank": 1}, "rank 1 on {node}: no heartbeat for", False),
     ({"kind": "kill_node", "node": 1}, "node {node} lost: its agent has been silent", False),
     ({"kind": "kill_rank", "rank": 1}, "rank 1 on {node} ended with signal 9", True),
-], ids=["kill_rank", "freeze_rank", "kill_node", "kill_rank-moe-ep2"])
+], ids=["kill_rank", "freeze_rank", "kill_node", "kill_rank-moe"])
 def test_fault_excludes_the_culprit_and_finishes_on_the_spare(fault, evidence, moe, tmp_path,
                                                               tmp_path_factory):
     run = tmp_path / "run"

@@ -178,8 +178,9 @@ def test_train_refuses_what_it_cannot_run_yet(tmp_path):
     path = _write_job(tmp_path, tiny(str(tmp_path)))
     result = CliRunner().invoke(main, ["train", str(path), "--set", "parallel.tp=2",
                                        "--set", "model.vocab_size=258",
-                                       "--set", "model.moe.experts=4"])
+                                       "--set", "model.moe.experts=4", "--set", "parallel.ep=2"])
     assert result.exit_code == 2
+    assert "parallel.ep: 2 validates but this build cannot train" in result.output
     assert "parallel.tp: tp=2 with MoE layers validates but this build cannot train" in (
         result.output)
     assert not (tmp_path / "metrics.jsonl").exists()

@@ -38,8 +38,23 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from optimus.models.moe import MoE, moe_layers, swiglu_experts
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Shard every MoE layer's experts over `ep_mesh` and dispatch by all-to-all."""
+def expert_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """This rank's ep group, as a process group of its own, used by no other collective.
+
+    DeviceMesh may hand out one process group for two axes over the same ranks (dp and ep when
+    edp is 1), and FSDP issues its collectives on dp asynchronously, from autograd hooks:
+    sharing a group with the dispatch's all-to-alls can then interleave them differently on
+    different ranks (a mismatched collective, or a hang)."""
+    names = mesh.mesh_dim_names
+    grid = mesh.mesh.movedim(names.index("ep"), -1).reshape(-1, mesh["ep"].size())
+    mine, _ = dist.new_subgroups_by_enumeration([row.tolist() for row in grid])
+    return mine
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh,
+                          group: dist.ProcessGroup | None = None) -> None:
+    """Shard every MoE layer's experts over `ep_mesh` and dispatch by all-to-all (on `group`,
+    by default the mesh's own)."""
     ep = ep_mesh.size()
     for moe in moe_layers(model):
         if moe.experts_n % ep:
@@ -51,7 +66,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
             setattr(moe.experts, name, nn.Parameter(shard))
         # Called through the module, so that FSDP's hooks gather the weights over edp first.
         moe.experts.forward = partial(_local_experts, moe.experts)
-        moe.dispatch = _AllToAllDispatch(moe, ep_mesh.get_group())
+        moe.dispatch = _AllToAllDispatch(moe, group or ep_mesh.get_group())
 
 
 class _AllToAllDispatch:

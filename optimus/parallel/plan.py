@@ -22,7 +22,7 @@ from optimus.models import build_model
 from optimus.models.moe import MoE, moe_layers
 from optimus.parallel.activation_checkpoint import apply_activation_checkpointing
 from optimus.parallel.data_parallel import apply_data_parallel, set_gradient_sync
-from optimus.parallel.expert_parallel import apply_expert_parallel
+from optimus.parallel.expert_parallel import apply_expert_parallel, expert_group
 from optimus.parallel.pipeline import build_schedule, build_stage_models, run_pipeline_step
 from optimus.parallel.schedule_rules import stage_ids as pipeline_stage_ids
 from optimus.parallel.schedule_rules import stage_style
@@ -138,11 +138,12 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
     else:
         num_stages, ids = 1, [0]
         parts = [build_model(job.model, seed=job.seed, device=device)]
+    ep_group = expert_group(mesh) if layout.ep > 1 else None
     for part in parts:
         if layout.tp > 1:
             apply_tensor_parallel(part, mesh["tp"])
         if layout.ep > 1:
-            apply_expert_parallel(part, mesh["ep"])
+            apply_expert_parallel(part, mesh["ep"], ep_group)
         apply_activation_checkpointing(part, p.activation_checkpoint, p.ac_every)
         if layout.dp > 1:
             apply_data_parallel(part, mesh["dp"], mesh["edp"] if layout.ep > 1 else None)
