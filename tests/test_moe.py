@@ -1,5 +1,11 @@
 """The mixture-of-experts layer: routing, dispatch and combine, capacity, balancing, and MoE
-models training like one process under data and pipeline parallelism."""
+models training like one process under data and pipeline parallelism.
+
+Tests marked `expert_parallel` exercise expert parallelism, which this build refuses to train
+(optimus/config/checks.py): ranks can deadlock in backward, timing-dependent (seen once in a
+CI run of these very tests). They are left out of the default run (pyproject.toml) and run
+with `pytest -m expert_parallel` while that is being fixed.
+"""
 
 from __future__ import annotations
 
@@ -171,9 +177,11 @@ LAYOUTS = {
     "EP2xPP2": (4, {"ep": 2, "pp": 2, "schedule": "1f1b"}, 4, "aux_loss"),
     "EP4": (8, {"ep": 4}, 1, "bias"),
 }
+EP = pytest.mark.expert_parallel
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=EP) if "ep" in LAYOUTS[n][1] else n
+                                  for n in LAYOUTS])
 def test_moe_layouts_train_like_one_process(run_ranks, name):
     world, parallel, microbatches, balance = LAYOUTS[name]
     one = one_process(run_ranks, balance)
@@ -273,6 +281,7 @@ def _optimizer_shares(rank: int, world_size: int) -> list[tuple]:
     return out
 
 
+@EP
 def test_the_optimizer_state_is_sharded_over_dp_and_experts_over_edp(run_ranks):
     """EP2 x EDP2: dense state over the 4 dp ranks; each expert's over its 2 edp replicas, of
     the experts its ep rank holds. Each rank holds its share to within one block (a row of
@@ -294,6 +303,7 @@ def test_the_optimizer_state_is_sharded_over_dp_and_experts_over_edp(run_ranks):
 
 
 
+@EP
 def test_expert_parallel_dispatch_keeps_no_memory_across_steps(run_ranks):
     for result in run_ranks(_ep_steps, 2, 50, timeout=240):
         assert len(set(result["tensors"])) == 1, result["tensors"]  # nothing accumulates
@@ -310,6 +320,7 @@ def train_keeping_samples(rank: int, world_size: int, raw: dict) -> dict:
     return train_checkpointed(rank, world_size, raw)
 
 
+@EP
 def test_an_ep2xdp2_checkpoint_resumes_at_ep4_and_on_one_rank(run_ranks, tmp_path):
     import shutil
 
