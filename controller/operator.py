@@ -100,8 +100,8 @@ def take_requests(obs: Observed, d: Decision) -> Observed:
             control["pause"] = False
             d.note("resume", f"resume asked by {r.who}{because}", **said)
         elif r.action == "stop":
+            # A paused job stays paused: its ranks take the stop (SIGTERM) at the paused step.
             job = replace(job, desired="stop", desired_by=r.who, desired_reason=r.reason)
-            control["pause"] = False  # paused ranks take the stop at once either way
             d.note("stop", f"stop asked by {r.who}{because}", **said)
         elif r.action == "checkpoint":
             control["checkpoint"] = int(control.get("checkpoint", 0)) + 1

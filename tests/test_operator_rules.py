@@ -103,7 +103,7 @@ def test_requests_that_cannot_be_done_are_refused_with_an_event_and_change_nothi
 def test_stop_and_checkpoint_requests():
     d = decide(running(requests=[ask("checkpoint"), ask("stop", 2, reason="budget")],
                        control={"checkpoint": 4}), S)
-    assert d.control == {"checkpoint": 5, "pause": False}
+    assert d.control == {"checkpoint": 5}
     assert d.job["state"] == STOPPING and d.plan["action"] == "stop"
     assert "ana@desk (budget)" in d.job["reason"]
     assert refusal("pause", STOPPING, "stop") == "the job is stopping"
