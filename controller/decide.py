@@ -278,8 +278,9 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
         if plan["action"] == "run":  # e.g. a state written before its plan: stop it first
             d.plan = _with_action(plan, "stop", s.failure_grace_s, job.reason, obs.now)
         return
-    if job.next_plan_at is not None and obs.now < job.next_plan_at:
-        return
+    first = plan is None
+    if not first and job.next_plan_at is not None and obs.now < job.next_plan_at:
+        return  # a backoff
 
     previous = plan["nodes"] if plan else []
     usable = {n for n, v in obs.nodes.items() if v.alive and v.healthy and not v.excluded}
@@ -290,6 +291,17 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
         reason = _shortage(obs, s, usable)
         if job.state != WAITING or job.reason != reason:
             d.job.update({"state": WAITING, "reason": reason})
+            d.note("waiting", reason)
+        return
+    if first and fits[0] < s.nodes and (job.next_plan_at is None or obs.now < job.next_plan_at):
+        # A job that may shrink does not start short only because an agent registered a
+        # moment late (it would not grow back until a restart): the first generation waits
+        # for every node up to agent_timeout_s, then starts on what it has.
+        if job.next_plan_at is None:
+            reason = (f"waiting up to {s.agent_timeout_s:g} s for {s.nodes} nodes before "
+                      f"starting on {fits[0]}: {len(usable)} healthy node(s) so far")
+            d.job.update({"state": WAITING, "reason": reason,
+                          "next_plan_at": obs.now + s.agent_timeout_s})
             d.note("waiting", reason)
         return
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from optimus.checkpoint.manifest import committed_steps
 from optimus.checkpoint.saver import Checkpointer
 from optimus.checkpoint.state import Progress, training_state
-from optimus.config import JobConfig, check_trainable, job_hash, resolve_layout
+from optimus.config import JobConfig, job_hash, resolve_layout
 from optimus.data import build_loader, build_source
 from optimus.faults import RankFaults
 from optimus.health import (
@@ -67,7 +67,6 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
           quiet: bool = False) -> TrainResult:
     """Train `job` as this process's rank; the launch environment says which rank that is."""
     env = launch_env()
-    check_trainable(job)
     layout = resolve_layout(job, env.world_size)
     device = pick_device(job.parallel.device, env.local_rank)
     backend = pick_backend(device, job.parallel.backend)
@@ -164,7 +163,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             with heartbeat.phase("grad_sync"):  # the experts' load, all ranks; their balance
-                experts = expert_step(model.moe, job.model, dp_group, pp_group, device)
+                experts = expert_step(model.moe, job.model, mesh, device)
             progress.advance(step_tokens)
             if ckpt is not None:
                 with heartbeat.phase("checkpoint"):

@@ -67,6 +67,27 @@ def test_first_generation_takes_nodes_in_name_order_and_starts_from_the_checkpoi
     assert "from scratch" in d.plan["reason"]
 
 
+def test_a_first_generation_that_may_shrink_waits_for_late_agents_before_starting_short():
+    shrinkable = Settings(**{**S.__dict__, "node_counts": (2, 1)})
+    one = {"n0": node("n0")}
+    d = decide(Observed(now=NOW, job=JobView(), plan=None, nodes=one, latest_step=None),
+               shrinkable)
+    assert d.plan is None and d.job["state"] == WAITING
+    assert d.job["next_plan_at"] == NOW + 5 and "for 2 nodes before starting on 1" in (
+        d.job["reason"])
+    waiting = JobView(state=WAITING, next_plan_at=NOW + 5)
+    both = {n: node(n) for n in ("n0", "n1")}
+    d = decide(Observed(now=NOW + 1, job=waiting, plan=None, nodes=both, latest_step=None),
+               shrinkable)
+    assert d.plan["nodes"] == ["n0", "n1"]  # the late agent came: no need to wait it out
+    d = decide(Observed(now=NOW + 1, job=waiting, plan=None, nodes=one, latest_step=None),
+               shrinkable)
+    assert d.plan is None and d.job == {}  # still waiting, nothing new to say
+    d = decide(Observed(now=NOW + 5, job=waiting, plan=None, nodes=one, latest_step=None),
+               shrinkable)
+    assert d.plan["nodes"] == ["n0"] and "shrunk to 1 of 2 nodes" in d.plan["reason"]
+
+
 def test_too_few_healthy_nodes_waits_in_a_named_state_saying_why():
     obs = Observed(now=NOW, job=JobView(), plan=None, nodes={
         "n0": node("n0"), "n1": node("n1", healthy=False), "n2": node("n2", excluded="bad"),

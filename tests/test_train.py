@@ -168,19 +168,3 @@ def test_kill_rank_fault_kills_the_rank_at_its_step(tmp_path):
     assert "rank 0 kills itself at step 3" in proc.stderr
     steps = [json.loads(s)["step"] for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
-
-
-def test_train_refuses_what_it_cannot_run_yet(tmp_path):
-    from click.testing import CliRunner
-
-    from optimus.cli import main
-
-    path = _write_job(tmp_path, tiny(str(tmp_path)))
-    result = CliRunner().invoke(main, ["train", str(path), "--set", "parallel.tp=2",
-                                       "--set", "model.vocab_size=258",
-                                       "--set", "model.moe.experts=4", "--set", "parallel.ep=2"])
-    assert result.exit_code == 2
-    assert "parallel.ep: 2 validates but this build cannot train" in result.output
-    assert "parallel.tp: tp=2 with MoE layers validates but this build cannot train" in (
-        result.output)
-    assert not (tmp_path / "metrics.jsonl").exists()

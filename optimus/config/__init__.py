@@ -4,7 +4,6 @@ from optimus.config.checks import (
     ConfigError,
     Layout,
     check_job,
-    check_trainable,
     resolve_layout,
 )
 from optimus.config.load import apply_override, job_hash, load_job, validate_job
@@ -24,6 +23,6 @@ __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "FaultInjectionConfig", "JobConfig",
     "Layout", "ModelConfig", "MonitoringConfig", "OptimConfig", "ParallelConfig",
     "SupervisionConfig",
-    "apply_override", "check_job", "check_trainable", "job_hash", "load_job", "resolve_layout",
+    "apply_override", "check_job", "job_hash", "load_job", "resolve_layout",
     "validate_job",
 ]

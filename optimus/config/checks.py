@@ -188,28 +188,3 @@ def resolve_layout(job: JobConfig, world: int, source: str = "job") -> Layout:
     layout = check_job(job, world=world, source=source)
     assert layout is not None
     return layout
-
-
-# What a layout may ask for that this build cannot train yet: (key, value that works).
-# Expert parallelism trains like one process in tests/test_moe.py (which lift this refusal in
-# their ranks), but with wider models (dim 128, 4 MoE layers on gloo) ranks deadlock in
-# backward: one waits in the dispatch's all-to-all while its peer waits in an FSDP all-gather.
-# Refused until that is understood (docs/parallelism.md).
-_NOT_YET_TRAINABLE: dict[str, object] = {"parallel.ep": 1}
-
-
-def check_trainable(job: JobConfig, source: str = "job") -> None:
-    """Refuse, before training starts, settings that validate but this build cannot run."""
-    problems = []
-    for key, works in _NOT_YET_TRAINABLE.items():
-        section, name = key.split(".")
-        value = getattr(getattr(job, section), name)
-        if value != works:
-            problems.append((key, f"{value} validates but this build cannot train it yet",
-                             f"set {key}: {works}"))
-    if job.model.moe.experts and job.parallel.tp > 1:
-        problems.append(("parallel.tp", f"tp={job.parallel.tp} with MoE layers validates but "
-                         "this build cannot train it yet", "set parallel.tp: 1 for an MoE "
-                         "model"))
-    if problems:
-        raise ConfigError(source, problems=problems)

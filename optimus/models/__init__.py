@@ -10,6 +10,7 @@ from optimus.models.gpt import (
     build_model,
     default_ffn_dim,
     init_weights,
+    materialize,
 )
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "default_ffn_dim",
     "flops_per_token",
     "init_weights",
+    "materialize",
     "matmul_param_count",
     "param_count",
 ]

@@ -215,9 +215,19 @@ def _copy_full(p: torch.Tensor, full: torch.Tensor) -> None:
 
 
 def build_model(cfg, seed: int, device: torch.device | str = "cpu") -> GPT:
-    """Build on the meta device, materialise on `device`, and initialise from `seed`."""
+    """Build on the meta device, materialise on `device`, and initialise from `seed`.
+
+    With device "meta" the model stays unmaterialised: the parallel plans shard it first, then
+    `materialize` gives each rank only its shards."""
     with torch.device("meta"):
         model = GPT(cfg)
-    model.to_empty(device=device)
-    init_weights(model, seed)
+    return materialize(model, seed, device)
+
+
+def materialize(model: nn.Module, seed: int, device: torch.device | str) -> nn.Module:
+    """Allocate a meta-device model (or its shards) on `device` and initialise it from `seed`;
+    a no-op on meta."""
+    if torch.device(device).type != "meta":
+        model.to_empty(device=device)
+        init_weights(model, seed)
     return model

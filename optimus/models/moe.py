@@ -17,12 +17,13 @@ Expert weights are stacked, [experts, in, out], and computed by grouped GEMM:
 batched matmul elsewhere (on CPU `_grouped_mm` has no backward in torch 2.13).
 
 No parallel code here: dispatch and combine are local. Expert parallelism replaces
-`MoE.dispatch` from outside.
+`MoE.dispatch` from outside, tensor parallelism `MoE.sum_over_token_shards`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -65,10 +66,13 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
 
 
 def padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """The same as one batched matmul over experts padded to the largest group."""
+    """The same as one batched matmul over experts padded to the largest group.
+
+    No shortcut for zero rows: the result must stay in the autograd graph even then. Under
+    expert parallelism a rank that receives no tokens still takes part in the backward
+    all-to-all, which only runs if the experts' output requires grad (a rank that skips it
+    deadlocks the others)."""
     experts = w.shape[0]
-    if x.shape[0] == 0:
-        return x.new_zeros(0, w.shape[-1])
     expert = torch.repeat_interleave(torch.arange(experts, device=x.device), counts)
     starts = torch.cumsum(counts, 0) - counts
     position = torch.arange(x.shape[0], device=x.device) - starts[expert]
@@ -116,12 +120,26 @@ class MoE(nn.Module):
         self.register_buffer("dropped", torch.zeros(()), persistent=False)
         self.step_tokens = 1  # the step's global token count (the trainer sets it)
         self.aux_total: torch.Tensor | None = None  # this step's, token-weighted, this rank
+        # Under tensor parallelism each rank routes its own share of the sequence: the
+        # auxiliary loss, not a sum over tokens, needs the totals of all shares (a
+        # differentiable sum, which the parallel plan sets).
+        self.token_shards = 1
+        self.sum_over_token_shards: Callable[[torch.Tensor], torch.Tensor] = _alone
 
     def reset_buffers(self) -> None:
         self.expert_bias.zero_()
         self.load.zero_()
         self.dropped.zero_()
         self.aux_total = None
+
+    def counters(self) -> tuple:
+        """What the layer has counted since the trainer last read it."""
+        return self.load.clone(), self.dropped.clone(), self.aux_total
+
+    def restore_counters(self, counters: tuple) -> None:
+        load, dropped, self.aux_total = counters
+        self.load.copy_(load)
+        self.dropped.copy_(dropped)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, dim = x.shape
@@ -132,9 +150,12 @@ class MoE(nn.Module):
             out = out + self.shared(tokens)
         if self.balance == "aux_loss" and self.training and torch.is_grad_enabled():
             # Token-weighted over the step's microbatches and ranks, as the main loss is.
-            aux = self.aux_loss(scores, chosen) * (tokens.shape[0] / self.step_tokens)
+            aux, n_tokens = self.aux_loss(scores, chosen)
+            aux = aux * (n_tokens / self.step_tokens)
             self.aux_total = aux.detach() + (0 if self.aux_total is None else self.aux_total)
-            out = _AddAuxLoss.apply(out, aux * self.aux_loss_coeff)
+            # Every shard holds the same loss, and backward through the sum over shards adds
+            # up their gradients: each adds 1 / shards of it.
+            out = _AddAuxLoss.apply(out, aux * (self.aux_loss_coeff / self.token_shards))
         return out.view(b, s, dim)
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -169,7 +190,7 @@ class MoE(nn.Module):
                 starts, counts)  # each slot's place in its expert's queue
             kept = order[rank < capacity]
             counts = counts.clamp(max=capacity)
-        if torch.is_grad_enabled():  # a training pass (not a pipeline's shape inference)
+        if torch.is_grad_enabled():  # a training pass, not an evaluation
             with torch.no_grad():
                 self.load += torch.bincount(slots, minlength=self.experts_n).float()
                 self.dropped += slots.numel() - kept.numel()
@@ -181,13 +202,23 @@ class MoE(nn.Module):
         y = y * weights.reshape(-1)[kept].unsqueeze(-1).to(y.dtype)
         return torch.zeros_like(tokens).index_add(0, kept // self.top_k, y)
 
-    def aux_loss(self, scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    def aux_loss(self, scores: torch.Tensor,
+                 chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """experts x sum over experts of (fraction of slots routed to it) x (its mean
-        probability): 1 when balanced, up to `experts` when one expert takes everything."""
+        probability): 1 when balanced, up to `experts` when one expert takes everything. Over
+        the tokens of every shard; and how many tokens those are."""
+        e = self.experts_n
         probs = scores / scores.sum(-1, keepdim=True)  # softmax already sums to 1
-        fraction = torch.bincount(chosen.reshape(-1), minlength=self.experts_n).float()
-        fraction = fraction / chosen.numel()
-        return self.experts_n * (fraction * probs.mean(0)).sum()
+        slots = torch.bincount(chosen.reshape(-1), minlength=e).float()
+        totals = self.sum_over_token_shards(
+            torch.cat([slots, probs.sum(0), probs.new_full((1,), scores.shape[0])]))
+        slots, prob_sums, n_tokens = totals.split([e, e, 1])
+        fraction = slots / (n_tokens * self.top_k)
+        return e * (fraction * prob_sums / n_tokens).sum(), n_tokens.squeeze().detach()
+
+
+def _alone(totals: torch.Tensor) -> torch.Tensor:
+    return totals
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -1,27 +1,28 @@
 """After each step: the experts' load across all ranks, the loss-free balancing bias, metrics.
 
 Every MoE layer counts, during the step, the slots routed to each of its experts and the slots
-dropped for capacity. Here they are summed over every rank in one all-reduce of a
-[n_layers, experts + 1] tensor indexed by global layer (a pipeline stage fills its own rows, a
-data-parallel replica adds its tokens), so that every rank sees the whole model's load. With
-`balance: bias` each layer then moves its expert bias by `bias_update_rate` towards the mean
-load (up for an expert below it, down above it): the same update on every replica, since
-every replica saw the same sums.
+dropped for capacity. Here they are summed over every rank, one all-reduce of a
+[n_layers, experts + 2] tensor indexed by global layer per parallel axis: a pipeline stage
+fills its own rows, a data-parallel replica or a tensor-parallel sequence shard adds its
+tokens. So every rank sees the whole model's load. With `balance: bias` each layer then moves
+its expert bias by `bias_update_rate` towards the mean load (up for an expert below it, down
+above it): the same update on every replica, since every replica saw the same sums.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from optimus.models.moe import MoE, is_moe_layer
 
 
-def expert_step(layers: list[MoE], cfg, dp_group: dist.ProcessGroup,
-                pp_group: dist.ProcessGroup, device: torch.device) -> dict | None:
-    """Sum the step's load over the data-parallel replicas and pipeline stages, update the
-    biases, reset the counters; the step's figures ({"load": per MoE layer, "dropped": slots,
-    "aux_loss": the step's, token-weighted, mean over layers}), None without MoE."""
+def expert_step(layers: list[MoE], cfg, mesh: DeviceMesh, device: torch.device) -> dict | None:
+    """Sum the step's load over the data-parallel replicas, pipeline stages and tensor-parallel
+    sequence shards, update the biases, reset the counters; the step's figures ({"load": per
+    MoE layer, "dropped": slots, "aux_loss": the step's, token-weighted, mean over layers}),
+    None without MoE."""
     m = cfg.moe
     if not m.experts:
         return None
@@ -31,9 +32,12 @@ def expert_step(layers: list[MoE], cfg, dp_group: dist.ProcessGroup,
         stats[layer.layer, m.experts] = layer.dropped
         if layer.aux_total is not None:
             stats[layer.layer, m.experts + 1] = layer.aux_total
-    for group in (dp_group, pp_group):
-        if group.size() > 1:
-            dist.all_reduce(stats, group=group)
+    tp = mesh["tp"]
+    if tp.get_local_rank() > 0:
+        stats[:, m.experts + 1] = 0  # the auxiliary loss is already the same on every tp rank
+    for axis in ("dp", "pp", "tp"):  # tp ranks route their own shares of the sequence
+        if mesh[axis].size() > 1:
+            dist.all_reduce(stats, group=mesh[axis].get_group())
     for layer in layers:
         load = stats[layer.layer, :m.experts]
         if m.balance == "bias":

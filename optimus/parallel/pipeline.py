@@ -9,7 +9,8 @@ torch 2.13; nothing of it is rewritten here. What this module adds:
   the weights one process would have.
 - `build_schedule`: one PipelineStage per local stage, shapes inferred by torch at the first
   step (tokens int64 [mb, seq] into the first stage, hidden states [mb, seq, dim] between
-  stages), and the named schedule with `scale_grads=False`.
+  stages; MoE layers do not count that pass, see `_Stage`), and the named schedule with
+  `scale_grads=False`.
 - `run_pipeline_step`: the one call every rank makes, whatever stages it holds.
 
 Where torch falls short (2.13): the zero-bubble schedules (SPLIT_BACKWARD) compute weight
@@ -37,7 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
-from optimus.models import GPT, init_weights
+from optimus.models import GPT, materialize
+from optimus.models.moe import moe_layers
 from optimus.parallel.schedule_rules import (
     SCHEDULES,
     SPLIT_BACKWARD,
@@ -68,9 +70,7 @@ def build_stage_models(cfg, seed: int, device: torch.device | str, stage_ids: li
         if stage_id != num_stages - 1:
             model.norm = None
             model.output = None
-        model.to_empty(device=device)
-        init_weights(model, seed)
-        models.append(model)
+        models.append(materialize(model, seed, device))
     return models
 
 
@@ -97,7 +97,7 @@ def build_schedule(stage_models: list[nn.Module], stage_ids: list[int], num_stag
     group = pp_group.get_group() if isinstance(pp_group, DeviceMesh) else pp_group
     device = torch.device(device)
     order = sorted(range(len(stage_ids)), key=stage_ids.__getitem__)  # ascending, as torch wants
-    stages = [PipelineStage(stage_models[i], stage_ids[i], num_stages, device, group=group)
+    stages = [_Stage(stage_models[i], stage_ids[i], num_stages, device, group=group)
               for i in order]
     cls = getattr(pipelining, SCHEDULES[schedule])
     if not is_multi_stage(schedule):
@@ -105,6 +105,28 @@ def build_schedule(stage_models: list[nn.Module], stage_ids: list[int], num_stag
             raise ValueError(f"{schedule} runs one stage per rank, this rank has {len(stages)}")
         stages = stages[0]
     return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+class _Stage(PipelineStage):
+    """A PipelineStage whose one-time metadata inference leaves no trace in MoE counters.
+
+    At its first step torch runs each stage once on placeholder tensors (uninitialised memory
+    of the right shapes), with grad, to infer the shapes it sends. MoE layers would count that
+    pass's routing as training load (and its auxiliary loss). Giving every stage static
+    metadata instead would avoid the pass, but under tensor parallelism the last stage returns
+    a DTensor, which then needs gradient metadata for every stage too; so the counters are put
+    back as they were after the pass instead. torch 2.13 has no public hook there: this
+    overrides the private method that runs it (pinned torch, see pyproject.toml).
+    """
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        layers = moe_layers(self.submod)
+        before = [layer.counters() for layer in layers]
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            for layer, counters in zip(layers, before, strict=True):
+                layer.restore_counters(counters)
 
 
 def run_pipeline_step(schedule, stage_ids: list[int], num_stages: int,

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -18,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from optimus.config import JobConfig, Layout
 from optimus.health import NO_HEARTBEAT, Heartbeat, NoHeartbeat
-from optimus.models import build_model
+from optimus.models import build_model, materialize
 from optimus.models.moe import MoE, moe_layers
 from optimus.parallel.activation_checkpoint import apply_activation_checkpointing
 from optimus.parallel.data_parallel import apply_data_parallel, set_gradient_sync
@@ -26,7 +27,11 @@ from optimus.parallel.expert_parallel import apply_expert_parallel, expert_group
 from optimus.parallel.pipeline import build_schedule, build_stage_models, run_pipeline_step
 from optimus.parallel.schedule_rules import stage_ids as pipeline_stage_ids
 from optimus.parallel.schedule_rules import stage_style
-from optimus.parallel.tensor_parallel import apply_tensor_parallel, loss_context
+from optimus.parallel.tensor_parallel import (
+    apply_tensor_parallel,
+    loss_context,
+    sum_grads_over_tp,
+)
 
 IGNORE_INDEX = -100  # label value that carries no loss
 
@@ -58,6 +63,8 @@ class ParallelModel:
     loss_fn: TokenSumLoss
     tp_enabled: bool
     moe: list[MoE] = field(default_factory=list)  # the MoE layers of these chunks
+    # Under tensor parallelism: the MoE layers train on each tp rank's own tokens.
+    tp_group: dist.ProcessGroup | None = None
 
     def set_step_tokens(self, tokens: int) -> None:
         """The step's global token count: the loss and any auxiliary loss divide by it."""
@@ -108,16 +115,19 @@ class ParallelModel:
                                                inputs, labels)
                 for loss in losses:
                     total += _local(loss.detach())
-                return total
-            (model,) = self.parts
-            for i, mb in enumerate(microbatches):
-                set_gradient_sync(model, i == len(microbatches) - 1)
-                with heartbeat.phase("forward"):
-                    logits = model(mb["input_ids"].to(device, non_blocking=True))
-                    loss = self.loss_fn(logits, mb["labels"].to(device, non_blocking=True))
-                with heartbeat.phase("backward"):
-                    loss.backward()
-                total += _local(loss.detach())
+            else:
+                (model,) = self.parts
+                for i, mb in enumerate(microbatches):
+                    set_gradient_sync(model, i == len(microbatches) - 1)
+                    with heartbeat.phase("forward"):
+                        logits = model(mb["input_ids"].to(device, non_blocking=True))
+                        loss = self.loss_fn(logits, mb["labels"].to(device, non_blocking=True))
+                    with heartbeat.phase("backward"):
+                        loss.backward()
+                    total += _local(loss.detach())
+        if self.tp_group is not None and self.moe:
+            with heartbeat.phase("backward"):
+                sum_grads_over_tp([p for m in self.moe for p in m.parameters()], self.tp_group)
         return total
 
 
@@ -134,10 +144,10 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
         num_stages = layout.pp * layout.virtual_stages
         ids = pipeline_stage_ids(mesh["pp"].get_local_rank(), layout.pp, layout.virtual_stages,
                                  stage_style(p.schedule))
-        parts = build_stage_models(job.model, job.seed, device, ids, num_stages)
+        parts = build_stage_models(job.model, job.seed, "meta", ids, num_stages)
     else:
         num_stages, ids = 1, [0]
-        parts = [build_model(job.model, seed=job.seed, device=device)]
+        parts = [build_model(job.model, seed=job.seed, device="meta")]
     ep_group = expert_group(mesh) if layout.ep > 1 else None
     for part in parts:
         if layout.tp > 1:
@@ -147,9 +157,13 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
         apply_activation_checkpointing(part, p.activation_checkpoint, p.ac_every)
         if layout.dp > 1:
             apply_data_parallel(part, mesh["dp"], mesh["edp"] if layout.ep > 1 else None)
+        # Only now, sharded, is the model allocated: each rank holds its shards, never the
+        # whole model (init_weights gives every shard its part of the one-process values).
+        materialize(part, job.seed, device)
     schedule = None
     if layout.pp > 1:
         schedule = build_schedule(parts, ids, num_stages, mesh["pp"].get_group(), device,
                                   p.schedule, job.data.microbatches, loss_fn)
     return ParallelModel(parts, schedule, ids, num_stages, loss_fn, layout.tp > 1,
-                         [m for part in parts for m in moe_layers(part)])
+                         [m for part in parts for m in moe_layers(part)],
+                         mesh["tp"].get_group() if layout.tp > 1 else None)

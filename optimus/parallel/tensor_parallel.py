@@ -9,6 +9,12 @@ The plan follows torchtitan's Llama plan, written with PyTorch's stock styles:
 - each block: norms SequenceParallel; attention and feed-forward inputs all-gathered to the full
   sequence; wq, wk, wv, w1, w3 column-parallel (heads / hidden units split); wo and w2
   row-parallel, reduce-scattered back to [b, s / tp, dim].
+- a block whose feed-forward is a mixture of experts: the MoE layer takes the LOCAL sequence
+  shard as it is and returns its output for those positions (no all-gather): each tp rank
+  routes its own tokens (under expert parallelism, over its own ep group). The MoE's
+  parameters stay whole, plain tensors on every tp rank; as each rank trains them on other
+  tokens, `sum_grads_over_tp` adds their gradients up once per step. The auxiliary loss's
+  per-expert totals are summed over tp (`MoE.sum_over_token_shards`).
 - `norm` SequenceParallel; `output` column-parallel over the vocabulary, returning a DTensor
   [b, s, vocab] sharded on the vocab dim: no rank ever holds full-vocabulary logits. Compute
   cross-entropy on it (and call backward) inside `loss_context(True)`; the loss is a
@@ -42,8 +48,11 @@ import contextlib
 from functools import partial
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -55,6 +64,8 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+
+from optimus.models.moe import MoE
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -96,12 +107,41 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             "attention.wv": kv_style,
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                               desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            **(_moe_plan(block.feed_forward, tp_mesh) if isinstance(block.feed_forward, MoE)
+               else _feed_forward_plan()),
         })
+
+
+def _feed_forward_plan() -> dict[str, ParallelStyle]:
+    return {
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                           desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def _moe_plan(moe: MoE, tp_mesh: DeviceMesh) -> dict[str, ParallelStyle]:
+    """An MoE layer on this rank's own share of the sequence (see the module's docstring)."""
+    moe.token_shards = tp_mesh.size()
+    moe.sum_over_token_shards = partial(dist_nn.all_reduce, group=tp_mesh.get_group())
+    return {"feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Shard(1),),
+                                               use_local_output=True)}
+
+
+def sum_grads_over_tp(params: list[nn.Parameter], tp_group: dist.ProcessGroup) -> None:
+    """Sum, in one all-reduce, the gradients of parameters that every tp rank holds whole but
+    trains on its own tokens. Call once per step, after the last backward."""
+    grads = [g.to_local() if isinstance(g, DTensor) else g
+             for p in params if (g := p.grad) is not None]
+    if not grads:
+        return
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=tp_group)
+    for grad, total in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+        grad.copy_(total)
 
 
 def loss_context(tp_enabled: bool) -> contextlib.AbstractContextManager:
