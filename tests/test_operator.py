@@ -289,7 +289,9 @@ def test_stop_saves_and_ends_the_job_and_its_loss_curve_is_an_unpaused_runs(live
     assert [got[s] for s in range(1, last + 1)] == [expected[s] for s in range(1, last + 1)]
 
     # The audit trail: every operator action, with who, from where and why, as followed live.
-    followed.send_signal(signal.SIGINT)
+    # SIGTERM, not a Ctrl-C: a test run started in the background (no job control) has SIGINT
+    # ignored, and its children inherit that. The follower flushes after every batch.
+    followed.terminate()
     out, _ = followed.communicate(timeout=30)
     events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     by_operator = [(e["kind"], e.get("reason", "")) for e in events if e["actor"] != "controller"
