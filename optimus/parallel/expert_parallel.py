@@ -61,7 +61,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh,
             raise ValueError(f"{moe.experts_n} experts do not split over ep={ep}")
         for name in ("w1", "w2", "w3"):
             full = getattr(moe.experts, name)
-            # Every rank built the same full weights: take the local shard, no communication.
+            # The local shard, no communication (still on meta when the trainer builds the
+            # model: init_weights later fills each shard with its part of the full values).
             shard = distribute_tensor(full.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
             setattr(moe.experts, name, nn.Parameter(shard))
         # Called through the module, so that FSDP's hooks gather the weights over edp first.

@@ -2,7 +2,8 @@
 
 Plans are applied in one fixed order: pipeline split, then per stage tensor parallel ->
 expert parallel -> activation checkpointing -> data-parallel sharding (FSDP2 over `dp`, experts
-over `edp`).
+over `edp`), all on the meta device; only then are this rank's shards allocated and
+initialised.
 """
 
 from __future__ import annotations
