@@ -1,5 +1,5 @@
 """The mixture-of-experts layer: routing, dispatch and combine, capacity, balancing, and MoE
-models training like one process under data and pipeline parallelism.
+models training like one process under data, pipeline, tensor and expert parallelism.
 
 Tests marked `expert_parallel` exercise expert parallelism (`pytest -m expert_parallel` runs
 only them).
@@ -332,17 +332,12 @@ def test_expert_parallel_dispatch_keeps_no_memory_across_steps(run_ranks):
         assert grown < 16 * 1024, f"peak memory grew {grown} KiB from step 10 to 50"
 
 
-def train_keeping_samples(rank: int, world_size: int, raw: dict) -> dict:
-    from test_checkpoint_resume import _train as train_checkpointed
-
-    return train_checkpointed(rank, world_size, raw)
-
-
 @EP
 def test_an_ep2xdp2_checkpoint_resumes_at_ep4_and_on_one_rank(run_ranks, tmp_path):
     import shutil
 
     from test_checkpoint_resume import _keep_only, _per_step_samples
+    from test_checkpoint_resume import _train as train_keeping_samples
     from test_checkpoint_resume import job as checkpointed_job
 
     from optimus.checkpoint import committed_steps
