@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -204,13 +206,59 @@ def test_latest_loadable_falls_back_past_a_corrupt_newest(tmp_path):
     assert latest_loadable(tmp_path / "none") == (None, [])
 
 
-def test_retention_arithmetic():
-    steps = list(range(10, 101, 10))
-    assert retention(steps, keep_last=3, keep_every=50) == {50, 80, 90, 100}
-    assert retention(steps, keep_last=3, keep_every=0) == {80, 90, 100}
-    assert retention(steps, keep_last=0, keep_every=40) == {40, 80}
-    assert retention(steps, keep_last=20, keep_every=0) == set(steps)
+def _kept(steps: list[int], keep_last: int, keep_every: int) -> set[int]:
+    """Retention by its definition: the newest `keep_last` of `steps`, and every multiple."""
+    newest = sorted(steps, reverse=True)[:keep_last]
+    multiples = [s for s in steps if keep_every and s % keep_every == 0]
+    return set(newest) | set(multiples)
+
+
+def _retention_cases() -> list[tuple[list[int], int, int]]:
+    """Distinct steps in random order, from none to 9, against keep_last 0..11 and keep_every
+    from 0 (none) to beyond every step."""
+    rng = random.Random(14)
+    cases = []
+    for n, keep_last, keep_every in itertools.product(range(10), range(12), (0, 1, 3, 10, 1000)):
+        steps = rng.sample(range(0, 200, rng.choice((1, 5))), n)
+        cases.append((steps, keep_last, keep_every))
+    return cases
+
+
+def test_retention_is_the_newest_keep_last_plus_the_multiples():
+    cases = _retention_cases()
+    # the regime issue 14 was about, and the edges, are all in the sample
+    assert sum(0 < len(steps) < keep_last for steps, keep_last, _ in cases) > 100
+    assert any(steps != sorted(steps) for steps, _, _ in cases)
+    assert any(not steps for steps, _, _ in cases)
+    for steps, keep_last, keep_every in cases:
+        kept = retention(steps, keep_last, keep_every)
+        assert kept == _kept(steps, keep_last, keep_every), (steps, keep_last, keep_every)
+        if steps and keep_last:
+            assert max(steps) in kept  # the newest is never a candidate for deletion
+        if len(steps) <= keep_last:
+            assert kept == set(steps)
+
+
+def test_retention_keeps_every_checkpoint_when_there_are_fewer_than_keep_last():
+    assert retention([50, 100], keep_last=3, keep_every=0) == {50, 100}
+    assert retention([100, 50, 150, 200], keep_last=7, keep_every=0) == {50, 100, 150, 200}
+    assert retention([30, 10, 20], keep_last=2, keep_every=0) == {20, 30}
+    assert retention([30, 10, 20], keep_last=0, keep_every=0) == set()
+    assert retention([30, 10, 20], keep_last=1, keep_every=1000) == {30}
     assert retention([], keep_last=3, keep_every=5) == set()
+    with pytest.raises(ValueError, match="must be >= 0"):
+        retention([10], keep_last=-1, keep_every=0)
+
+
+def test_apply_retention_deletes_nothing_below_keep_last(tmp_path):
+    for step in (50, 100):
+        _save(tmp_path, step)
+    assert apply_retention(tmp_path, keep_last=3, keep_every=0) == []
+    assert committed_steps(tmp_path) == [50, 100]
+    assert all(verify(step_dir(tmp_path, step)) == [] for step in (50, 100))
+    with pytest.raises(ValueError, match="would delete the newest committed checkpoint"):
+        apply_retention(tmp_path, keep_last=0, keep_every=0)
+    assert committed_steps(tmp_path) == [50, 100]
 
 
 def test_apply_retention_removes_exactly_the_others(tmp_path):

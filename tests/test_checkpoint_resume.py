@@ -154,6 +154,49 @@ def test_a_damaged_shard_is_named_and_resume_falls_back(run_ranks, tmp_path, dam
     assert any("step_000000008 is corrupt" in m and shard.name in m for m in messages)
 
 
+def _flip_bytes(path: Path) -> None:
+    """Corrupt `path` in place: a run of bytes in its middle inverted, its size unchanged."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    for i in range(middle, min(middle + 16, len(data))):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(("interval", "committed"), [(2, [4, 6, 8]), (4, [4, 8])],
+                         ids=["three-committed", "two-committed"])
+def test_retention_leaves_a_fallback_for_a_corrupt_newest(run_ranks, tmp_path, interval,
+                                                          committed):
+    # keep_last 3: with three or more commits the newest three stay; with two (fewer than
+    # keep_last, issue 14) both stay. Either way a corrupt newest has an older one behind it.
+    raw = job(tmp_path, checkpoint={"interval": interval, "keep_last": 3, "on_overlap": "wait"})
+    whole = run_ranks(_train, 1, raw, timeout=120)
+    assert whole[0]["steps"] == list(range(1, STEPS + 1))
+    ckpt_dir = tmp_path / "checkpoints"
+    assert committed_steps(ckpt_dir) == committed
+    newest, fallback = step_dir(ckpt_dir, committed[-1]), committed[-2]
+
+    shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    size = shard.stat().st_size
+    _flip_bytes(shard)
+    assert shard.stat().st_size == size
+    assert verify(newest, deep=False) == []  # only the checksum can tell
+    assert [p.split(" has ")[0] for p in verify(newest)] == [
+        f"checksum mismatch: {newest.name}/{shard.name}"]
+
+    resumed = run_ranks(_train, 1, raw, timeout=120)
+    assert resumed[0]["steps"] == list(range(fallback + 1, STEPS + 1))
+    assert resumed[0]["losses"] == pytest.approx(whole[0]["losses"][fallback:], rel=1e-5)
+    events = _events(tmp_path)
+    skipped = [e["message"] for e in events if e["event"] == "checkpoint"
+               and f"{newest.name} is corrupt" in e["message"]]
+    assert len(skipped) == 1
+    assert f"checksum mismatch: {newest.name}/{shard.name}" in skipped[0]
+    assert skipped[0].endswith("falling back to an older checkpoint")
+    assert [e["step"] for e in events if e["event"] == "resume"] == [fallback]
+    assert verify(step_dir(ckpt_dir, fallback)) == []  # the checkpoint it fell back to survives
+
+
 def _small_filesystem(path: Path) -> bool:
     """A real 1 MiB tmpfs at `path` when this machine lets us mount one."""
     path.mkdir(parents=True)

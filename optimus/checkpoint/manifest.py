@@ -275,18 +275,25 @@ def clean_partial(root: Path | str, keep: Iterable[int] = ()) -> list[Path]:
 
 
 def retention(steps: list[int], keep_last: int, keep_every: int) -> set[int]:
-    """The steps to keep: the last `keep_last`, plus every multiple of `keep_every` (when > 0)."""
+    """The steps to keep: the newest `keep_last` (all of them when there are fewer), plus every
+    multiple of `keep_every` (when > 0)."""
     if keep_last < 0 or keep_every < 0:
         raise ValueError(f"keep_last={keep_last} and keep_every={keep_every} must be >= 0")
     ordered = sorted(steps)
-    keep = set(ordered[len(ordered) - keep_last:]) if keep_last else set()
+    keep = set(ordered[max(len(ordered) - keep_last, 0):])
     if keep_every:
         keep |= {s for s in ordered if s % keep_every == 0}
     return keep
 
 
 def apply_retention(root: Path | str, keep_last: int, keep_every: int) -> list[int]:
-    """Delete the committed checkpoints `retention` does not keep; returns their steps."""
+    """Delete the committed checkpoints `retention` does not keep; returns their steps.
+
+    keep_last must be >= 1: the newest committed checkpoint is never deleted.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last={keep_last} would delete the newest committed checkpoint; "
+                         "keep at least 1")
     steps = committed_steps(root)
     doomed = sorted(set(steps) - retention(steps, keep_last, keep_every))
     for step in doomed:
