@@ -90,10 +90,11 @@ def test_world_size_must_match_the_layout():
 
 
 def test_heads_and_kv_heads_must_split_over_tp():
-    err = refusal(job(model={"n_heads": 4, "n_kv_heads": 4}, parallel={"tp": 8}))
+    err = refusal(job(model={"n_heads": 4, "n_kv_heads": 4}, parallel={"tp": 8}), world=8)
     assert "n_heads=4 is not divisible by tp=8" in str(err)
     assert "use tp among 1, 2, 4" in str(err)
-    err = refusal(job(model={"dim": 96, "n_heads": 6, "n_kv_heads": 3}, parallel={"tp": 2}))
+    err = refusal(job(model={"dim": 96, "n_heads": 6, "n_kv_heads": 3}, parallel={"tp": 2}),
+                  world=2)
     assert keys(err) == ["parallel.tp"] and "n_kv_heads=3" in str(err)
     # fewer kv heads than tp, tp a multiple of them: each kv head is replicated, accepted
     validate_job(job(model={"n_heads": 4, "n_kv_heads": 2}, parallel={"tp": 4}), world=4)
@@ -101,13 +102,14 @@ def test_heads_and_kv_heads_must_split_over_tp():
 
 def test_fewer_layers_than_pipeline_stages():
     err = refusal(job(model={"n_layers": 3}, parallel={"pp": 2, "virtual_stages": 2,
-                                                       "schedule": "interleaved_1f1b"}))
+                                                       "schedule": "interleaved_1f1b"}), world=2)
     assert keys(err) == ["parallel.pp"]
     assert "3 layers cannot fill pp x virtual_stages = 4" in str(err)
 
 
 def test_vocab_and_sequence_must_split_over_tp():
-    err = refusal(job(model={"vocab_size": 257}, data={"seq_len": 30}, parallel={"tp": 4}))
+    err = refusal(job(model={"vocab_size": 257}, data={"seq_len": 30}, parallel={"tp": 4}),
+                  world=4)
     assert sorted(keys(err)) == ["data.seq_len", "model.vocab_size"]
     assert "pad it to 260" in str(err) and "use a multiple of 4" in str(err)
 
@@ -119,13 +121,14 @@ def test_vocab_and_sequence_must_split_over_tp():
     ({"pp": 2, "virtual_stages": 2, "schedule": "1f1b"}, 2, "virtual"),
 ])
 def test_pipeline_schedules_refuse_what_they_cannot_run(parallel, microbatches, expect):
-    err = refusal(job(parallel=parallel, data={"batch_size": 8, "microbatches": microbatches}))
+    err = refusal(job(parallel=parallel, data={"batch_size": 8, "microbatches": microbatches}),
+                  world=parallel["pp"])
     assert keys(err) == ["parallel.schedule"]
     assert expect in str(err)
 
 
 def test_virtual_stages_need_a_pipeline():
-    err = refusal(job(parallel={"virtual_stages": 2}))
+    err = refusal(job(parallel={"virtual_stages": 2}), world=1)
     assert keys(err) == ["parallel.virtual_stages"]
 
 
@@ -242,9 +245,81 @@ def test_config_check_reports_the_layout_or_refuses():
 
 
 def test_the_real_command_refuses_without_a_traceback():
-    proc = subprocess.run(
-        [sys.executable, "-m", "optimus", "config", "check", str(TINY), "--world", "8",
-         "--set", "parallel.tp=3"], capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr and proc.stdout == ""
-    assert "parallel.tp: n_heads=4 is not divisible by tp=3" in proc.stderr
+    def check(world: str) -> str:
+        proc = subprocess.run(
+            [sys.executable, "-m", "optimus", "config", "check", str(TINY), "--world", world,
+             "--set", "parallel.tp=3"], capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert proc.returncode == 2
+        assert "Traceback" not in proc.stderr and proc.stdout == ""
+        return proc.stderr
+
+    # tp=3 fits neither the world of 8 nor n_heads=4: the world is named first...
+    assert "parallel: tp x pp = 3 x 1 = 3 does not divide the world size 8" in check("8")
+    # ...and on a world tp=3 fits, the heads.
+    assert "parallel.tp: n_heads=4 is not divisible by tp=3" in check("3")
+
+
+# Each wrong layout goes with a batch of 10 that microbatches x dp = 2 x dp does not divide
+# either: the layout is named first, and alone; with the layout fixed, the batch is named.
+@pytest.mark.parametrize("parallel,model,world,key,expect,fixed", [
+    ({"dp": 3, "tp": 2, "pp": 2}, {}, 8, "parallel.dp",
+     "dp x tp x pp = 3 x 2 x 2 = 12 but the world has 8 ranks", {"dp": 2}),
+    ({"dp": 1, "tp": 2, "pp": 2}, {}, 8, "parallel.dp",
+     "dp x tp x pp = 1 x 2 x 2 = 4 but the world has 8 ranks", {"dp": 2}),
+    ({"dp": 2, "tp": 3}, {}, 8, "parallel.dp",  # tp=3 does not split n_heads=4 either
+     "set parallel.dp: -1 and pick tp x pp dividing the world", {"dp": 4, "tp": 2}),
+    ({"tp": 3}, {}, 8, "parallel", "tp x pp = 3 x 1 = 3 does not divide the world size 8",
+     {"tp": 2}),
+    ({"ep": 4}, {"moe": {"experts": 8}}, 2, "parallel.ep",
+     "ep=4 does not divide dp=2; experts borrow their ranks from dp", {"ep": 2}),
+], ids=["too-many", "too-few", "not-dividing-dp", "not-dividing-tp", "ep-over-dp"])
+def test_the_layout_is_named_before_what_depends_on_it(parallel, model, world, key, expect,
+                                                        fixed):
+    data = {"batch_size": 10, "microbatches": 2}
+    err = refusal(job(parallel=parallel, model=model, data=data), world=world)
+    first_key, first_what, first_fix = err.problems[0]
+    assert first_key == key and expect in f"{first_what} — fix: {first_fix}", str(err)
+    if key == "parallel.ep":  # dp fits the world: the batch split over it is known to be wrong
+        assert keys(err) == ["parallel.ep", "data.batch_size"]
+    else:  # what the layout decides waits until the layout fits the world
+        assert keys(err) == [key]
+        assert str(err).startswith(f"job.yaml: {key}: {first_what}")
+    err = refusal(job(parallel={**parallel, **fixed}, model=model, data=data), world=world)
+    assert keys(err) == ["data.batch_size"]
+    assert "is not divisible by microbatches x dp" in str(err)
+
+
+def test_without_a_world_only_what_holds_on_every_world_is_checked():
+    # The layout and the batch split wait for the world: `config check --world` names them.
+    raw = job(parallel={"dp": 3, "tp": 2, "pp": 2}, data={"batch_size": 10})
+    assert validate_job(raw).parallel.dp == 3
+    # What no world can mend is refused at once, and still after a misfit layout.
+    raw = job(parallel={"dp": 3, "tp": 2, "pp": 2}, optim={"min_lr": 1.0})
+    assert keys(refusal(raw)) == ["optim.min_lr"]
+    assert keys(refusal(raw, world=8)) == ["parallel.dp", "optim.min_lr"]
+    result = CliRunner().invoke(main, ["config", "check", str(TINY), "--world", "8",
+                                       "--set", "parallel.dp=3", "--set", "parallel.tp=2",
+                                       "--set", "parallel.pp=2", "--set", "data.batch_size=10"])
+    assert result.exit_code == 2
+    assert "parallel.dp: dp x tp x pp = 3 x 2 x 2 = 12 but the world has 8 ranks" in \
+        result.output and "batch_size" not in result.output
+
+
+@pytest.mark.parametrize("text,expect", [
+    ("", "the job file is empty"),
+    ("  \n\n\t\n", "the job file is empty"),
+    ("# name: t\n\n# model: {dim: 64}\n", "the job file is empty"),
+    ("- name: t\n- model: {}\n", "the job file is a list, not a mapping of sections"),
+    ("tiny-gpt\n", "the job file is a single value ('tiny-gpt'), not a mapping"),
+], ids=["zero-bytes", "whitespace", "comments", "list", "scalar"])
+def test_an_empty_or_shapeless_job_file_is_refused_in_one_line(tmp_path, text, expect):
+    path = tmp_path / "EMPTY.yaml"
+    path.write_text(text)
+    optimus = Path(sys.executable).with_name("optimus")
+    command = [str(optimus)] if optimus.exists() else [sys.executable, "-m", "optimus"]
+    proc = subprocess.run([*command, "config", "check", str(path), "--world", "1"],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert proc.stderr.startswith(f"error: {path}: {expect}"), proc.stderr
+    assert "fix:" in proc.stderr

@@ -50,7 +50,8 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def _static_problems(job: JobConfig) -> list[tuple[str, str, str]]:
+def _job_problems(job: JobConfig) -> list[tuple[str, str, str]]:
+    """What is wrong whatever the world and the layout resolved on it."""
     m, p, d, o = job.model, job.parallel, job.data, job.optim
     out = []
     if m.dim % m.n_heads:
@@ -62,37 +63,6 @@ def _static_problems(job: JobConfig) -> list[tuple[str, str, str]]:
     if m.n_heads % m.n_kv_heads:
         out.append(("model.n_kv_heads", f"n_heads={m.n_heads} is not a multiple of "
                     f"n_kv_heads={m.n_kv_heads}", f"use n_kv_heads among {_divisors(m.n_heads)}"))
-    if m.n_heads % p.tp:
-        out.append(("parallel.tp", f"n_heads={m.n_heads} is not divisible by tp={p.tp}",
-                    f"use tp among {_divisors(m.n_heads)}"))
-    elif m.n_kv_heads % p.tp and p.tp % m.n_kv_heads:
-        out.append(("parallel.tp", f"n_kv_heads={m.n_kv_heads} neither splits over tp={p.tp} "
-                    "nor replicates evenly across it", "use a tp that divides n_kv_heads or "
-                    f"is a multiple of it, e.g. {_divisors(m.n_kv_heads)}"))
-    if m.ffn_dim % p.tp:
-        out.append(("parallel.tp", f"ffn_dim={m.ffn_dim} is not divisible by tp={p.tp}",
-                    f"use tp among {_divisors(m.ffn_dim)}"))
-    if m.vocab_size % p.tp:
-        padded = -(-m.vocab_size // p.tp) * p.tp
-        out.append(("model.vocab_size", f"{m.vocab_size} does not split over tp={p.tp} "
-                    "(the embedding and the loss are vocab-parallel)",
-                    f"pad it to {padded}; ids past the tokenizer's are never used"))
-    stages = p.pp * p.virtual_stages
-    if m.n_layers < stages:
-        out.append(("parallel.pp", f"{m.n_layers} layers cannot fill pp x virtual_stages = "
-                    f"{stages} pipeline stages", f"use at most {m.n_layers} stages in all, or "
-                    "more layers"))
-    if d.seq_len % p.tp:
-        out.append(("data.seq_len", f"{d.seq_len} does not split over tp={p.tp} (sequence "
-                    "parallel gives each tp rank an equal slice of the sequence)",
-                    f"use a multiple of {p.tp}"))
-    if p.pp == 1 and p.virtual_stages > 1:
-        out.append(("parallel.virtual_stages", f"{p.virtual_stages} needs a pipeline",
-                    "set parallel.pp > 1, or virtual_stages: 1"))
-    elif p.pp > 1:
-        problem = schedule_problem(p.schedule, p.pp, p.virtual_stages, d.microbatches)
-        if problem:
-            out.append(("parallel.schedule", *problem))
     moe = m.moe
     if moe.experts:
         if moe.top_k > moe.experts:
@@ -102,6 +72,9 @@ def _static_problems(job: JobConfig) -> list[tuple[str, str, str]]:
             out.append(("model.moe.dense_layers", f"{moe.dense_layers} leaves no MoE layer of "
                         f"n_layers={m.n_layers}", f"use dense_layers < {m.n_layers}, or "
                         "experts: 0 for a dense model"))
+        if moe.experts % p.ep:
+            out.append(("parallel.ep", f"{moe.experts} experts do not split over ep={p.ep}",
+                        f"use ep among {_divisors(moe.experts)}"))
     elif p.ep > 1:
         out.append(("parallel.ep", f"ep={p.ep} needs experts to shard",
                     "set model.moe.experts, or ep: 1"))
@@ -133,29 +106,66 @@ def _static_problems(job: JobConfig) -> list[tuple[str, str, str]]:
     return out
 
 
-def _layout_problems(job: JobConfig, world: int) -> tuple[Layout | None, list]:
-    p, d = job.parallel, job.data
+def _fit(job: JobConfig, world: int) -> tuple[Layout | None, list[tuple[str, str, str]]]:
+    """The layout on `world` ranks, or why dp x tp x pp cannot make `world`."""
+    p = job.parallel
     cells = p.tp * p.pp
     if p.dp == -1:
         if world % cells:
             return None, [("parallel", f"tp x pp = {p.tp} x {p.pp} = {cells} does not divide "
                            f"the world size {world}", f"use tp x pp among {_divisors(world)}")]
         dp = world // cells
+    elif p.dp * cells != world:
+        return None, [("parallel.dp", f"dp x tp x pp = {p.dp} x {p.tp} x {p.pp} = "
+                       f"{p.dp * cells} but the world has {world} ranks",
+                       f"set parallel.dp to {world // cells}" if world % cells == 0
+                       else "set parallel.dp: -1 and pick tp x pp dividing the world")]
     else:
         dp = p.dp
-        if dp * cells != world:
-            return None, [("parallel.dp", f"dp x tp x pp = {dp} x {p.tp} x {p.pp} = "
-                           f"{dp * cells} but the world has {world} ranks",
-                           f"set parallel.dp to {world // cells}" if world % cells == 0
-                           else "set parallel.dp: -1 and pick tp x pp dividing the world")]
+    return Layout(dp, p.tp, p.pp, p.ep, p.virtual_stages), []
+
+
+def _layout_problems(job: JobConfig, layout: Layout) -> list[tuple[str, str, str]]:
+    """What is wrong with a layout that fits its world: the model and the batch against it."""
+    m, d = job.model, job.data
+    dp, tp, pp = layout.dp, layout.tp, layout.pp
+    world = layout.world_size
     out = []
-    if dp % p.ep:
-        out.append(("parallel.ep", f"ep={p.ep} does not divide dp={dp}; experts borrow "
+    if m.n_heads % tp:
+        out.append(("parallel.tp", f"n_heads={m.n_heads} is not divisible by tp={tp}",
+                    f"use tp among {_divisors(m.n_heads)}"))
+    elif m.n_kv_heads % tp and tp % m.n_kv_heads:
+        out.append(("parallel.tp", f"n_kv_heads={m.n_kv_heads} neither splits over tp={tp} "
+                    "nor replicates evenly across it", "use a tp that divides n_kv_heads or "
+                    f"is a multiple of it, e.g. {_divisors(m.n_kv_heads)}"))
+    if m.ffn_dim % tp:
+        out.append(("parallel.tp", f"ffn_dim={m.ffn_dim} is not divisible by tp={tp}",
+                    f"use tp among {_divisors(m.ffn_dim)}"))
+    if m.vocab_size % tp:
+        padded = -(-m.vocab_size // tp) * tp
+        out.append(("model.vocab_size", f"{m.vocab_size} does not split over tp={tp} "
+                    "(the embedding and the loss are vocab-parallel)",
+                    f"pad it to {padded}; ids past the tokenizer's are never used"))
+    stages = pp * layout.virtual_stages
+    if m.n_layers < stages:
+        out.append(("parallel.pp", f"{m.n_layers} layers cannot fill pp x virtual_stages = "
+                    f"{stages} pipeline stages", f"use at most {m.n_layers} stages in all, or "
+                    "more layers"))
+    if d.seq_len % tp:
+        out.append(("data.seq_len", f"{d.seq_len} does not split over tp={tp} (sequence "
+                    "parallel gives each tp rank an equal slice of the sequence)",
+                    f"use a multiple of {tp}"))
+    if pp == 1 and layout.virtual_stages > 1:
+        out.append(("parallel.virtual_stages", f"{layout.virtual_stages} needs a pipeline",
+                    "set parallel.pp > 1, or virtual_stages: 1"))
+    elif pp > 1:
+        problem = schedule_problem(job.parallel.schedule, pp, layout.virtual_stages,
+                                   d.microbatches)
+        if problem:
+            out.append(("parallel.schedule", *problem))
+    if dp % layout.ep:
+        out.append(("parallel.ep", f"ep={layout.ep} does not divide dp={dp}; experts borrow "
                     "their ranks from dp", f"use ep among {_divisors(dp)}"))
-    experts = job.model.moe.experts
-    if experts and experts % p.ep:
-        out.append(("parallel.ep", f"{experts} experts do not split over ep={p.ep}",
-                    f"use ep among {_divisors(experts)}"))
     per_step = d.microbatches * dp
     if d.batch_size % per_step:
         nearest = max(per_step, round(d.batch_size / per_step) * per_step)
@@ -166,19 +176,23 @@ def _layout_problems(job: JobConfig, world: int) -> tuple[Layout | None, list]:
         if fault.rank is not None and fault.rank >= world:
             out.append((f"fault_injection.faults.{i}.rank", f"rank {fault.rank} does not "
                         f"exist in a world of {world}", f"use a rank below {world}"))
-    return Layout(dp, p.tp, p.pp, p.ep, p.virtual_stages), out
+    return out
 
 
 def check_job(job: JobConfig, world: int | None = None, source: str = "job") -> Layout | None:
-    """Raise ConfigError listing every problem; return the layout when `world` is given."""
-    problems = _static_problems(job)
-    layout = None
+    """Raise ConfigError listing every problem; return the layout when `world` is given.
+
+    The layout's fit to the world is named first, and what depends on the layout (heads and
+    the vocabulary over tp, layers over pp, ep over dp, the batch over dp) is checked only once
+    it fits: a fix of the fit changes those degrees. Without a world, only what holds on every
+    world is checked; the layout waits for the world it runs on.
+    """
+    problems, layout = [], None
     if world is not None:
-        layout, more = _layout_problems(job, world)
-        problems += more
-    elif job.parallel.dp != -1:
-        # dp fixed by the job: the world it needs is known, so check the batch split now.
-        problems += _layout_problems(job, job.parallel.dp * job.parallel.tp * job.parallel.pp)[1]
+        layout, problems = _fit(job, world)
+    problems += _job_problems(job)
+    if layout is not None:
+        problems += _layout_problems(job, layout)
     if problems:
         raise ConfigError(source, problems=problems)
     return layout

@@ -63,11 +63,16 @@ def load_job(path: str | Path, overrides: list[str] = (), world: int | None = No
     path = Path(path)
     if not path.is_file():
         raise ConfigError(str(path), "no such job file", "give the path of a YAML job file")
-    raw = parse_yaml(path.read_text(), str(path))
-    if raw is None:
-        raw = {}
+    text = path.read_text()
+    blank = all(not line.strip() or line.lstrip().startswith("#") for line in text.splitlines())
+    raw = None if blank else parse_yaml(text, str(path))  # a stray tab is no YAML error here
+    if raw is None:  # nothing but whitespace and comments (or a bare `---`, `null`)
+        raise ConfigError(str(path), "the job file is empty: it holds no settings",
+                          "write the job into it: `name:` and sections like `model:`, "
+                          "`data:`, `optim:` (jobs/tiny-gpt.yaml is a small complete one)")
     if not isinstance(raw, dict):
-        raise ConfigError(str(path), "the job file must be a mapping of sections",
+        got = "a list" if isinstance(raw, list) else f"a single value ({str(raw)[:40]!r})"
+        raise ConfigError(str(path), f"the job file is {got}, not a mapping of sections",
                           "start it with `name: ...` and sections like `model:`")
     raw.setdefault("name", path.stem)
     for assignment in overrides:
