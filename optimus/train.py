@@ -10,7 +10,6 @@ boundary all ranks agree (optimus/health.py), so all act after the same step.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -42,6 +41,7 @@ from optimus.parallel.grads import clip_grad_norm_, local_grads_finite
 from optimus.parallel.plan import IGNORE_INDEX, build_parallel_model
 from optimus.runtime import (
     ParallelDims,
+    autocast_for,
     destroy_distributed,
     device_name,
     init_distributed,
@@ -88,8 +88,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         model = build_parallel_model(job, layout, mesh, device)
         optimizer = build_optimizer(model.state_view(), job.optim, device)
         pp_group = mesh["pp"].get_group()
-        autocast = (contextlib.nullcontext() if device.type == "cpu"
-                    else torch.autocast(device.type, dtype=torch.bfloat16))
+        autocast = autocast_for(job.parallel.precision, device)  # bf16, or nothing (fp32)
 
         log = MetricsLog(
             Path(job.resolved_run_dir) / "metrics.jsonl", total_steps=job.optim.steps,

@@ -296,12 +296,15 @@ def _ids(batches):
 
 
 def _steps(dp_size, n_steps, start_index=0, microbatches=2):
-    """Sample ids per step over all ranks, in rank order."""
+    """Sample ids per step over all ranks: global microbatch by global microbatch, each in rank
+    order."""
+    per_rank = [_ids(_take(_loader(r, dp_size, start_index=start_index,
+                                   microbatches=microbatches), n_steps * microbatches))
+                 for r in range(dp_size)]
     steps = [[] for _ in range(n_steps)]
-    for r in range(dp_size):
-        loader = _loader(r, dp_size, start_index=start_index, microbatches=microbatches)
-        for i, ids in enumerate(_ids(_take(loader, n_steps * microbatches))):
-            steps[i // microbatches] += ids
+    for i in range(n_steps * microbatches):
+        for r in range(dp_size):
+            steps[i // microbatches] += per_rank[r][i]
     return steps
 
 
@@ -321,12 +324,14 @@ def test_batch_contents_and_determinism():
     assert sorted(first_epoch) == list(range(50))  # every sample once per epoch
 
 
-def test_dp_degrees_cover_the_same_samples():
+def test_dp_degrees_cover_the_same_samples_in_the_same_global_microbatches():
     ref = _steps(1, 8)  # 64 samples: crosses into the second epoch
     assert _steps(2, 8) == ref and _steps(4, 8) == ref
     assert _steps(4, 8, microbatches=1) == ref
+    # Rank 1 of 2, batch 8 in 2 microbatches: the second half of each global microbatch
+    # (indices 0-3, then 4-7), so global microbatch j is the same 4 samples at any dp.
     ranks = _take(_loader(1, 2), 2)
-    assert [b["index"].tolist() for b in ranks] == [[4, 5], [6, 7]]
+    assert [b["index"].tolist() for b in ranks] == [[2, 3], [6, 7]]
 
 
 def test_resume_from_start_index():
@@ -357,14 +362,15 @@ def test_resume_from_state_dict_at_other_dp(num_workers):
         for s in range(3):
             before[s] += sum(_ids([next(it), next(it)]), [])
         states.append(loader.state_dict())
-    assert before == ref[:3]
+    same = [sorted(step) for step in ref]  # each step's samples (order: global microbatches)
+    assert [sorted(step) for step in before] == same[:3]
     after = [[] for _ in range(4)]
     for r in range(4):
         loader = _loader(r, 4, num_workers=num_workers)
         loader.load_state_dict(states[0])  # every rank's state is the same integer
         for s, pair in enumerate(zip(*[iter(_take(loader, 8))] * 2, strict=True)):
             after[s] += sum(_ids(pair), [])
-    assert after == ref[3:]
+    assert [sorted(step) for step in after] == same[3:]
 
 
 def test_sampler_state_and_refusals():

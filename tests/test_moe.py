@@ -108,11 +108,103 @@ def test_the_aux_loss_pulls_on_the_router_only_when_balancing_by_loss():
         grads[balance] = m.router.weight.grad
     assert grads["none"].abs().max() == 0
     assert grads["aux_loss"].abs().max() > 0
-    scores = torch.full((8, 4), 0.25)  # perfectly balanced: the loss is 1
-    chosen = torch.tensor([[0, 1], [2, 3]] * 4)
-    assert float(layer().aux_loss(scores, chosen)[0]) == pytest.approx(1.0)
-    skewed = torch.tensor([[0, 1]] * 8)
-    assert float(layer().aux_loss(torch.tensor([[0.5, 0.5, 0, 0]] * 8), skewed)[0]) == 2.0
+    for scope in ("global", "sequence"):
+        balanced = layer(aux_loss_scope=scope)  # a fresh layer: nothing counted yet
+        balanced.step_tokens = 8
+        scores = torch.full((8, 4), 0.25)  # perfectly balanced: the loss is 1
+        chosen = torch.tensor([[0, 1], [2, 3]] * 4).view(1, 8, 2)
+        assert float(balanced.balance_loss(scores, chosen)) == pytest.approx(1.0)
+        skewed = layer(aux_loss_scope=scope)
+        skewed.step_tokens = 8
+        assert float(skewed.balance_loss(torch.tensor([[0.5, 0.5, 0, 0]] * 8),
+                                         torch.tensor([[0, 1]] * 8).view(1, 8, 2))) == 2.0
+
+
+def naive_aux(scores: torch.Tensor, chosen: torch.Tensor, experts: int = 4) -> torch.Tensor:
+    """experts x sum(fraction of slots x mean probability) over exactly these tokens."""
+    fraction = torch.bincount(chosen.flatten(), minlength=experts) / chosen.numel()
+    return experts * (fraction * scores.mean(0)).sum()
+
+
+def test_global_scope_uses_the_counts_of_the_steps_microbatches_so_far():
+    m = layer(aux_loss_scope="global")
+    m.step_tokens = 32  # two microbatches of 2 x 8 tokens
+    x1, x2 = torch.randn(16, 64), torch.randn(16, 64)
+    (s1, c1, _), (s2, c2, _) = m.route(x1), m.route(x2)
+    first = m.balance_loss(s1, c1.view(2, 8, 2))
+    second = m.balance_loss(s2, c2.view(2, 8, 2))
+    both = torch.bincount(torch.cat([c1, c2]).flatten(), minlength=4) / (32 * 2)
+    # Microbatch 1 sees its own counts; microbatch 2 the counts of both.
+    assert float(first) == pytest.approx(float(naive_aux(s1, c1) * 16 / 32), rel=1e-6)
+    assert float(second) == pytest.approx(float(4 * (both * s2.sum(0)).sum() / 32), rel=1e-6)
+    assert m.batch_slots.tolist() == (both * 64).tolist() and float(m.batch_tokens) == 32
+    m.reset_counters()  # the trainer, after the step
+    assert m.batch_slots.abs().sum() == 0 and float(m.batch_tokens) == 0
+
+
+def test_sequence_scope_balances_each_sequence_on_its_own():
+    m = layer(aux_loss_scope="sequence")
+    m.step_tokens = 24  # three sequences of 8 positions
+    scores, chosen, _ = m.route(torch.randn(24, 64))
+    got = m.balance_loss(scores, chosen.view(3, 8, 2))
+    want = sum(naive_aux(scores[i * 8:(i + 1) * 8], chosen[i * 8:(i + 1) * 8])
+               for i in range(3)) / 3  # the sequences' mean, each 8 of 24 tokens
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+    assert float(got) != pytest.approx(float(naive_aux(scores, chosen)), rel=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_recompute_counts_each_forward_once(mode):
+    """A recomputed block replays its first forward: the load, the dropped slots and the
+    auxiliary loss are counted once, and the gradients are those without recompute."""
+    from optimus.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    cfg = validate_job(moe_job(capacity_factor=0.75)).model  # drops some slots
+    models = [build_model(cfg, seed=3), build_model(cfg, seed=3)]
+    wrapped = apply_activation_checkpointing(models[1], mode, every=2)
+    assert wrapped == (4 if mode == "full" else 2)  # selective: layers 0 and 2 (an MoE one)
+    batch = torch.randint(0, 256, (2, 4, 17), generator=torch.Generator().manual_seed(0))
+    for model in models:
+        model.train()
+        for mb in batch:  # two microbatches, as gradient accumulation runs them
+            for moe in model.modules():
+                if isinstance(moe, MoE):
+                    moe.step_tokens = 2 * 4 * 16
+            logits = model(mb[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), mb[:, 1:].flatten(),
+                                                     reduction="sum") / (2 * 4 * 16)
+            loss.backward()
+    plain, recomputed = ([m for m in model.modules() if isinstance(m, MoE)] for model in models)
+    for a, b in zip(plain, recomputed, strict=True):
+        assert a.load.sum() == 2 * 4 * 16 * 2  # each token's two slots, once
+        assert torch.equal(a.load, b.load) and torch.equal(a.dropped, b.dropped)
+        assert float(a.dropped) > 0
+        assert float(b.aux_total) == pytest.approx(float(a.aux_total), rel=1e-6)
+        assert torch.equal(a.batch_slots, b.batch_slots)
+    grads = dict(models[0].named_parameters())
+    for name, p in models[1].named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        assert torch.allclose(p.grad, grads[name].grad, rtol=1e-5, atol=1e-7), name
+
+
+def test_moe_runs_forward_and_backward_under_bf16_autocast():
+    """The accelerators' path, on CPU: experts in bf16, their weighted sum in float32."""
+    m = layer()
+    m.step_tokens = 32
+    x = torch.randn(2, 16, 64)
+    reference = m(x)
+    (reference.float() ** 2).sum().backward()
+    want = m.router.weight.grad.clone()
+    m.zero_grad()
+    m.reset_counters()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = m(x)
+        (out.float() ** 2).sum().backward()
+    assert out.dtype == torch.bfloat16 and reference.dtype == torch.float32
+    # bf16 keeps 8 bits of mantissa: ~0.4% per rounding, a few roundings deep.
+    assert relative_error(out.float(), reference) < 2e-2
+    assert relative_error(m.router.weight.grad, want) < 5e-2
+    assert not torch.equal(out.float(), reference)  # it did compute in bf16
 
 
 def test_sigmoid_scores_and_the_bias_choose_but_do_not_weigh():
@@ -148,29 +240,43 @@ def _train(rank: int, world_size: int, raw: dict) -> dict:
             "moe": [m.moe for m in result.metrics]}
 
 
-_reference: dict[str, dict] = {}
+_reference: dict[tuple, dict] = {}
+BATCH, MICROBATCHES = 16, 2  # every layout: 2 global microbatches of 8 sequences
 
 
-def one_process(run_ranks, balance: str) -> dict:
-    """The single-process run, one sequence per microbatch (as every layout below has it: the
-    auxiliary loss is per microbatch, so the microbatches must hold the same sequences)."""
-    if balance not in _reference:
-        raw = moe_job(balance=balance, bias_update_rate=0.01)
-        raw["data"]["microbatches"] = 8
-        (_reference[balance],) = run_ranks(_train, 1, raw, timeout=120)
-    return _reference[balance]
+def matrix_job(balance: str, scope: str = "global") -> dict:
+    raw = moe_job(balance=balance, bias_update_rate=0.01, aux_loss_scope=scope)
+    raw["data"].update(batch_size=BATCH, microbatches=MICROBATCHES)
+    return raw
 
 
-# name: (world, parallel, microbatches of one sequence each, balancing)
+def one_process(run_ranks, balance: str, scope: str = "global") -> dict:
+    """The single-process run: the same global batch in the same two microbatches."""
+    if (balance, scope) not in _reference:
+        (_reference[balance, scope],) = run_ranks(_train, 1, matrix_job(balance, scope),
+                                                  timeout=120)
+    return _reference[balance, scope]
+
+
+# name: (world, parallel, balancing, aux-loss scope). Each rank's microbatch holds 8 / dp
+# sequences: several on most layouts, one under EP4 (dp 8).
 LAYOUTS = {
-    "DP2": (2, {}, 4, "bias"),
-    "PP2": (2, {"pp": 2, "schedule": "1f1b"}, 8, "aux_loss"),
-    "EP2": (2, {"ep": 2}, 4, "bias"),
-    "EP2xDP2": (4, {"ep": 2}, 2, "aux_loss"),
-    "EP2xPP2": (4, {"ep": 2, "pp": 2, "schedule": "1f1b"}, 4, "aux_loss"),
-    "EP4": (8, {"ep": 4}, 1, "bias"),
-    "TP2xEP2": (4, {"tp": 2, "ep": 2}, 4, "aux_loss"),
-    "TP2": (2, {"tp": 2}, 8, "bias"),
+    "DP2": (2, {}, "aux_loss", "global"),
+    "DP2-bias": (2, {}, "bias", "global"),
+    "PP2": (2, {"pp": 2, "schedule": "1f1b"}, "aux_loss", "global"),
+    "EP2": (2, {"ep": 2}, "aux_loss", "global"),
+    "EP2xDP2": (4, {"ep": 2}, "aux_loss", "global"),
+    "EP2xDP2-sequence": (4, {"ep": 2}, "aux_loss", "sequence"),
+    "EP2xPP2": (4, {"ep": 2, "pp": 2, "schedule": "1f1b"}, "aux_loss", "global"),
+    "EP4": (8, {"ep": 4}, "aux_loss", "global"),
+    "EP4-bias": (8, {"ep": 4}, "bias", "global"),
+    "TP2xEP2": (4, {"tp": 2, "ep": 2}, "aux_loss", "global"),
+    "TP2-sequence": (2, {"tp": 2}, "aux_loss", "sequence"),
+    "TP2xEP2-recompute": (4, {"tp": 2, "ep": 2, "activation_checkpoint": "full"}, "aux_loss",
+                          "global"),
+    "PP2-selective-recompute": (2, {"pp": 2, "activation_checkpoint": "selective"}, "aux_loss",
+                                "sequence"),
+    "TP2": (2, {"tp": 2}, "bias", "global"),
 }
 EP = pytest.mark.expert_parallel
 
@@ -178,10 +284,9 @@ EP = pytest.mark.expert_parallel
 @pytest.mark.parametrize("name", [pytest.param(n, marks=EP) if "ep" in LAYOUTS[n][1] else n
                                   for n in LAYOUTS])
 def test_moe_layouts_train_like_one_process(run_ranks, name):
-    world, parallel, microbatches, balance = LAYOUTS[name]
-    one = one_process(run_ranks, balance)
-    raw = moe_job(balance=balance, bias_update_rate=0.01)
-    raw["data"]["microbatches"] = microbatches
+    world, parallel, balance, scope = LAYOUTS[name]
+    one = one_process(run_ranks, balance, scope)
+    raw = matrix_job(balance, scope)
     raw["parallel"].update(parallel)
     ranks = run_ranks(_train, world, raw, timeout=240)
     merged: dict[str, torch.Tensor] = {}
@@ -193,7 +298,7 @@ def test_moe_layouts_train_like_one_process(run_ranks, name):
         for got, want in zip(result["moe"], one["moe"], strict=True):
             assert (got["load"], got["dropped"]) == (want["load"], want["dropped"])
             assert got["aux_loss"] == pytest.approx(want["aux_loss"], rel=1e-5)
-    assert sum(one["moe"][0]["load"][0]) == 8 * 32 * 2  # every token of the step, twice
+    assert sum(one["moe"][0]["load"][0]) == BATCH * 32 * 2  # every token of the step, twice
     assert merged.keys() == one["state"].keys()
     for key, value in one["state"].items():
         if value.norm() == 0:  # an expert bias that never moves (balanced by the loss)

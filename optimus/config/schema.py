@@ -38,6 +38,9 @@ class MoEConfig(Section):
         "aux_loss", description="aux_loss: a load-balancing loss; bias: loss-free, a per-expert "
                                 "bias on the routing scores follows the load")
     aux_loss_coeff: NonNegativeFloat = 0.01
+    aux_loss_scope: Literal["global", "sequence"] = Field(
+        "global", description="aux_loss: the slot fractions of the step's global batch (all "
+                              "ranks, the microbatches so far), or of each sequence alone")
     bias_update_rate: NonNegativeFloat = Field(
         1e-3, description="bias: the step by which an under- or over-loaded expert's bias moves")
     dense_layers: NonNegativeInt = Field(0, description="the first k layers stay dense")
@@ -88,6 +91,9 @@ class ParallelConfig(Section):
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     ac_every: PositiveInt = Field(2, description="selective: checkpoint every n-th block")
     device: Literal["auto", "cpu", "cuda", "xpu"] = "auto"
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="auto: bf16 autocast on cuda and xpu, fp32 on cpu; bf16: autocast "
+                            "on any device (the cpu then runs the accelerators' path)")
     backend: Literal["auto", "gloo", "nccl", "xccl", "ccl"] = "auto"
 
 

@@ -7,9 +7,12 @@ and time per epoch (billions of samples); a small Feistel network with cycle-wal
 keyed bijection on [0, n) evaluated in O(1) memory per index.
 
 Sample j of a source is tokens [j*seq_len, j*seq_len + seq_len + 1). Global index g reads
-sample `order.sample_id(g)`. Step s takes global indices [start + s*B, start + (s+1)*B);
-rank r of dp takes the contiguous slice r*B/dp .. (r+1)*B/dp of it, cut in order into
-microbatches. The loader's state is therefore one integer: the next step's first index.
+sample `order.sample_id(g)`. Step s takes global indices [start + s*B, start + (s+1)*B), cut
+into M global microbatches of B/M contiguous indices; rank r of dp takes the r-th contiguous
+slice of B/(M*dp) indices of each. So global microbatch j holds the same samples at every dp
+degree (what a statistic over a global microbatch, like the MoE auxiliary loss's, needs to be
+the same on every layout). The loader's state is therefore one integer: the next step's first
+index.
 """
 
 from __future__ import annotations
@@ -141,7 +144,9 @@ class MicrobatchSampler:
         return self
 
     def __next__(self) -> list[int]:
-        lo = self.next_index + self.dp_rank * self.per_rank + self.microbatch * self.micro_size
+        global_micro = self.batch_size // self.microbatches
+        lo = (self.next_index + self.microbatch * global_micro
+              + self.dp_rank * self.micro_size)
         self.microbatch += 1
         if self.microbatch == self.microbatches:
             self.microbatch, self.next_index = 0, self.next_index + self.batch_size

@@ -12,9 +12,28 @@ wherever the layer runs, or loss-free: a per-expert bias, added to the scores on
 experts, which the trainer moves after each step towards the mean load (`expert_bias`, a
 buffer, saved with the model).
 
+The auxiliary loss's statistics have a scope (`aux_loss_scope`), and no layout changes them:
+- `global` (the default): the slot fractions are those of the step's global batch, counted
+  over every rank that holds other tokens of it (data-, expert- and tensor-parallel ranks) and
+  over the step's microbatches so far: microbatch j of a step uses the counts of its global
+  microbatches 1..j, so the last one sees the whole batch. (The whole batch's counts cannot be
+  known before the first backward under gradient accumulation; a running count is the usual
+  answer.) Balancing over the global batch rather than per sequence lets experts specialise.
+- `sequence`: every sequence is balanced on its own (its own fractions and mean probabilities),
+  and the sequences' losses are averaged, token-weighted.
+Either way a rank adds its own tokens' probabilities times the fractions; summed over ranks and
+microbatches that is the loss, so only the counts (never a gradient) cross ranks, through
+`sum_over_batch` and `sum_over_sequence`, which the parallel plans set.
+
+A forward counts the load, the dropped slots and the running totals once. Activation recompute
+replays the first forward's balancing decisions and counts nothing (`recompute_contexts`), and a
+pipeline's shape-inference pass on placeholder tensors counts nothing and talks to no other
+rank (`moe_pass("dry")`).
+
 Expert weights are stacked, [experts, in, out], and computed by grouped GEMM:
 `torch._grouped_mm` where the device has it (CUDA, bf16, compute capability 9+), a padded
-batched matmul elsewhere (on CPU `_grouped_mm` has no backward in torch 2.13).
+batched matmul elsewhere (on CPU `_grouped_mm` has no backward in torch 2.13). Under autocast
+the experts run in bf16 and their weighted outputs are summed in float32 (`combine`).
 
 No parallel code here: dispatch and combine are local. Expert parallelism replaces
 `MoE.dispatch` from outside, tensor parallelism `MoE.sum_over_token_shards`.
@@ -23,7 +42,9 @@ No parallel code here: dispatch and combine are local. Expert parallelism replac
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +103,14 @@ def padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) ->
 
 
 def _native_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` can take these operands: CUDA, sm90+, both in bf16.
+
+    What training takes on a GPU today: parameters are float32 and the step runs under bf16
+    autocast (`optimus.runtime.device.autocast_for`), so `w` is float32 here and the experts
+    run as the padded batched matmul, which autocast computes in bf16. The native kernel is
+    taken once parameters are bf16 in compute (FSDP2's mixed-precision policy). On XPU torch
+    2.13 has no `_grouped_mm`: always the padded path.
+    """
     return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
             and hasattr(torch, "_grouped_mm")
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
@@ -102,6 +131,52 @@ class _AddAuxLoss(torch.autograd.Function):
         return grad, torch.ones_like(aux)
 
 
+# How the current forward pass treats the layers' bookkeeping (counters, running totals, the
+# collectives that sum counts): None for a plain training or evaluation pass, else
+# (mode, record) with mode "record" (a first forward whose balancing decisions are kept in
+# `record`, by layer), "replay" (activation recompute: reuse them, count nothing) or "dry"
+# (placeholder inputs: count nothing, no collectives).
+_PASS: ContextVar[tuple[str, dict] | None] = ContextVar("optimus_moe_pass", default=None)
+
+
+@contextmanager
+def moe_pass(mode: str, record: dict | None = None) -> Iterator[None]:
+    """Run the forwards inside as `mode`: "record", "replay" or "dry" (see above)."""
+    if mode not in ("record", "replay", "dry"):
+        raise ValueError(f"unknown MoE pass {mode!r}")
+    token = _PASS.set((mode, {} if record is None else record))
+    try:
+        yield
+    finally:
+        _PASS.reset(token)
+
+
+def recompute_contexts():
+    """`context_fn` for torch.utils.checkpoint (non-reentrant): the forward records each MoE
+    layer's balancing decisions, the recompute in backward replays them, so a recomputed block
+    counts nothing twice and computes the same auxiliary loss without asking other ranks. A
+    forward inside a dry pass stays dry, and so does its recompute."""
+    record: dict = {}
+    return _first_forward(record), _recompute(record)
+
+
+@contextmanager
+def _first_forward(record: dict) -> Iterator[None]:
+    current = _PASS.get()
+    if current is not None and current[0] == "dry":
+        record["dry"] = True
+        yield
+        return
+    with moe_pass("record", record):
+        yield
+
+
+@contextmanager
+def _recompute(record: dict) -> Iterator[None]:
+    with moe_pass("dry" if record.get("dry") else "replay", record):
+        yield
+
+
 class MoE(nn.Module):
     """Router + grouped experts (+ shared experts), in place of a block's feed-forward."""
 
@@ -111,6 +186,7 @@ class MoE(nn.Module):
         self.layer, self.experts_n, self.top_k = layer, m.experts, m.top_k
         self.score, self.balance = m.score, m.balance
         self.capacity_factor, self.aux_loss_coeff = m.capacity_factor, m.aux_loss_coeff
+        self.aux_scope = m.aux_loss_scope
         self.router = nn.Linear(cfg.dim, m.experts, bias=False)
         self.experts = GroupedExperts(m.experts, cfg.dim, m.expert_ffn_dim)
         self.shared = shared  # the shared experts: one SwiGLU, as wide as all of them
@@ -118,28 +194,28 @@ class MoE(nn.Module):
         # Since the trainer last read them: slots routed to each expert, slots dropped.
         self.register_buffer("load", torch.zeros(m.experts), persistent=False)
         self.register_buffer("dropped", torch.zeros(()), persistent=False)
+        # The step's running totals for the global-batch auxiliary loss: slots per expert and
+        # tokens, over every rank and the microbatches so far.
+        self.register_buffer("batch_slots", torch.zeros(m.experts), persistent=False)
+        self.register_buffer("batch_tokens", torch.zeros(()), persistent=False)
         self.step_tokens = 1  # the step's global token count (the trainer sets it)
-        self.aux_total: torch.Tensor | None = None  # this step's, token-weighted, this rank
-        # Under tensor parallelism each rank routes its own share of the sequence: the
-        # auxiliary loss, not a sum over tokens, needs the totals of all shares (a
-        # differentiable sum, which the parallel plan sets).
-        self.token_shards = 1
-        self.sum_over_token_shards: Callable[[torch.Tensor], torch.Tensor] = _alone
+        self.aux_total: torch.Tensor | None = None  # this rank's share of the step's aux loss
+        # Counts summed over the ranks holding other tokens of the same global microbatch
+        # (global scope) or of the same sequences (sequence scope): set by the parallel plans.
+        self.sum_over_batch: Callable[[torch.Tensor], torch.Tensor] = _alone
+        self.sum_over_sequence: Callable[[torch.Tensor], torch.Tensor] = _alone
 
     def reset_buffers(self) -> None:
         self.expert_bias.zero_()
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        """Forget what was counted: after the trainer has read a step's figures."""
         self.load.zero_()
         self.dropped.zero_()
+        self.batch_slots.zero_()
+        self.batch_tokens.zero_()
         self.aux_total = None
-
-    def counters(self) -> tuple:
-        """What the layer has counted since the trainer last read it."""
-        return self.load.clone(), self.dropped.clone(), self.aux_total
-
-    def restore_counters(self, counters: tuple) -> None:
-        load, dropped, self.aux_total = counters
-        self.load.copy_(load)
-        self.dropped.copy_(dropped)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, dim = x.shape
@@ -147,15 +223,12 @@ class MoE(nn.Module):
         scores, chosen, weights = self.route(tokens)
         out = self.dispatch(tokens, chosen, weights)
         if self.shared is not None:
-            out = out + self.shared(tokens)
+            out = out + self.shared(tokens).to(out.dtype)
         if self.balance == "aux_loss" and self.training and torch.is_grad_enabled():
-            # Token-weighted over the step's microbatches and ranks, as the main loss is.
-            aux, n_tokens = self.aux_loss(scores, chosen)
-            aux = aux * (n_tokens / self.step_tokens)
-            self.aux_total = aux.detach() + (0 if self.aux_total is None else self.aux_total)
-            # Every shard holds the same loss, and backward through the sum over shards adds
-            # up their gradients: each adds 1 / shards of it.
-            out = _AddAuxLoss.apply(out, aux * (self.aux_loss_coeff / self.token_shards))
+            aux = self.balance_loss(scores, chosen.view(b, s, -1))
+            if _counting():
+                self.aux_total = aux.detach() + (0 if self.aux_total is None else self.aux_total)
+            out = _AddAuxLoss.apply(out, aux * self.aux_loss_coeff)
         return out.view(b, s, dim)
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -190,7 +263,7 @@ class MoE(nn.Module):
                 starts, counts)  # each slot's place in its expert's queue
             kept = order[rank < capacity]
             counts = counts.clamp(max=capacity)
-        if torch.is_grad_enabled():  # a training pass, not an evaluation
+        if torch.is_grad_enabled() and _counting():  # a training pass, counted once
             with torch.no_grad():
                 self.load += torch.bincount(slots, minlength=self.experts_n).float()
                 self.dropped += slots.numel() - kept.numel()
@@ -198,23 +271,60 @@ class MoE(nn.Module):
 
     def combine(self, tokens: torch.Tensor, kept: torch.Tensor, y: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
-        """Each token's experts' outputs `y` (in `kept` order), weighted and summed."""
-        y = y * weights.reshape(-1)[kept].unsqueeze(-1).to(y.dtype)
-        return torch.zeros_like(tokens).index_add(0, kept // self.top_k, y)
+        """Each token's experts' outputs `y` (in `kept` order), weighted and summed.
 
-    def aux_loss(self, scores: torch.Tensor,
-                 chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """experts x sum over experts of (fraction of slots routed to it) x (its mean
-        probability): 1 when balanced, up to `experts` when one expert takes everything. Over
-        the tokens of every shard; and how many tokens those are."""
+        The sum is taken in float32 whatever the experts computed in (bf16 under autocast),
+        and returned in their dtype, as a dense feed-forward's output would be."""
+        y32 = y.float() * weights.reshape(-1)[kept].unsqueeze(-1).float()
+        out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        return out.index_add(0, kept // self.top_k, y32).to(y.dtype)
+
+    def balance_loss(self, scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the auxiliary loss: experts x sum over experts of (the fraction
+        of slots routed to it) x (its mean probability), over the scope's tokens (1 when
+        balanced, up to `experts` when one expert takes everything), weighted by the scope's
+        share of the step's tokens. `chosen` is [sequences, positions, k]. Only the counts
+        cross ranks; each rank adds its own tokens' probabilities."""
         e = self.experts_n
         probs = scores / scores.sum(-1, keepdim=True)  # softmax already sums to 1
-        slots = torch.bincount(chosen.reshape(-1), minlength=e).float()
-        totals = self.sum_over_token_shards(
-            torch.cat([slots, probs.sum(0), probs.new_full((1,), scores.shape[0])]))
-        slots, prob_sums, n_tokens = totals.split([e, e, 1])
-        fraction = slots / (n_tokens * self.top_k)
-        return e * (fraction * prob_sums / n_tokens).sum(), n_tokens.squeeze().detach()
+        b, s, _ = chosen.shape
+        fraction = self._fractions(chosen)  # [E] (global) or [b, E] (sequence)
+        per_sequence = probs.view(b, s, e).sum(1)  # [b, E]
+        prob_sums = per_sequence.sum(0) if self.aux_scope == "global" else per_sequence
+        return e * (fraction * prob_sums).sum() / self.step_tokens
+
+    def _fractions(self, chosen: torch.Tensor) -> torch.Tensor:
+        """Slot fractions per expert in this pass's scope, counted once per real forward:
+        a recompute replays them, a dry pass counts locally and keeps nothing."""
+        mode, record = _PASS.get() or (None, None)
+        if mode == "replay":
+            return record[id(self)]
+        e, k = self.experts_n, self.top_k
+        b, s, _ = chosen.shape
+        with torch.no_grad():
+            per_sequence = F.one_hot(chosen.reshape(b, -1), e).sum(1).float()  # [b, E]
+            if self.aux_scope == "global":
+                counts = torch.cat([per_sequence.sum(0), per_sequence.new_full((1,), b * s)])
+                if mode != "dry":
+                    counts = self.sum_over_batch(counts)
+                    self.batch_slots += counts[:e]
+                    self.batch_tokens += counts[e]
+                    counts = torch.cat([self.batch_slots, self.batch_tokens.view(1)])
+                fraction = counts[:e] / (counts[e] * k)
+            else:
+                counts = torch.cat([per_sequence, per_sequence.new_full((b, 1), s)], dim=1)
+                if mode != "dry":
+                    counts = self.sum_over_sequence(counts)
+                fraction = counts[:, :e] / (counts[:, e:] * k)
+        if mode == "record":
+            record[id(self)] = fraction
+        return fraction
+
+
+def _counting() -> bool:
+    """Whether this pass counts (not a recompute's replay, not a dry pass)."""
+    current = _PASS.get()
+    return current is None or current[0] == "record"
 
 
 def _alone(totals: torch.Tensor) -> torch.Tensor:

@@ -36,19 +36,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from optimus.models.moe import MoE, moe_layers, swiglu_experts
+from optimus.runtime.dims import own_group
 
 
 def expert_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """This rank's ep group, as a process group of its own, used by no other collective.
-
-    DeviceMesh may hand out one process group for two axes over the same ranks (dp and ep when
-    edp is 1), and FSDP issues its collectives on dp asynchronously, from autograd hooks:
-    sharing a group with the dispatch's all-to-alls can then interleave them differently on
-    different ranks (a mismatched collective, or a hang)."""
-    names = mesh.mesh_dim_names
-    grid = mesh.mesh.movedim(names.index("ep"), -1).reshape(-1, mesh["ep"].size())
-    mine, _ = dist.new_subgroups_by_enumeration([row.tolist() for row in grid])
-    return mine
+    """This rank's ep group, as a process group of its own, used by no other collective (see
+    `own_group`: FSDP's asynchronous collectives on dp would otherwise interleave with the
+    dispatch's all-to-alls when dp and ep span the same ranks)."""
+    return own_group(mesh, ("ep",))
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh,

@@ -1,21 +1,55 @@
-"""After each step: the experts' load across all ranks, the loss-free balancing bias, metrics.
+"""The experts across ranks: the auxiliary loss's counts during a step, the load after it.
 
-Every MoE layer counts, during the step, the slots routed to each of its experts and the slots
-dropped for capacity. Here they are summed over every rank, one all-reduce of a
-[n_layers, experts + 2] tensor indexed by global layer per parallel axis: a pipeline stage
-fills its own rows, a data-parallel replica or a tensor-parallel sequence shard adds its
-tokens. So every rank sees the whole model's load. With `balance: bias` each layer then moves
-its expert bias by `bias_update_rate` towards the mean load (up for an expert below it, down
-above it): the same update on every replica, since every replica saw the same sums.
+During the step, an MoE layer balancing by auxiliary loss sums its slot counts with the ranks
+that hold other tokens of its scope (`share_balance_counts`): for the global batch, every data-,
+expert- and tensor-parallel rank of its pipeline stage; for a sequence, its tensor-parallel
+ranks (each holds a share of the sequence's positions). Only counts travel, never gradients:
+each rank adds its own tokens' probabilities times the shared fractions.
+
+After each step (`expert_step`), every MoE layer's counts of the step (slots routed to each of
+its experts, slots dropped for capacity, its share of the auxiliary loss) are summed over every
+rank, one all-reduce of a [n_layers, experts + 2] tensor indexed by global layer per parallel
+axis: a pipeline stage fills its own rows, a data-parallel replica or a tensor-parallel sequence
+shard adds its tokens. So every rank sees the whole model's load. With `balance: bias` each
+layer then moves its expert bias by `bias_update_rate` towards the mean load (up for an expert
+below it, down above it): the same update on every replica, since every replica saw the same
+sums.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from optimus.models.moe import MoE, is_moe_layer
+from optimus.runtime.dims import own_group
+
+
+def share_balance_counts(layers: list[MoE], cfg, mesh: DeviceMesh) -> None:
+    """Have the MoE layers sum their auxiliary loss's counts over the ranks of their scope.
+
+    Every rank calls it (it may create process groups), whether or not it holds MoE layers."""
+    m = cfg.moe
+    if not m.experts or m.balance != "aux_loss":
+        return
+    scope_global = m.aux_loss_scope == "global"
+    group = own_group(mesh, ("edp", "ep", "tp") if scope_global else ("tp",))
+    if group is None:
+        return
+    summed = partial(_all_reduce, group=group)
+    for layer in layers:
+        if scope_global:
+            layer.sum_over_batch = summed
+        else:
+            layer.sum_over_sequence = summed
+
+
+def _all_reduce(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    dist.all_reduce(counts, group=group)
+    return counts
 
 
 def expert_step(layers: list[MoE], cfg, mesh: DeviceMesh, device: torch.device) -> dict | None:
@@ -30,11 +64,8 @@ def expert_step(layers: list[MoE], cfg, mesh: DeviceMesh, device: torch.device) 
     for layer in layers:
         stats[layer.layer, :m.experts] = layer.load
         stats[layer.layer, m.experts] = layer.dropped
-        if layer.aux_total is not None:
+        if layer.aux_total is not None:  # this rank's share: its own tokens
             stats[layer.layer, m.experts + 1] = layer.aux_total
-    tp = mesh["tp"]
-    if tp.get_local_rank() > 0:
-        stats[:, m.experts + 1] = 0  # the auxiliary loss is already the same on every tp rank
     for axis in ("dp", "pp", "tp"):  # tp ranks route their own shares of the sequence
         if mesh[axis].size() > 1:
             dist.all_reduce(stats, group=mesh[axis].get_group())
@@ -42,9 +73,7 @@ def expert_step(layers: list[MoE], cfg, mesh: DeviceMesh, device: torch.device) 
         load = stats[layer.layer, :m.experts]
         if m.balance == "bias":
             layer.expert_bias += m.bias_update_rate * torch.sign(load.mean() - load)
-        layer.load.zero_()
-        layer.dropped.zero_()
-        layer.aux_total = None
+        layer.reset_counters()
     moe_rows = [i for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
     return {"load": [[int(v) for v in stats[i, :m.experts].tolist()] for i in moe_rows],
             "dropped": int(stats[moe_rows, m.experts].sum()),

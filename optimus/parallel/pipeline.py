@@ -39,7 +39,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
 from optimus.models import GPT, materialize
-from optimus.models.moe import moe_layers
+from optimus.models.moe import moe_pass
 from optimus.parallel.schedule_rules import (
     SCHEDULES,
     SPLIT_BACKWARD,
@@ -112,21 +112,17 @@ class _Stage(PipelineStage):
 
     At its first step torch runs each stage once on placeholder tensors (uninitialised memory
     of the right shapes), with grad, to infer the shapes it sends. MoE layers would count that
-    pass's routing as training load (and its auxiliary loss). Giving every stage static
-    metadata instead would avoid the pass, but under tensor parallelism the last stage returns
-    a DTensor, which then needs gradient metadata for every stage too; so the counters are put
-    back as they were after the pass instead. torch 2.13 has no public hook there: this
-    overrides the private method that runs it (pinned torch, see pyproject.toml).
+    pass's routing as training load (and its auxiliary loss), and sum its counts with other
+    ranks. Giving every stage static metadata instead would avoid the pass, but under tensor
+    parallelism the last stage returns a DTensor, which then needs gradient metadata for every
+    stage too; so the pass runs as a dry one (`moe_pass("dry")`: nothing counted, no
+    collective). torch 2.13 has no public hook there: this overrides the private method that
+    runs it (pinned torch, see pyproject.toml).
     """
 
     def _forward_metadata_inference(self, *args, **kwargs):
-        layers = moe_layers(self.submod)
-        before = [layer.counters() for layer in layers]
-        try:
+        with moe_pass("dry"):
             return super()._forward_metadata_inference(*args, **kwargs)
-        finally:
-            for layer, counters in zip(layers, before, strict=True):
-                layer.restore_counters(counters)
 
 
 def run_pipeline_step(schedule, stage_ids: list[int], num_stages: int,

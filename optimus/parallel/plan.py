@@ -25,6 +25,7 @@ from optimus.models.moe import MoE, moe_layers
 from optimus.parallel.activation_checkpoint import apply_activation_checkpointing
 from optimus.parallel.data_parallel import apply_data_parallel, set_gradient_sync
 from optimus.parallel.expert_parallel import apply_expert_parallel, expert_group
+from optimus.parallel.experts import share_balance_counts
 from optimus.parallel.pipeline import build_schedule, build_stage_models, run_pipeline_step
 from optimus.parallel.schedule_rules import stage_ids as pipeline_stage_ids
 from optimus.parallel.schedule_rules import stage_style
@@ -161,10 +162,11 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
         # Only now, sharded, is the model allocated: each rank holds its shards, never the
         # whole model (init_weights gives every shard its part of the one-process values).
         materialize(part, job.seed, device)
+    moe = [m for part in parts for m in moe_layers(part)]
+    share_balance_counts(moe, job.model, mesh)
     schedule = None
     if layout.pp > 1:
         schedule = build_schedule(parts, ids, num_stages, mesh["pp"].get_group(), device,
                                   p.schedule, job.data.microbatches, loss_fn)
-    return ParallelModel(parts, schedule, ids, num_stages, loss_fn, layout.tp > 1,
-                         [m for part in parts for m in moe_layers(part)],
+    return ParallelModel(parts, schedule, ids, num_stages, loss_fn, layout.tp > 1, moe,
                          mesh["tp"].get_group() if layout.tp > 1 else None)

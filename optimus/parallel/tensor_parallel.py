@@ -49,7 +49,6 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -124,8 +123,6 @@ def _feed_forward_plan() -> dict[str, ParallelStyle]:
 
 def _moe_plan(moe: MoE, tp_mesh: DeviceMesh) -> dict[str, ParallelStyle]:
     """An MoE layer on this rank's own share of the sequence (see the module's docstring)."""
-    moe.token_shards = tp_mesh.size()
-    moe.sum_over_token_shards = partial(dist_nn.all_reduce, group=tp_mesh.get_group())
     return {"feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
                                                desired_input_layouts=(Shard(1),),
                                                use_local_output=True)}

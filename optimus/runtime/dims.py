@@ -111,6 +111,30 @@ class ParallelDims:
         return mesh
 
 
+def own_group(mesh: DeviceMesh, axes: tuple[str, ...]) -> dist.ProcessGroup | None:
+    """This rank's group over the mesh axes `axes` (of MESH_DIMS), as a process group of its
+    own that no other collective uses; None when it would hold this rank alone. Every rank
+    must call it (it creates every such group), with the same axes.
+
+    DeviceMesh may hand out one process group for two axes over the same ranks, and FSDP
+    issues its collectives on dp asynchronously, from autograd hooks: a collective of our own
+    on a shared group can then interleave differently on different ranks (a mismatch, or a
+    hang). So what the layers exchange in their forward gets a group of its own."""
+    names = mesh.mesh_dim_names
+    if unknown := [a for a in axes if a not in MESH_DIMS]:
+        raise ValueError(f"{unknown} are not mesh dims; use some of {MESH_DIMS}")
+    size = 1
+    for axis in axes:
+        size *= mesh[axis].size()
+    if size == 1:
+        return None
+    inner = [names.index(a) for a in axes]
+    outer = [i for i in range(len(names)) if i not in inner]
+    grid = mesh.mesh.permute(*outer, *inner).reshape(-1, size)
+    mine, _ = dist.new_subgroups_by_enumeration([row.tolist() for row in grid])
+    return mine
+
+
 @contextmanager
 def _unbound_if_unsplittable() -> Iterator[None]:
     """Let DeviceMesh create sub-groups with new_group when the backend cannot split.
