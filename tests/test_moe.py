@@ -15,7 +15,7 @@ from test_parallel_matrix import relative_error
 
 from optimus.config import ConfigError, check_job, validate_job
 from optimus.models import build_model, param_count
-from optimus.models.moe import MoE, grouped_mm, padded_grouped_mm
+from optimus.models.moe import MoE, grouped_mm, moe_pass, padded_grouped_mm
 from optimus.train import train
 
 
@@ -131,8 +131,8 @@ def test_global_scope_uses_the_counts_of_the_steps_microbatches_so_far():
     m.step_tokens = 32  # two microbatches of 2 x 8 tokens
     x1, x2 = torch.randn(16, 64), torch.randn(16, 64)
     (s1, c1, _), (s2, c2, _) = m.route(x1), m.route(x2)
-    first = m.balance_loss(s1, c1.view(2, 8, 2))
-    second = m.balance_loss(s2, c2.view(2, 8, 2))
+    first = m.balance_loss(s1, c1.view(2, 8, 2)).detach()
+    second = m.balance_loss(s2, c2.view(2, 8, 2)).detach()
     both = torch.bincount(torch.cat([c1, c2]).flatten(), minlength=4) / (32 * 2)
     # Microbatch 1 sees its own counts; microbatch 2 the counts of both.
     assert float(first) == pytest.approx(float(naive_aux(s1, c1) * 16 / 32), rel=1e-6)
@@ -185,6 +185,12 @@ def test_activation_recompute_counts_each_forward_once(mode):
     for name, p in models[1].named_parameters():
         name = name.replace("_checkpoint_wrapped_module.", "")
         assert torch.allclose(p.grad, grads[name].grad, rtol=1e-5, atol=1e-7), name
+    # A pipeline's shape-inference pass (dry) counts nothing, in a recomputed block or not.
+    before = [(m.load.clone(), m.batch_slots.clone()) for m in recomputed]
+    with moe_pass("dry"):
+        models[1](batch[0, :, :-1])
+    for m, (load, slots) in zip(recomputed, before, strict=True):
+        assert torch.equal(m.load, load) and torch.equal(m.batch_slots, slots)
 
 
 def test_moe_runs_forward_and_backward_under_bf16_autocast():
