@@ -123,7 +123,7 @@ def test_the_aux_loss_pulls_on_the_router_only_when_balancing_by_loss():
 def naive_aux(scores: torch.Tensor, chosen: torch.Tensor, experts: int = 4) -> torch.Tensor:
     """experts x sum(fraction of slots x mean probability) over exactly these tokens."""
     fraction = torch.bincount(chosen.flatten(), minlength=experts) / chosen.numel()
-    return experts * (fraction * scores.mean(0)).sum()
+    return experts * (fraction * scores.detach().mean(0)).sum()
 
 
 def test_global_scope_uses_the_counts_of_the_steps_microbatches_so_far():
@@ -136,7 +136,7 @@ def test_global_scope_uses_the_counts_of_the_steps_microbatches_so_far():
     both = torch.bincount(torch.cat([c1, c2]).flatten(), minlength=4) / (32 * 2)
     # Microbatch 1 sees its own counts; microbatch 2 the counts of both.
     assert float(first) == pytest.approx(float(naive_aux(s1, c1) * 16 / 32), rel=1e-6)
-    assert float(second) == pytest.approx(float(4 * (both * s2.sum(0)).sum() / 32), rel=1e-6)
+    assert float(second) == pytest.approx(float(4 * (both * s2.detach().sum(0)).sum() / 32), rel=1e-6)
     assert m.batch_slots.tolist() == (both * 64).tolist() and float(m.batch_tokens) == 32
     m.reset_counters()  # the trainer, after the step
     assert m.batch_slots.abs().sum() == 0 and float(m.batch_tokens) == 0
@@ -146,7 +146,7 @@ def test_sequence_scope_balances_each_sequence_on_its_own():
     m = layer(aux_loss_scope="sequence")
     m.step_tokens = 24  # three sequences of 8 positions
     scores, chosen, _ = m.route(torch.randn(24, 64))
-    got = m.balance_loss(scores, chosen.view(3, 8, 2))
+    got = m.balance_loss(scores, chosen.view(3, 8, 2)).detach()
     want = sum(naive_aux(scores[i * 8:(i + 1) * 8], chosen[i * 8:(i + 1) * 8])
                for i in range(3)) / 3  # the sequences' mean, each 8 of 24 tokens
     assert float(got) == pytest.approx(float(want), rel=1e-6)
