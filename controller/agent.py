@@ -7,7 +7,7 @@ It registers the node (host, devices, health check), then loops:
   its ranks' latest heartbeats and the node's heartbeat deadline; back come the plan and any
   chaos commands;
 - every 50 ms, `waitpid` on its ranks (an exit is reported at once, with its code, signal and
-  last lines of output) and a drain of the ranks' heartbeat datagrams.
+  the last lines of its own output) and a drain of the ranks' heartbeat datagrams.
 
 Plans are desired state: the agent runs the ranks of a "run" plan that names its node, stops
 (SIGTERM, then SIGKILL after the plan's grace) ranks of a generation that is over or told to
@@ -45,6 +45,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from controller.exit_text import own_lines
 from controller.health_check import health_check
 from controller.store import NodeSummary, Store, StoreUnavailable
 from optimus.files import write_atomic
@@ -511,4 +512,4 @@ def _tail(path: Path, lines: int = TAIL_LINES) -> str:
             text = f.read().decode("utf-8", "replace")
     except OSError:
         return ""
-    return "\n".join(text.splitlines()[-lines:])
+    return "\n".join(own_lines(text.splitlines())[-lines:])  # not the checkpoint writer's

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from controller.exit_text import describe_exit
+
 RUNNING, RESTARTING, PENDING, WAITING, STOPPING = (
     "RUNNING", "RESTARTING", "PENDING", "WAITING", "STOPPING")
 PAUSING, PAUSED = "PAUSING", "PAUSED"
@@ -125,9 +127,7 @@ class Exit:
         return not self.by_agent and (self.code != 0 or self.signal is not None)
 
     def describe(self) -> str:
-        how = f"signal {self.signal}" if self.signal is not None else f"exit code {self.code}"
-        last = self.tail.strip().splitlines()[-1][:200] if self.tail.strip() else ""
-        return f"rank {self.rank} on {self.node} ended with {how}" + (f": {last}" if last else "")
+        return describe_exit(self.rank, self.node, self.code, self.signal, self.tail)
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,8 @@ def _moe(moe: bool) -> dict:
 
 
 @pytest.mark.parametrize("fault,evidence,moe", [
-    ({"kind": "kill_rank", "rank": 1}, "rank 1 on {node} ended with signal 9", True),
+    ({"kind": "kill_rank", "rank": 1}, "rank 1 on {node} ended with SIGKILL (9): fault "
+     f"injection: rank 1 kills itself at step {FAULT_STEP}", True),
     ({"kind": "freeze_rank", "rank": 1}, "rank 1 on {node}: no heartbeat for", False),
     ({"kind": "kill_node", "node": 1}, "node {node} lost: its agent has been silent", False),
 ], ids=["kill_rank-moe", "freeze_rank", "kill_node"])
@@ -98,6 +99,7 @@ def test_fault_excludes_the_culprit_and_finishes_on_the_spare(fault, evidence, m
     assert journal["job"]["restarts"] == "1"
     assert list(journal["excluded"]) == [culprit]
     assert evidence.format(node=culprit) in journal["excluded"][culprit]["reason"]
+    assert "Error" not in journal["excluded"][culprit]["reason"]  # its own words, not a peer's
     assert journal["plan"]["generation"] == 1
     assert journal["plan"]["nodes"] == [survivor, spare]  # the spare took the culprit's place
     assert f"node {culprit} excluded" in out.stdout

@@ -109,7 +109,7 @@ def test_a_killed_rank_is_the_culprit_even_when_a_peer_reported_first():
                 time=NOW - 0.2)
     killed = Exit("n0", 1, 0, code=None, signal=9, tail="step 12", time=NOW - 0.1)
     d = decide(running(exits=[peer, killed]), S)
-    assert d.exclude == [("n0", "rank 1 on n0 ended with signal 9: step 12")]
+    assert d.exclude == [("n0", "rank 1 on n0 ended with SIGKILL (9): step 12")]
     assert d.plan["action"] == "stop" and d.plan["grace_s"] == 2
     assert d.job["state"] == RESTARTING and d.job["restarts"] == 1
     assert d.job["next_plan_at"] == NOW + 1  # backoff 1 s for the first restart
