@@ -58,7 +58,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     that element's own gradient scale, so a weight whose gradient is ~1e-9 (rounding noise)
     can move by ~lr either way while the tensor as a whole agrees to 1e-7.
     """
-    return float((actual - expected).norm() / expected.norm())
+    return float((actual - expected).detach().norm() / expected.detach().norm())
 
 
 def reference(run_ranks, n_layers: int) -> dict:
