@@ -136,7 +136,8 @@ def test_global_scope_uses_the_counts_of_the_steps_microbatches_so_far():
     both = torch.bincount(torch.cat([c1, c2]).flatten(), minlength=4) / (32 * 2)
     # Microbatch 1 sees its own counts; microbatch 2 the counts of both.
     assert float(first) == pytest.approx(float(naive_aux(s1, c1) * 16 / 32), rel=1e-6)
-    assert float(second) == pytest.approx(float(4 * (both * s2.detach().sum(0)).sum() / 32), rel=1e-6)
+    want = 4 * (both * s2.detach().sum(0)).sum() / 32
+    assert float(second) == pytest.approx(float(want), rel=1e-6)
     assert m.batch_slots.tolist() == (both * 64).tolist() and float(m.batch_tokens) == 32
     m.reset_counters()  # the trainer, after the step
     assert m.batch_slots.abs().sum() == 0 and float(m.batch_tokens) == 0
