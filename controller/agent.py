@@ -14,9 +14,11 @@ Plans are desired state: the agent runs the ranks of a "run" plan that names its
 "stop", and exits after "end". No plan (Redis restarted empty, an outage) changes nothing: the
 ranks keep training and the agent re-registers when Redis is back.
 
-Ranks run `python -m optimus train JOB` in their own session, with the normalised environment
+Ranks run `optimus train JOB` in their own session, with the normalised environment
 (OPTIMUS_*), output to `<log_dir>/gen_<g>/rank_<r>.log`, and PR_SET_PDEATHSIG so they die with
-the agent (a lost node takes its ranks with it, as a real one does).
+the agent (a lost node takes its ranks with it, as a real one does). They are forked from a
+warm process that imported the trainer once (controller/spawn.py, optimus/warm.py), so a
+generation starts without seconds of imports per rank.
 
 The heartbeat protocol (rank -> agent) is one JSON datagram per interval on a Unix datagram
 socket (OPTIMUS_AGENT_SOCKET); see optimus/health.py. Datagrams, not a stream: a rank never
@@ -29,7 +31,6 @@ key it reads every tick) into a small file the ranks stat at every step boundary
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import json
 import logging
@@ -37,16 +38,16 @@ import os
 import signal
 import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from controller.exit_text import own_lines
 from controller.health_check import health_check
+from controller.spawn import Spawner
 from controller.store import NodeSummary, Store, StoreUnavailable
 from optimus.files import write_atomic
 
@@ -54,7 +55,6 @@ log = logging.getLogger("optimus.agent")
 
 POLL_S = 0.05
 TAIL_LINES = 20
-_PR_SET_PDEATHSIG = 1
 # A rank's state for the ranks-by-state count, from its heartbeat's phase.
 RANK_STATES = {"startup": "startup", "checkpoint": "checkpoint", "paused": "paused",
                "done": "done"}  # every other phase is a step in progress: "training"
@@ -64,7 +64,7 @@ RANK_STATES = {"startup": "startup", "checkpoint": "checkpoint", "paused": "paus
 class RankProcess:
     rank: int
     local_rank: int
-    popen: subprocess.Popen
+    popen: Any  # subprocess.Popen or spawn.WarmRank: pid, returncode, poll()
     log_path: Path
     started: float
     stop_sent: float | None = None  # when the agent sent SIGTERM
@@ -106,6 +106,7 @@ class Agent:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(self.socket_path)
         self.sock.setblocking(False)
+        self.spawner = Spawner()  # the warm process imports the trainer meanwhile
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -129,6 +130,7 @@ class Agent:
                                  "the job ended")
             return 0
         finally:
+            self.spawner.close()
             self.sock.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
@@ -213,6 +215,8 @@ class Agent:
                 self.fit_for = self._healthy_for(gen)
             if not self.fit_for:
                 return  # the node record says why; the controller excludes the node
+            if self.spawner.warming():
+                return  # its imports are nearly done: ranks then start in milliseconds
             self._launch(plan)
 
     def _live(self) -> bool:
@@ -247,7 +251,7 @@ class Agent:
         rpn = plan["ranks_per_node"]
         log_dir = Path(plan["log_dir"]) / f"gen_{gen:04d}"
         log_dir.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "optimus", "train", plan["job_file"]]
+        command = ["optimus", "train", plan["job_file"]]
         for override in plan.get("overrides", []):
             command += ["--set", override]
         for local_rank in range(rpn):
@@ -263,10 +267,7 @@ class Agent:
                    "OPTIMUS_CONTROL_FILE": str(self.control_path), "PYTHONUNBUFFERED": "1"}
             path = log_dir / f"rank_{rank:05d}.log"
             env["OPTIMUS_STACKS_FILE"] = str(log_dir / f"rank_{rank:05d}.stacks")
-            with open(path, "ab") as out:
-                popen = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=die_with_parent)
+            popen = self.spawner.start(command, env, path)
             self.procs[local_rank] = RankProcess(
                 rank, local_rank, popen, path, time.time(),
                 stacks_path=log_dir / f"rank_{rank:05d}.stacks",
@@ -487,15 +488,9 @@ class Agent:
             self._note_outage(e)
 
 
-def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+def _signal_group(popen: Any, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(popen.pid, sig)
-
-
-def die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the agent dies (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _free_port() -> int:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from controller.agent import die_with_parent
 from controller.decide import FAILED, TERMINAL
+from controller.spawn import die_with_parent
 from controller.store import Store, StoreUnavailable
 from optimus.checkpoint.manifest import committed_steps
 from optimus.config import ConfigError, JobConfig

@@ -1,0 +1,184 @@
+"""How the node agent starts its ranks: forked from a warm process, or as a fresh one.
+
+`Spawner.start(argv, env, log)` returns a handle with `pid`, `returncode` and `poll()`, as a
+`subprocess.Popen` has. By default ranks are forked by one `python -m optimus.warm` process per
+agent, which imported the trainer once (see optimus/warm.py: a rank then starts in milliseconds
+instead of seconds of imports). The agent never imports torch itself: the warm process is a
+child it talks to over pipes. When it is off (`OPTIMUS_WARM_START=0`), cannot start, refuses a
+fork or dies, ranks start cold, each as `python -m optimus ...` (subprocess.Popen), exactly as
+before: a warm start is only ever faster, never required.
+
+Either way a rank runs in its own session, with the given environment, its output appended to
+its log, and dies with the agent (the warm process dies with the agent, its ranks with it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("optimus.agent")
+
+WARM_ENV = "OPTIMUS_WARM_START"
+_PR_SET_PDEATHSIG = 1
+WARMING_S = 60.0  # how long a launch waits for the warm process's imports, then starts cold
+_FORK_TIMEOUT_S = 10.0
+
+
+def die_with_parent() -> None:
+    """In a child before exec: SIGKILL when its parent (the agent) dies (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class WarmRank:
+    """A rank forked by the warm process: Popen's `pid`, `returncode` and `poll()`."""
+
+    def __init__(self, pid: int, spawner: Spawner):
+        self.pid, self.returncode, self._spawner = pid, None, spawner
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._spawner.collect()
+        return self.returncode
+
+
+class Spawner:
+    def __init__(self, warm: bool | None = None):
+        self.warm = os.environ.get(WARM_ENV, "1") != "0" if warm is None else warm
+        self._proc: subprocess.Popen | None = None
+        self._pending = b""
+        self._ranks: dict[int, WarmRank] = {}
+        self._next_id = 0
+        self._failures = 0  # of the warm process: after two, ranks start cold
+        self._ready = False
+        self._started = 0.0
+        if self.warm:
+            self._start_warm()
+
+    def start(self, argv: list[str], env: dict[str, str], log_path: Path):
+        """Start `optimus <argv...>` (argv[0] is the program name) as one rank."""
+        if self.warm and self._proc is None:
+            self._start_warm()
+        if self._proc is not None:
+            try:
+                return self._fork(argv, env, log_path)
+            except (OSError, ValueError, RuntimeError) as e:
+                self._lost(f"warm start failed ({e}); this rank starts cold")
+        with open(log_path, "ab") as out:
+            return subprocess.Popen([sys.executable, "-m", "optimus", *argv[1:]], env=env,
+                                    stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=die_with_parent)
+
+    def warming(self) -> bool:
+        """Whether the warm process is still importing (for up to WARMING_S): a launch should
+        wait for it, a tick or a few, rather than start ranks cold meanwhile."""
+        self.collect()
+        return (self._proc is not None and not self._ready
+                and time.monotonic() - self._started < WARMING_S)
+
+    def collect(self) -> None:
+        """Read what the warm process reported (ranks' exits) without waiting."""
+        for message in self._read(timeout=0.0):
+            self._ended(message)
+
+    def close(self) -> None:
+        """Stop the warm process (its ranks die with it; they are reported killed)."""
+        self.warm = False
+        self._stop_warm()
+
+    def _lost(self, why: str) -> None:
+        """The warm process failed or died: its ranks died with it. Start another when the
+        next rank is due, but after a second failure start ranks cold."""
+        log.warning(why)
+        self._failures += 1
+        self.warm = self.warm and self._failures < 2
+        self._stop_warm()
+
+    def _stop_warm(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+        self._orphans()
+
+    # --- the warm process ----------------------------------------------------------------------
+
+    def _start_warm(self) -> None:
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "optimus.warm"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, start_new_session=True, preexec_fn=die_with_parent)
+        except OSError as e:
+            log.warning("no warm start (%s); ranks start cold", e)
+            self._proc, self.warm = None, False
+        self._pending = b""
+        self._ready, self._started = False, time.monotonic()
+
+    def _fork(self, argv: list[str], env: dict[str, str], log_path: Path) -> WarmRank:
+        self._next_id += 1
+        request = {"id": self._next_id, "argv": list(argv), "env": dict(env),
+                   "log": str(log_path)}
+        self._proc.stdin.write((json.dumps(request) + "\n").encode())
+        self._proc.stdin.flush()
+        deadline = time.monotonic() + _FORK_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for message in self._read(timeout=0.5):
+                if message.get("id") != request["id"]:
+                    self._ended(message)
+                elif "pid" in message:
+                    rank = WarmRank(int(message["pid"]), self)
+                    self._ranks[rank.pid] = rank
+                    return rank
+                else:
+                    raise RuntimeError(message.get("error", "no pid in the reply"))
+        raise RuntimeError(f"no answer from the warm process within {_FORK_TIMEOUT_S:g} s")
+
+    def _read(self, timeout: float) -> list[dict]:
+        proc = self._proc
+        if proc is None:
+            return []
+        fd = proc.stdout.fileno()
+        ready, _, _ = select.select([fd], [], [], timeout)
+        if not ready:
+            return []
+        data = os.read(fd, 1 << 16)
+        if not data:  # the warm process is gone, and its ranks with it
+            if timeout > 0:
+                raise RuntimeError(f"the warm process exited ({proc.wait()})")
+            self._lost(f"the warm process exited ({proc.wait()}); its ranks died with it")
+            return []
+        self._pending += data
+        messages = []
+        while b"\n" in self._pending:
+            line, self._pending = self._pending.split(b"\n", 1)
+            messages.append(json.loads(line))
+        return messages
+
+    def _ended(self, message: dict) -> None:
+        if message.get("ready"):
+            self._ready = True
+            return
+        rank = self._ranks.pop(int(message.get("pid", -1)), None)
+        if rank is not None:
+            rank.returncode = (-int(message["signal"]) if "signal" in message
+                               else int(message.get("code", 1)))
+
+    def _orphans(self) -> None:
+        """Ranks of a warm process that died: the parent-death signal killed them."""
+        for rank in self._ranks.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank.pid, signal.SIGKILL)
+            rank.returncode = -signal.SIGKILL
+        self._ranks.clear()

@@ -1,0 +1,126 @@
+"""Warm starts: the agent's ranks are forks of one process that imported the trainer once.
+
+Real processes throughout: the warm process (`python -m optimus.warm`), real `optimus train`
+ranks forked from it, real signals, a real heartbeat socket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from cluster import metrics, wait_for, write_job
+from multiproc import free_port
+
+from controller.spawn import Spawner, WarmRank
+
+
+@pytest.fixture
+def spawner():
+    s = Spawner(warm=True)
+    wait_for(lambda: not s.warming(), 120, "the warm process's imports")
+    yield s
+    s.close()
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port())}
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _wait(rank, timeout: float = 120.0) -> int:
+    wait_for(lambda: rank.poll() is not None, timeout, f"rank {rank.pid} to end")
+    return rank.returncode
+
+
+def test_a_warm_rank_is_a_whole_optimus_train_process(spawner, tmp_path):
+    """Forked from the warm process, in a session of its own, with the environment it was
+    given (it heartbeats to the socket named there), its output in its log, its exit code."""
+    job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=6)
+    sock_path = str(tmp_path / "agent.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(sock_path)
+    sock.settimeout(60)
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "OPTIMUS_AGENT_SOCKET": sock_path}
+    log = tmp_path / "rank.log"
+    rank = spawner.start(["optimus", "train", str(job)], env, log)
+    assert isinstance(rank, WarmRank)
+    assert _ppid(rank.pid) == spawner._proc.pid  # a fork of the warm process, not an exec
+    # Its own session (the agent signals its group) before its pid is even known.
+    assert os.getsid(rank.pid) == rank.pid
+    beat = json.loads(sock.recv(65536))  # the environment reached it
+    assert beat["pid"] == rank.pid and beat["rank"] == 0
+    assert _wait(rank) == 0
+    steps = [m["step"] for m in metrics(tmp_path / "run") if "loss" in m]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert "step      6 | loss" in log.read_text()
+
+
+def test_its_exits_read_as_those_of_a_fresh_process(spawner, tmp_path):
+    job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=10_000)
+    env = _env()
+    bad = spawner.start(["optimus", "train", str(tmp_path / "missing.yaml")], env,
+                        tmp_path / "bad.log")
+    assert _wait(bad) == 2  # a user's error: one line, status 2
+    assert "error:" in (tmp_path / "bad.log").read_text()
+    assert "Traceback" not in (tmp_path / "bad.log").read_text()
+
+    running = spawner.start(["optimus", "train", str(job)], env, tmp_path / "run.log")
+    wait_for(lambda: any("loss" in m for m in _rows(tmp_path / "run")), 120, "a step")
+    os.kill(running.pid, signal.SIGKILL)
+    assert _wait(running) == -signal.SIGKILL  # as Popen reports a signal
+
+    stopped = spawner.start(["optimus", "train", str(job)], env, tmp_path / "stop.log")
+    wait_for(lambda: len([m for m in _rows(tmp_path / "run") if "loss" in m]) > 3, 120,
+             "more steps")
+    os.kill(stopped.pid, signal.SIGTERM)  # the trainer's own handler: stop after a step
+    assert _wait(stopped) == 0
+    assert any(m.get("event") == "stopped" for m in _rows(tmp_path / "run"))
+
+
+def _rows(run: Path) -> list[dict]:
+    try:
+        return metrics(run)
+    except (FileNotFoundError, ValueError):
+        return []
+
+
+def test_ranks_die_with_the_warm_process_and_the_next_starts_warm_again(spawner, tmp_path):
+    job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=10_000)
+    env = _env()
+    rank = spawner.start(["optimus", "train", str(job)], env, tmp_path / "a.log")
+    first = spawner._proc.pid
+    os.kill(first, signal.SIGKILL)  # the warm process dies: its ranks with it
+    assert _wait(rank, 30) == -signal.SIGKILL
+    wait_for(lambda: not Path(f"/proc/{rank.pid}").exists()
+             or "Z" in Path(f"/proc/{rank.pid}/stat").read_text().split()[2], 30,
+             "the rank to die")
+    again = spawner.start(["optimus", "train", str(tmp_path / "missing.yaml")], env,
+                          tmp_path / "b.log")
+    assert isinstance(again, WarmRank) and spawner._proc.pid != first
+    assert _wait(again) == 2
+
+
+def test_with_warm_starts_off_ranks_start_cold(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPTIMUS_WARM_START", "0")
+    s = Spawner()
+    assert not s.warming()
+    rank = s.start(["optimus", "train", str(tmp_path / "missing.yaml")], dict(os.environ),
+                   tmp_path / "cold.log")
+    assert isinstance(rank, subprocess.Popen)
+    assert rank.wait(timeout=120) == 2
+    assert "no such job file" in (tmp_path / "cold.log").read_text()
+    started = time.monotonic()
+    s.close()
+    assert time.monotonic() - started < 5
