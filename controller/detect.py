@@ -19,7 +19,7 @@ import statistics
 from dataclasses import dataclass
 
 # Exit statuses of `optimus train` (optimus/health.py; the controller must not import optimus
-# modules that load torch, so the two numbers are repeated here).
+# modules that load torch, so the numbers are repeated here).
 EXIT_BAD_TILE = 87
 EXIT_NONFINITE_ELSEWHERE = 88
 EXIT_CHECKPOINT_FAILED = 89  # the final step's save, or max_failed_saves saves in a row, failed

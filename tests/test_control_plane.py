@@ -294,6 +294,7 @@ def test_a_failed_final_save_fails_the_job_and_a_resubmission_completes_it(redis
             "FAILED", reason, 3)
 
         # Space again; the resubmission continues from step 3 and commits the final step.
+        procs.procs["agent0"].wait(timeout=60)  # it exits once the job has ended
         subprocess.run(["mount", "-o", "remount,size=32m", str(disk)], check=True)
         procs.start("c2", *controller, "--resubmit")
         procs.start("agent0-again", "agent", "--job", "e2e", "--node", "node0", "--redis",

@@ -387,3 +387,13 @@ def test_a_rank_stopped_by_failed_saves_waits_briefly_for_rank_0_then_fails_anyw
     d = decide(running(exits=[other, first]), SAVES)
     assert d.job["reason"].startswith("3 checkpoint saves failed in a row (checkpoint."
                                       "max_failed_saves=3): rank 0; not restarted")
+
+
+def test_the_controller_reads_the_exit_statuses_the_ranks_use():
+    from controller import detect
+    from optimus import health  # loads torch: the controller's copy must not drift from it
+
+    assert (detect.EXIT_BAD_TILE, detect.EXIT_NONFINITE_ELSEWHERE,
+            detect.EXIT_CHECKPOINT_FAILED) == (health.EXIT_BAD_TILE,
+                                               health.EXIT_NONFINITE_ELSEWHERE,
+                                               health.CheckpointFailed.exit_code) == (87, 88, 89)
