@@ -83,6 +83,7 @@ def settings_for(job: JobConfig, job_file: str, overrides: list[str], nodes: int
         agent_timeout_s=s.heartbeat_timeout_s, max_restarts=s.max_restarts,
         backoff_s=s.restart_backoff_s, backoff_max_s=s.restart_backoff_max_s,
         failure_grace_s=s.failure_grace_s, stop_grace_s=s.stop_grace_s,
+        final_step=job.optim.steps if job.checkpoint.interval else None,
         node_counts=node_counts(job, nodes, ranks_per_node),
         launch={"job_file": str(Path(job_file).resolve()), "overrides": list(overrides),
                 "log_dir": str(Path(job.resolved_run_dir).resolve() / "logs"),
@@ -193,6 +194,9 @@ class Controller:
         unhealthy = self._unhealthy(sweep.unhealthy)
         exits = [_exit(r) for _, r in self.store.exits(plan.get("exits_from", "0"))
                  if r.get("generation") == gen]
+        if sum(e.ok for e in exits) >= plan["world_size"]:  # read after the exits, which
+            steps = committed_steps(self.checkpoint_dir)  # follow the final commit
+            latest = steps[-1] if steps else None
         index = self._node_index(plan)
         suspects = self.store.rank_beats_of([n for n in sweep.nonfinite if n in index])
         waiting = 0

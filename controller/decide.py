@@ -98,9 +98,9 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
     gen = plan["generation"]
     finished = {e.rank for e in obs.exits if e.ok}
     if len(finished) >= plan["world_size"]:
-        at = f" at step {obs.latest_step}" if obs.latest_step is not None else ""
-        _finish(d, obs, s, COMPLETED, f"all {plan['world_size']} ranks of generation {gen} "
-                f"finished{at}")
+        _complete(obs, s, d)
+        return
+    if _checkpoints_failed(obs, s, d):
         return
     _track_progress(obs, s, d)
     operator.pause_transition(obs, d)
@@ -165,6 +165,43 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
                   "failures": failures, "restart_causes": _counted(job, cause)})
     d.note("restarting", f"restart {restarts} of at most {s.max_restarts}: generation "
            f"{gen + 1} after {wait:g} s, from the latest committed checkpoint")
+
+
+def _complete(obs: Observed, s: Settings, d: Decision) -> None:
+    """Every rank finished. COMPLETED means, with checkpointing on, that the final step is
+    committed (a rank whose final save failed exits with EXIT_CHECKPOINT_FAILED instead; this
+    holds the line whatever made the ranks leave early)."""
+    plan, latest = obs.plan, obs.latest_step
+    ranks = f"all {plan['world_size']} ranks of generation {plan['generation']}"
+    if s.final_step is not None and (latest is None or latest < s.final_step):
+        newest = f"step {latest}" if latest is not None else "none"
+        _finish(d, obs, s, FAILED, f"{ranks} exited, but the final step {s.final_step} has no "
+                f"committed checkpoint (the newest committed: {newest}); resubmit "
+                "(--resubmit) to continue from it")
+        return
+    _finish(d, obs, s, COMPLETED, f"{ranks} finished"
+            + (f" at step {latest}" if latest is not None else ""))
+
+
+def _checkpoints_failed(obs: Observed, s: Settings, d: Decision) -> bool:
+    """Ranks that exited with EXIT_CHECKPOINT_FAILED: the final step's save failed, or
+    max_failed_saves saves in a row did. All ranks leave so after the same step. A new
+    generation would fail the same way, so the job ends FAILED with their reason (rank 0's,
+    which alone knows why a commit failed: its exit is awaited up to settle_s); a resubmission
+    tries again from the newest committed checkpoint."""
+    failed = sorted((e for e in obs.exits if e.code == detect.EXIT_CHECKPOINT_FAILED),
+                    key=lambda e: e.rank)
+    if not failed:
+        return False
+    if (failed[0].rank != 0 and len({e.rank for e in obs.exits}) < obs.plan["world_size"]
+            and obs.now - failed[0].time < s.settle_s):
+        return True  # the others' exits are on their way
+    said = [line.strip().removeprefix("error: ") for line in failed[0].tail.splitlines()
+            if line.startswith("error: ")]
+    _finish(d, obs, s, FAILED, f"{said[-1] if said else failed[0].describe()}; not restarted "
+            "(a new generation would fail the same way): fix the checkpoint storage, then "
+            "resubmit (--resubmit) to continue from the newest committed checkpoint")
+    return True
 
 
 def _leave(obs: Observed, s: Settings, d: Decision) -> bool:

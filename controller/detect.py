@@ -19,9 +19,10 @@ import statistics
 from dataclasses import dataclass
 
 # Exit statuses of `optimus train` (optimus/health.py; the controller must not import optimus
-# modules that load torch, so the two numbers are repeated here).
+# modules that load torch, so the numbers are repeated here).
 EXIT_BAD_TILE = 87
 EXIT_NONFINITE_ELSEWHERE = 88
+EXIT_CHECKPOINT_FAILED = 89  # the final step's save, or max_failed_saves saves in a row, failed
 COLLECTIVE_PHASES = ("grad_sync",)  # where a rank waits for its peers, by the loop's markers
 
 # Last lines of a rank that failed because a peer did: its collective or the rendezvous store

@@ -41,6 +41,8 @@ class Settings:
     flaky_failures: int = 1
     flaky_window_s: float = 3600.0
     stack_wait_s: float = 3.0  # for the agents' stack dumps of a hang, before deciding
+    # With checkpointing on, the step whose commit COMPLETED requires (optim.steps); else None.
+    final_step: int | None = None
     # Node counts a generation may run on, largest first: (nodes,) unless the job may shrink
     # its data-parallel degree (supervision.min_nodes) when too few nodes are left.
     node_counts: tuple[int, ...] = ()

@@ -52,13 +52,13 @@ def main() -> None:
 @set_option
 def train(job: Path, overrides: tuple[str, ...]) -> None:
     """Train JOB as one rank (or as each rank under torchrun / srun / mpiexec)."""
-    from optimus.health import NonFinite
+    from optimus.health import CheckpointFailed, NonFinite
     from optimus.train import train as run_training  # torch loads only when training
 
     config = load_job(job, list(overrides))
     try:
         run_training(config)
-    except NonFinite as e:  # the agent reads the exit status: 87 names this rank's tile
+    except (NonFinite, CheckpointFailed) as e:  # the agent reads the exit status (87, 88, 89)
         click.secho(f"error: {e}", fg="red", err=True)
         sys.exit(e.exit_code)
 

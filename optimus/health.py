@@ -340,6 +340,7 @@ class Commands:
 # Exit statuses the agent reports and the controller reads (controller/decide.py).
 EXIT_BAD_TILE = 87  # this rank's own loss or gradients were NaN/Inf: its tile is suspect
 EXIT_NONFINITE_ELSEWHERE = 88  # the reduced gradients were NaN/Inf, this rank's own were not
+EXIT_CHECKPOINT_FAILED = 89  # the final step's save failed, or max_failed_saves in a row did
 
 
 class NonFinite(Exception):
@@ -351,6 +352,14 @@ class NonFinite(Exception):
         where = ("this rank's own values (its tile is suspect)" if local
                  else "another rank's values (this rank's own are finite)")
         super().__init__(f"non-finite gradient norm at step {step}, from {where}: {detail}")
+
+
+class CheckpointFailed(Exception):
+    """Training cannot end well: its final checkpoint, or too many saves in a row, failed. All
+    ranks raise it after the same step (the saves' outcomes are agreed); a restart would fail the
+    same way, so the controller ends the job with this message instead."""
+
+    exit_code = EXIT_CHECKPOINT_FAILED
 
 
 def register_stack_dumps() -> None:

@@ -28,6 +28,7 @@ from optimus.faults import RankFaults
 from optimus.health import (
     PAUSE_POLL_S,
     Agreed,
+    CheckpointFailed,
     Commands,
     NonFinite,
     register_stack_dumps,
@@ -191,7 +192,10 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                                        moe=experts))
 
             # The step boundary: what any rank was told (stop, pause, checkpoint now), all do
-            # after this step.
+            # after this step; too many failed saves in a row stop them all here.
+            if ckpt is not None and step < job.optim.steps:
+                with heartbeat.phase("checkpoint"):
+                    _check_failed_saves(ckpt, log, job, step)
             with heartbeat.phase("grad_sync"):
                 agreed = commands.agree()
             heartbeat.end_step()
@@ -202,10 +206,9 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                 break
 
         if ckpt is not None:
-            with heartbeat.phase("checkpoint"):
-                if ckpt.wait() == "failed":  # the last save must land (or say why) before exit
-                    log.event("checkpoint", ckpt.last_error, **ckpt.stats.as_dict())
-                ckpt.close()
+            with heartbeat.phase("checkpoint"):  # the last step is saved, or this says why
+                _last_checkpoint(ckpt, log, job, progress.step, state, progress, layout,
+                                 final=first <= progress.step == job.optim.steps)
         log.close()
         if keep_state:
             result.state = {k: v for part in model.parts for k, v in _full_state(part).items()}
@@ -242,16 +245,62 @@ def _log_resume(log: MetricsLog, ckpt: Checkpointer, resumed: dict | None) -> No
 
 def _checkpoint_step(ckpt: Checkpointer, log: MetricsLog, job: JobConfig, step: int,
                      state: dict, progress: Progress, layout) -> None:
-    """At every step boundary, on every rank: finish a save in flight, start a due one."""
+    """At every step boundary, on every rank: finish a save in flight, start a due one (the
+    last step's comes after the loop: `_last_checkpoint`)."""
     if ckpt.poll() == "failed":
         log.event("checkpoint", ckpt.last_error, **ckpt.stats.as_dict())
+    if step == job.optim.steps:
+        return
     interval = job.checkpoint.interval
-    if interval and step % interval == 0:
-        if step == job.optim.steps:
-            ckpt.wait()  # the final checkpoint is never skipped
-        if ckpt.save(step, state, _meta(job, progress, layout)) == "skipped":
-            log.event("checkpoint", f"save of step {step} skipped: the previous one is still "
-                      "being written", **ckpt.stats.as_dict())
+    if (interval and step % interval == 0
+            and ckpt.save(step, state, _meta(job, progress, layout)) == "skipped"):
+        log.event("checkpoint", f"save of step {step} skipped: the previous one is still "
+                  "being written", **ckpt.stats.as_dict())
+
+
+def _check_failed_saves(ckpt: Checkpointer, log: MetricsLog, job: JobConfig, step: int) -> None:
+    """Stop training (CheckpointFailed) after `max_failed_saves` failed saves in a row: hours
+    more of it would leave nothing newer to fall back to. The counts are agreed: all ranks stop."""
+    limit = job.checkpoint.max_failed_saves
+    if not limit or ckpt.stats.failed_in_a_row < limit:
+        return
+    if ckpt.wait() == "failed":  # one started since then decides too: a commit ends the streak
+        log.event("checkpoint", ckpt.last_error, **ckpt.stats.as_dict())
+    if ckpt.stats.failed_in_a_row < limit:
+        return
+    ckpt.close()
+    message = (f"{ckpt.stats.failed_in_a_row} checkpoint saves failed in a row "
+               f"(checkpoint.max_failed_saves={limit}): stopped after step {step}, "
+               f"{_newest_committed(ckpt)}; the last: {ckpt.last_error}")
+    log.event("checkpoint", message, step=step, **ckpt.stats.as_dict())
+    log.close()
+    raise CheckpointFailed(message)
+
+
+def _last_checkpoint(ckpt: Checkpointer, log: MetricsLog, job: JobConfig, step: int,
+                     state: dict, progress: Progress, layout, final: bool) -> None:
+    """After the loop, on every rank: the save in flight lands; then, when checkpointing is on
+    and this run trained the last step, that step is saved and waited for. A run whose last step
+    is not committed raises CheckpointFailed: it must never end as if its state were safe."""
+    if ckpt.wait() == "failed":
+        log.event("checkpoint", ckpt.last_error, **ckpt.stats.as_dict())
+    if final and job.checkpoint.interval:
+        outcome = ckpt.save(step, state, _meta(job, progress, layout))  # "exists": stop saved it
+        outcome = ckpt.wait() or outcome
+        if outcome not in ("committed", "exists"):
+            ckpt.close()
+            why = (ckpt.last_error or "not saved").removeprefix(f"checkpoint of step {step}: ")
+            message = (f"the final checkpoint (step {step}) failed, {_newest_committed(ckpt)}: "
+                       f"{why}")
+            log.event("checkpoint", message, step=step, **ckpt.stats.as_dict())
+            log.close()
+            raise CheckpointFailed(message)
+    ckpt.close()
+
+
+def _newest_committed(ckpt: Checkpointer) -> str:
+    steps = committed_steps(ckpt.root)
+    return f"the newest committed is step {steps[-1]}" if steps else "none is committed"
 
 
 def _stop(ckpt: Checkpointer | None, log: MetricsLog, job: JobConfig, step: int, state: dict,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -197,10 +198,10 @@ def test_retention_leaves_a_fallback_for_a_corrupt_newest(run_ranks, tmp_path, i
     assert verify(step_dir(ckpt_dir, fallback)) == []  # the checkpoint it fell back to survives
 
 
-def _small_filesystem(path: Path) -> bool:
-    """A real 1 MiB tmpfs at `path` when this machine lets us mount one."""
+def _small_filesystem(path: Path, size: str = "1m") -> bool:
+    """A real tmpfs of `size` at `path` when this machine lets us mount one (root)."""
     path.mkdir(parents=True)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)],
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
                           capture_output=True)
     return proc.returncode == 0
 
@@ -211,19 +212,21 @@ def _limit_file_size() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 
 
-def test_a_full_disk_fails_the_save_and_training_goes_on(tmp_path):
+def _run_train(raw: dict, tmp_path: Path, **popen) -> subprocess.CompletedProcess:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return subprocess.run([sys.executable, "-m", "optimus", "train", str(path)],
+                          capture_output=True, text=True, cwd=REPO, timeout=240, **popen)
+
+
+def test_a_full_disk_fails_every_save_and_the_run_exits_89_naming_the_final_step(tmp_path):
     disk = tmp_path / "disk"
     mounted = _small_filesystem(disk)
     try:
         raw = job(tmp_path / "run", checkpoint={"dir": str(disk / "ckpt"), "interval": 4,
                                                 "async_mode": "process"})
         raw["model"].update(dim=128, ffn_dim=256)  # ~0.6M parameters: ~7 MiB of state
-        path = tmp_path / "job.yaml"
-        path.write_text(yaml.safe_dump(raw))
-        proc = subprocess.run([sys.executable, "-m", "optimus", "train", str(path)],
-                              capture_output=True, text=True, cwd=REPO, timeout=240,
-                              preexec_fn=None if mounted else _limit_file_size)
-        assert proc.returncode == 0, proc.stderr[-2000:]
+        proc = _run_train(raw, tmp_path, preexec_fn=None if mounted else _limit_file_size)
         lines = [json.loads(s) for s in (tmp_path / "run" / "metrics.jsonl").read_text()
                  .splitlines()]
         steps = [m["step"] for m in lines if "step" in m and "event" not in m]
@@ -231,9 +234,51 @@ def test_a_full_disk_fails_the_save_and_training_goes_on(tmp_path):
         failures = [e for e in lines if e.get("event") == "checkpoint"
                     and "failed" in e["message"]]
         assert failures, proc.stderr[-2000:]
-        assert failures[-1]["saves_failed"] >= 1
-        assert "checkpoint:" in proc.stderr and "failed" in proc.stderr
+        assert failures[-1]["saves_failed"] == 2  # steps 4 and 8
+        # ... but its final state is not saved: no quiet exit 0, one line that says so
+        assert proc.returncode == 89, proc.stderr[-2000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"error: the final checkpoint (step {STEPS}) failed, none is "
+                               "committed: write failed"), last
+        assert ("No space left on device" if mounted else "File too large") in last
         assert committed_steps(disk / "ckpt") == []
     finally:
         if mounted:
             subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_failed_saves_in_a_row_stop_training_and_keep_the_last_commit(tmp_path):
+    disk = tmp_path / "disk"
+    if not _small_filesystem(disk, "4m"):  # one checkpoint (2.9 MB) fits, a second does not
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        raw = job(tmp_path / "run", optim={"steps": 40},
+                  checkpoint={"dir": str(disk / "ckpt"), "interval": 2, "keep_last": 1,
+                              "max_failed_saves": 2})
+        proc = _run_train(raw, tmp_path)
+        assert proc.returncode == 89, proc.stderr[-2000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        stopped = re.fullmatch(
+            r"error: ([23]) checkpoint saves failed in a row \(checkpoint.max_failed_saves=2\)"
+            r": stopped after step (\d+), the newest committed is step 2; the last: checkpoint "
+            r"of step (\d+): write failed .*No space left on device", last)
+        assert stopped, last
+        # Steps 4 and 6 failed (and 8 when it had started before the second failure showed).
+        failed, at, last_failed = map(int, stopped.groups())
+        assert last_failed == 2 + 2 * failed and last_failed <= at < 12
+        lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        steps = [m["step"] for m in map(json.loads, lines) if "event" not in m]
+        assert steps == list(range(1, at + 1))  # not one step more
+        assert committed_steps(disk / "ckpt") == [2]  # nothing committed was lost
+        assert verify(step_dir(disk / "ckpt", 2)) == []
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_the_last_step_is_committed_when_steps_is_not_a_multiple_of_interval(run_ranks,
+                                                                           tmp_path):
+    raw = job(tmp_path, optim={"steps": 7}, checkpoint={"interval": 3, "on_overlap": "wait"})
+    (result,) = run_ranks(_train, 1, raw, timeout=120)
+    assert result["steps"] == list(range(1, 8))
+    assert committed_steps(tmp_path / "checkpoints") == [3, 6, 7]
+    assert verify(step_dir(tmp_path / "checkpoints", 7)) == []

@@ -307,7 +307,8 @@ def _failure_and_retention(rank: int, world: int, root: str) -> dict:
     run.train(1)
     events[2] = (ckpt.save(2, run.state, run.meta()), ckpt.wait())
     after_failure = {"latest": str(latest_committed(root)), "step2_dir": step_dir(root, 2).exists(),
-                     "error": ckpt.last_error, "failed": ckpt.stats.saves_failed}
+                     "error": ckpt.last_error, "failed": ckpt.stats.saves_failed,
+                     "in_a_row": ckpt.stats.failed_in_a_row}
     run.train(1)  # training goes on
     events[3] = (ckpt.save(3, run.state, run.meta()),)
     run.train(1)
@@ -325,12 +326,13 @@ def test_failed_write_keeps_the_previous_checkpoint(run_ranks, tmp_path):
         failure = result["after_failure"]
         assert failure["latest"] == str(step_dir(tmp_path, 1))
         assert not failure["step2_dir"]  # the partial save was removed
-        assert failure["failed"] == 1
+        assert failure["failed"] == failure["in_a_row"] == 1
         assert "File too large" in failure["error"] and "rank(s) [1]" in failure["error"]
         assert "\n" not in failure["error"]
         stats = result["stats"]
         assert (stats["saves_started"], stats["saves_committed"], stats["saves_failed"],
                 stats["saves_skipped"]) == (4, 3, 1, 0)
+        assert stats["failed_in_a_row"] == 0  # the commits after it ended the streak
         # keep_last=1 keeps 4, keep_every=3 keeps 3; step 1 is gone
         assert result["committed"] == [3, 4]
 

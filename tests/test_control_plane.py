@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from cluster import (
     ROOT,
     Processes,
@@ -248,3 +249,66 @@ def _redis_port(out: str) -> str:
 
 def _metrics_or_none(run: Path) -> list[dict]:
     return metrics(run) if (run / "metrics.jsonl").exists() else []
+
+
+def test_a_failed_final_save_fails_the_job_and_a_resubmission_completes_it(redis_server, procs,
+                                                                           tmp_path):
+    """Issue 15: a full disk fails the last step's save; the job ends FAILED with the reason,
+    not COMPLETED, and is not restarted. With space again, --resubmit continues from the
+    newest committed checkpoint and COMPLETED then means the final step (7, not a multiple of
+    the interval) is committed."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    # One checkpoint (1.9 MB) fits in 3 MiB, a second does not.
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        run = tmp_path / "run"
+        job = write_job(tmp_path / "job.yaml", run, steps=7)
+        raw = yaml.safe_load(job.read_text())
+        raw["checkpoint"].update(dir=str(disk / "ckpt"), interval=3, keep_last=1)
+        job.write_text(yaml.safe_dump(raw))
+        controller = ["controller", str(job), "--nodes", "1", "--ranks-per-node", "2",
+                      "--redis", redis_server.url, "--exit-when-done", "--linger", "0"]
+        store = Store(redis_server.url, "e2e")
+
+        procs.start("c1", *controller)
+        _agents(procs, redis_server.url, n=1)
+        procs.procs["c1"].wait(timeout=120)
+        record = store.job_record()
+        assert record["state"] == "FAILED", (record, procs.log("c1")[-3000:])
+        reason = record["reason"]
+        assert reason.startswith("the final checkpoint (step 7) failed, the newest committed "
+                                 "is step 3: write failed"), reason
+        assert "No space left on device" in reason and "resubmit" in reason
+        assert record["restarts"] == "0" and record["generation"] == "0"  # not restarted
+        assert record["latest_checkpoint"] == "3"
+        assert [e["message"] for e in _events(store, "failed")] == [reason]
+        assert _events(store, "restarting") == []
+        assert committed_steps(disk / "ckpt") == [3]
+        status = subprocess.run([sys.executable, "-m", "controller", "job", "status", "--job",
+                                 "e2e", "--redis", redis_server.url, "-o", "json"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=60)
+        shown = json.loads(status.stdout)
+        assert (shown["state"], shown["reason"], shown["latest_checkpoint"]) == (
+            "FAILED", reason, 3)
+
+        # Space again; the resubmission continues from step 3 and commits the final step.
+        procs.procs["agent0"].wait(timeout=60)  # it exits once the job has ended
+        subprocess.run(["mount", "-o", "remount,size=32m", str(disk)], check=True)
+        procs.start("c2", *controller, "--resubmit")
+        procs.start("agent0-again", "agent", "--job", "e2e", "--node", "node0", "--redis",
+                    redis_server.url, "--interval", "0.25")
+        procs.procs["c2"].wait(timeout=120)
+        record = store.job_record()
+        assert record["state"] == "COMPLETED", (record, procs.log("c2")[-3000:])
+        assert record["latest_checkpoint"] == "7"
+        assert committed_steps(disk / "ckpt") == [7]
+        assert len(_events(store, "resubmitted")) == 1
+        lines = metrics(run)
+        resumes = [m["step"] for m in lines if m.get("event") == "resume"]
+        assert resumes == [3]
+        after = lines.index(next(m for m in lines if m.get("event") == "resume"))
+        assert [m["step"] for m in lines[after:] if "loss" in m] == [4, 5, 6, 7]
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -38,7 +38,7 @@ def running_plan(gen: int = 0, nodes=("n0", "n1")) -> dict:
             "world_size": 4}
 
 
-def running(nodes=None, exits=(), overdue=(), job=None, plan=None, now=NOW,
+def running(nodes=None, exits=(), overdue=(), job=None, plan=None, now=NOW, latest_step=40,
             **more) -> Observed:
     nodes = nodes or {n: node(n, generation=0, live=2) for n in ("n0", "n1")}
     nodes.setdefault("n2", node("n2"))  # the spare
@@ -46,7 +46,7 @@ def running(nodes=None, exits=(), overdue=(), job=None, plan=None, now=NOW,
     # Beat ages are relative to `now`: a node's agent keeps beating as the test's clock moves.
     beats = {n: now - (NOW - nodes[n].last_beat) for n in plan["nodes"] if n in nodes}
     return Observed(now=now, job=job or busy(), plan=plan, nodes=nodes, exits=list(exits),
-                    overdue=list(overdue), latest_step=40, agent_beats=beats, **more)
+                    overdue=list(overdue), latest_step=latest_step, agent_beats=beats, **more)
 
 
 def busy(**fields) -> JobView:
@@ -336,3 +336,64 @@ def test_the_straggler_median_leaves_the_node_itself_out():
     d = decide(running(nodes=nodes, plan=plan, compute=scores), H)
     assert d.job["stragglers"] == ["n5", "n6"]  # each 2.5x the median of the others (0.1)
     assert "250 ms per step" in d.events[0][1] and "against 100 ms" in d.events[0][1]
+
+
+# --- issue 15: a job is COMPLETED only with its final step committed ---------------------------
+
+SAVES = Settings(**{**S.__dict__, "final_step": 40})
+FINAL_FAILED = ("checkpoint: the final checkpoint (step 40) failed, the newest committed is step "
+                "30: write failed on rank(s) [0]: OSError: [Errno 28] No space left on device\n"
+                "error: the final checkpoint (step 40) failed, the newest committed is step 30: "
+                "write failed on rank(s) [0]: OSError: [Errno 28] No space left on device\n"
+                "[W1123 20:18:56.123 ProcessGroupGloo.cpp:1] a C++ warning at exit")
+
+
+def test_completed_needs_the_final_step_committed_when_checkpointing_is_on():
+    done = [Exit(f"n{r // 2}", r, 0, code=0, time=NOW) for r in range(4)]
+    d = decide(running(exits=done), SAVES)  # latest_step 40: the final step
+    assert d.job["state"] == COMPLETED
+    d = decide(running(exits=done, latest_step=30), SAVES)
+    assert d.job["state"] == FAILED and d.plan["action"] == "end"
+    assert d.job["reason"] == (
+        "all 4 ranks of generation 0 exited, but the final step 40 has no committed checkpoint "
+        "(the newest committed: step 30); resubmit (--resubmit) to continue from it")
+    assert decide(running(exits=done, latest_step=None), SAVES).job["state"] == FAILED
+    # Checkpointing off (final_step None): finishing is enough.
+    assert decide(running(exits=done, latest_step=None), S).job["state"] == COMPLETED
+
+
+def test_a_failed_final_save_ends_the_job_failed_with_rank_0s_reason_and_no_restart():
+    failed = [Exit(f"n{r // 2}", r, 0, code=89, tail=FINAL_FAILED, time=NOW) for r in range(4)]
+    d = decide(running(exits=failed, latest_step=30), SAVES)
+    assert d.job["state"] == FAILED and d.plan["action"] == "end"
+    assert d.job["reason"] == (
+        "the final checkpoint (step 40) failed, the newest committed is step 30: write failed "
+        "on rank(s) [0]: OSError: [Errno 28] No space left on device; not restarted (a new "
+        "generation would fail the same way): fix the checkpoint storage, then resubmit "
+        "(--resubmit) to continue from the newest committed checkpoint")
+    assert "restarts" not in d.job and d.exclude == []  # no restart, nobody blamed
+    assert [kind for kind, *_ in d.events] == ["failed"]
+
+
+def test_a_rank_stopped_by_failed_saves_waits_briefly_for_rank_0_then_fails_anyway():
+    said = "error: 3 checkpoint saves failed in a row (checkpoint.max_failed_saves=3): ..."
+    other = Exit("n1", 2, 0, code=89, tail=f"step 12\n{said}", time=NOW)
+    d = decide(running(exits=[other]), SAVES)
+    assert d.job == {} and d.plan is None  # rank 0's words (its commit's error) are coming
+    d = decide(running(exits=[other], now=NOW + S.settle_s), SAVES)
+    assert d.job["state"] == FAILED and "restarts" not in d.job
+    assert d.job["reason"].startswith("3 checkpoint saves failed in a row")
+    first = Exit("n0", 0, 0, code=89, tail=said.replace("...", "rank 0"), time=NOW)
+    d = decide(running(exits=[other, first]), SAVES)
+    assert d.job["reason"].startswith("3 checkpoint saves failed in a row (checkpoint."
+                                      "max_failed_saves=3): rank 0; not restarted")
+
+
+def test_the_controller_reads_the_exit_statuses_the_ranks_use():
+    from controller import detect
+    from optimus import health  # loads torch: the controller's copy must not drift from it
+
+    assert (detect.EXIT_BAD_TILE, detect.EXIT_NONFINITE_ELSEWHERE,
+            detect.EXIT_CHECKPOINT_FAILED) == (health.EXIT_BAD_TILE,
+                                               health.EXIT_NONFINITE_ELSEWHERE,
+                                               health.CheckpointFailed.exit_code) == (87, 88, 89)

@@ -99,6 +99,7 @@ class CheckpointStats:
     last_blocked_s: float = 0.0  # how long save() held up the training loop
     last_write_s: float = 0.0  # from save() to this rank's files written
     last_commit_step: int | None = None
+    failed_in_a_row: int = 0  # failed saves since the last commit (checkpoint.max_failed_saves)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -327,8 +328,10 @@ class Checkpointer:
         if committed:
             self.stats.saves_committed += 1
             self.stats.last_commit_step = save.step
+            self.stats.failed_in_a_row = 0
             return "committed"
         self.stats.saves_failed += 1
+        self.stats.failed_in_a_row += 1
         self.last_error = save.error or (
             f"checkpoint of step {save.step} was not committed (rank 0 has the reason)")
         log.warning("%s; the latest committed checkpoint is unchanged", self.last_error)

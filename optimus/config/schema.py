@@ -132,6 +132,8 @@ class CheckpointConfig(Section):
     resume: Literal["auto", "never"] = Field(
         "auto", description="auto: continue from the latest good checkpoint in dir")
     verify_on_load: bool = Field(True, description="check every file's sha256 before loading")
+    max_failed_saves: NonNegativeInt = Field(
+        3, description="stop training after this many failed saves in a row; 0: never")
 
 
 class SupervisionConfig(Section):
