@@ -22,7 +22,10 @@ from dataclasses import dataclass
 # modules that load torch, so the two numbers are repeated here).
 EXIT_BAD_TILE = 87
 EXIT_NONFINITE_ELSEWHERE = 88
-COLLECTIVE_PHASES = ("grad_sync",)  # where a rank waits for its peers, by the loop's markers
+# Where a rank waits in a collective with its peers, by the loop's phase markers: the step's
+# reductions, the checkpointer's agreements and loads, the commands agreement and process-group
+# setup (optimus/health.py's COLLECTIVE_PHASES, repeated for the same reason).
+COLLECTIVE_PHASES = ("grad_sync", "checkpoint_sync", "sync")
 
 # Last lines of a rank that failed because a peer did: its collective or the rendezvous store
 # lost a partner. Gloo, NCCL, XCCL and the TCPStore word these differently.
