@@ -25,7 +25,12 @@ socket (OPTIMUS_AGENT_SOCKET); see optimus/health.py. Datagrams, not a stream: a
 blocks on a slow or absent agent, and the agent never waits on a rank. The other way, the
 agent relays the job's control word (operators' pause and checkpoint-now, from the `control`
 key it reads every tick) into a small file the ranks stat at every step boundary
-(OPTIMUS_CONTROL_FILE), rewritten atomically when the word changes.
+(OPTIMUS_CONTROL_FILE), rewritten atomically when the word changes; and an operator's
+`chaos hang-rank|stall-rank` into another (OPTIMUS_CHAOS_FILE, see optimus/faults.py).
+
+A hang's stacks (the controller's `dump_stacks` command) are collected on a thread of their own,
+so the agent goes on reaping and relaying meanwhile: SIGUSR1, then py-spy from outside for a
+rank that does not answer, then SIGUSR1 again (controller/stacks.py).
 """
 
 from __future__ import annotations
@@ -39,15 +44,18 @@ import signal
 import socket
 import statistics
 import tempfile
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from controller.detect import COLLECTIVE_PHASES
 from controller.exit_text import own_lines
 from controller.health_check import health_check
 from controller.spawn import Spawner
+from controller.stacks import Target, collect, find_py_spy
 from controller.store import NodeSummary, Store, StoreUnavailable
 from optimus.files import write_atomic
 
@@ -56,8 +64,8 @@ log = logging.getLogger("optimus.agent")
 POLL_S = 0.05
 TAIL_LINES = 20
 # A rank's state for the ranks-by-state count, from its heartbeat's phase.
-RANK_STATES = {"startup": "startup", "checkpoint": "checkpoint", "paused": "paused",
-               "done": "done"}  # every other phase is a step in progress: "training"
+RANK_STATES = {"startup": "startup", "checkpoint": "checkpoint", "checkpoint_sync": "checkpoint",
+               "paused": "paused", "done": "done"}  # any other phase: a step, "training"
 
 
 @dataclass
@@ -101,6 +109,10 @@ class Agent:
         self.control_path = sock_dir / f"agent-{tag}.control"
         self.control: dict = {}
         self._write_control({})
+        self.chaos_path = sock_dir / f"agent-{tag}.chaos"
+        self.chaos: list[dict] = []  # operators' rank faults for this generation's ranks
+        self._write_chaos([])
+        self._stacks_lock = threading.Lock()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -134,8 +146,9 @@ class Agent:
             self.sock.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.control_path)
+            for path in (self.control_path, self.chaos_path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
     def stop_all_now(self) -> None:
         """On the agent's own SIGTERM/SIGINT: terminate the ranks, then go (they die with us)."""
@@ -248,6 +261,7 @@ class Agent:
         self.procs.clear()
         self.beats.clear()
         self.reset_ranks = True
+        self._write_chaos([])  # an operator's faults were for the last generation
         rpn = plan["ranks_per_node"]
         log_dir = Path(plan["log_dir"]) / f"gen_{gen:04d}"
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -264,7 +278,9 @@ class Agent:
                    "OPTIMUS_JOB_ID": self.store.job, "OPTIMUS_GENERATION": str(gen),
                    "OPTIMUS_MASTER_ADDR": plan["master_addr"], "OPTIMUS_MASTER_PORT": str(port),
                    "OPTIMUS_AGENT_SOCKET": self.socket_path,
-                   "OPTIMUS_CONTROL_FILE": str(self.control_path), "PYTHONUNBUFFERED": "1"}
+                   "OPTIMUS_CONTROL_FILE": str(self.control_path),
+                   "OPTIMUS_CHAOS_FILE": str(self.chaos_path),
+                   "OPTIMUS_AGENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1"}
             path = log_dir / f"rank_{rank:05d}.log"
             env["OPTIMUS_STACKS_FILE"] = str(log_dir / f"rank_{rank:05d}.stacks")
             popen = self.spawner.start(command, env, path)
@@ -367,7 +383,7 @@ class Agent:
         full = [p.compute for p in live if len(p.compute) >= max(p.compute.maxlen // 2, 1)]
         return NodeSummary(
             max_step=max(b["step"] for b in beats), min_step=min(b["step"] for b in beats),
-            outside=sum(b["phase"] not in ("grad_sync",) for b in beats),
+            outside=sum(b["phase"] not in COLLECTIVE_PHASES for b in beats),
             nonfinite=not all(b.get("finite", True) for b in beats),
             compute_s=max(statistics.median(c) for c in full) if full else None,
             paused=sum(b["phase"] == "paused" for b in beats),
@@ -387,6 +403,12 @@ class Agent:
         self.control = dict(control)
         write_atomic(self.control_path, json.dumps(control).encode(),
                      self.control_path.with_suffix(".tmp"))
+
+    def _write_chaos(self, faults: list[dict]) -> None:
+        """Operators' rank faults for this node's ranks, replaced atomically (they stat it)."""
+        self.chaos = list(faults)
+        write_atomic(self.chaos_path, json.dumps({"faults": self.chaos}).encode(),
+                     self.chaos_path.with_suffix(".chaos-tmp"))
 
     # --- health --------------------------------------------------------------------------------
 
@@ -428,34 +450,42 @@ class Agent:
             self._chaos(command)
 
     def _dump_stacks(self, command: dict) -> None:
-        """SIGUSR1 to the asked ranks (faulthandler dumps every thread); gather the files."""
-        wanted = [p for p in self.procs.values() if p.local_rank in command.get("local_ranks", [])
-                  and p.popen.returncode is None and p.stacks_path is not None]
-        for p in wanted:
-            with contextlib.suppress(OSError):
-                p.stacks_path.write_text("")  # the rank appends: keep this dump only
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.popen.pid, signal.SIGUSR1)
-        deadline = time.monotonic() + 1.0
-        stacks: dict[int, str] = {}
-        while time.monotonic() < deadline and len(stacks) < len(wanted):
-            time.sleep(0.05)
-            for p in wanted:
-                with contextlib.suppress(OSError):
-                    text = p.stacks_path.read_text(errors="replace")
-                    if text.strip():
-                        stacks[p.rank] = text
-        if stacks:
-            with contextlib.suppress(StoreUnavailable):
-                self.store.put_stacks(command.get("generation", self.generation or 0), stacks)
+        """The asked ranks' stacks, gathered on a thread (a rank that does not answer SIGUSR1
+        takes seconds: the agent goes on meanwhile), then put in the store."""
+        targets = [Target(p.rank, p.popen.pid, p.stacks_path) for p in self.procs.values()
+                   if p.local_rank in command.get("local_ranks", [])
+                   and p.popen.returncode is None and p.stacks_path is not None]
+        generation = command.get("generation", self.generation or 0)
+        if targets:
+            threading.Thread(target=self._collect_stacks, args=(targets, generation),
+                             name="stacks", daemon=True).start()
+
+    def _collect_stacks(self, targets: list[Target], generation: int) -> None:
+        with self._stacks_lock:  # one collection at a time: they share the stacks files
+            stacks, notes = collect(targets, py_spy=find_py_spy())
+        for rank, note in sorted(notes.items()):
+            self._event("stacks", f"stack of rank {rank} on {self.node}: {note}", rank=rank)
+        with contextlib.suppress(StoreUnavailable):
+            self.store.put_stacks(generation, stacks)
 
     def _chaos(self, command: dict) -> None:
         kind = command.get("kind")
+        by = command.get("by", "")
+        why = f" (by {by}" + (f": {command['reason']}" if command.get("reason") else "") + ")"
         self._event("chaos", f"chaos on {self.node}: {kind} "
-                    f"{command.get('rank', '') if kind != 'kill_node' else ''}".rstrip(),
-                    fault=kind, rank=command.get("rank", ""), sent=command.get("time", ""))
+                    f"{command.get('rank', '') if kind != 'kill_node' else ''}".rstrip()
+                    + (why if by else ""),
+                    fault=kind, rank=command.get("rank", ""), sent=command.get("time", ""),
+                    by=by, reason=command.get("reason", ""))
         if kind == "kill_node":
             self._die()
+        if kind in ("hang_rank", "stall_rank"):  # the rank fires it in its next step
+            if any(p.rank == command.get("rank") and p.popen.returncode is None
+                   for p in self.procs.values()):
+                self._write_chaos([*self.chaos, {
+                    "id": len(self.chaos) + 1, "kind": kind, "rank": command["rank"],
+                    "generation": self.generation, "seconds": command.get("seconds", 0.0)}])
+            return
         for p in self.procs.values():
             if p.rank == command.get("rank") and p.popen.returncode is None:
                 sig = signal.SIGKILL if kind == "kill_rank" else signal.SIGSTOP

@@ -155,23 +155,42 @@ def agent(job_name: str, node: str, redis: str | None, interval_s: float) -> Non
     sys.exit(a.run())
 
 
-@main.command()
-@click.argument("fault", type=click.Choice(["kill-rank", "freeze-rank", "kill-node",
-                                            "bad-tile"]))
-@click.option("--job", "job_name", required=True)
-@click.option("--rank", type=click.IntRange(min=0), help="For kill-rank and freeze-rank.")
+CHAOS = {  # what each fault does, for the help and the confirmation
+    "kill-rank": "SIGKILL to the rank (a crash)",
+    "freeze-rank": "SIGSTOP to the rank (its heartbeats stop)",
+    "hang-rank": "the rank blocks in its next step (a hung device sync); its peers wait in a "
+                 "collective",
+    "stall-rank": "the rank sleeps --seconds in its next step, outside any collective",
+    "kill-node": "SIGKILL to the node's agent and its ranks (a lost node)",
+    "bad-tile": "the node's tile --tile computes wrong (its next health check fails)",
+}
+
+
+@main.command(help="Inject FAULT into a running job, through the agent of the node concerned."
+              "\n\n\b\n" + "\n".join(f"{k:<12} {v}" for k, v in CHAOS.items()))
+@click.argument("fault", type=click.Choice(list(CHAOS)))
+@ops.job_option
+@click.option("--rank", type=click.IntRange(min=0),
+              help="For kill-rank, freeze-rank, hang-rank and stall-rank.")
 @click.option("--node", help="For kill-node and bad-tile: the node's name.")
 @click.option("--tile", type=click.IntRange(min=0), default=0, show_default=True,
               help="For bad-tile: the device index whose health checks go wrong.")
+@click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="For stall-rank: how long the rank sleeps.")
 @redis_option
+@ops.reason_option()
+@ops.yes_option
 def chaos(fault: str, job_name: str, rank: int | None, node: str | None, tile: int,
-          redis: str | None) -> None:
-    """Inject a fault into a running job, through the agent of the node concerned."""
+          seconds: float | None, redis: str | None, reason: str, yes: bool) -> None:
     store = Store(redis_url(redis), job_name)
     plan = store.plan()
+    user, host = ops.actor()
+    sent = {"time": time.time(), "by": f"{user}@{host}", "reason": reason}
     if fault == "bad-tile":  # the node need not be running ranks: a spare's tile can go bad
         _known_node(store, job_name, node)
-        store.push_command(node, {"kind": "bad_tile", "tile": tile, "time": time.time()})
+        ops.confirm(yes, f"Chaos on job {job_name}: bad-tile on {node} (tile {tile}): "
+                    f"{CHAOS[fault]}?")
+        store.push_command(node, {"kind": "bad_tile", "tile": tile, **sent})
         click.echo(f"bad-tile sent to the agent of {node} (tile {tile}); the next health "
                    "check fails")
         return
@@ -187,11 +206,17 @@ def chaos(fault: str, job_name: str, rank: int | None, node: str | None, tile: i
         if rank is None or rank >= plan["world_size"]:
             raise ConfigError(f"{fault} needs --rank between 0 and {plan['world_size'] - 1}")
         target = plan["nodes"][rank // plan["ranks_per_node"]]
+    if fault == "stall-rank" and seconds is None:
+        raise ConfigError("stall-rank needs --seconds S: how long the rank sleeps in its step")
     if target not in store.nodes():
         raise ConfigError(f"no node {target!r} in job {job_name}; fix: one of "
                           + ", ".join(sorted(store.nodes())))
-    store.push_command(target, {"kind": fault.replace("-", "_"), "rank": rank,
-                              "time": time.time()})
+    what = f"rank {rank} (on {target})" if rank is not None and fault != "kill-node" else target
+    ops.confirm(yes, f"Chaos on job {job_name}: {fault} {what}: {CHAOS[fault]}?")
+    command = {"kind": fault.replace("-", "_"), "rank": rank, **sent}
+    if fault == "stall-rank":
+        command["seconds"] = seconds
+    store.push_command(target, command)
     click.echo(f"{fault} sent to the agent of {target}"
                + (f" (rank {rank})" if rank is not None else ""))
 

@@ -23,7 +23,10 @@ from dataclasses import dataclass
 EXIT_BAD_TILE = 87
 EXIT_NONFINITE_ELSEWHERE = 88
 EXIT_CHECKPOINT_FAILED = 89  # the final step's save, or max_failed_saves saves in a row, failed
-COLLECTIVE_PHASES = ("grad_sync",)  # where a rank waits for its peers, by the loop's markers
+# Where a rank waits in a collective with its peers, by the loop's phase markers: the step's
+# reductions, the checkpointer's agreements and loads, the commands agreement and process-group
+# setup (optimus/health.py's COLLECTIVE_PHASES, repeated for the same reason).
+COLLECTIVE_PHASES = ("grad_sync", "checkpoint_sync", "sync")
 
 # Last lines of a rank that failed because a peer did: its collective or the rendezvous store
 # lost a partner. Gloo, NCCL, XCCL and the TCPStore word these differently.

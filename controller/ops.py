@@ -10,6 +10,8 @@ be carried out (the same rule the controller applies), asks for confirmation on 
 (--yes skips it), sends it, and waits for the controller's answering event: it prints that
 event and exits 0, or exits non-zero with one line saying why the request was refused. --wait
 waits on for the effect (PAUSED, RUNNING again, STOPPED, a generation without the node).
+Every command that changes something (these, and `optimus chaos`) takes --yes and --reason, so
+scripts pass the same options to all of them.
 Every output has `-o table` (rich, for people) and `-o json` (for scripts).
 """
 
@@ -55,13 +57,15 @@ timeout_option = click.option("--timeout", type=click.FloatRange(min=1), default
                               show_default=True, help="Seconds --wait waits at most.")
 
 
-def request_options(*, reason_required: bool = False, confirm: bool = False,
-                    wait: bool = True):
+def reason_option(required: bool = False):
+    return (click.option("--reason", required=True, help="Why (recorded in the event). Required.")
+            if required else click.option("--reason", default="",
+                                          help="Why (recorded in the event)."))
+
+
+def request_options(*, reason_required: bool = False, wait: bool = True):
     """The options every request command shares, in one order."""
-    reason = (click.option("--reason", required=True,
-                           help="Why (recorded in the event). Required.") if reason_required
-              else click.option("--reason", default="", help="Why (recorded in the event)."))
-    options = [job_option, redis_option, reason, *([yes_option] if confirm else []),
+    options = [job_option, redis_option, reason_option(reason_required), yes_option,
                *([wait_option, timeout_option] if wait else []), output_option]
 
     def apply(command):
@@ -85,7 +89,7 @@ def _store(redis: str | None, job_name: str) -> tuple[Store, dict[str, str]]:
     return store, record
 
 
-def _actor() -> tuple[str, str]:
+def actor() -> tuple[str, str]:
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
@@ -93,7 +97,8 @@ def _actor() -> tuple[str, str]:
     return user, socket.gethostname()
 
 
-def _confirm(yes: bool, question: str) -> None:
+def confirm(yes: bool, question: str) -> None:
+    """Ask on a terminal, unless --yes; never in a script (stdin is not a terminal)."""
     if not yes and sys.stdin.isatty():
         click.confirm(question, abort=True)
 
@@ -111,7 +116,7 @@ def _send(store: Store, record: dict[str, str], action: str, *, reason: str, nod
         raise Refused(f"{action} refused: {why}")
     last = store.events_tail(1)
     after = last[-1][0] if last else "0"
-    user, host = _actor()
+    user, host = actor()
     fields = {"node": node} if node else {}
     if checkpoint:
         fields["checkpoint"] = True
@@ -215,39 +220,41 @@ def _status(store: Store, record: dict[str, str]) -> dict:
 
 @job.command("pause")
 @click.option("--checkpoint", is_flag=True, help="Save a checkpoint of the step first.")
-@request_options(confirm=True)
+@request_options()
 def job_pause(job_name, redis, checkpoint, reason, yes, wait, timeout, output) -> None:
     """Every rank stops after the same step (after a checkpoint of it, with --checkpoint)."""
     store, record = _store(redis, job_name)
-    _confirm(yes, f"Pause job {job_name}" + (" after a checkpoint" if checkpoint else "") + "?")
+    confirm(yes, f"Pause job {job_name}" + (" after a checkpoint" if checkpoint else "") + "?")
     event = _send(store, record, "pause", reason=reason, checkpoint=checkpoint)
     _report(output, event, _wait_state(store, (PAUSED,), timeout) if wait else None)
 
 
 @job.command("resume")
 @request_options()
-def job_resume(job_name, redis, reason, wait, timeout, output) -> None:
+def job_resume(job_name, redis, reason, yes, wait, timeout, output) -> None:
     """The ranks go on with the next step."""
     store, record = _store(redis, job_name)
+    confirm(yes, f"Resume job {job_name}?")
     event = _send(store, record, "resume", reason=reason)
     _report(output, event, _wait_state(store, (RUNNING,), timeout) if wait else None)
 
 
 @job.command("stop")
-@request_options(reason_required=True, confirm=True)
+@request_options(reason_required=True)
 def job_stop(job_name, redis, reason, yes, wait, timeout, output) -> None:
     """The ranks save a checkpoint and exit; the job ends STOPPED."""
     store, record = _store(redis, job_name)
-    _confirm(yes, f"Stop job {job_name} (the ranks save a checkpoint, then exit)?")
+    confirm(yes, f"Stop job {job_name} (the ranks save a checkpoint, then exit)?")
     event = _send(store, record, "stop", reason=reason)
     _report(output, event, _wait_state(store, (STOPPED,), timeout) if wait else None)
 
 
 @job.command("checkpoint")
 @request_options()
-def job_checkpoint(job_name, redis, reason, wait, timeout, output) -> None:
+def job_checkpoint(job_name, redis, reason, yes, wait, timeout, output) -> None:
     """Every rank saves a checkpoint after its next step."""
     store, record = _store(redis, job_name)
+    confirm(yes, f"Checkpoint job {job_name} after its next step?")
     asked_at = store.furthest_step() or 0  # the step in progress now: the save comes after it
     event = _send(store, record, "checkpoint", reason=reason)
     waited = None
@@ -327,7 +334,7 @@ def _nodes(store: Store) -> list[dict]:
 def _node_action(action: str, job_name: str, redis: str | None, name: str, reason: str,
                  yes: bool, wait: bool, timeout: float, output: str, question: str) -> None:
     store, record = _store(redis, job_name)
-    _confirm(yes, question)
+    confirm(yes, question)
     event = _send(store, record, action, reason=reason, node=name)
     waited = None
     if wait and action == "exclude":
@@ -352,7 +359,7 @@ def _wait_without(store: Store, name: str, timeout: float) -> str:
 
 @node.command("exclude")
 @click.argument("name")
-@request_options(reason_required=True, confirm=True)
+@request_options(reason_required=True)
 def node_exclude(name, job_name, redis, reason, yes, wait, timeout, output) -> None:
     """Take NAME out until `include`; if it runs ranks, checkpoint and restart without it."""
     _node_action("exclude", job_name, redis, name, reason, yes, wait, timeout, output,
@@ -362,7 +369,7 @@ def node_exclude(name, job_name, redis, reason, yes, wait, timeout, output) -> N
 
 @node.command("drain")
 @click.argument("name")
-@request_options(confirm=True, wait=False)
+@request_options(wait=False)
 def node_drain(name, job_name, redis, reason, yes, output) -> None:
     """Keep NAME out of future generations; the running one is left alone."""
     _node_action("drain", job_name, redis, name, reason, yes, False, 0.0, output,
@@ -372,9 +379,11 @@ def node_drain(name, job_name, redis, reason, yes, output) -> None:
 @node.command("include")
 @click.argument("name")
 @request_options(wait=False)
-def node_include(name, job_name, redis, reason, output) -> None:
+def node_include(name, job_name, redis, reason, yes, output) -> None:
     """Make an excluded or draining NAME usable again (a spare until a restart takes it)."""
-    _node_action("include", job_name, redis, name, reason, True, False, 0.0, output, "")
+    _node_action("include", job_name, redis, name, reason, yes, False, 0.0, output,
+                 f"Include node {name} in job {job_name} again (a spare until a restart "
+                 "takes it)?")
 
 
 # --- optimus events -------------------------------------------------------------------------------

@@ -40,7 +40,9 @@ class Settings:
     straggler_action: str = "report"
     flaky_failures: int = 1
     flaky_window_s: float = 3600.0
-    stack_wait_s: float = 3.0  # for the agents' stack dumps of a hang, before deciding
+    # For the agents' stacks of a hang, before deciding anyway (they are usually in within a
+    # second; a rank that does not answer SIGUSR1 costs its agent up to ~6 s: controller/stacks)
+    stack_wait_s: float = 8.0
     # With checkpointing on, the step whose commit COMPLETED requires (optim.steps); else None.
     final_step: int | None = None
     # Node counts a generation may run on, largest first: (nodes,) unless the job may shrink

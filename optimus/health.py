@@ -13,17 +13,28 @@ ends normally. Version 1 of the datagram, every field always present:
 - step: the step in progress; before the first one, the step the run resumed from (0: none).
 - phase, phase_since: where the rank is, and since when (time.time()). "startup" until the first
   step; then per step "data" (fetching the microbatches), "forward" and "backward" (a pipeline
-  schedule interleaves the two, so its whole step is "forward"), "grad_sync" (every collective
-  the loop itself calls: the token count, the gradient clip, the loss all-reduce of a logged
-  step and the step-boundary agreement below), "optim", "checkpoint"; after the last step
-  "checkpoint" while the last save lands, and "done".
+  schedule interleaves the two, so its whole step is "forward"), "optim", "checkpoint" (the
+  checkpointer's own work at the step boundary: staging a save's tensors, finishing one); after
+  the last step "checkpoint" while the last save lands, and "done".
+  Every collective the loop itself runs is marked by one of three collective phases
+  (COLLECTIVE_PHASES), whatever its purpose: "grad_sync" (the step's reductions: the token
+  count, the gradient clip, the experts' load, the loss of a logged step), "checkpoint_sync"
+  (the checkpointer's agreements and broadcasts, DCP's collective load and synchronous save,
+  its process group's creation: `Checkpointer(collective=...)`), "sync" (the process groups'
+  setup, the commands agreement at every step boundary and before the first step, the barrier
+  at exit). A collective phase lasts exactly as long as its call: the rank then goes back to
+  the phase it was in (inside "checkpoint", or "startup"), so a rank outside every collective
+  never reads as waiting in one. The controller names the rank outside them, or behind in
+  step, as a hang's culprit (controller/detect.py repeats the tuple). The other phases last
+  until the next is entered. "paused" is not one: a paused job is not checked for hangs.
 - compute_s, wait_s: the last completed step's host wall-clock time split in two (0.0 before the
-  first). wait_s is the time spent in "data", "grad_sync" and "checkpoint" (the checkpointer's
-  poll and save: staging the tensors, not the background write); compute_s is the rest of the
-  step. So the collectives inside the model (FSDP's all-gathers and reduce-scatters in forward
-  and backward, tensor-parallel all-reduces, pipeline sends and receives) count as compute, and
-  so does the time they spend waiting for a slow peer. On an accelerator the host runs ahead of
-  the device: device work queued earlier is charged to whichever phase first blocks on it.
+  first). wait_s is the time spent in "data", the collective phases and "checkpoint" (the
+  checkpointer's poll and save: staging the tensors, not the background write); compute_s is
+  the rest of the step. So the collectives inside the model (FSDP's all-gathers and
+  reduce-scatters in forward and backward, tensor-parallel all-reduces, pipeline sends and
+  receives) count as compute, and so does the time they spend waiting for a slow peer. On an
+  accelerator the host runs ahead of the device: device work queued earlier is charged to
+  whichever phase first blocks on it.
 - finite: whether the last logged loss and grad norm were finite; true until one is logged.
 - seq: 0 for the first datagram, then +1 for each.
 - metrics: null, but on global rank 0 once a step is logged: {"loss", "tokens" (trained so
@@ -68,8 +79,10 @@ SOCKET_ENV = "OPTIMUS_AGENT_SOCKET"
 VERSION = 1
 # Each phase, and whether its time counts as waiting (the rest of a step is compute).
 PHASES = {"startup": False, "data": True, "forward": False, "backward": False,
-          "grad_sync": True, "optim": False, "checkpoint": True, "paused": True,
-          "done": False}
+          "grad_sync": True, "optim": False, "checkpoint": True, "checkpoint_sync": True,
+          "sync": True, "paused": True, "done": False}
+# The phases a rank is in while it waits in a collective with its peers (see the module doc).
+COLLECTIVE_PHASES = ("grad_sync", "checkpoint_sync", "sync")
 CONTROL_ENV = "OPTIMUS_CONTROL_FILE"
 PAUSE_POLL_S = 0.2  # while paused, how often the ranks agree on the commands again
 
@@ -99,6 +112,7 @@ class Heartbeat:
         self._metrics: dict | None = None  # rank 0's last logged step (see the module doc)
         self._step_began = 0.0
         self._waited = 0.0  # in the step in progress
+        self._waiting = False  # inside a waiting phase (a nested one adds nothing more)
         self._seq = 0
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
@@ -109,8 +123,9 @@ class Heartbeat:
     # --- called by the training loop -----------------------------------------------------------
 
     def phase(self, name: str) -> _Phase:
-        """`with heartbeat.phase("optim"): ...` marks the block as that phase."""
-        return _Phase(self, name, PHASES[name])
+        """`with heartbeat.phase("optim"): ...` marks the block as that phase; a collective
+        phase gives the phase it interrupted back at its end."""
+        return _Phase(self, name, PHASES[name], name in COLLECTIVE_PHASES)
 
     def resumed(self, step: int) -> None:
         """The last step done before this run's first (the checkpoint's step; 0 for none)."""
@@ -175,22 +190,31 @@ class Heartbeat:
 
 
 class _Phase:
-    """Marks a phase on entry; a waiting phase adds its duration to the step's wait."""
+    """Marks a phase on entry; a waiting phase adds its duration to the step's wait (once: not
+    again when nested in another waiting phase); a collective phase ends with its block."""
 
-    __slots__ = ("beat", "name", "waits", "began")
+    __slots__ = ("beat", "name", "waits", "collective", "began", "outer", "counts")
 
-    def __init__(self, beat: Heartbeat, name: str, waits: bool):
-        self.beat, self.name, self.waits = beat, name, waits
+    def __init__(self, beat: Heartbeat, name: str, waits: bool, collective: bool):
+        self.beat, self.name, self.waits, self.collective = beat, name, waits, collective
 
     def __enter__(self) -> None:
-        if self.beat._phase[0] != self.name:  # a phase entered again goes on: same `since`
-            self.beat._phase = (self.name, time.time())
-        if self.waits:
+        beat = self.beat
+        self.outer = beat._phase
+        if beat._phase[0] != self.name:  # a phase entered again goes on: same `since`
+            beat._phase = (self.name, time.time())
+        self.counts = self.waits and not beat._waiting
+        if self.counts:
+            beat._waiting = True
             self.began = time.perf_counter()
 
     def __exit__(self, *exc) -> None:
-        if self.waits:
-            self.beat._waited += time.perf_counter() - self.began
+        beat = self.beat
+        if self.counts:
+            beat._waited += time.perf_counter() - self.began
+            beat._waiting = False
+        if self.collective:  # the collective is over: back to what the rank was doing
+            beat._phase = self.outer
 
 
 class NoHeartbeat:
@@ -364,10 +388,29 @@ class CheckpointFailed(Exception):
 
 def register_stack_dumps() -> None:
     """SIGUSR1 dumps every thread's Python stack to $OPTIMUS_STACKS_FILE, from C, even while
-    the main thread is blocked in a collective or a device call: the agent's view of a hang."""
+    the main thread is blocked in a collective or a device call: the agent's view of a hang.
+    And the agent may read this rank's memory from outside (py-spy), for a rank that cannot
+    answer the signal."""
     path = os.environ.get("OPTIMUS_STACKS_FILE")
     if not path:
         return
     import faulthandler  # a C signal handler: it runs with the interpreter stuck
 
     faulthandler.register(signal.SIGUSR1, file=open(path, "a"), all_threads=True)  # noqa: SIM115
+    allow_parent_to_read()
+
+
+PR_SET_PTRACER = 0x59616D61
+
+
+def allow_parent_to_read() -> None:
+    """Under Yama (kernel.yama.ptrace_scope 1, Ubuntu's default) only a process's ancestors may
+    read its memory, and py-spy, started by the agent, is no ancestor of this rank: name the
+    agent (OPTIMUS_AGENT_PID; else the parent) this process's ptracer, which covers the agent's
+    children. A rank forked by the agent's warm process is the agent's grandchild, so the
+    parent would not do. Elsewhere a no-op."""
+    import ctypes
+
+    agent = int(os.environ.get("OPTIMUS_AGENT_PID") or os.getppid())
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PTRACER, agent, 0, 0, 0)

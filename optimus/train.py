@@ -79,10 +79,11 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
     faults = RankFaults(job.fault_injection, rank=env.rank, generation=env.restart_count)
     owns_group = not dist.is_initialized()
     try:
-        if owns_group:
-            init_distributed(env, backend, device)
-        mesh = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,
-                            world_size=env.world_size).build_mesh(device.type)
+        with heartbeat.phase("sync"):  # the rendezvous, the mesh's process groups
+            if owns_group:
+                init_distributed(env, backend, device)
+            mesh = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,
+                                world_size=env.world_size).build_mesh(device.type)
         torch.manual_seed(job.seed)
 
         # Model: the same weights on every layout, this rank's share of them, plans applied.
@@ -102,7 +103,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         # Checkpoints: resume from the newest one that verifies, then save every `interval`.
         progress = Progress(job.data.batch_size)
         state = training_state(model, optimizer, progress, rank=env.rank, layout=layout)
-        ckpt = _checkpointer(job, env)
+        ckpt = _checkpointer(job, env, heartbeat)
         resumed = ckpt.load_latest(state, job.checkpoint.verify_on_load) if (
             ckpt and job.checkpoint.resume == "auto") else None
         if ckpt is not None:
@@ -130,7 +131,9 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             _save_now(ckpt, log, job, step, state, progress, layout, wait)
         # A job paused (or stopped) across a restart stays so: agree before the first step too.
         first = progress.step + 1
-        if _boundary(commands.start(), commands, heartbeat, log, progress.step, save_now):
+        with heartbeat.phase("sync"):
+            agreed = commands.start()
+        if _boundary(agreed, commands, heartbeat, log, progress.step, save_now):
             with heartbeat.phase("checkpoint"):
                 _stop(ckpt, log, job, progress.step, state, progress, layout)
             result.stopped_at, first = progress.step, job.optim.steps + 1  # no step to take
@@ -196,7 +199,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             if ckpt is not None and step < job.optim.steps:
                 with heartbeat.phase("checkpoint"):
                     _check_failed_saves(ckpt, log, job, step)
-            with heartbeat.phase("grad_sync"):
+            with heartbeat.phase("sync"):
                 agreed = commands.agree()
             heartbeat.end_step()
             if _boundary(agreed, commands, heartbeat, log, step, save_now):
@@ -210,9 +213,11 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                 _last_checkpoint(ckpt, log, job, progress.step, state, progress, layout,
                                  final=first <= progress.step == job.optim.steps)
         log.close()
-        if keep_state:
-            result.state = {k: v for part in model.parts for k, v in _full_state(part).items()}
-        dist.barrier()  # leave together: a peer tearing down gloo mid-exit can abort the other
+        with heartbeat.phase("sync"):
+            if keep_state:
+                result.state = {k: v for part in model.parts
+                                for k, v in _full_state(part).items()}
+            dist.barrier()  # leave together: a peer tearing down gloo mid-exit can abort another
         heartbeat.finish()
         return result
     finally:
@@ -222,15 +227,17 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             destroy_distributed()
 
 
-def _checkpointer(job: JobConfig, env) -> Checkpointer | None:
-    """A checkpointer when the job saves, or has checkpoints to resume from; else None."""
+def _checkpointer(job: JobConfig, env, heartbeat) -> Checkpointer | None:
+    """A checkpointer when the job saves, or has checkpoints to resume from; else None. Its
+    collectives (the save's agreements, the load) are marked as phase "checkpoint_sync"."""
     c = job.checkpoint
     can_resume = c.resume == "auto" and committed_steps(job.resolved_checkpoint_dir)
     if c.interval == 0 and not can_resume:
         return None
     return Checkpointer(job.resolved_checkpoint_dir, rank=env.rank, world_size=env.world_size,
                         keep_last=c.keep_last, keep_every=c.keep_every, mode=c.async_mode,
-                        on_overlap=c.on_overlap)
+                        on_overlap=c.on_overlap,
+                        collective=lambda: heartbeat.phase("checkpoint_sync"))
 
 
 def _log_resume(log: MetricsLog, ckpt: Checkpointer, resumed: dict | None) -> None:

@@ -365,3 +365,73 @@ def test_no_checkpoint_loads_none(tmp_path):
     ckpt = Checkpointer(tmp_path, rank=0, world_size=1, keep_last=1, mode="thread")
     assert ckpt.load_latest({}) is None
     ckpt.close()
+
+
+# --- the collectives are marked, for hang attribution ----------------------------------------
+
+def _collectives_marked(rank: int, world: int, root: str) -> dict:
+    """Every collective the checkpointer runs on this thread, inside `collective()`; its
+    staging outside it."""
+    import contextlib
+    import threading
+
+    inside, calling = [False], [False]
+    calls: list[tuple[str, bool]] = []
+
+    @contextlib.contextmanager
+    def collective():
+        inside[0] = True
+        try:
+            yield
+        finally:
+            inside[0] = False
+
+    def spy(owner, name: str) -> None:
+        real = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            if calling[0] and threading.current_thread() is threading.main_thread():
+                calls.append((name, inside[0]))
+            return real(*args, **kwargs)
+        setattr(owner, name, call)
+
+    import torch.distributed.checkpoint as dcp
+
+    for name in ("all_reduce", "broadcast_object_list", "new_group", "barrier", "all_gather",
+                 "all_gather_object", "broadcast", "scatter_object_list", "gather_object"):
+        spy(dist, name)
+    spy(dcp, "load")
+
+    @contextlib.contextmanager
+    def checkpointer():  # count only what the checkpointer calls
+        calling[0] = True
+        try:
+            yield
+        finally:
+            calling[0] = False
+
+    run = Trainer(rank, world, {})
+    with checkpointer():
+        ckpt = Checkpointer(root, rank=rank, world_size=world, keep_last=3, mode="thread",
+                            collective=collective)
+    real_start = ckpt._start
+    ckpt._start = lambda *a: (calls.append(("stage", inside[0])), real_start(*a))[1]
+    run.train(1)
+    with checkpointer():
+        assert ckpt.save(1, run.state, run.meta()) == "started"
+        while ckpt.poll() != "committed":
+            time.sleep(0.02)
+        assert ckpt.load_latest(Trainer(rank, world, {}).state)["step"] == 1
+        ckpt.close()
+    return {"calls": calls}
+
+
+def test_the_checkpointers_collectives_run_inside_its_collective_hook(run_ranks, tmp_path):
+    for result in run_ranks(_collectives_marked, 2, str(tmp_path), timeout=120):
+        calls = result["calls"]
+        names = [name for name, _ in calls]
+        assert names.count("new_group") == 1 and names.count("stage") == 1
+        assert names.count("all_reduce") >= 3  # the save's agreements: exists, written, commit
+        assert "broadcast_object_list" in names and "load" in names
+        assert [c for c in calls if c[0] != "stage" and not c[1]] == []  # all marked
+        assert ("stage", False) in calls  # staging is the rank's own work

@@ -271,10 +271,38 @@ def test_a_hang_names_the_rank_behind_asks_for_stacks_then_fails_with_them():
 
 
 def test_a_hang_with_everyone_at_the_front_blames_the_rank_outside_the_collective():
-    job = busy(progress_step=8, progress_at=NOW - 11, hang_since=NOW - 5)
+    job = busy(progress_step=8, progress_at=NOW - 11, hang_since=NOW - H.stack_wait_s - 1)
     suspects = {"n0": {0: beat(0, 8, "backward")}}
     d = decide(running(job=job, progress=8, suspects=suspects, waiting_in_collective=1), H)
     assert "rank 0 on n0 (local 0): step 8, phase backward" in d.job["reason"]
+
+
+def test_every_collective_phase_counts_as_waiting_so_a_hang_during_a_save_names_its_rank():
+    # Rank 2 hangs in its optimizer while a save is in flight: its peers wait in the save's
+    # agreement, the commands agreement and a gradient reduction. Only rank 2 is outside.
+    job = busy(progress_step=11, progress_at=NOW - 11, hang_since=NOW - H.stack_wait_s - 1)
+    suspects = {"n0": {0: beat(0, 11, "checkpoint_sync"), 1: beat(1, 11, "sync")},
+                "n1": {0: beat(2, 11, "optim", since=NOW - 12), 1: beat(3, 11, "grad_sync")}}
+    d = decide(running(job=job, progress=11, suspects=suspects), H)
+    (failure,) = [e for e in d.events if e[0] == "failure"]
+    assert failure[1].startswith("generation 0 failed: hung: no step past 11")
+    assert ": rank 2 on n1 (local 0): step 11, phase optim for 12.0 s, while the others " \
+           "wait in a collective" in failure[1]
+    assert d.job["restart_causes"] == {"hang": 1}
+    # The rank still in the save's own work (staging), not in its agreement, is outside too.
+    suspects["n0"][0] = beat(0, 11, "checkpoint")
+    d = decide(running(job=job, progress=11, suspects=suspects), H)
+    assert "rank 0 on n0 (local 0): step 11, phase checkpoint" in d.job["reason"]
+    assert "rank 2 on n1" in d.job["reason"]
+
+
+def test_the_rank_and_controller_agree_on_which_phases_are_collectives():
+    from controller.detect import COLLECTIVE_PHASES
+    from optimus.health import COLLECTIVE_PHASES as RANK_SIDE
+    from optimus.health import PHASES
+
+    assert COLLECTIVE_PHASES == RANK_SIDE
+    assert set(COLLECTIVE_PHASES) <= set(PHASES) and all(PHASES[p] for p in COLLECTIVE_PHASES)
 
 
 def test_the_second_soft_failure_in_the_window_excludes_the_node():

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from cluster import ROOT, RedisServer, metrics, wait_for, write_job
+from cluster import ROOT, RedisServer, metrics, metrics_so_far, wait_for, write_job
 
 from controller.store import Store
 
@@ -47,14 +49,18 @@ def generation_nodes(store: Store, generation: int) -> list[str]:
     return names.split(", ")
 
 
-@pytest.mark.parametrize("fault,culprit_says,stack_says", [
-    ({"kind": "stall_rank", "seconds": 3600}, "phase backward", "after_backward"),
-    ({"kind": "hang_rank"}, "phase optim", "in_optimizer"),
-], ids=["sleep_before_grad_reduction", "blocked_device_sync"])
+@pytest.mark.parametrize("fault,culprit_says,stack_says,steps", [
+    ({"kind": "stall_rank", "seconds": 3600, "step": 8}, "phase backward", "after_backward",
+     STEPS),
+    # While the save of step 10 is in flight: rank 0 waits in its agreement (checkpoint_sync).
+    # Rank 1 ignores SIGUSR1 (as one stuck in the kernel would): py-spy reads its stack. The
+    # save never commits (rank 1 never agrees): the next generation starts from scratch.
+    ({"kind": "hang_rank", "step": 11, "deaf": True}, "phase optim", "in_optimizer", 12),
+], ids=["sleep_before_grad_reduction", "blocked_device_sync_while_a_save_is_in_flight"])
 def test_a_hang_names_the_rank_holding_the_others_with_its_stack(
-        fault, culprit_says, stack_says, redis_server, tmp_path):
-    job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=STEPS,
-                    faults=[{**fault, "rank": 1, "step": 8}], **HANG)
+        fault, culprit_says, stack_says, steps, redis_server, tmp_path):
+    job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=steps,
+                    faults=[{**fault, "rank": 1}], **HANG)
     run(redis_server, job)
     store = Store(redis_server.url, "e2e")
     culprit = generation_nodes(store, 0)[1]  # holds rank 1
@@ -70,6 +76,83 @@ def test_a_hang_names_the_rank_holding_the_others_with_its_stack(
     assert stack_says in stacks["1"]  # the culprit's own Python stack, from the agent
     assert "0" in stacks  # and a sample of the others': rank 0 waits in a collective
     assert culprit not in store.plan()["nodes"]
+    how = [e["message"] for e in events(store, "stacks")]
+    if fault.get("deaf"):
+        assert "_agree" in stacks["0"] and "_checkpoint_step" in stacks["0"]  # the save's
+        assert stacks["1"].endswith("(read by py-spy dump --nonblocking: no answer to SIGUSR1 "
+                                    "within 1 s)\n")
+        assert how == [f"stack of rank 1 on {culprit}: read by py-spy dump --nonblocking: no "
+                       "answer to SIGUSR1 within 1 s"]
+    else:
+        assert how == []  # both answered SIGUSR1 at once
+
+
+def chaos(url: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "controller", "chaos", *args, "--job", "e2e",
+                          "--yes", "--reason", "rehearsal"], cwd=ROOT,
+                         env={**os.environ, "REDIS_URL": url}, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_chaos_stall_rank_is_a_slow_step_and_chaos_hang_rank_a_hang_with_its_rank_named(
+        redis_server, tmp_path):
+    run_dir = tmp_path / "run"
+    job = write_job(tmp_path / "job.yaml", run_dir, steps=10_000, **HANG)
+    with open(tmp_path / "run.out", "w") as out:
+        p = subprocess.Popen([sys.executable, "-m", "controller", "run", str(job), "--nodes",
+                              "2", "--ranks-per-node", "1", "--spares", "1"], cwd=ROOT,
+                             env={**os.environ, "REDIS_URL": redis_server.url}, stdout=out,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    store = Store(redis_server.url, "e2e")
+    try:
+        wait_for(lambda: (plan := store.plan()) and plan["action"] == "run"
+                 and store.rank_beats(plan["nodes"][0]).get(0, {}).get("step", 0) >= 3,
+                 120, "generation 0 at step 3")
+        first, culprit = store.plan()["nodes"]
+        log = run_dir / "logs" / "gen_0000" / "rank_00001.log"
+
+        # A stall shorter than the hang threshold (4 s): one slow step, nothing more.
+        said = chaos(redis_server.url, "stall-rank", "--rank", "1", "--seconds", "2")
+        assert said.strip() == f"stall-rank sent to the agent of {culprit} (rank 1)"
+        fired = wait_for(lambda: re.search(r"stalls 2 s before the gradient reduction of step "
+                                           r"(\d+)", log.read_text()), 60, "the stall")
+        stalled = int(fired.group(1))
+        def logged() -> dict[int, dict]:
+            return {m["step"]: m for m in metrics_so_far(run_dir) if "loss" in m}
+        wait_for(lambda: max(logged(), default=0) >= stalled + 3, 60, "steps after the stall")
+        logged = logged()
+        assert logged[stalled]["step_time_s"] >= 2.0  # rank 0 waited for it in the clip
+        assert max(logged[s]["step_time_s"] for s in (stalled + 1, stalled + 2)) < 2.0
+        (sent,) = events(store, "chaos")
+        assert sent["message"] == (f"chaos on {culprit}: stall_rank 1 (by {_who()}: "
+                                   "rehearsal)") and sent["reason"] == "rehearsal"
+        assert events(store, "suspect") == [] and events(store, "failure") == []
+
+        # A hang: named, with its stack, excluded; the job goes on on the spare.
+        chaos(redis_server.url, "hang-rank", "--rank", "1")
+        (failure,) = wait_for(lambda: events(store, "failure"), 60, "the hang's verdict")
+        assert f"rank 1 on {culprit} (local 0): step " in failure["message"]
+        assert "phase optim" in failure["message"]
+        assert failure["message"].endswith(f"node {culprit} excluded")
+        assert "in_optimizer" in json.loads(failure["stacks"])["1"]
+        assert "hangs in a device sync at step" in log.read_text()
+        assert store.job_record()["restart_causes"] == '{"hang": 1}'
+        wait_for(lambda: (plan := store.plan())["generation"] == 1 and plan["action"] == "run"
+                 and store.rank_beats(plan["nodes"][1]).get(0, {}).get("generation") == 1,
+                 120, "generation 1 training")
+        assert culprit not in store.plan()["nodes"] and first in store.plan()["nodes"]
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def _who() -> str:
+    import getpass
+    import socket
+
+    return f"{getpass.getuser()}@{socket.gethostname()}"
 
 
 def test_nan_from_one_rank_names_its_tile(redis_server, tmp_path):

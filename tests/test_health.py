@@ -252,6 +252,37 @@ def test_a_step_splits_into_compute_and_wait_by_phase(socket_dir):
     assert 0.1 <= done["compute_s"] < 0.2  # forward, optim
 
 
+
+def test_a_collective_phase_lasts_as_long_as_its_call_and_its_wait_counts_once(socket_dir):
+    agent = Agent(socket_dir / "agent.sock")
+    beat = Heartbeat(str(agent.path), rank=0, local_rank=0, generation=0, interval_s=0.005)
+    beat.begin_step(11)
+    with beat.phase("checkpoint"):  # the checkpointer's own work, then its agreement in it
+        time.sleep(0.05)
+        with beat.phase("checkpoint_sync"):
+            time.sleep(0.1)
+        time.sleep(0.05)  # staging, say: outside the agreement again
+    with beat.phase("optim"):
+        time.sleep(0.05)
+    with beat.phase("sync"):  # the commands agreement
+        time.sleep(0.05)
+    time.sleep(0.05)  # between two markers: still the phase before the agreement
+    beat.end_step()
+    beat.finish()
+    agent.close()
+    in_step = [b for b in agent.beats if b["phase"] not in ("startup", "done")]
+    runs = [b["phase"] for i, b in enumerate(in_step)
+            if i == 0 or b["phase"] != in_step[i - 1]["phase"]]
+    assert runs == ["checkpoint", "checkpoint_sync", "checkpoint", "optim", "sync", "optim"]
+    since = {}
+    for b in in_step:
+        since.setdefault(b["phase"], set()).add(b["phase_since"])
+    assert len(since["checkpoint"]) == 1  # given back as it was: the same `since`
+    assert len(since["optim"]) == 1
+    done = agent.beats[-1]
+    assert 0.25 <= done["wait_s"] < 0.3  # checkpoint 0.2 (its agreement once) + sync 0.05
+    assert 0.1 <= done["compute_s"] < 0.15  # optim, and the time after the agreement
+
 def _agree_after_sigterm(rank: int, world_size: int) -> list:
     before = signal.getsignal(signal.SIGTERM)
     commands = Commands(world_size, torch.device("cpu"), control_file="").listen()

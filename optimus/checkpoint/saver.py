@@ -18,6 +18,14 @@ file, writes the manifest, renames the marker in), applies retention and removes
 directories. The next save starts only after that. Every decision is agreed by all ranks, so the
 saver's state is the same everywhere.
 
+Every collective the checkpointer runs on the caller's thread (the agreements, the load's
+broadcast and DCP's collective load, a synchronous save, its process group's creation) runs
+inside `collective()`, a context manager the caller supplies: the trainer marks them as the
+heartbeat phase "checkpoint_sync", so that a rank hung elsewhere while its peers wait in one is
+named the culprit (optimus/health.py). The staging of an asynchronous save is this rank's own
+work and is not marked. (The first PROCESS-mode save also broadcasts the writer processes'
+rendezvous inside `dcp.async_save`, after staging: that one is not marked.)
+
 Where PyTorch (2.13) falls short, and what is done here:
 - `dcp.async_save` returns a Future per rank and nothing else: no commit point that says every
   rank finished, no rule against overlapping saves, no cleanup of a failed one. That protocol is
@@ -43,6 +51,7 @@ Where PyTorch (2.13) falls short, and what is done here:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -50,6 +59,7 @@ import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -123,13 +133,15 @@ class Checkpointer:
     """Saves `training_state` dicts under `root/step_<n>` and loads the newest good one.
 
     Every method but `stats`/`last_error` is collective: call it on all ranks at the same point.
-    `writer(path)` may supply the DCP StorageWriter (default FileSystemWriter).
+    `writer(path)` may supply the DCP StorageWriter (default FileSystemWriter); `collective()`
+    is entered around each collective call (see the top of this module).
     """
 
     def __init__(self, root: str | Path, *, rank: int, world_size: int, keep_last: int = 3,
                  keep_every: int = 0, mode: Mode = "process",
                  on_overlap: Literal["skip", "wait"] = "skip",
-                 writer: Callable[[Path], StorageWriter] | None = None):
+                 writer: Callable[[Path], StorageWriter] | None = None,
+                 collective: Callable[[], AbstractContextManager] = contextlib.nullcontext):
         if mode not in ("process", "thread", "sync"):
             raise ValueError(f"mode must be 'process', 'thread' or 'sync', not {mode!r}")
         if keep_last < 1 or keep_every < 0:
@@ -141,6 +153,7 @@ class Checkpointer:
         self.rank, self.world_size = rank, world_size
         self.keep_last, self.keep_every = keep_last, keep_every
         self.on_overlap = on_overlap
+        self.collective = collective
         self.stats = CheckpointStats()
         self.last_error: str | None = None
         self.skipped: list[str] = []  # corrupt checkpoints the last load_latest passed over
@@ -159,7 +172,10 @@ class Checkpointer:
             raise ValueError(f"world_size={world_size} but the process group has "
                              f"{dist.get_world_size()} ranks")
         self._collective = distributed and world_size > 1
-        self._io_group = dist.new_group(backend="gloo") if distributed else None
+        self._io_group = None
+        if distributed:
+            with collective():
+                self._io_group = dist.new_group(backend="gloo")
         self._device = _collective_device() if self._collective else torch.device("cpu")
 
         self.mode, self.mode_note = mode, None
@@ -226,7 +242,8 @@ class Checkpointer:
         try:
             writer = self._writer(path)
             if self.mode == "sync":
-                dcp.save(state, storage_writer=writer, process_group=self._io_group)
+                with self.collective():
+                    dcp.save(state, storage_writer=writer, process_group=self._io_group)
                 future.set_result(None)
                 return future
             kind = (AsyncCheckpointerType.PROCESS if self.mode == "process"
@@ -288,8 +305,9 @@ class Checkpointer:
         if not self._collective:
             return values
         tensor = torch.tensor(values, dtype=torch.int64, device=self._device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return tensor.tolist()
+        with self.collective():
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+            return tensor.tolist()
 
     def _finish_report(self, save: _Save) -> int:
         if self.rank != 0:
@@ -385,14 +403,16 @@ class Checkpointer:
     def _load(self, path: Path, state: dict, manifest: dict) -> dict:
         if self._inflight is not None:
             raise RuntimeError("a checkpoint is being saved; wait() for it before loading")
-        dcp.load(state, storage_reader=TensorFileReader(path), planner=_Planner(),
-                 process_group=self._io_group)
+        with self.collective():
+            dcp.load(state, storage_reader=TensorFileReader(path), planner=_Planner(),
+                     process_group=self._io_group)
         notes = [note for obj in state.values() if (note := getattr(obj, "load_note", None))]
         return {**manifest, "path": str(path), "skipped": list(self.skipped), "notes": notes}
 
     def _broadcast(self, values: list[Any]) -> list[Any]:
         if self._collective:
-            dist.broadcast_object_list(values, src=0, group=self._io_group)
+            with self.collective():
+                dist.broadcast_object_list(values, src=0, group=self._io_group)
         return values
 
 

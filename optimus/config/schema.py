@@ -189,6 +189,10 @@ class Fault(Section):
     seconds: NonNegativeFloat = Field(
         0.0, description="stall_rank: the sleep before the gradient reduction; slow_rank: "
                          "the extra time per step from `step` on")
+    deaf: bool = Field(
+        False, description="hang_rank: the rank also ignores SIGUSR1, as one stuck in the "
+                           "kernel runs no signal handler: only py-spy, from outside, reads "
+                           "its stack")
 
     @model_validator(mode="after")
     def _target(self) -> Fault:
