@@ -25,7 +25,9 @@ socket (OPTIMUS_AGENT_SOCKET); see optimus/health.py. Datagrams, not a stream: a
 blocks on a slow or absent agent, and the agent never waits on a rank. The other way, the
 agent relays the job's control word (operators' pause and checkpoint-now, from the `control`
 key it reads every tick) into a small file the ranks stat at every step boundary
-(OPTIMUS_CONTROL_FILE), rewritten atomically when the word changes; and an operator's
+(OPTIMUS_CONTROL_FILE), rewritten atomically when the word changes (a plan that stops a
+generation with `"save": false`, on evidence of wrong arithmetic, adds `"save": false` to it
+before the SIGTERM: the ranks then stop without a checkpoint); and an operator's
 `chaos hang-rank|stall-rank` into another (OPTIMUS_CHAOS_FILE, see optimus/faults.py).
 
 A hang's stacks (the controller's `dump_stacks` command) are collected on a thread of their own,
@@ -88,6 +90,7 @@ class Agent:
         self.store, self.node, self.interval_s = store, node, interval_s
         self.host = host or socket.gethostname()
         self.procs: dict[int, RankProcess] = {}
+        self.ran_since_ok = False  # ranks ran here since the last passing health check
         self.beats: dict[int, dict] = {}
         self.generation: int | None = None  # the generation launched here, if any
         self.plan: dict | None = None  # its plan
@@ -108,6 +111,7 @@ class Agent:
         self.socket_path = str(sock_dir / f"agent-{tag}.sock")  # short: AF_UNIX paths <= 107
         self.control_path = sock_dir / f"agent-{tag}.control"
         self.control: dict = {}
+        self.no_save = False  # this generation's ranks are to stop without a checkpoint
         self._write_control({})
         self.chaos_path = sock_dir / f"agent-{tag}.chaos"
         self.chaos: list[dict] = []  # operators' rank faults for this generation's ranks
@@ -216,12 +220,13 @@ class Agent:
     def _follow(self, plan: dict) -> None:
         gen, action = plan["generation"], plan["action"]
         mine = self.node in plan.get("nodes", [])
+        save = plan.get("save", True) or gen != self.generation  # about its own generation
         if action == "end":
-            self._stop(plan.get("grace_s", 3.0), plan.get("reason", "the job ended"))
+            self._stop(plan.get("grace_s", 3.0), plan.get("reason", "the job ended"), save)
             self.ended = True
             return
         if self.generation is not None and (gen != self.generation or action == "stop"):
-            self._stop(plan.get("grace_s", 3.0), plan.get("reason", ""))
+            self._stop(plan.get("grace_s", 3.0), plan.get("reason", ""), save)
         if action == "run" and mine and gen != self.generation and not self._live():
             if self.checked_for != gen:
                 self.checked_for = gen
@@ -257,7 +262,11 @@ class Agent:
                     self.waiting_port = plan  # node 0 has not picked it yet: next tick
                     return
         self.waiting_port = None
+        if self.no_save:  # that was the last generation's
+            self.no_save = False
+            self._write_control(self.control)
         self.generation, self.plan = gen, plan
+        self.ran_since_ok = True
         self.procs.clear()
         self.beats.clear()
         self.reset_ranks = True
@@ -291,7 +300,10 @@ class Agent:
         self._event("launch", f"generation {gen}: ranks {node_rank * rpn}-"
                     f"{node_rank * rpn + rpn - 1} started on {self.node}")
 
-    def _stop(self, grace_s: float, reason: str) -> None:
+    def _stop(self, grace_s: float, reason: str, save: bool = True) -> None:
+        if not save and not self.no_save and self._live():
+            self.no_save = True  # in the control file before the SIGTERM: see optimus/health.py
+            self._write_control(self.control)
         now = time.monotonic()
         for p in self.procs.values():
             if p.popen.returncode is None and p.stop_sent is None:
@@ -399,9 +411,11 @@ class Agent:
         return dict(states)
 
     def _write_control(self, control: dict) -> None:
-        """The control word for this node's ranks, replaced atomically (they stat it)."""
+        """The control word for this node's ranks, replaced atomically (they stat it), with
+        "save": false while this generation stops without a checkpoint."""
         self.control = dict(control)
-        write_atomic(self.control_path, json.dumps(control).encode(),
+        word = {**control, "save": False} if self.no_save else control
+        write_atomic(self.control_path, json.dumps(word).encode(),
                      self.control_path.with_suffix(".tmp"))
 
     def _write_chaos(self, faults: list[dict]) -> None:
@@ -413,7 +427,12 @@ class Agent:
     # --- health --------------------------------------------------------------------------------
 
     def _check_health(self) -> dict:
-        return health_check(self.node, corrupt=self.corrupt_tiles)
+        """The check, and whether ranks ran here since the last one that passed: a tile found
+        bad that computed nothing since then put nothing wrong into any checkpoint."""
+        result = health_check(self.node, corrupt=self.corrupt_tiles)
+        ran = self.ran_since_ok or self._live()
+        self.ran_since_ok = self._live() if result["health"] == "ok" else ran
+        return {**result, "ran_since_ok": ran}
 
     def _healthy_for(self, generation: int) -> bool:
         """The deterministic check, before every generation this node takes part in."""

@@ -9,6 +9,9 @@ the job record, then events). Standbys renew nothing and try for the lease each 
 leader dies, one takes over within a lease period and carries on from the store, since that is
 where all the state is. The ranks notice nothing: only a new plan would touch them.
 
+Which checkpoint the next generation starts from is the ranks' to decide; the controller
+predicts it for the plan and reports what they loaded (controller/checkpoints.py).
+
 Besides Redis, the leader keeps a journal, `<run_dir>/controller.json` (the job record, the plan
 and the exclusions, written atomically on every change). If Redis comes back empty, the journal
 and the agents' reports (each agent re-registers and says which generation it runs) rebuild the
@@ -26,6 +29,7 @@ import time
 import uuid
 from pathlib import Path
 
+from controller.checkpoints import CheckpointView
 from controller.decide import (
     ACTIVE,
     TERMINAL,
@@ -104,6 +108,7 @@ class Controller:
         self._index_key: tuple | None = None
         self._index: dict[str, int] = {}
         self._latest_shown: int | None = None
+        self.checkpoints = CheckpointView(self.checkpoint_dir, store)
 
     def run(self, exit_when_done: bool = False) -> str | None:
         """Reconcile until the job ends (with `exit_when_done`) or forever; its final state."""
@@ -160,7 +165,8 @@ class Controller:
         latest = steps[-1] if steps else None
         if job.state in ACTIVE and plan is not None and plan["action"] == "run":
             return self._observe_running(now, job, plan, excluded, latest, operator)
-        unhealthy = self._unhealthy(self.store.sweep([]).unhealthy)
+        latest, skipped, suspect = self.checkpoints.resume_point(job, steps)
+        unhealthy, idle = self._unhealthy(self.store.sweep([]).unhealthy)
         # Planning, draining, stopping: every node, once per tick (no generation is running,
         # or it is being torn down; at scale this is the rare path).
         info = self.store.nodes()
@@ -180,10 +186,16 @@ class Controller:
                 generation=int(st["generation"]) if st.get("generation") else None,
                 live_ranks=int(st.get("live_ranks", 0)), last_beat=beats.get(name, 0.0))
         return Observed(now=now, job=job, plan=plan, nodes=nodes, latest_step=latest,
-                        unhealthy=unhealthy, excluded=excluded, **operator)
+                        skipped=skipped, suspect_steps=suspect, unhealthy=unhealthy,
+                        unhealthy_idle=idle,
+                        excluded=excluded, **operator)
 
-    def _unhealthy(self, nodes: list[str]) -> dict[str, str]:
-        return {n: _health(i) for n, i in self.store.node_info(nodes).items()}
+    def _unhealthy(self, nodes: list[str]) -> tuple[dict[str, str], frozenset[str]]:
+        """Nodes whose last health check failed: why; and those of them on which no rank ran
+        since their last passing check (their bad tile computed nothing of this job since)."""
+        info = self.store.node_info(nodes)
+        return ({n: _health(i) for n, i in info.items()},
+                frozenset(n for n, i in info.items() if i.get("ran_since_ok") is False))
 
     def _observe_running(self, now: float, job: JobView, plan: dict, excluded: dict,
                          latest: int | None, operator: dict) -> Observed:
@@ -191,7 +203,7 @@ class Controller:
         the agents' beat times (one ZMSCORE over the plan's nodes)."""
         gen = plan["generation"]
         sweep = self.store.sweep(plan["nodes"], plan["ranks_per_node"])
-        unhealthy = self._unhealthy(sweep.unhealthy)
+        unhealthy, idle = self._unhealthy(sweep.unhealthy)
         exits = [_exit(r) for _, r in self.store.exits(plan.get("exits_from", "0"))
                  if r.get("generation") == gen]
         if sum(e.ok for e in exits) >= plan["world_size"]:  # read after the exits, which
@@ -209,6 +221,7 @@ class Controller:
                 waiting = len(plan["nodes"]) - len(candidates)
                 suspects.update(self.store.rank_beats_of(candidates))
         stacks = self.store.stacks(gen) if job.hang_since is not None else {}
+        resumed = self.checkpoints.report(plan) if job.resumed_gen != gen else None
         compute = None
         if time.monotonic() - self._compute_read >= STRAGGLER_CHECK_S:
             self._compute_read = time.monotonic()
@@ -217,9 +230,10 @@ class Controller:
                         overdue=self._overdue(plan, now, sweep.agent_beats),
                         latest_step=latest,
                         agent_beats=sweep.agent_beats, progress=sweep.max_step,
-                        unhealthy=unhealthy, nonfinite=frozenset(sweep.nonfinite),
+                        unhealthy=unhealthy, unhealthy_idle=idle,
+                        nonfinite=frozenset(sweep.nonfinite),
                         suspects=suspects, waiting_in_collective=waiting, stacks=stacks,
-                        compute=compute, excluded=excluded,
+                        compute=compute, excluded=excluded, resumed=resumed,
                         paused_nodes=sweep.paused_nodes,
                         **operator)
 
@@ -260,6 +274,12 @@ class Controller:
     # --- apply ---------------------------------------------------------------------------------
 
     def apply(self, d: Decision, obs: Observed) -> None:
+        for step, why in d.set_aside:  # before anything else: the plan relies on it
+            try:
+                self.checkpoints.set_aside(step, why, by=f"controller {self.ident}")
+            except OSError as e:  # try again next tick; plan nothing that could load it
+                log.warning("cannot set aside the checkpoint of step %d: %s", step, e)
+                return
         for node, reason in dict(d.exclude).items():
             self.store.exclude(node, reason, by=f"controller {self.ident}")
         for node, record in d.operator_exclude:
@@ -274,7 +294,7 @@ class Controller:
             if d.plan["action"] == "run" and d.plan != obs.plan:
                 d.plan["exits_from"] = self.store.last_exit_id()
             self.store.set_plan(d.plan)
-        if obs.latest_step is not None and obs.latest_step != self._latest_shown:
+        if obs.latest_step != self._latest_shown:  # None (all set aside) deletes it
             d.job["latest_checkpoint"] = obs.latest_step  # for `optimus job status`
             self._latest_shown = obs.latest_step
         if d.job:
@@ -361,7 +381,10 @@ def _job_view(r: dict[str, str]) -> JobView:
                    progress_at=number("progress_at"),
                    progress_moves=int(r.get("progress_moves", 0)),
                    step_times=tuple(loaded("step_times", [])), hang_since=number("hang_since"),
-                   failures=loaded("failures", {}), stragglers=tuple(loaded("stragglers", [])))
+                   failures=loaded("failures", {}), stragglers=tuple(loaded("stragglers", [])),
+                   resumed_gen=int(r["resumed_gen"]) if r.get("resumed_gen") else None,
+                   resumed_step=int(r["resumed_step"]) if r.get("resumed_step") else None,
+                   suspect=loaded("suspect", None))
 
 
 def _request(rid: str, r: dict[str, str]) -> Request:

@@ -10,7 +10,14 @@ Job states: PENDING -> RUNNING <-> PAUSING -> PAUSED, (RESTARTING -> RUNNING)*, 
 FAILED | STOPPED, with WAITING while too few healthy nodes are left for the layout and STOPPING
 while an operator's stop drains the ranks. Operators' requests (controller/operator.py) are
 taken first, each tick. A plan's `action` tells agents what to do with its generation: "run",
-"stop" (terminate the ranks) or "end" (terminate them and exit: the job is over).
+"stop" (terminate the ranks) or "end" (terminate them and exit: the job is over); a stop or end
+with `"save": false` tells the ranks to save nothing.
+
+Wrong arithmetic. Hard evidence that a tile computes wrong (a bad tile found by its health check,
+NaN/Inf from a rank's own values) makes everything computed since that node last passed its
+health check suspect: the generation stops without a checkpoint, and once none of its ranks
+runs, the checkpoints committed after that check are set aside (quarantine), so the next
+generation resumes from the newest one before it.
 
 Attribution. When a rank dies, its peers soon fail too (their collectives lose a partner), so
 the first exit is not always the culprit. Evidence is primary when it names its own node: a
@@ -26,7 +33,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from controller import detect, operator
+from controller import detect, operator, recovery
 from controller.detect import COLLATERAL, HARD, Evidence
 from controller.view import (  # noqa: F401 (re-exported: the rules' vocabulary)
     ACTIVE,
@@ -60,6 +67,8 @@ def decide(obs: Observed, s: Settings) -> Decision:
     for node, why in sorted(obs.unhealthy.items()):  # a failed health check, in any state
         if node not in obs.excluded:
             d.exclude.append((node, f"bad tile {why}"))
+    if obs.suspect_steps is not None and (plan is None or not _live(obs, plan)):
+        recovery.set_aside(obs, d)
     if job.state in TERMINAL:
         if plan is None or plan["action"] != "end":
             d.plan = _with_action(plan, "end", s.failure_grace_s, job.reason, obs.now)
@@ -103,6 +112,7 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
     if _checkpoints_failed(obs, s, d):
         return
     _track_progress(obs, s, d)
+    recovery.loaded(obs, d)
     operator.pause_transition(obs, d)
     if _leave(obs, s, d):
         return
@@ -153,18 +163,31 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
             verdict = (f"node {culprit.node} kept: failure {len(failures[culprit.node])} of "
                        f"{s.flaky_failures} within {s.flaky_window_s:g} s before exclusion")
     restarts = job.restarts + 1
-    d.note("failure", f"generation {gen} failed: {reason}; {verdict}", **hang_fields)
+    wrong = [e for e in found if e.wrong_arithmetic]
+    failure = {"generation": gen, **(culprit.fields() if culprit else {
+        "node": "", "rank": "", "tile": "", "cause": cause, "evidence": ""}),
+               "excluded": culprit is not None and verdict.endswith("excluded"),
+               "saves": not wrong}
+    d.job["last_failure"] = {**failure, "time": obs.now}
+    d.note("failure", f"generation {gen} failed: {reason}; {verdict}"
+           + (f"; it stops without a checkpoint: {recovery.distrust(wrong)}" if wrong else ""),
+           **failure, **hang_fields)
+    if wrong:  # remembered until the checkpoints it makes suspect are set aside
+        d.job["suspect"] = recovery.window(job, plan, wrong)
     if restarts > s.max_restarts:
         _finish(d, obs, s, FAILED, f"{restarts - 1} restarts used up (max_restarts="
-                f"{s.max_restarts}); last failure: {reason}", restarts=restarts)
+                f"{s.max_restarts}); last failure: {reason}", save=not wrong,
+                restarts=restarts)
         return
     wait = s.backoff(restarts)
-    d.plan = _with_action(plan, "stop", s.failure_grace_s, reason, obs.now)
+    d.plan = _with_action(plan, "stop", s.failure_grace_s, reason, obs.now, save=not wrong)
     d.job.update({"state": RESTARTING, "reason": reason, "restarts": restarts,
                   "failure_since": None, "next_plan_at": obs.now + wait, "hang_since": None,
                   "failures": failures, "restart_causes": _counted(job, cause)})
     d.note("restarting", f"restart {restarts} of at most {s.max_restarts}: generation "
-           f"{gen + 1} after {wait:g} s, from the latest committed checkpoint")
+           f"{gen + 1} after {wait:g} s, from the "
+           + ("newest checkpoint committed before the bad tile's last passing health check"
+              if wrong else "latest committed checkpoint"))
 
 
 def _complete(obs: Observed, s: Settings, d: Decision) -> None:
@@ -292,9 +315,9 @@ def _hang(obs: Observed, s: Settings, d: Decision) -> tuple[list[Evidence], dict
             f"{threshold:.1f} s)")
     if not culprits:
         return [Evidence("", f"{what}, every rank waiting", COLLATERAL, obs.now, "hang")], fields
-    node, _, _ = culprits[0]
+    node, _, beat = culprits[0]
     return [Evidence(node, f"{what}: {named}, while the others wait in a collective", "soft",
-                     obs.now, "hang")], fields
+                     obs.now, "hang", beat.get("rank"))], fields
 
 
 def _stragglers(obs: Observed, s: Settings, d: Decision) -> dict[str, str]:
@@ -348,6 +371,11 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
     start = (f"from the checkpoint of step {obs.latest_step}" if obs.latest_step is not None
              else "from scratch")
     reason = f"generation {gen} on {names(chosen)} {start}"
+    if d.set_aside:
+        reason += (f" (set aside as suspect: step "
+                   f"{', '.join(str(step) for step, _ in d.set_aside)})")
+    if obs.skipped:
+        reason += f" (newer ones fail their size check: {'; '.join(obs.skipped[:3])})"
     if previous and spares:
         reason += f" (spares brought in: {names(spares)})"
     if len(chosen) < s.nodes:
@@ -376,17 +404,19 @@ def names(nodes: list[str], shown: int = 8) -> str:
 
 
 def _finish(d: Decision, obs: Observed, s: Settings, state: str, reason: str,
-            **fields: Any) -> None:
+            save: bool = True, **fields: Any) -> None:
     d.job.update({"state": state, "reason": reason, "failure_since": None,
                   "next_plan_at": None, **fields})
-    d.plan = _with_action(obs.plan, "end", s.failure_grace_s, reason, obs.now)
+    d.plan = _with_action(obs.plan, "end", s.failure_grace_s, reason, obs.now, save=save)
     d.note(state.lower(), reason)
 
 
 def _with_action(plan: dict | None, action: str, grace_s: float, reason: str,
-                 now: float) -> dict:
+                 now: float, save: bool = True) -> dict:
+    """The plan with a new action; `save` False: the ranks it stops save nothing."""
     base = plan or {"generation": -1, "nodes": [], "world_size": 0}
-    return {**base, "action": action, "grace_s": grace_s, "reason": reason, "issued": now}
+    return {**base, "action": action, "grace_s": grace_s, "reason": reason, "issued": now,
+            "save": save}
 
 
 def _live(obs: Observed, plan: dict) -> bool:

@@ -50,16 +50,31 @@ class Evidence:
     kind: str  # HARD, SOFT or COLLATERAL
     time: float
     cause: str = "unattributed"  # one of CAUSES
+    rank: int | None = None  # the global rank it names, when it names one
+    tile: str = ""  # "<node>/<index>", when it names a tile
+    computed: bool = True  # a bad tile: ranks ran on it since it last passed its check
+
+    @property
+    def wrong_arithmetic(self) -> bool:
+        """Hard evidence that a tile computed wrong for this job: nothing computed since it
+        last passed its health check is to be trusted, checkpoints included."""
+        return self.cause == "bad_tile" and self.kind == HARD and self.computed
+
+    def fields(self) -> dict:
+        """The structured fields of a failure event (their values, in Redis, are strings)."""
+        return {"node": self.node, "rank": "" if self.rank is None else self.rank,
+                "tile": self.tile, "cause": self.cause, "evidence": self.kind}
 
 
 def exit_evidence(e) -> Evidence:
     if e.code == EXIT_BAD_TILE:
         return Evidence(e.node, f"bad tile {e.node}/{e.local_rank} (rank {e.rank}): its own "
-                        "loss or gradients were NaN/Inf", HARD, e.time, "bad_tile")
+                        "loss or gradients were NaN/Inf", HARD, e.time, "bad_tile", e.rank,
+                        f"{e.node}/{e.local_rank}")
     collateral = e.code == EXIT_NONFINITE_ELSEWHERE or (
         bool(e.tail) and _PEER_FAILURE.search(e.tail) is not None)
     return Evidence(e.node, e.describe(), COLLATERAL if collateral else SOFT, e.time,
-                    "rank_exit")
+                    "rank_exit", e.rank)
 
 
 def evidence(obs, s) -> list[Evidence]:
@@ -68,14 +83,18 @@ def evidence(obs, s) -> list[Evidence]:
     nodes = plan["nodes"]
     in_plan = set(nodes)
     found = [exit_evidence(e) for e in obs.exits if e.failed]
-    found += [Evidence(n, f"bad tile {obs.unhealthy[n]}", HARD, obs.now, "bad_tile")
+    found += [Evidence(n, f"bad tile {obs.unhealthy[n]}", HARD, obs.now, "bad_tile",
+                       tile=obs.unhealthy[n].split(":", 1)[0],
+                       computed=n not in obs.unhealthy_idle)
               for n in nodes if n in obs.unhealthy]
     for node in (n for n in nodes if n in obs.nonfinite):
         bad = [(lr, b) for lr, b in sorted(obs.suspects.get(node, {}).items())
                if not b.get("finite", True)]
         which = ", ".join(f"{node}/{lr} (rank {b['rank']}, step {b['step']})" for lr, b in bad)
         found.append(Evidence(node, f"bad tile {which or node}: its own loss or gradients "
-                              "were NaN/Inf", HARD, obs.now, "bad_tile"))
+                              "were NaN/Inf", HARD, obs.now, "bad_tile",
+                              bad[0][1].get("rank") if bad else None,
+                              f"{node}/{bad[0][0]}" if bad else ""))
 
     # A node is lost when its agent is silent past agent_timeout_s, or sooner when one of its
     # ranks is overdue and its agent has missed beats too (a healthy agent beats every
@@ -95,7 +114,7 @@ def evidence(obs, s) -> list[Evidence]:
     # overdue only once its agent has beaten after the deadline and still relays the old
     # heartbeat: an agent tick that is merely late is not a frozen rank.
     found += [Evidence(o.node, f"rank {o.rank} on {o.node}: {o.detail}", SOFT, o.since,
-                       "heartbeat") for o in obs.overdue
+                       "heartbeat", o.rank) for o in obs.overdue
               if o.node in in_plan and o.node not in lost and o.confirmed]
     return found
 

@@ -2,12 +2,15 @@
 
 The agent runs it when it registers, before every generation its node takes part in, and on
 demand (`optimus health-check`). A tile that fails names itself `<node>/<index>`, and the
-controller excludes the node ("bad tile ...").
+controller excludes the node ("bad tile ..."). A check that passes says when (`ok_at`): the
+agent keeps that time through later failures, and the controller trusts no checkpoint committed
+after it once the node is found computing wrong.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 # The fixed-seed matmul's checksum, computed once on the CPU in float64: every tile must
 # reproduce it (to 1e-6 relative: devices sum in other orders) and agree with itself bit for bit.
@@ -39,7 +42,7 @@ def health_check(node: str, corrupt: set[int] = frozenset()) -> dict:
                         "health_detail": f"{node}/{index}: fixed-seed matmul gave {first!r} "
                                          f"then {second!r}, reference {reference!r}"}
         return {"devices": devices or os.cpu_count(), "device_kind": kind, "health": "ok",
-                "health_detail": ""}
+                "health_detail": "", "ok_at": time.time()}
     except Exception as e:  # a broken driver is a bad node, not a crashed agent
         return {"devices": 0, "health": "bad", "health_detail": f"{node}/?: "
                                                               f"{type(e).__name__}: {e}"}

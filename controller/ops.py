@@ -214,6 +214,10 @@ def _status(store: Store, record: dict[str, str]) -> dict:
         "stragglers": _loads(record.get("stragglers"), []),
         "latest_checkpoint": int(record["latest_checkpoint"])
         if record.get("latest_checkpoint") else None,
+        # What the ranks of generation `resumed_generation` loaded (rank 0's own report).
+        "resumed_generation": int(record["resumed_gen"]) if record.get("resumed_gen") else None,
+        "resumed_from": int(record["resumed_step"]) if record.get("resumed_step") else None,
+        "last_failure": _loads(record.get("last_failure"), None),
         "leader": store.leader(),
     }
 

@@ -95,6 +95,12 @@ class JobView:
     hang_since: float | None = None  # a hang was noticed and stacks asked for
     failures: dict = field(default_factory=dict)  # node -> times of its soft failures
     stragglers: tuple[str, ...] = ()  # nodes reported as stragglers now
+    # What the ranks of generation `resumed_gen` reported loading (None: from scratch).
+    resumed_gen: int | None = None
+    resumed_step: int | None = None
+    # Evidence of wrong arithmetic not yet acted on: {"nodes", "generation", "evidence",
+    # "resumed_step"}; the checkpoints it makes suspect are set aside before the next plan.
+    suspect: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -151,11 +157,17 @@ class Observed:
     nodes: dict[str, NodeView]
     exits: list[Exit] = field(default_factory=list)  # of the plan's generation
     overdue: list[Overdue] = field(default_factory=list)
-    latest_step: int | None = None  # the newest committed checkpoint
+    # The newest committed checkpoint; between generations, the one the next would load: not
+    # suspect, and its files of the sizes its manifest lists (the sha256 is rank 0's to check).
+    latest_step: int | None = None
+    skipped: tuple[str, ...] = ()  # newer committed ones that fail that size check, and why
+    suspect_steps: dict[int, str] | None = None  # job.suspect's checkpoints: step -> why
+    resumed: dict | None = None  # rank 0's report: {"step", "quarantined": [{step, reason}]}
     # The running generation's sweep (see Store.sweep):
     agent_beats: dict[str, float | None] = field(default_factory=dict)  # plan node -> beat
     progress: int | None = None  # the furthest step any rank is at
     unhealthy: dict[str, str] = field(default_factory=dict)  # node -> "<node>/<tile>: why"
+    unhealthy_idle: frozenset[str] = frozenset()  # of those, where no rank ran since a pass
     nonfinite: frozenset[str] = frozenset()  # nodes with a rank reporting NaN/Inf of its own
     suspects: dict[str, dict[int, dict]] = field(default_factory=dict)  # node -> heartbeats
     waiting_in_collective: int = 0  # plan nodes whose ranks all wait in a collective
@@ -197,6 +209,7 @@ class Decision:
     control: dict | None = None  # the new control word for the ranks, when it changes
     operator_exclude: list[tuple[str, dict]] = field(default_factory=list)  # (node, record)
     include: list[str] = field(default_factory=list)
+    set_aside: list[tuple[int, str]] = field(default_factory=list)  # (step, why): quarantine
 
     def note(self, kind: str, message: str, **fields: Any) -> None:
         self.events.append((kind, message, fields))

@@ -127,4 +127,33 @@ def data_prepare(inputs, out_dir, tokenizer, dtype, shard_tokens, text_key, over
                f"({summary['dtype']}) to {out_dir}")
 
 
+@data.command("audit")
+@click.argument("run_dir", metavar="RUN_DIR", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table",
+              show_default=True)
+def data_audit(run_dir: Path, output: str) -> None:
+    """Check that the run read every sample exactly once, across its restarts; exit 2 if not.
+
+    Reads RUN_DIR/metrics.jsonl: each step's sample-index range and ids' hash, as every
+    generation appended them (a restart's steps supersede the ones it rolled back)."""
+    from optimus.data.audit import audit_run
+
+    result = audit_run(run_dir)
+    if output == "json":
+        click.echo(json.dumps(result.as_dict(), indent=2))
+    else:
+        for note in result.notes:
+            click.echo(f"note: {note}")
+        for problem in result.problems:
+            click.echo(f"problem: {problem}")
+        if result.steps:
+            click.echo(f"{'ok' if result.ok else 'NOT ok'}: steps {result.first_step}.."
+                       f"{result.last_step} read samples [{result.start}, {result.end}) "
+                       f"{'exactly once' if result.ok else 'with the problems above'}; "
+                       f"{result.generations} generation(s), {result.repeated} step(s) "
+                       "trained again after a restart")
+    if not result.ok:
+        sys.exit(EXIT_USER_ERROR)
+
+
 main.add_command(checkpoint)

@@ -37,6 +37,10 @@ ends normally. Version 1 of the datagram, every field always present:
   whichever phase first blocks on it.
 - finite: whether the last logged loss and grad norm were finite; true until one is logged.
 - seq: 0 for the first datagram, then +1 for each.
+- resume: null until the rank has loaded its checkpoint (or found none), then {"step": the
+  checkpoint's step, null when it starts from scratch; "quarantined": the steps of newer
+  checkpoints it set aside as corrupt}: what the generation really resumed from, which the
+  controller reports (its plan named what it expected).
 - metrics: null, but on global rank 0 once a step is logged: {"loss", "tokens" (trained so
   far, all ranks), "tokens_per_s", "mfu" (null where the device's peak is unknown),
   "step_time_s", "checkpoint_s" (the last save, from its start to this rank's files written;
@@ -50,8 +54,10 @@ OPTIMUS_AGENT_SOCKET `start_heartbeat` returns an object that does nothing and s
 Commands. Each rank collects what it was asked: SIGTERM asks for STOP; the agent's control file
 ($OPTIMUS_CONTROL_FILE, a small JSON object the agent rewrites atomically when an operator acts:
 {"pause": true, "checkpoint": 3}) asks for PAUSE while "pause" is true, and for a checkpoint
-each time "checkpoint" (a sequence number) grows. At every step boundary all ranks agree, in one
-all-reduce (MAX) of three integers: a bit set on any rank is set on all (a MAX of 0/1 is an OR),
+each time "checkpoint" (a sequence number) grows; "save": false, which an agent writes before
+it sends SIGTERM for a stop on evidence of wrong arithmetic (a bad tile), makes that stop one
+without a checkpoint (NO_SAVE). At every step boundary all ranks agree, in one all-reduce (MAX)
+of four integers: a bit set on any rank is set on all (a MAX of 0/1 is an OR),
 and the checkpoint number agreed is the newest any rank has seen. Every rank then acts on the
 same values after the same step: nobody pauses, saves or stops a step before another. Ranks
 read the file with one stat() per boundary; they need not see a change at the same moment.
@@ -110,6 +116,7 @@ class Heartbeat:
         self._last = (0.0, 0.0)  # compute_s, wait_s of the last completed step
         self._finite = True
         self._metrics: dict | None = None  # rank 0's last logged step (see the module doc)
+        self._resume: dict | None = None  # what this rank resumed from, once it knows
         self._step_began = 0.0
         self._waited = 0.0  # in the step in progress
         self._waiting = False  # inside a waiting phase (a nested one adds nothing more)
@@ -127,9 +134,12 @@ class Heartbeat:
         phase gives the phase it interrupted back at its end."""
         return _Phase(self, name, PHASES[name], name in COLLECTIVE_PHASES)
 
-    def resumed(self, step: int) -> None:
-        """The last step done before this run's first (the checkpoint's step; 0 for none)."""
+    def resumed(self, step: int, checkpoint: int | None = None,
+                quarantined: tuple[int, ...] = ()) -> None:
+        """The last step done before this run's first (the checkpoint's step; 0 for none), the
+        checkpoint loaded (None: none) and the newer ones set aside as corrupt."""
         self._step = step
+        self._resume = {"step": checkpoint, "quarantined": list(quarantined)}
 
     def begin_step(self, step: int) -> None:
         self._step = step
@@ -183,7 +193,8 @@ class Heartbeat:
         compute_s, wait_s = self._last
         beat = {**self._fixed, "time": time.time(), "step": step, "phase": phase,
                 "phase_since": since, "compute_s": compute_s, "wait_s": wait_s,
-                "finite": self._finite, "seq": self._seq, "metrics": self._metrics}
+                "finite": self._finite, "seq": self._seq, "resume": self._resume,
+                "metrics": self._metrics}
         self._seq += 1
         with contextlib.suppress(OSError):  # no agent, agent gone, queue full: try next time
             self._sock.sendto(json.dumps(beat).encode(), self.path)
@@ -226,7 +237,8 @@ class NoHeartbeat:
     def phase(self, name: str) -> contextlib.nullcontext:
         return self._nothing
 
-    def resumed(self, step: int) -> None:
+    def resumed(self, step: int, checkpoint: int | None = None,
+                quarantined: tuple[int, ...] = ()) -> None:
         pass
 
     def begin_step(self, step: int) -> None:
@@ -256,6 +268,7 @@ class Command(enum.IntFlag):
 
     STOP = 1  # save a checkpoint of this step and leave training (SIGTERM)
     PAUSE = 2  # wait at this step boundary until no rank is asked to pause any more
+    NO_SAVE = 4  # a STOP saves nothing: the state may be wrong (the control file's "save")
 
 
 @dataclass(frozen=True)
@@ -273,6 +286,10 @@ class Agreed:
     def pause(self) -> bool:
         return bool(self.commands & Command.PAUSE)
 
+    @property
+    def no_save(self) -> bool:
+        return bool(self.commands & Command.NO_SAVE)
+
 
 class Commands:
     """The commands this rank was given, and what all ranks agree on at a step boundary.
@@ -287,6 +304,7 @@ class Commands:
         self.requested = Command(0)
         self.checkpoint_seen = 0  # the newest checkpoint number in the control file
         self.checkpoint_done = 0  # agreed: requests up to this one are served
+        self.no_save = False  # agreed: stop without a checkpoint (kept once agreed)
         self.world_size, self.device = world_size, device
         self.control_file = control_file if control_file is not None else os.environ.get(
             CONTROL_ENV)
@@ -316,19 +334,26 @@ class Commands:
     def agree(self) -> Agreed:
         """Every rank's requests combined. Collective on the default group (all ranks call it
         at the same step boundary); free with one rank."""
+        # STOP before the file: an agent writes a stop's "save": false before its SIGTERM, so
+        # a STOP taken here comes with its NO_SAVE (a SIGTERM from now on waits a boundary).
+        stop = self.requested & Command.STOP
         self._read_control()
-        stop_pause = [int(bool(self.requested & c)) for c in Command]
+        requested = self.requested & ~Command.STOP | stop
         if self.world_size == 1:
-            return Agreed(self.requested, self.checkpoint_seen)
-        word = torch.tensor([*stop_pause, self.checkpoint_seen], dtype=torch.int64,
-                            device=self.device)
-        dist.all_reduce(word, op=dist.ReduceOp.MAX)
-        values = word.tolist()
-        agreed = Command(0)
-        for command, on in zip(Command, values, strict=False):
-            if on:
-                agreed |= command
-        return Agreed(agreed, values[-1])
+            agreed, checkpoint = requested, self.checkpoint_seen
+        else:
+            flags = [int(bool(requested & c)) for c in Command]
+            word = torch.tensor([*flags, self.checkpoint_seen], dtype=torch.int64,
+                                device=self.device)
+            dist.all_reduce(word, op=dist.ReduceOp.MAX)
+            values = word.tolist()
+            agreed, checkpoint = Command(0), values[-1]
+            for command, on in zip(Command, values, strict=False):
+                if on:
+                    agreed |= command
+        if agreed & Command.STOP and agreed & Command.NO_SAVE:
+            self.no_save = True
+        return Agreed(agreed, checkpoint)
 
     def checkpoint_due(self, agreed: Agreed) -> bool:
         """Whether `agreed` carries a checkpoint request not served yet; marks it served."""
@@ -356,6 +381,8 @@ class Commands:
         else:
             self.requested &= ~Command.PAUSE
         self.checkpoint_seen = max(self.checkpoint_seen, int(control.get("checkpoint") or 0))
+        if control.get("save") is False:
+            self.requested |= Command.NO_SAVE
 
     def _on_sigterm(self, signum, frame) -> None:
         self.requested |= Command.STOP

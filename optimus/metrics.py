@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -44,10 +47,28 @@ class StepMetrics:
     mfu: float | None  # 0..1, None where the device's peak is unknown
     checkpoint: dict | None = None  # the checkpointer's counters, when checkpointing
     moe: dict | None = None  # per MoE layer, slots routed to each expert; dropped; aux loss
+    data: dict | None = None  # the step's samples: `sample_fingerprint`
+
+
+def sample_fingerprint(start: int, batch_size: int, sample_ids: Iterable,
+                       reader: tuple[int, int]) -> dict:
+    """One step's samples, for `optimus data audit`: the global sample-index range the whole
+    step read, [start, end) (every data-parallel rank's share: order is a function of the
+    index, so no gathering is needed), and a hash of the sample ids this rank read, with the
+    slice it reads, `reader` = (dp degree, microbatches). Two reads of one step under one slice
+    hash the same; a step repeated after a restart that hashes otherwise read other data."""
+    ids = np.concatenate([np.asarray(x, dtype=np.int64).reshape(-1) for x in sample_ids])
+    digest = hashlib.blake2b(ids.astype("<i8", copy=False).tobytes(), digest_size=8)
+    return {"start": start, "end": start + batch_size, "ids": digest.hexdigest(),
+            "reader": list(reader)}
 
 
 class MetricsLog:
     """Rank 0's record of training: one JSON object per step in `path`, and a progress display.
+
+    A logged step's line holds its metrics; a step between logged ones (`log_every` > 1) gets a
+    line with only "step" and "data" (its samples' fingerprint). Every generation of a run
+    appends to the same file.
 
     On a terminal it draws a bar; elsewhere (torchrun, CI, an agent's log) it prints one line
     every `log_every` steps.
@@ -97,6 +118,11 @@ class MetricsLog:
             self._progress.update(self._task, completed=m.step, status=status)
         elif m.step % self.log_every == 0:
             print(f"step {m.step:>6} | {status}", flush=True)
+
+    def samples(self, step: int, data: dict | None) -> None:
+        """A step that is not logged still leaves its samples' fingerprint: one short line."""
+        if self.enabled and self._file is not None and data is not None:
+            self._file.write(json.dumps({"time": time.time(), "step": step, "data": data}) + "\n")
 
     def event(self, kind: str, message: str, **fields) -> None:
         """Something that is not a step: a resume, a failed save. A JSON line and a log line."""

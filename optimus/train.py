@@ -34,7 +34,7 @@ from optimus.health import (
     register_stack_dumps,
     start_heartbeat,
 )
-from optimus.metrics import MetricsLog, StepMetrics, peak_flops
+from optimus.metrics import MetricsLog, StepMetrics, peak_flops, sample_fingerprint
 from optimus.models import flops_per_token
 from optimus.optim import build_optimizer, lr_at, set_lr
 from optimus.parallel.experts import expert_step
@@ -125,7 +125,8 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         batches = iter(loader)
         if resumed:
             state["rng"].apply()  # making the iterator drew from the RNG; put it back
-        heartbeat.resumed(progress.step)
+        heartbeat.resumed(progress.step, resumed["step"] if resumed else None,
+                          tuple(q["step"] for q in ckpt.quarantined) if ckpt else ())
 
         def save_now(step: int, wait: bool) -> None:
             _save_now(ckpt, log, job, step, state, progress, layout, wait)
@@ -135,7 +136,8 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             agreed = commands.start()
         if _boundary(agreed, commands, heartbeat, log, progress.step, save_now):
             with heartbeat.phase("checkpoint"):
-                _stop(ckpt, log, job, progress.step, state, progress, layout)
+                _stop(ckpt, log, job, progress.step, state, progress, layout,
+                      save=not commands.no_save)
             result.stopped_at, first = progress.step, job.optim.steps + 1  # no step to take
 
         for step in range(first, job.optim.steps + 1):
@@ -149,6 +151,9 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             # schedule when there is one); the loss is divided by the global token count.
             with heartbeat.phase("data"):
                 microbatches = [next(batches) for _ in range(job.data.microbatches)]
+            data = sample_fingerprint(progress.data_index, job.data.batch_size, (
+                mb["sample_ids"] for mb in microbatches), (layout.dp, job.data.microbatches)
+            ) if log.enabled else None
             with heartbeat.phase("grad_sync"):
                 step_tokens = _count_tokens(microbatches, device, dp_group)
             model.set_step_tokens(step_tokens)
@@ -192,7 +197,9 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                                        lr=lr, tokens=progress.tokens, step_time_s=step_time,
                                        tokens_per_s=tokens_per_s, mfu=mfu,
                                        checkpoint=ckpt.stats.as_dict() if ckpt else None,
-                                       moe=experts))
+                                       moe=experts, data=data))
+            else:
+                log.samples(step, data)
 
             # The step boundary: what any rank was told (stop, pause, checkpoint now), all do
             # after this step; too many failed saves in a row stop them all here.
@@ -204,7 +211,8 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             heartbeat.end_step()
             if _boundary(agreed, commands, heartbeat, log, step, save_now):
                 with heartbeat.phase("checkpoint"):
-                    _stop(ckpt, log, job, step, state, progress, layout)
+                    _stop(ckpt, log, job, step, state, progress, layout,
+                          save=not commands.no_save)
                 result.stopped_at = step
                 break
 
@@ -243,9 +251,13 @@ def _checkpointer(job: JobConfig, env, heartbeat) -> Checkpointer | None:
 def _log_resume(log: MetricsLog, ckpt: Checkpointer, resumed: dict | None) -> None:
     for message in resumed["skipped"] if resumed else ckpt.skipped:
         log.event("checkpoint", f"{message}; falling back to an older checkpoint")
+    for q in ckpt.quarantined:
+        log.event("quarantine", f"checkpoint of step {q['step']} set aside as {q['path']}: "
+                  f"{q['reason']}; a later save of step {q['step']} writes it afresh", **q)
     if resumed:
         log.event("resume", f"continuing from {resumed['path']} (step {resumed['step']})",
-                  step=resumed["step"], notes=resumed.get("notes", []))
+                  step=resumed["step"], data_index=resumed.get("data_index"),
+                  notes=resumed.get("notes", []))
     if ckpt.mode_note:
         log.event("checkpoint", ckpt.mode_note)
 
@@ -311,8 +323,16 @@ def _newest_committed(ckpt: Checkpointer) -> str:
 
 
 def _stop(ckpt: Checkpointer | None, log: MetricsLog, job: JobConfig, step: int, state: dict,
-          progress: Progress, layout) -> None:
-    """On every rank, after the step all agreed to stop at: make it the latest checkpoint."""
+          progress: Progress, layout, save: bool = True) -> None:
+    """On every rank, after the step all agreed to stop at: make it the latest checkpoint;
+    without `save` (the controller saw wrong arithmetic), save nothing and commit nothing."""
+    if not save:
+        if ckpt is not None:
+            ckpt.abandon()
+        log.event("stopped", f"stopped after step {step} without a checkpoint: the controller "
+                  "saw evidence of wrong arithmetic (a bad tile), so this state is not to be "
+                  "trusted", step=step, checkpoint_step=None, saved=False)
+        return
     if ckpt is None:
         log.event("stopped", f"stopped after step {step} (SIGTERM); checkpointing is off, so "
                   "nothing was saved", step=step, checkpoint_step=None)

@@ -34,6 +34,7 @@ from optimus.checkpoint import (
     verify,
 )
 from optimus.checkpoint.commands import checkpoint
+from optimus.checkpoint.quarantine import pick_loadable, quarantine, quarantined
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = {"dp": 2, "tp": 1, "pp": 1}
@@ -382,3 +383,57 @@ def test_cli_missing_path_is_a_checkpoint_error(tmp_path):
     empty = _cli("inspect", str(tmp_path))
     assert isinstance(empty.exception, CheckpointError)
     assert "no committed checkpoint" in str(empty.exception)
+
+
+def test_a_corrupt_newest_is_set_aside_out_of_the_step_namespace_with_its_reason(tmp_path):
+    _save(tmp_path, 10)
+    good = _save(tmp_path, 20)
+    bad = _save(tmp_path, 30)
+    data = bytearray((bad / "__1_0.distcp").read_bytes())
+    data[5] ^= 0xFF  # same size: only the checksum can tell
+    (bad / "__1_0.distcp").write_bytes(bytes(data))
+    path, skipped, aside = pick_loadable(tmp_path, by="a test")
+    assert path == good and skipped[0].startswith("step_000000030 is corrupt (checksum mismatch")
+    (moved,) = aside
+    target = Path(moved["path"])
+    assert moved["step"] == 30 and target.parent == tmp_path / "quarantine"
+    assert target.name.startswith("step_000000030.") and not bad.exists()
+    # Neither committed nor partial: nothing loads it, retention and cleanup leave it alone.
+    assert committed_steps(tmp_path) == [10, 20]
+    assert clean_partial(tmp_path) == [] and apply_retention(tmp_path, 1, 0) == [10]
+    assert target.is_dir() and (target / "__1_0.distcp").read_bytes() == bytes(data)
+    note = json.loads((target / "QUARANTINED.json").read_text())
+    assert (note["step"], note["kind"], note["by"], note["was"]) == (
+        30, "corrupt", "a test", "step_000000030")
+    assert note["reason"].startswith("checksum mismatch: step_000000030/__1_0.distcp")
+    assert verify(target)[0].startswith("checksum mismatch")  # its note is not "unexpected"
+    # A later save of step 30 is a fresh one; setting that aside too keeps both, apart.
+    _save(tmp_path, 30)
+    second = quarantine(tmp_path, 30, "suspect: a bad tile", kind="suspect")
+    assert second != target and second.name.startswith("step_000000030.")
+    assert [(q["step"], q["kind"]) for q in quarantined(tmp_path)] == [
+        (30, "corrupt"), (30, "suspect")]
+
+
+def test_a_checkpoint_whose_manifest_cannot_be_read_is_skipped_but_not_set_aside(tmp_path):
+    good = _save(tmp_path, 10)
+    unreadable = _save(tmp_path, 20)
+    (unreadable / MANIFEST).rename(unreadable / "saved")
+    (unreadable / MANIFEST).mkdir()  # reading it fails with an OSError, as on a flaky mount
+    path, skipped, aside = pick_loadable(tmp_path)
+    assert path == good and "cannot read" in skipped[0] and aside == []
+    assert committed_steps(tmp_path) == [10, 20]  # an I/O error may pass: it stays
+
+
+def test_cli_list_and_verify_show_quarantined_checkpoints(tmp_path):
+    _save(tmp_path, 10)
+    _save(tmp_path, 20)
+    quarantine(tmp_path, 20, "truncated: step_000000020/__0_0.distcp is 5 bytes")
+    rows = json.loads(_cli("list", str(tmp_path), "-o", "json").output)
+    assert [(r["step"], r["state"]) for r in rows] == [(10, "committed"), (20, "quarantined")]
+    assert rows[1]["reason"].startswith("truncated") and rows[1]["kind"] == "corrupt"
+    table = _cli("list", str(tmp_path))
+    assert "quarantined: step 20 as " in table.output and "(corrupt): truncated" in table.output
+    out = _cli("verify", str(tmp_path))
+    assert out.exit_code == 0, out.output  # set aside is not damage in use
+    assert "ok: step_000000010" in out.output and "quarantined: step 20" in out.output

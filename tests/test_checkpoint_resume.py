@@ -20,8 +20,10 @@ import pytest
 import yaml
 from multiproc import RanksFailed
 
-from optimus.checkpoint import committed_steps, step_dir, verify
+from optimus.checkpoint import committed_steps, read_manifest, step_dir, verify
+from optimus.checkpoint.quarantine import quarantined
 from optimus.config import validate_job
+from optimus.data.audit import audit_run
 from optimus.runtime import ParallelDims
 from optimus.train import train
 
@@ -196,6 +198,23 @@ def test_retention_leaves_a_fallback_for_a_corrupt_newest(run_ranks, tmp_path, i
     assert skipped[0].endswith("falling back to an older checkpoint")
     assert [e["step"] for e in events if e["event"] == "resume"] == [fallback]
     assert verify(step_dir(ckpt_dir, fallback)) == []  # the checkpoint it fell back to survives
+
+    # The corrupt one was set aside, with its reason, out of the committed steps; passing its
+    # step again, training saved it afresh: every committed checkpoint verifies.
+    (aside,) = quarantined(ckpt_dir)
+    assert aside["step"] == committed[-1] and aside["kind"] == "corrupt"
+    assert aside["reason"].startswith(f"checksum mismatch: {newest.name}/{shard.name}")
+    assert Path(aside["path"]).parent == ckpt_dir / "quarantine"
+    (moved,) = [e for e in events if e["event"] == "quarantine"]
+    assert (moved["step"], moved["path"]) == (committed[-1], aside["path"])
+    assert committed_steps(ckpt_dir) == committed
+    assert all(verify(step_dir(ckpt_dir, s)) == [] for s in committed)
+    assert read_manifest(newest)["committed_at"] > aside["quarantined_at"]
+    # Every sample read once in the steps that count, across the restart.
+    audit = audit_run(tmp_path)
+    assert audit.ok, audit.problems
+    assert (audit.steps, audit.end, audit.generations) == (STEPS, STEPS * 8, 2)
+    assert audit.repeated == STEPS - fallback
 
 
 def _small_filesystem(path: Path, size: str = "1m") -> bool:

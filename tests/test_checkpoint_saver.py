@@ -435,3 +435,30 @@ def test_the_checkpointers_collectives_run_inside_its_collective_hook(run_ranks,
         assert "broadcast_object_list" in names and "load" in names
         assert [c for c in calls if c[0] != "stage" and not c[1]] == []  # all marked
         assert ("stage", False) in calls  # staging is the rank's own work
+
+
+def _abandon_in_flight(rank: int, world: int, root: str) -> dict:
+    def writer(path: Path):  # rank 1 writes slowly: the save is in flight when training stops
+        if rank == 1:
+            return GatedWriter(path, delay_s=0.5)
+        return TensorFileWriter(path, overwrite=False)
+
+    run = Trainer(rank, world, {})
+    ckpt = Checkpointer(root, rank=rank, world_size=world, keep_last=3, mode="thread",
+                        writer=writer)
+    run.train(1)
+    started = ckpt.save(1, run.state, run.meta())
+    ckpt.abandon()  # the stop without saving: agreed by all ranks at one step boundary
+    ckpt.close()
+    return {"started": started, "committed": committed_steps(root),
+            "stats": ckpt.stats.as_dict()}
+
+
+def test_an_abandoned_save_in_flight_is_never_committed(run_ranks, tmp_path):
+    results = run_ranks(_abandon_in_flight, 2, str(tmp_path), timeout=120)
+    for result in results:
+        assert result["started"] == "started" and result["committed"] == []
+        assert result["stats"]["saves_committed"] == 0
+    assert step_dir(tmp_path, 1).is_dir() and not is_committed(step_dir(tmp_path, 1))
+    Checkpointer(tmp_path, rank=0, world_size=1, mode="thread").close()  # the next job's start
+    assert not step_dir(tmp_path, 1).exists()  # removed as partial

@@ -10,6 +10,7 @@ and Redis is restarted empty under a running job.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -32,7 +33,9 @@ from cluster import (
 )
 
 from controller.store import Store
-from optimus.checkpoint.manifest import committed_steps, step_dir
+from optimus.checkpoint.manifest import committed_steps, step_dir, verify
+from optimus.checkpoint.quarantine import quarantined
+from optimus.data.audit import audit_run
 
 STEPS = 30
 FAULT_STEP = 15
@@ -312,3 +315,77 @@ def test_a_failed_final_save_fails_the_job_and_a_resubmission_completes_it(redis
         assert [m["step"] for m in lines[after:] if "loss" in m] == [4, 5, 6, 7]
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _damage(path: Path, how: str) -> None:
+    """The largest shard of a checkpoint: cut in half, or bytes flipped at the same size."""
+    shard = max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    if how == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def test_the_checkpoint_named_is_the_one_the_ranks_load_and_corrupt_ones_are_set_aside(
+        redis_server, tmp_path):
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    # Rank 0 slows down once step 15 is saved: time for the test to damage it before the kill.
+    job = write_job(tmp_path / "job.yaml", run, steps=25, faults=[
+        {"kind": "slow_rank", "rank": 0, "step": 16, "seconds": 0.2, "generation": 0}])
+    p = subprocess.Popen([sys.executable, "-m", "controller", "run", str(job), "--nodes", "2",
+                          "--ranks-per-node", "1", "--spares", "1", "--set",
+                          "checkpoint.interval=5"], cwd=ROOT,
+                         env={**os.environ, "REDIS_URL": redis_server.url},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    store = Store(redis_server.url, "e2e")
+    try:
+        wait_for(lambda: 15 in committed_steps(ckpts), 120, "step 15 committed")
+        _damage(step_dir(ckpts, 15), "truncate")  # the controller's size check sees this one
+        _damage(step_dir(ckpts, 10), "flip")  # only rank 0's sha256 sees this one
+        assert committed_steps(ckpts) == [5, 10, 15]
+        store.push_command(store.plan()["nodes"][1], {"kind": "kill_rank", "rank": 1})
+        output, _ = p.communicate(timeout=240)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, output[-5000:]
+
+    # The plan named what its size check allowed, step 10; rank 0 found step 10 corrupt too,
+    # set both aside and loaded step 5; the event, the job record and `job status` say so.
+    plan_1 = _events(store, "generation")[1]["message"]
+    assert "from the checkpoint of step 10 (newer ones fail their size check: step 15: " \
+           "truncated: step_000000015/" in plan_1, plan_1
+    out = subprocess.run([sys.executable, "-m", "controller", "events", "--job", "e2e", "-o",
+                          "json", "--no-follow", "-n", "1000", "--kind", "loaded"], cwd=ROOT,
+                         env={**os.environ, "REDIS_URL": redis_server.url},
+                         capture_output=True, text=True, timeout=60)
+    loaded = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [(e["generation"], e["step"], e["planned_step"]) for e in loaded] == [
+        ("0", "", ""), ("1", "5", "10")]
+    assert json.loads(loaded[1]["quarantined"]) == [15, 10]
+    assert loaded[1]["message"].startswith(
+        "generation 1 resumed from the checkpoint of step 5, not from step 10 as planned: rank "
+        "0 set aside step 15 (truncated: step_000000015/")
+    assert "; step 10 (checksum mismatch: step_000000010/" in loaded[1]["message"]
+    status = json.loads(subprocess.run(
+        [sys.executable, "-m", "controller", "job", "status", "--job", "e2e", "-o", "json"],
+        cwd=ROOT, env={**os.environ, "REDIS_URL": redis_server.url}, capture_output=True,
+        text=True, timeout=60).stdout)
+    assert (status["state"], status["resumed_generation"], status["resumed_from"]) == (
+        "COMPLETED", 1, 5)
+    assert status["latest_checkpoint"] == 25
+    assert status["last_failure"]["cause"] == "rank_exit" and status["last_failure"]["rank"] == 1
+
+    # Both set aside with their reasons; passing steps 10 and 15 again saved them afresh.
+    assert [(q["step"], q["kind"]) for q in quarantined(ckpts)] == [
+        (15, "corrupt"), (10, "corrupt")]
+    assert committed_steps(ckpts) == [5, 10, 15, 20, 25]
+    assert all(verify(step_dir(ckpts, s)) == [] for s in committed_steps(ckpts))
+    # Across the restart, every sample was read once by the steps that count.
+    audit = audit_run(run)
+    assert audit.ok, audit.problems
+    assert (audit.steps, audit.generations, audit.end) == (25, 2, 25 * 8)
+    assert audit.repeated >= 10  # generation 0 got past step 15

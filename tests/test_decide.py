@@ -425,3 +425,91 @@ def test_the_controller_reads_the_exit_statuses_the_ranks_use():
             detect.EXIT_CHECKPOINT_FAILED) == (health.EXIT_BAD_TILE,
                                                health.EXIT_NONFINITE_ELSEWHERE,
                                                health.CheckpointFailed.exit_code) == (87, 88, 89)
+
+
+def test_a_failure_event_carries_its_culprit_in_fields_and_a_plain_failure_saves():
+    killed = Exit("n1", 3, 0, code=None, signal=9, time=NOW, local_rank=1)
+    d = decide(running(exits=[killed]), S)
+    (kind, message, fields), = [e for e in d.events if e[0] == "failure"]
+    assert fields == {"generation": 0, "node": "n1", "rank": 3, "tile": "",
+                      "cause": "rank_exit", "evidence": "soft", "excluded": True,
+                      "saves": True}
+    assert d.plan["action"] == "stop" and d.plan["save"] is True
+    assert d.job["last_failure"] == {**fields, "time": NOW}
+    assert "suspect" not in d.job
+
+
+def test_wrong_arithmetic_stops_without_a_checkpoint_and_sets_aside_what_followed():
+    # A bad tile found by the health check, while the generation (resumed from step 10) runs.
+    job = busy(resumed_gen=0, resumed_step=10)
+    d = decide(running(job=job, unhealthy={"n1": "n1/0: fixed-seed matmul gave 1.0"}), S)
+    assert d.plan["action"] == "stop" and d.plan["save"] is False
+    (kind, message, fields), = [e for e in d.events if e[0] == "failure"]
+    assert (fields["node"], fields["tile"], fields["cause"], fields["evidence"],
+            fields["saves"]) == ("n1", "n1/0", "bad_tile", "hard", False)
+    assert "it stops without a checkpoint" in message
+    assert d.job["suspect"] == {"nodes": ["n1"], "generation": 0, "resumed_step": 10,
+                                "evidence": "bad tile n1/0: fixed-seed matmul gave 1.0"}
+    # NaN from a rank's own values is the same evidence; its exit status says so too.
+    own = Exit("n0", 1, 0, code=87, time=NOW, local_rank=1)
+    d = decide(running(exits=[own]), S)
+    assert d.plan["save"] is False and d.job["suspect"]["nodes"] == ["n0"]
+    assert [e[2]["rank"] for e in d.events if e[0] == "failure"] == [1]
+
+    # While the stopped generation's ranks live, nothing is set aside; once they are gone,
+    # the steps the controller found suspect are, and the plan starts before them.
+    suspect = {"nodes": ["n1"], "generation": 0, "resumed_step": 10, "evidence": "bad tile"}
+    stopping = {**running_plan(), "action": "stop", "save": False}
+    restarting = JobView(state=RESTARTING, generation=0, restarts=1, next_plan_at=NOW - 1,
+                         suspect=suspect)
+    nodes = {"n0": node("n0", generation=0, live=1), "n1": node("n1", excluded="bad tile"),
+             "n2": node("n2")}
+    aside = {30: "committed at T, after n1 last passed", 20: "committed at T', after n1"}
+    obs = Observed(now=NOW, job=restarting, plan=stopping, nodes=nodes, latest_step=10,
+                   suspect_steps=aside)
+    d = decide(obs, S)
+    assert d.set_aside == [] and d.plan is None
+    nodes["n0"] = node("n0", generation=0, live=0)
+    d = decide(Observed(**{**obs.__dict__, "nodes": nodes}), S)
+    assert d.set_aside == [(20, aside[20]), (30, aside[30])] and d.job["suspect"] is None
+    assert ("quarantine", "checkpoint(s) of step 20, 30 set aside as suspect: committed at T, "
+            "after n1 last passed (evidence: bad tile)") in [(k, m) for k, m, _ in d.events]
+    assert d.plan["action"] == "run" and d.plan["resume_step"] == 10
+    assert d.plan["reason"] == ("generation 1 on n0, n2 from the checkpoint of step 10 (set "
+                                "aside as suspect: step 20, 30) (spares brought in: n2)")
+
+
+def test_an_operator_exclusion_and_a_lost_node_still_save_on_the_stop():
+    d = decide(running(excluded={"n1": "ECC errors"}), S)
+    assert d.plan["action"] == "stop" and d.plan["save"] is True
+    lost = running()
+    lost = Observed(**{**lost.__dict__, "agent_beats": {"n0": NOW, "n1": NOW - 60}})
+    d = decide(lost, S)
+    assert "lost" in d.job["reason"] and d.plan["save"] is True and "suspect" not in d.job
+
+
+def test_what_the_ranks_loaded_is_reported_once_and_named_when_not_as_planned():
+    plan = {**running_plan(gen=1), "resume_step": 60}
+    job = busy(generation=1, progress_gen=1)
+    report = {"step": 50, "quarantined": [{"step": 60, "reason": "checksum mismatch: x"}]}
+    d = decide(running(job=job, plan=plan, resumed=report), S)
+    assert (d.job["resumed_gen"], d.job["resumed_step"]) == (1, 50)
+    (kind, message, fields), = [e for e in d.events if e[0] == "loaded"]
+    assert message == ("generation 1 resumed from the checkpoint of step 50, not from step 60 "
+                       "as planned: rank 0 set aside step 60 (checksum mismatch: x)")
+    assert fields == {"generation": 1, "step": 50, "planned_step": 60, "quarantined": [60]}
+    seen = busy(generation=1, progress_gen=1, resumed_gen=1, resumed_step=50)
+    assert [e for e in decide(running(job=seen, plan=plan, resumed=report), S).events
+            if e[0] == "loaded"] == []
+    d = decide(running(job=job, plan={**plan, "resume_step": None},
+                       resumed={"step": None, "quarantined": []}), S)
+    assert [m for k, m, _ in d.events if k == "loaded"] == ["generation 1 resumed from scratch"]
+
+
+def test_a_bad_tile_that_computed_nothing_since_its_last_pass_changes_no_checkpoint():
+    # Node n1 failed the check before this generation, having run nothing since it passed
+    # (a spare until now): it is excluded, but the stop saves and nothing is suspect.
+    d = decide(running(unhealthy={"n1": "n1/0: fixed-seed matmul gave 1.0"},
+                       unhealthy_idle=frozenset({"n1"})), S)
+    assert {n for n, _ in d.exclude} == {"n1"} and d.plan["save"] is True
+    assert "suspect" not in d.job

@@ -16,6 +16,8 @@ import pytest
 from cluster import ROOT, RedisServer, metrics, metrics_so_far, wait_for, write_job
 
 from controller.store import Store
+from optimus.checkpoint.manifest import committed_steps, read_manifest, step_dir, verify
+from optimus.checkpoint.quarantine import quarantined
 
 STEPS = 24
 HANG = {"hang_timeout_s": 4.0, "hang_step_factor": 5.0}
@@ -156,41 +158,65 @@ def _who() -> str:
 
 
 def test_nan_from_one_rank_names_its_tile(redis_server, tmp_path):
+    # NaN at step 14: generation 0 committed step 10 after its nodes passed their health check.
     job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=STEPS,
-                    faults=[{"kind": "nan_rank", "rank": 1, "step": 8}])
+                    faults=[{"kind": "nan_rank", "rank": 1, "step": 14}])
     run(redis_server, job)
     store = Store(redis_server.url, "e2e")
     culprit = generation_nodes(store, 0)[1]
-    # From its heartbeat ("rank 1, step 8") or its exit status, whichever the controller saw
+    # From its heartbeat ("rank 1, step 14") or its exit status, whichever the controller saw
     # first: the same tile either way.
     reason = store.excluded()[culprit]["reason"]
     assert reason.startswith(f"bad tile {culprit}/0 (rank 1")
     assert reason.endswith("its own loss or gradients were NaN/Inf")
     assert list(store.excluded()) == [culprit]  # rank 0 saw NaN arrive: not blamed
+    # The failure event names the culprit in fields, for `optimus events -o json` and alerts.
+    (failure,) = events(store, "failure")
+    assert {k: failure[k] for k in ("generation", "node", "rank", "tile", "cause", "evidence",
+                                    "excluded", "saves")} == {
+        "generation": "0", "node": culprit, "rank": "1", "tile": f"{culprit}/0",
+        "cause": "bad_tile", "evidence": "hard", "excluded": "1", "saves": "0"}
     # Each rank told its own values from what the reduction brought it.
     logs = tmp_path / "run" / "logs" / "gen_0000"
-    assert "at step 8, from this rank's own values" in (logs / "rank_00001.log").read_text()
-    assert "at step 8, from another rank's values" in (logs / "rank_00000.log").read_text()
+    assert "at step 14, from this rank's own values" in (logs / "rank_00001.log").read_text()
+    assert "at step 14, from another rank's values" in (logs / "rank_00000.log").read_text()
     assert store.job_record()["state"] == "COMPLETED"
     # No step was taken on NaN: the run's losses are all finite.
     assert all(m["loss"] == m["loss"] for m in metrics(tmp_path / "run") if "loss" in m)
+    # Step 10 was committed after the tile last passed its check: set aside as suspect, and
+    # generation 1 started before it (from scratch: nothing was committed before).
+    (aside,) = quarantined(tmp_path / "run" / "checkpoints")
+    assert (aside["step"], aside["kind"]) == (10, "suspect")
+    assert f"after {culprit} last passed its health check" in aside["reason"]
+    (moved,) = events(store, "quarantine")
+    assert moved["steps"] == "[10]" and culprit in moved["message"]
+    gen = events(store, "generation")[1]["message"]
+    assert gen.startswith("generation 1 on ") and "from scratch (set aside as suspect: step 10)" \
+        in gen, gen
+    assert events(store, "loaded")[-1]["message"] == "generation 1 resumed from scratch"
 
 
 def test_health_checks_on_demand_and_before_each_generation_exclude_bad_tiles(
         redis_server, tmp_path):
     job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=40)
+    ckpts = tmp_path / "run" / "checkpoints"
     p = subprocess.Popen([sys.executable, "-m", "controller", "run", str(job), "--nodes", "2",
                           "--ranks-per-node", "1", "--spares", "2"], cwd=ROOT,
                          env={**os.environ, "REDIS_URL": redis_server.url},
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     store = Store(redis_server.url, "e2e")
     try:
-        wait_for(lambda: (plan := store.plan()) and plan["action"] == "run"
-                 and store.rank_beats(plan["nodes"][0]).get(0, {}).get("step", 0) >= 3,
-                 120, "generation 0 at step 3")
+        wait_for(lambda: 10 in committed_steps(ckpts), 120, "generation 0's step 10 committed")
         running, spares = store.plan()["nodes"], sorted(set(store.nodes())
                                                         - set(store.plan()["nodes"]))
         victim, first_spare, last_spare = running[1], spares[0], spares[1]
+        # The victim passes a check on demand (after step 10 was committed), while it runs.
+        store.push_command(victim, {"kind": "health_check"})
+        passed = wait_for(lambda: [e for e in events(store, "health") if victim in e["message"]],
+                          60, "the on-demand check")
+        assert passed[0]["message"] == f"health check on demand: {victim} ok"
+        ok_at = store.nodes()[victim]["ok_at"]
+        wait_for(lambda: 20 in committed_steps(ckpts), 120, "step 20 committed")
         # The first spare's tile goes bad quietly: only its next check can tell.
         store.push_command(first_spare, {"kind": "bad_tile", "tile": 0})
         # A running node's tile goes bad, and an operator asks for a check.
@@ -209,11 +235,35 @@ def test_health_checks_on_demand_and_before_each_generation_exclude_bad_tiles(
     assert excluded[victim]["reason"].startswith(f"bad tile {victim}/0: fixed-seed matmul")
     assert excluded[first_spare]["reason"].startswith(f"bad tile {first_spare}/0: fixed-seed")
     health = [e["message"] for e in events(store, "health")]
-    assert any("health check on demand" in m and victim in m for m in health)
+    assert any("health check on demand" in m and victim in m and "bad tile" in m for m in health)
     assert any(f"{first_spare} fails its health check before generation 1" in m for m in health)
     record = store.job_record()
     assert record["state"] == "COMPLETED", record
     assert store.plan()["nodes"] == [running[0], last_spare]
+
+    # The victim computed wrong: generation 0 stopped without a checkpoint, and step 20,
+    # committed after the victim last passed its check, was set aside; step 10, before it, is
+    # where generation 1 started. The first spare never computed for the job: its bad tile
+    # made nothing suspect (generation 1 stopped with a checkpoint as usual).
+    failures = events(store, "failure")
+    assert (failures[0]["node"], failures[0]["cause"], failures[0]["saves"]) == (
+        victim, "bad_tile", "0")
+    assert "it stops without a checkpoint" in failures[0]["message"]
+    assert failures[1]["node"] == first_spare and failures[1]["saves"] == "1"
+    gen0 = [m for m in metrics(tmp_path / "run") if m.get("event") == "stopped"][:1]
+    assert all(m["saved"] is False and m["checkpoint_step"] is None for m in gen0)
+    committed_at = {s: read_manifest(step_dir(ckpts, s))["committed_at"] for s in (10,)}
+    assert committed_at[10] <= ok_at
+    (aside,) = quarantined(ckpts)
+    assert (aside["step"], aside["kind"]) == (20, "suspect")
+    assert read_manifest(Path(aside["path"]))["committed_at"] > ok_at
+    assert f"after {victim} last passed its health check" in aside["reason"]
+    generation_1 = events(store, "generation")[1]["message"]
+    assert "from the checkpoint of step 10 (set aside as suspect: step 20)" in generation_1
+    assert [e["message"] for e in events(store, "loaded")][-1] == (
+        "generation 2 resumed from the checkpoint of step 10")
+    assert all(verify(step_dir(ckpts, s)) == [] for s in committed_steps(ckpts))
+    assert committed_steps(ckpts) == [10, 20, 30, 40]  # 20 afresh; nothing of the stop
 
 
 def test_a_straggler_is_reported_and_excluded_by_policy(redis_server, tmp_path):

@@ -130,7 +130,8 @@ def test_a_training_process_sends_heartbeats_in_the_protocol(socket_dir, tmp_pat
     beats = agent.beats
     assert len(beats) > 100
     for beat in beats:
-        assert {k: type(v) for k, v in beat.items() if k != "metrics"} == FIELDS, beat
+        assert {k: type(v) for k, v in beat.items()
+                if k not in ("metrics", "resume")} == FIELDS, beat
         assert (beat["v"], beat["rank"], beat["local_rank"]) == (1, 0, 0)
         assert (beat["pid"], beat["generation"]) == (proc.pid, 3)
         assert beat["phase"] in PHASES
@@ -141,6 +142,9 @@ def test_a_training_process_sends_heartbeats_in_the_protocol(socket_dir, tmp_pat
     step_seq = [b["step"] for b in beats]
     assert step_seq == sorted(step_seq) and step_seq[-1] == steps
     assert beats[0]["phase"] == "startup" and beats[-1]["phase"] == "done"
+    # What it resumed from (nothing: a fresh run), once it has looked; not before.
+    assert beats[0]["resume"] is None
+    assert beats[-1]["resume"] == {"step": None, "quarantined": []}
     assert [b["phase"] for b in beats].count("done") == 1
     assert {"data", "forward", "backward", "grad_sync", "optim", "checkpoint"} <= {
         b["phase"] for b in beats}
@@ -296,6 +300,25 @@ def _agree_after_sigterm(rank: int, world_size: int) -> list:
 
 def test_sigterm_on_one_rank_is_agreed_by_all(run_ranks):
     assert run_ranks(_agree_after_sigterm, 2, timeout=60) == [[0, int(Command.STOP), True]] * 2
+
+
+def _agree_on_a_stop_without_saving(rank: int, world_size: int, folder: str) -> list:
+    path = Path(folder) / f"node{rank}.control"
+    path.write_text(json.dumps({"pause": False, "checkpoint": 0}))
+    commands = Commands(world_size, torch.device("cpu"), control_file=str(path)).listen()
+    seen = [commands.agree().no_save]
+    if rank == 1:  # its agent: "save": false first, then the SIGTERM
+        path.write_text(json.dumps({"pause": False, "checkpoint": 0, "save": False}))
+        os.kill(os.getpid(), signal.SIGTERM)
+    agreed = commands.agree()
+    commands.close()
+    return [*seen, agreed.stop, agreed.no_save, commands.no_save]
+
+
+def test_a_stop_without_saving_is_agreed_by_all_with_its_stop(run_ranks, tmp_path):
+    # Node 0's agent has not written its file yet: node 1's word carries both, to everyone.
+    assert run_ranks(_agree_on_a_stop_without_saving, 2, str(tmp_path), timeout=60) == [
+        [False, True, True, True]] * 2
 
 
 def _agree_on_control_files(rank: int, world_size: int, folder: str) -> list:

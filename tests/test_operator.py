@@ -37,6 +37,7 @@ from promql import exported_names, metric_names, monitoring_expressions
 
 from controller.store import Store
 from optimus.checkpoint.manifest import committed_steps
+from optimus.checkpoint.quarantine import quarantined
 
 JOB = "ops"
 
@@ -234,6 +235,9 @@ def test_an_excluded_node_leaves_with_a_checkpoint_and_stays_out_until_included(
     assert stopped[-1]["checkpoint_step"] == plan["resume_step"]  # nothing lost in between
     record = live.store.job_record()
     assert record["restarts"] == "0" and json.loads(record["restart_causes"]) == {"operator": 1}
+    # An operator's exclusion is no evidence against the state: the stop saved, as ever.
+    assert stopped[-1].get("saved", True) and "without a checkpoint" not in stopped[-1]["message"]
+    assert "suspect" not in record and quarantined(live.run / "checkpoints") == []
 
     rows = {r["node"]: r for r in json.loads(ok(optimus("node", "list", "--job", JOB, "-o",
                                                         "json", url=live.url)))}

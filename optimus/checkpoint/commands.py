@@ -2,6 +2,8 @@
 
 Each command takes a checkpoint root (the job's `checkpoint.dir`) or one `step_<n>` folder in it.
 A path that is not there raises CheckpointError, which the top-level CLI prints as one line.
+Checkpoints set aside (`<root>/quarantine/`, quarantine.py) are listed as "quarantined" with
+their reason; `verify` names them but does not count them as damage (they are out of use).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from optimus.checkpoint.manifest import (
     step_of,
     verify,
 )
+from optimus.checkpoint.quarantine import QUARANTINE_NOTE, quarantined
 
 EXIT_PROBLEMS = 2
 _output = click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table",
@@ -35,7 +38,8 @@ _path_argument = click.argument("path", metavar="DIR_OR_STEP_DIR", type=click.Pa
 
 
 def _is_step_dir(path: Path) -> bool:
-    return step_of(path) is not None or is_committed(path) or (path / MANIFEST).exists()
+    return (step_of(path) is not None or is_committed(path) or (path / MANIFEST).exists()
+            or (path / QUARANTINE_NOTE).exists())
 
 
 def _resolve(path: Path) -> tuple[Path, bool]:
@@ -97,6 +101,21 @@ def _row(path: Path, now: float) -> dict:
     return row
 
 
+def _quarantined_rows(root: Path, now: float) -> list[dict]:
+    rows = []
+    for q in quarantined(root):
+        row = _row(Path(q["path"]), now)
+        rows.append({**row, "step": q.get("step", row["step"]), "state": "quarantined",
+                     "kind": q.get("kind"), "reason": q.get("reason"),
+                     "quarantined_at": q.get("quarantined_at")})
+    return rows
+
+
+def _aside_line(r: dict) -> str:
+    return (f"quarantined: step {r['step']} as {r['path']} ({r.get('kind')}): "
+            f"{r.get('reason')}")
+
+
 @click.group()
 def checkpoint() -> None:
     """List, inspect and verify checkpoints."""
@@ -106,10 +125,12 @@ def checkpoint() -> None:
 @click.argument("path", metavar="DIR", type=click.Path(path_type=Path))
 @_output
 def list_checkpoints(path: Path, output: str) -> None:
-    """Every step folder in DIR: committed or partial, tokens, layout, size, age."""
+    """Every step folder in DIR: committed, partial or quarantined; tokens, layout, size, age."""
     path, single = _resolve(path)
     now = time.time()
     rows = [_row(p, now) for p in ([path] if single else _step_dirs(path))]
+    if not single:
+        rows += _quarantined_rows(path, now)
     if output == "json":
         click.echo(json.dumps(rows, indent=2))
         return
@@ -124,7 +145,9 @@ def list_checkpoints(path: Path, output: str) -> None:
             _human_bytes(r["bytes"]), _human_age(r["age_s"]))))
     Console(width=120).print(table)
     for r in rows:
-        if "error" in r:
+        if r["state"] == "quarantined":
+            click.echo(_aside_line(r))
+        elif "error" in r:
             click.echo(f"damaged: {r['error']}")
 
 
@@ -175,8 +198,12 @@ def verify_checkpoints(path: Path, sizes_only: bool) -> None:
     """Check every file against its manifest; exit 2 with one line per problem."""
     path, single = _resolve(path)
     targets = [path] if single else [step_dir(path, s) for s in committed_steps(path)]
+    aside = [] if single else _quarantined_rows(path, time.time())
+    for r in aside:
+        click.echo(_aside_line(r))
     if not targets:
-        raise CheckpointError(f"{path} holds no committed checkpoint: nothing to verify")
+        raise CheckpointError(f"{path} holds no committed checkpoint: nothing to verify"
+                              + (f" ({len(aside)} quarantined)" if aside else ""))
     bad = 0
     for target in targets:
         problems = verify(target, deep=not sizes_only)

@@ -31,10 +31,12 @@ __all__ = [
     "COMMIT_MARKER", "FORMAT", "MANIFEST", "CheckpointError", "apply_retention", "clean_partial",
     "commit", "committed_steps", "file_digests", "is_committed", "latest_committed",
     "latest_loadable", "read_manifest", "retention", "step_dir", "step_of", "verify",
+    "write_note",
 ]
 
 MANIFEST = "optimus.json"
 COMMIT_MARKER = "COMMITTED"
+QUARANTINE_NOTE = "QUARANTINED.json"  # why a checkpoint was set aside (quarantine.py)
 FORMAT = 1
 TMP_PREFIX = ".tmp"
 
@@ -71,7 +73,7 @@ def _listed(step_path: Path) -> list[str]:
     for p in step_path.rglob("*"):
         rel = p.relative_to(step_path)
         if any(part.startswith(TMP_PREFIX) for part in rel.parts) or rel.as_posix() in (
-                MANIFEST, COMMIT_MARKER) or p.is_symlink() or not p.is_file():
+                MANIFEST, COMMIT_MARKER, QUARANTINE_NOTE) or p.is_symlink() or not p.is_file():
             continue
         out.append(rel.as_posix())
     return sorted(out)
@@ -113,6 +115,11 @@ def file_digests(step_path: Path) -> dict[str, dict]:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     write_atomic(path, data, path.with_name(f"{TMP_PREFIX}.{path.name}.{os.getpid()}"))
+
+
+def write_note(path: Path, note: dict) -> None:
+    """A small JSON file, written atomically (a note beside a checkpoint's files)."""
+    _write_atomic(Path(path), (json.dumps(note, indent=1) + "\n").encode())
 
 
 def commit(step_path: Path, meta: dict) -> dict:

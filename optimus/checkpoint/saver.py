@@ -78,11 +78,11 @@ from optimus.checkpoint.manifest import (
     clean_partial,
     commit,
     is_committed,
-    latest_loadable,
     read_manifest,
     step_dir,
     verify,
 )
+from optimus.checkpoint.quarantine import pick_loadable
 from optimus.checkpoint.state import PER_RANK
 from optimus.checkpoint.storage import TensorFileReader, TensorFileWriter
 
@@ -157,6 +157,7 @@ class Checkpointer:
         self.stats = CheckpointStats()
         self.last_error: str | None = None
         self.skipped: list[str] = []  # corrupt checkpoints the last load_latest passed over
+        self.quarantined: list[dict] = []  # ... and set aside (quarantine.py): step, path, reason
         # Two writer threads: one file per thread, so the write and the commit's hashing
         # (per file) are not held to one core.
         self._writer = writer or (lambda path: TensorFileWriter(path, overwrite=False,
@@ -292,6 +293,17 @@ class Checkpointer:
             event = self.poll() or event
         return event
 
+    def abandon(self) -> None:
+        """Stop without committing the save in flight: training stops on evidence that its
+        state may be wrong. Every rank calls it at the same point, like every method here.
+        Each waits for its own write (its collectives need every rank), and nothing is
+        committed: the folder stays uncommitted, removed as partial when the next job starts.
+        A commit already running on rank 0 (every rank had written) still lands."""
+        save, self._inflight = self._inflight, None
+        if save is not None and save.ok is None:
+            concurrent.futures.wait([save.future])
+            log.warning("checkpoint of step %d abandoned, not committed", save.step)
+
     def close(self) -> None:
         """Finish the save in flight and stop the commit thread."""
         self.wait()
@@ -372,17 +384,20 @@ class Checkpointer:
     def load_latest(self, state: dict, deep_verify: bool = True) -> dict | None:
         """Load the newest committed checkpoint that verifies into `state`, on every rank.
 
-        Rank 0 picks it and tells the others. Returns its manifest (without the file table) plus
-        "path", "skipped" (newer checkpoints passed over as corrupt: log "fell back to ...") and
-        "notes" (what did not carry over, e.g. RNG states under another layout); None when there
-        is no loadable checkpoint (`self.skipped` still says why, if some were corrupt).
+        Rank 0 picks it, sets aside (quarantine.py) each newer one that fails verification, and
+        tells the others. Returns its manifest (without the file table) plus "path", "skipped"
+        (newer checkpoints passed over as corrupt: log "fell back to ..."), "quarantined" (those
+        of them set aside: step, path, reason) and "notes" (what did not carry over, e.g. RNG
+        states under another layout); None when there is no loadable checkpoint
+        (`self.skipped` and `self.quarantined` still say why, if some were corrupt).
         """
-        choice: list[Any] = [None, [], None]
+        choice: list[Any] = [None, [], [], None]
         if self.rank == 0:
-            path, skipped = latest_loadable(self.root, deep=deep_verify)
-            choice = [str(path) if path else None, skipped,
+            path, skipped, aside = pick_loadable(self.root, deep=deep_verify,
+                                                 by=f"rank 0 (pid {os.getpid()}) at resume")
+            choice = [str(path) if path else None, skipped, aside,
                       _summary(read_manifest(path)) if path else None]
-        path, self.skipped, manifest = self._broadcast(choice)
+        path, self.skipped, self.quarantined, manifest = self._broadcast(choice)
         if path is None:
             return None
         return self._load(Path(path), state, manifest)
@@ -397,7 +412,7 @@ class Checkpointer:
         problem, manifest = self._broadcast(reply)
         if problem:
             raise CheckpointError(f"cannot load {step_path}: {problem}")
-        self.skipped = []
+        self.skipped, self.quarantined = [], []
         return self._load(Path(step_path), state, manifest)
 
     def _load(self, path: Path, state: dict, manifest: dict) -> dict:
@@ -407,7 +422,8 @@ class Checkpointer:
             dcp.load(state, storage_reader=TensorFileReader(path), planner=_Planner(),
                      process_group=self._io_group)
         notes = [note for obj in state.values() if (note := getattr(obj, "load_note", None))]
-        return {**manifest, "path": str(path), "skipped": list(self.skipped), "notes": notes}
+        return {**manifest, "path": str(path), "skipped": list(self.skipped),
+                "quarantined": list(self.quarantined), "notes": notes}
 
     def _broadcast(self, values: list[Any]) -> list[Any]:
         if self._collective:

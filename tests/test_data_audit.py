@@ -1,0 +1,125 @@
+"""`optimus data audit`: synthetic metrics histories (a clean run, legitimate repeats after
+restarts, gaps, overlaps, a changed data order), then the CLI on a file."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from optimus.cli import main
+from optimus.data.audit import audit
+from optimus.metrics import sample_fingerprint
+
+B = 8  # samples per step
+
+
+def step(s: int, start: int | None = None, ids: str | None = None, reader=(1, 1),
+         logged: bool = True) -> dict:
+    """A step's line: its fingerprint over [start, start + B) (by default where an unbroken
+    run puts step s), with the loss when logged."""
+    start = (s - 1) * B if start is None else start
+    data = {"start": start, "end": start + B, "ids": ids or f"ids-{start}", "reader": list(reader)}
+    return {"step": s, "data": data, **({"loss": 1.0} if logged else {})}
+
+
+def resume(s: int, data_index: int | None = None) -> dict:
+    return {"event": "resume", "step": s, "data_index": s * B if data_index is None
+            else data_index, "message": f"continuing from step {s}"}
+
+
+def test_an_unbroken_run_reads_every_sample_once():
+    lines = [step(s, logged=s % 3 == 0) for s in range(1, 11)]  # log_every 3: data-only lines
+    result = audit([{"event": "checkpoint", "message": "x"}, *lines])
+    assert result.ok, result.problems
+    assert (result.steps, result.first_step, result.last_step) == (10, 1, 10)
+    assert (result.start, result.end, result.generations, result.repeated) == (0, 80, 1, 0)
+
+
+def test_steps_repeated_after_a_restart_are_superseded_not_counted_twice():
+    # Generation 0 trains 1..7 (checkpoint at 5), dies; generation 1 resumes from 5 and trains
+    # 6..10: steps 6 and 7 were trained twice, over the same samples; 6..10 count once.
+    lines = [step(s) for s in range(1, 8)] + [resume(5)] + [step(s) for s in range(6, 11)]
+    # Generation 2 starts from scratch (every checkpoint lost) and goes to 12.
+    lines += [step(s) for s in range(1, 13)]
+    result = audit(lines)
+    assert result.ok, result.problems
+    assert (result.steps, result.end, result.generations) == (12, 96, 3)
+    assert result.repeated == 10  # steps 1..10 were trained more than once
+
+
+def test_a_gap_and_an_overlap_are_named_with_their_samples():
+    lines = [step(1), step(2), step(3, start=20), step(4, start=28), step(5, start=30)]
+    result = audit(lines)
+    assert not result.ok
+    assert result.problems == [
+        "gap: samples [16, 20) were skipped between step 2 and step 3",
+        "overlap: samples [30, 36) were read twice, by step 4 and by step 5"]
+
+
+def test_a_resume_whose_checkpoint_holds_another_index_is_named():
+    lines = [step(s) for s in range(1, 6)] + [resume(4, data_index=40)]
+    lines += [step(5, start=40), step(6, start=48)]
+    result = audit(lines)
+    assert result.problems[0] == ("the checkpoint of step 4 holds data index 40, but step 4 "
+                                  "ended at index 32: the resume skips samples")
+    assert "gap: samples [32, 40) were skipped between step 4 and step 5" in result.problems
+
+
+def test_a_repeated_step_that_read_other_samples_means_the_data_order_changed():
+    lines = [step(s) for s in range(1, 5)] + [resume(2), step(3, ids="other"), step(4)]
+    result = audit(lines)
+    assert result.problems == [
+        "step 3 read other samples after a restart than before, over the same indices "
+        "[16, 24): the data order changed under the run (seed, data or sequence length)"]
+    # Another slice (a new dp degree) hashes other ids for the same samples: no complaint.
+    lines = [step(s) for s in range(1, 5)] + [resume(2), step(3, ids="x", reader=(2, 1)),
+                                              step(4)]
+    assert audit(lines).ok
+
+
+def test_missing_records_and_a_resume_past_the_history_are_problems():
+    lines = [step(1), step(2), step(5, start=32)]
+    assert audit(lines).problems == ["steps 3..4 have no record: cannot tell what they read"]
+    lines = [step(1), step(2), resume(4), step(5)]
+    assert audit(lines).problems[0] == (
+        "a generation resumed from the checkpoint of step 4, but the history holds steps only "
+        "up to 2: steps 3..4 have no record")
+    old = [{"step": 1, "loss": 1.0}, step(2)]  # written before fingerprints existed
+    assert "1 step(s) that count have no sample fingerprint" in audit(old).problems[0]
+
+
+def test_a_history_that_starts_from_a_copied_checkpoint_is_audited_from_there():
+    lines = [resume(4), *[step(s) for s in range(5, 9)]]
+    result = audit(lines)
+    assert result.ok and result.first_step == 5 and result.start == 32
+    assert result.notes == ["the history starts at step 5 (sample index 32): the steps before "
+                            "are not in this file"]
+
+
+def test_the_fingerprint_covers_the_global_range_and_hashes_the_ids_read():
+    a = sample_fingerprint(16, 8, [[3, 1], [4, 1]], (2, 2))
+    assert (a["start"], a["end"], a["reader"]) == (16, 24, [2, 2]) and len(a["ids"]) == 16
+    assert sample_fingerprint(16, 8, [[3, 1, 4, 1]], (2, 2))["ids"] == a["ids"]
+    assert sample_fingerprint(16, 8, [[3, 1], [4, 2]], (2, 2))["ids"] != a["ids"]
+
+
+def test_the_cli_exits_2_on_a_problem_and_prints_json(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    good = [step(s) for s in range(1, 4)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in good)
+                                       + '{"step": 4, "da')  # a line cut short by a crash
+    out = CliRunner().invoke(main, ["data", "audit", str(run)])
+    assert out.exit_code == 0, out.output
+    assert "ok: steps 1..3 read samples [0, 24) exactly once; 1 generation(s)" in out.output
+    assert "note: line 4 of metrics.jsonl is not JSON" in out.output
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in [
+        *good, step(4, start=40)]))
+    out = CliRunner().invoke(main, ["data", "audit", str(run), "-o", "json"])
+    assert out.exit_code == 2
+    report = json.loads(out.output)
+    assert report["ok"] is False and report["problems"] == [
+        "gap: samples [24, 40) were skipped between step 3 and step 4"]
+    missing = CliRunner().invoke(main, ["data", "audit", str(tmp_path / "nope")])
+    assert missing.exit_code == 2 and "does not exist" in missing.output
