@@ -41,14 +41,20 @@ def die_with_parent() -> None:
 
 
 class WarmRank:
-    """A rank forked by the warm process: Popen's `pid`, `returncode` and `poll()`."""
+    """A rank forked by the warm process: Popen's `pid`, `returncode` and `poll()`. As with
+    Popen, `returncode` is set by this rank's own `poll()`, never by another's: the agent reaps
+    a rank once its `returncode` is no longer None, and reading the warm process's reports for
+    one rank must not make another look reaped already."""
 
     def __init__(self, pid: int, spawner: Spawner):
         self.pid, self.returncode, self._spawner = pid, None, spawner
+        self.reported: int | None = None  # the exit status the warm process reported
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self._spawner.collect()
+            if self.reported is None:
+                self._spawner.collect()
+            self.returncode = self.reported
         return self.returncode
 
 
@@ -57,6 +63,7 @@ class Spawner:
         self.warm = os.environ.get(WARM_ENV, "1") != "0" if warm is None else warm
         self._proc: subprocess.Popen | None = None
         self._pending = b""
+        self._inbox: list[dict] = []  # messages read, not yet handled
         self._ranks: dict[int, WarmRank] = {}
         self._next_id = 0
         self._failures = 0  # of the warm process: after two, ranks start cold
@@ -89,8 +96,9 @@ class Spawner:
 
     def collect(self) -> None:
         """Read what the warm process reported (ranks' exits) without waiting."""
-        for message in self._read(timeout=0.0):
-            self._ended(message)
+        self._read(timeout=0.0)
+        while self._inbox:
+            self._ended(self._inbox.pop(0))
 
     def close(self) -> None:
         """Stop the warm process (its ranks die with it; they are reported killed)."""
@@ -124,6 +132,7 @@ class Spawner:
             log.warning("no warm start (%s); ranks start cold", e)
             self._proc, self.warm = None, False
         self._pending = b""
+        self._inbox.clear()
         self._ready, self._started = False, time.monotonic()
 
     def _fork(self, argv: list[str], env: dict[str, str], log_path: Path) -> WarmRank:
@@ -134,7 +143,10 @@ class Spawner:
         self._proc.stdin.flush()
         deadline = time.monotonic() + _FORK_TIMEOUT_S
         while time.monotonic() < deadline:
-            for message in self._read(timeout=0.5):
+            if not self._inbox:
+                self._read(timeout=0.5)
+            while self._inbox:  # what follows the reply stays for collect()
+                message = self._inbox.pop(0)
                 if message.get("id") != request["id"]:
                     self._ended(message)
                 elif "pid" in message:
@@ -145,26 +157,25 @@ class Spawner:
                     raise RuntimeError(message.get("error", "no pid in the reply"))
         raise RuntimeError(f"no answer from the warm process within {_FORK_TIMEOUT_S:g} s")
 
-    def _read(self, timeout: float) -> list[dict]:
+    def _read(self, timeout: float) -> None:
+        """Append what the warm process has written, as messages, to the inbox."""
         proc = self._proc
         if proc is None:
-            return []
+            return
         fd = proc.stdout.fileno()
         ready, _, _ = select.select([fd], [], [], timeout)
         if not ready:
-            return []
+            return
         data = os.read(fd, 1 << 16)
         if not data:  # the warm process is gone, and its ranks with it
             if timeout > 0:
                 raise RuntimeError(f"the warm process exited ({proc.wait()})")
             self._lost(f"the warm process exited ({proc.wait()}); its ranks died with it")
-            return []
+            return
         self._pending += data
-        messages = []
         while b"\n" in self._pending:
             line, self._pending = self._pending.split(b"\n", 1)
-            messages.append(json.loads(line))
-        return messages
+            self._inbox.append(json.loads(line))
 
     def _ended(self, message: dict) -> None:
         if message.get("ready"):
@@ -172,13 +183,13 @@ class Spawner:
             return
         rank = self._ranks.pop(int(message.get("pid", -1)), None)
         if rank is not None:
-            rank.returncode = (-int(message["signal"]) if "signal" in message
-                               else int(message.get("code", 1)))
+            rank.reported = (-int(message["signal"]) if "signal" in message
+                             else int(message.get("code", 1)))
 
     def _orphans(self) -> None:
         """Ranks of a warm process that died: the parent-death signal killed them."""
         for rank in self._ranks.values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(rank.pid, signal.SIGKILL)
-            rank.returncode = -signal.SIGKILL
+            rank.reported = -signal.SIGKILL
         self._ranks.clear()

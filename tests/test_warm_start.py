@@ -124,3 +124,18 @@ def test_with_warm_starts_off_ranks_start_cold(tmp_path, monkeypatch):
     started = time.monotonic()
     s.close()
     assert time.monotonic() - started < 5
+
+
+def test_one_ranks_poll_never_reaps_another(spawner, tmp_path):
+    """Regression: the agent reaps a rank once its returncode is set and skips it after; two
+    ranks ending together must each be reaped by their own poll() (as with Popen), or the
+    second's exit is never reported and the job waits forever."""
+    env = _env()
+    ranks = [spawner.start(["optimus", "train", str(tmp_path / "missing.yaml")], env,
+                           tmp_path / f"{i}.log") for i in range(2)]
+    wait_for(lambda: all((tmp_path / f"{i}.log").read_text() for i in range(2)), 60,
+             "both ranks' last words")
+    time.sleep(1.0)  # both reaped by the warm process, both reports in the pipe
+    assert _wait(ranks[0]) == 2
+    assert ranks[1].returncode is None  # not until its own poll()
+    assert ranks[1].poll() == 2
