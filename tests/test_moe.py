@@ -271,14 +271,12 @@ def one_process(run_ranks, balance: str, scope: str = "global") -> dict:
 # sequences: several on most layouts, one under EP4 (dp 8).
 LAYOUTS = {
     "DP2": (2, {}, "aux_loss", "global"),
-    "DP2-bias": (2, {}, "bias", "global"),
     "PP2": (2, {"pp": 2, "schedule": "1f1b"}, "aux_loss", "global"),
-    "EP2": (2, {"ep": 2}, "aux_loss", "global"),
+    "EP2-bias": (2, {"ep": 2}, "bias", "global"),
     "EP2xDP2": (4, {"ep": 2}, "aux_loss", "global"),
     "EP2xDP2-sequence": (4, {"ep": 2}, "aux_loss", "sequence"),
     "EP2xPP2": (4, {"ep": 2, "pp": 2, "schedule": "1f1b"}, "aux_loss", "global"),
     "EP4": (8, {"ep": 4}, "aux_loss", "global"),
-    "EP4-bias": (8, {"ep": 4}, "bias", "global"),
     "TP2xEP2": (4, {"tp": 2, "ep": 2}, "aux_loss", "global"),
     "TP2-sequence": (2, {"tp": 2}, "aux_loss", "sequence"),
     "TP2xEP2-recompute": (4, {"tp": 2, "ep": 2, "activation_checkpoint": "full"}, "aux_loss",
