@@ -36,7 +36,8 @@ batched matmul elsewhere (on CPU `_grouped_mm` has no backward in torch 2.13). U
 the experts run in bf16 and their weighted outputs are summed in float32 (`combine`).
 
 No parallel code here: dispatch and combine are local. Expert parallelism replaces
-`MoE.dispatch` from outside, tensor parallelism `MoE.sum_over_token_shards`.
+`MoE.dispatch` from outside; the parallel plans set `MoE.sum_over_batch` and
+`MoE.sum_over_sequence` (optimus/parallel/experts.py).
 """
 
 from __future__ import annotations

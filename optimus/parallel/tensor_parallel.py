@@ -14,7 +14,7 @@ The plan follows torchtitan's Llama plan, written with PyTorch's stock styles:
   routes its own tokens (under expert parallelism, over its own ep group). The MoE's
   parameters stay whole, plain tensors on every tp rank; as each rank trains them on other
   tokens, `sum_grads_over_tp` adds their gradients up once per step. The auxiliary loss's
-  per-expert totals are summed over tp (`MoE.sum_over_token_shards`).
+  slot counts are summed over tp with the other ranks' (`experts.share_balance_counts`).
 - `norm` SequenceParallel; `output` column-parallel over the vocabulary, returning a DTensor
   [b, s, vocab] sharded on the vocab dim: no rank ever holds full-vocabulary logits. Compute
   cross-entropy on it (and call backward) inside `loss_context(True)`; the loss is a
@@ -106,8 +106,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             "attention.wv": kv_style,
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            **(_moe_plan(block.feed_forward, tp_mesh) if isinstance(block.feed_forward, MoE)
-               else _feed_forward_plan()),
+            **(_moe_plan() if isinstance(block.feed_forward, MoE) else _feed_forward_plan()),
         })
 
 
@@ -121,7 +120,7 @@ def _feed_forward_plan() -> dict[str, ParallelStyle]:
     }
 
 
-def _moe_plan(moe: MoE, tp_mesh: DeviceMesh) -> dict[str, ParallelStyle]:
+def _moe_plan() -> dict[str, ParallelStyle]:
     """An MoE layer on this rank's own share of the sequence (see the module's docstring)."""
     return {"feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
                                                desired_input_layouts=(Shard(1),),
