@@ -81,12 +81,14 @@ def test_its_exits_read_as_those_of_a_fresh_process(spawner, tmp_path):
     os.kill(running.pid, signal.SIGKILL)
     assert _wait(running) == -signal.SIGKILL  # as Popen reports a signal
 
+    # A run of its own: its SIGTERM must come once it trains (its handler is installed).
+    job = write_job(tmp_path / "stop.yaml", tmp_path / "stop", steps=10_000)
     stopped = spawner.start(["optimus", "train", str(job)], env, tmp_path / "stop.log")
-    wait_for(lambda: len([m for m in _rows(tmp_path / "run") if "loss" in m]) > 3, 120,
-             "more steps")
+    wait_for(lambda: len([m for m in _rows(tmp_path / "stop") if "loss" in m]) > 3, 120,
+             "its steps")
     os.kill(stopped.pid, signal.SIGTERM)  # the trainer's own handler: stop after a step
     assert _wait(stopped) == 0
-    assert any(m.get("event") == "stopped" for m in _rows(tmp_path / "run"))
+    assert any(m.get("event") == "stopped" for m in _rows(tmp_path / "stop"))
 
 
 def _rows(run: Path) -> list[dict]:
@@ -133,9 +135,10 @@ def test_one_ranks_poll_never_reaps_another(spawner, tmp_path):
     env = _env()
     ranks = [spawner.start(["optimus", "train", str(tmp_path / "missing.yaml")], env,
                            tmp_path / f"{i}.log") for i in range(2)]
-    wait_for(lambda: all((tmp_path / f"{i}.log").read_text() for i in range(2)), 60,
+    wait_for(lambda: all((tmp_path / f"{i}.log").is_file()
+                         and (tmp_path / f"{i}.log").read_text() for i in range(2)), 60,
              "both ranks' last words")
     time.sleep(1.0)  # both reaped by the warm process, both reports in the pipe
     assert _wait(ranks[0]) == 2
     assert ranks[1].returncode is None  # not until its own poll()
-    assert ranks[1].poll() == 2
+    assert _wait(ranks[1]) == 2  # reported all the same
