@@ -90,7 +90,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         model = build_parallel_model(job, layout, mesh, device)
         optimizer = build_optimizer(model.state_view(), job.optim, device)
         pp_group = mesh["pp"].get_group()
-        autocast = autocast_for(job.parallel.precision, device)  # bf16, or nothing (fp32)
+        autocast = autocast_for(job.training.mixed_precision, device)  # bf16, or nothing (fp32)
 
         log = MetricsLog(
             Path(job.resolved_run_dir) / "metrics.jsonl", total_steps=job.optim.steps,

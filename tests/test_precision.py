@@ -40,7 +40,8 @@ LAYOUTS = {
 def job(kind: str, precision: str, **parallel) -> dict:
     raw = base_job() if kind == "dense" else moe_job()
     raw["data"].update(batch_size=8, microbatches=2)
-    raw["parallel"].update(precision=precision, **parallel)
+    raw["parallel"].update(**parallel)
+    raw["training"] = {"mixed_precision": precision}
     return raw
 
 

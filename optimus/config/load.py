@@ -90,6 +90,9 @@ def validate_job(raw: dict, source: str = "job", world: int | None = None) -> Jo
     return job
 
 
+# Keys that an older Optimus read, and where they live now.
+MOVED = {"parallel.precision": "training.mixed_precision"}
+
 _TYPE_FIXES = {
     "int_type": "write a whole number, unquoted",
     "float_type": "write a number, unquoted",
@@ -108,6 +111,8 @@ def _describe(err: dict) -> tuple[str, str, str]:
     key = ".".join(loc) or "(top level)"
     kind, value = err["type"], err.get("input")
     if kind == "extra_forbidden":
+        if key in MOVED:
+            return key, "this key has moved", f"write it as `{MOVED[key]}`"
         known = _known_keys(loc[:-1])
         close = difflib.get_close_matches(loc[-1], known, n=1)
         hint = f"did you mean `{close[0]}`?" if close else f"known keys: {', '.join(known)}"

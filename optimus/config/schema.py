@@ -88,13 +88,28 @@ class ParallelConfig(Section):
         "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
         "zbv_zero_bubble", "dualpipev",
     ] = "1f1b"
-    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    activation_checkpoint: Literal["none", "full", "selective", "op"] = Field(
+        "none", description="full: recompute every block; selective: every ac_every-th block; "
+                            "op: every block keeps its matmul and attention outputs and "
+                            "recomputes only the element-wise ops")
     ac_every: PositiveInt = Field(2, description="selective: checkpoint every n-th block")
     device: Literal["auto", "cpu", "cuda", "xpu"] = "auto"
-    precision: Literal["auto", "bf16", "fp32"] = Field(
-        "auto", description="auto: bf16 autocast on cuda and xpu, fp32 on cpu; bf16: autocast "
-                            "on any device (the cpu then runs the accelerators' path)")
     backend: Literal["auto", "gloo", "nccl", "xccl", "ccl"] = "auto"
+
+
+class TrainingConfig(Section):
+    """How a step computes: its precision, compilation and float8 matmuls."""
+
+    mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="auto: bf16 on cuda and xpu, fp32 on cpu; bf16: parameters cast to "
+                            "bf16 for compute and all-gather, gradients reduced in fp32, fp32 "
+                            "master weights and optimizer state (any device: the cpu then runs "
+                            "the accelerators' path)")
+    compile: bool = Field(
+        False, description="torch.compile each transformer block and the loss on its own")
+    float8: Literal["off", "tensorwise", "rowwise"] = Field(
+        "off", description="float8 matmuls in the blocks' linear layers (torchao): tensorwise "
+                           "or rowwise scales; needs a device with float8 matmuls")
 
 
 class OptimConfig(Section):
@@ -212,6 +227,7 @@ class JobConfig(Section):
     run_dir: str = Field("runs/{name}", description="logs and checkpoints; {name} expands")
     model: ModelConfig = Field(default_factory=ModelConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
