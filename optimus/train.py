@@ -42,7 +42,6 @@ from optimus.parallel.grads import clip_grad_norm_, local_grads_finite
 from optimus.parallel.plan import IGNORE_INDEX, build_parallel_model
 from optimus.runtime import (
     ParallelDims,
-    autocast_for,
     destroy_distributed,
     device_name,
     init_distributed,
@@ -90,7 +89,6 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         model = build_parallel_model(job, layout, mesh, device)
         optimizer = build_optimizer(model.state_view(), job.optim, device)
         pp_group = mesh["pp"].get_group()
-        autocast = autocast_for(job.training.mixed_precision, device)  # bf16, or nothing (fp32)
 
         log = MetricsLog(
             Path(job.resolved_run_dir) / "metrics.jsonl", total_steps=job.optim.steps,
@@ -157,8 +155,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             with heartbeat.phase("grad_sync"):
                 step_tokens = _count_tokens(microbatches, device, dp_group)
             model.set_step_tokens(step_tokens)
-            with autocast:  # marks the phases "forward" and "backward"
-                loss_sum = model.forward_backward(microbatches, device, heartbeat)
+            loss_sum = model.forward_backward(microbatches, device, heartbeat)
             faults.after_backward(step, model.parameters(), loss_sum)
 
             with heartbeat.phase("grad_sync"):

@@ -32,8 +32,8 @@ rank (`moe_pass("dry")`).
 
 Expert weights are stacked, [experts, in, out], and computed by grouped GEMM:
 `torch._grouped_mm` where the device has it (CUDA, bf16, compute capability 9+), a padded
-batched matmul elsewhere (on CPU `_grouped_mm` has no backward in torch 2.13). Under autocast
-the experts run in bf16 and their weighted outputs are summed in float32 (`combine`).
+batched matmul elsewhere (on CPU `_grouped_mm` has no backward in torch 2.13). In bf16 mixed
+precision the experts run in bf16 and their weighted outputs are summed in float32 (`combine`).
 
 No parallel code here: dispatch and combine are local. Expert parallelism replaces
 `MoE.dispatch` from outside; the parallel plans set `MoE.sum_over_batch` and
@@ -106,10 +106,8 @@ def padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) ->
 def _native_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` can take these operands: CUDA, sm90+, both in bf16.
 
-    What training takes on a GPU today: parameters are float32 and the step runs under bf16
-    autocast (`optimus.runtime.device.autocast_for`), so `w` is float32 here and the experts
-    run as the padded batched matmul, which autocast computes in bf16. The native kernel is
-    taken once parameters are bf16 in compute (FSDP2's mixed-precision policy). On XPU torch
+    In bf16 mixed precision (FSDP2's policy) the experts' weights arrive here in bf16, so a
+    Hopper GPU takes the native kernel; fp32 training takes the padded path. On XPU torch
     2.13 has no `_grouped_mm`: always the padded path.
     """
     return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
@@ -274,7 +272,7 @@ class MoE(nn.Module):
                 weights: torch.Tensor) -> torch.Tensor:
         """Each token's experts' outputs `y` (in `kept` order), weighted and summed.
 
-        The sum is taken in float32 whatever the experts computed in (bf16 under autocast),
+        The sum is taken in float32 whatever the experts computed in (bf16 in mixed precision),
         and returned in their dtype, as a dense feed-forward's output would be."""
         y32 = y.float() * weights.reshape(-1)[kept].unsqueeze(-1).float()
         out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)

@@ -3,31 +3,57 @@
 Parameters, gradients and optimizer state are sharded across dp (ZeRO-3). Gradients are
 *summed* across ranks, not averaged: the trainer already divides the loss by the global token
 count, so a mean here would divide twice.
+
+Mixed precision lives here too, where the parameters do: with a bf16 policy each unit's
+parameters are cast to bf16 as they are all-gathered (half the bytes on the wire), forward and
+backward compute in bf16, and the gradients are cast to fp32 before the reduce-scatter, so the
+sum over ranks and the sharded gradients, master weights and optimizer state are all fp32. At
+dp 1 the same policy runs on a one-rank mesh: the all-gather is then only the cast and the
+reduce-scatter only the cast back, and nothing is sharded (`apply_data_parallel` with
+`reshard=False` keeps the bf16 copies between forward and backward, as there is no memory
+to win by dropping them).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from optimus.models.moe import moe_layers
 
 
+def precision_policy(dtype: torch.dtype) -> MixedPrecisionPolicy | None:
+    """FSDP2's policy for compute in `dtype`: None (plain fp32), or bf16 parameters in compute
+    and all-gather with fp32 gradient reduction."""
+    if dtype == torch.float32:
+        return None
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
 def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh,
-                        edp_mesh: DeviceMesh | None = None) -> nn.Module:
+                        edp_mesh: DeviceMesh | None = None,
+                        policy: MixedPrecisionPolicy | None = None,
+                        reshard: bool = True) -> nn.Module:
     """Shard each transformer block as its own unit, the rest (embedding, head) at the root.
 
     Under expert parallelism (`edp_mesh`), each MoE layer's experts, already sharded by expert
     over `ep`, are their own unit sharded over the expert-data-parallel `edp`: the replicas of
-    the same experts. Everything else shards over the whole `dp`.
+    the same experts. Everything else shards over the whole `dp`. Every unit takes `policy`,
+    but MoE routers, their own units, score in fp32 (their inputs are cast up as they enter).
+    `reshard` False keeps each block's gathered parameters from its forward to its backward.
     """
-    if edp_mesh is not None:
-        for moe in moe_layers(model):
-            fully_shard(moe.experts, mesh=edp_mesh)
+    options = {"mp_policy": policy or MixedPrecisionPolicy()}
+    for moe in moe_layers(model):
+        if edp_mesh is not None:
+            fully_shard(moe.experts, mesh=edp_mesh, reshard_after_forward=reshard, **options)
+        if policy is not None:  # routing decisions from bf16 scores flip on rounding: fp32
+            fully_shard(moe.router, mesh=dp_mesh, reshard_after_forward=reshard,
+                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, **options)
+    fully_shard(model, mesh=dp_mesh, **options)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -23,7 +23,11 @@ from optimus.health import NO_HEARTBEAT, Heartbeat, NoHeartbeat
 from optimus.models import build_model, materialize
 from optimus.models.moe import MoE, moe_layers
 from optimus.parallel.activation_checkpoint import apply_activation_checkpointing
-from optimus.parallel.data_parallel import apply_data_parallel, set_gradient_sync
+from optimus.parallel.data_parallel import (
+    apply_data_parallel,
+    precision_policy,
+    set_gradient_sync,
+)
 from optimus.parallel.expert_parallel import apply_expert_parallel, expert_group
 from optimus.parallel.experts import share_balance_counts
 from optimus.parallel.pipeline import build_schedule, build_stage_models, run_pipeline_step
@@ -34,6 +38,7 @@ from optimus.parallel.tensor_parallel import (
     loss_context,
     sum_grads_over_tp,
 )
+from optimus.runtime.device import compute_dtype
 
 IGNORE_INDEX = -100  # label value that carries no loss
 
@@ -151,14 +156,17 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
         num_stages, ids = 1, [0]
         parts = [build_model(job.model, seed=job.seed, device="meta")]
     ep_group = expert_group(mesh) if layout.ep > 1 else None
+    # bf16 is FSDP2's mixed-precision policy; without data parallelism, the same on one rank.
+    policy = precision_policy(compute_dtype(job.training.mixed_precision, device))
     for part in parts:
         if layout.tp > 1:
             apply_tensor_parallel(part, mesh["tp"])
         if layout.ep > 1:
             apply_expert_parallel(part, mesh["ep"], ep_group)
         apply_activation_checkpointing(part, p.activation_checkpoint, p.ac_every)
-        if layout.dp > 1:
-            apply_data_parallel(part, mesh["dp"], mesh["edp"] if layout.ep > 1 else None)
+        if layout.dp > 1 or policy is not None:
+            apply_data_parallel(part, mesh["dp"], mesh["edp"] if layout.ep > 1 else None,
+                                policy, reshard=layout.dp > 1)
         # Only now, sharded, is the model allocated: each rank holds its shards, never the
         # whole model (init_weights gives every shard its part of the one-process values).
         materialize(part, job.seed, device)

@@ -8,7 +8,7 @@ from optimus.lazy import lazy_names
 from optimus.runtime.launch import LaunchEnv, LaunchError, expand_hostlist, launch_env
 
 _WHERE = {
-    "DeviceError": "device", "autocast_for": "device", "compute_dtype": "device",
+    "DeviceError": "device", "compute_dtype": "device",
     "device_name": "device", "pick_backend": "device",
     "pick_device": "device", "ParallelDims": "dims", "destroy_distributed": "dist",
     "init_distributed": "dist",

@@ -6,7 +6,6 @@ backend is used only when asked for and only when oneccl_bindings_for_pytorch im
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 
 import torch
@@ -105,21 +104,3 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
     if precision not in ("bf16", "fp32"):
         raise DeviceError(f"unknown precision {precision!r}: use auto, bf16 or fp32")
     return torch.bfloat16 if precision == "bf16" else torch.float32
-
-
-def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """What the forward and backward run under: bf16 autocast, or nothing for float32.
-
-    Parameters, gradients and optimizer state stay float32 either way; the loss and its softmax
-    are taken in float32 (the model's loss casts the logits).
-
-    Without autocast's cache of weight casts: the trainer enters autocast once around a
-    step's microbatches, and the cache would keep each bf16 cast for the whole step. Under
-    FSDP2 that holds an unsharded copy of every layer (defeating the sharding), and reusing
-    the first microbatch's cast of an unsharded parameter in the next microbatches loses
-    gradient in accumulation (seen as a 20% smaller gradient norm at dp 2 with 2 microbatches;
-    tests/test_precision.py). Each weight is used once per forward, so the cache saves little.
-    """
-    if compute_dtype(precision, device) == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
