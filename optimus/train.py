@@ -37,6 +37,7 @@ from optimus.health import (
 from optimus.metrics import MetricsLog, StepMetrics, peak_flops, sample_fingerprint
 from optimus.models import flops_per_token
 from optimus.optim import build_optimizer, lr_at, set_lr
+from optimus.parallel.compile import CompileLog
 from optimus.parallel.experts import expert_step
 from optimus.parallel.grads import clip_grad_norm_, local_grads_finite
 from optimus.parallel.plan import IGNORE_INDEX, build_parallel_model
@@ -97,6 +98,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             world_size=env.world_size, log_every=job.supervision.log_every,
             enabled=env.rank == 0 and not quiet)
         result = TrainResult(losses=[], metrics=log.history)
+        compiles = CompileLog(log) if job.training.compile else None
 
         # Checkpoints: resume from the newest one that verifies, then save every `interval`.
         progress = Progress(job.data.batch_size)
@@ -156,6 +158,8 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                 step_tokens = _count_tokens(microbatches, device, dp_group)
             model.set_step_tokens(step_tokens)
             loss_sum = model.forward_backward(microbatches, device, heartbeat)
+            if compiles is not None:
+                compiles.after_step(step)
             faults.after_backward(step, model.parameters(), loss_sum)
 
             with heartbeat.phase("grad_sync"):

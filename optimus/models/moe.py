@@ -130,6 +130,14 @@ class _AddAuxLoss(torch.autograd.Function):
         return grad, torch.ones_like(aux)
 
 
+@torch.compiler.disable
+def add_aux_loss(out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    """`out`, unchanged, carrying `aux`'s gradient into backward. Always eager: traced into a
+    compiled graph (torch 2.13), the function's backward lost the auxiliary loss's gradient
+    (the output does not depend on `aux`, and the graph dropped the branch)."""
+    return _AddAuxLoss.apply(out, aux)
+
+
 # How the current forward pass treats the layers' bookkeeping (counters, running totals, the
 # collectives that sum counts): None for a plain training or evaluation pass, else
 # (mode, record) with mode "record" (a first forward whose balancing decisions are kept in
@@ -227,7 +235,7 @@ class MoE(nn.Module):
             aux = self.balance_loss(scores, chosen.view(b, s, -1))
             if _counting():
                 self.aux_total = aux.detach() + (0 if self.aux_total is None else self.aux_total)
-            out = _AddAuxLoss.apply(out, aux * self.aux_loss_coeff)
+            out = add_aux_loss(out, aux * self.aux_loss_coeff)
         return out.view(b, s, dim)
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

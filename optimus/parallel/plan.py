@@ -1,9 +1,9 @@
 """Build this rank's share of the model for a layout, and run one step's forward and backward.
 
 Plans are applied in one fixed order: pipeline split, then per stage tensor parallel ->
-expert parallel -> activation checkpointing -> data-parallel sharding (FSDP2 over `dp`, experts
-over `edp`), all on the meta device; only then are this rank's shards allocated and
-initialised.
+expert parallel -> activation checkpointing -> compile -> data-parallel sharding and mixed
+precision (FSDP2 over `dp`, experts over `edp`), all on the meta device; only then are this
+rank's shards allocated and initialised.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from optimus.health import NO_HEARTBEAT, Heartbeat, NoHeartbeat
 from optimus.models import build_model, materialize
 from optimus.models.moe import MoE, moe_layers
 from optimus.parallel.activation_checkpoint import apply_activation_checkpointing
+from optimus.parallel.compile import apply_compile
 from optimus.parallel.data_parallel import (
     apply_data_parallel,
     precision_policy,
@@ -50,13 +51,18 @@ class TokenSumLoss:
     the gradients, summed over microbatches and ranks, those of the global mean loss.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, compiled: bool = False) -> None:
         self.tokens = 1
+        self._sum = torch.compile(cross_entropy_sum) if compiled else cross_entropy_sum
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                               reduction="sum", ignore_index=IGNORE_INDEX)
-        return loss / self.tokens
+        return self._sum(logits, labels) / self.tokens
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of every labelled token, its softmax taken in float32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
+                           ignore_index=IGNORE_INDEX)
 
 
 @dataclass
@@ -146,7 +152,8 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
                          device: torch.device) -> ParallelModel:
     """This rank's model chunks, with the same weights as the one-process model."""
     p = job.parallel
-    loss_fn = TokenSumLoss()
+    # The vocab-parallel loss (tp > 1) stays eager: its DTensor backward does not compile.
+    loss_fn = TokenSumLoss(compiled=job.training.compile and layout.tp == 1)
     if layout.pp > 1:
         num_stages = layout.pp * layout.virtual_stages
         ids = pipeline_stage_ids(mesh["pp"].get_local_rank(), layout.pp, layout.virtual_stages,
@@ -164,6 +171,8 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
         if layout.ep > 1:
             apply_expert_parallel(part, mesh["ep"], ep_group)
         apply_activation_checkpointing(part, p.activation_checkpoint, p.ac_every)
+        if job.training.compile:
+            apply_compile(part)
         if layout.dp > 1 or policy is not None:
             apply_data_parallel(part, mesh["dp"], mesh["edp"] if layout.ep > 1 else None,
                                 policy, reshard=layout.dp > 1)

@@ -49,6 +49,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -95,6 +96,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
                                          use_local_output=False)
     if plan:
         parallelize_module(model, tp_mesh, plan)
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.register_forward_hook(_settle)
 
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
@@ -108,6 +111,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             "ffn_norm": SequenceParallel(),
             **(_moe_plan() if isinstance(block.feed_forward, MoE) else _feed_forward_plan()),
         })
+
+
+def _settle(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
+    """The embedding's output as a plain tensor, its reduce-scatter waited for.
+
+    DTensor hands it over as an AsyncCollectiveTensor (waited for on first use). The blocks
+    would then see two input types: the first block that one, the others plain tensors. A
+    compiled block would be compiled twice, once for a tensor subclass whose gradient AOT
+    autograd returns in the wrong type (DTensor's backward then fails on it)."""
+    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
 def _feed_forward_plan() -> dict[str, ParallelStyle]:
