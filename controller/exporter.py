@@ -123,8 +123,8 @@ class JobCollector(Collector):
                          metrics["tokens"])
 
     def _memory(self) -> Iterator:
-        """The largest peak memory of any rank, over each one's last logged step: the rank
-        nearest to running out. One series each, whatever the number of ranks."""
+        """The largest peak memory of any rank, each over its last logged step: how near the
+        fullest rank is to its device's capacity. One series each, whatever the ranks."""
         peak = self.store.peak_memory()
         if peak is None:
             return

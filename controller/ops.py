@@ -227,8 +227,8 @@ def _status(store: Store, record: dict[str, str]) -> dict:
 
 
 def _peak_memory(store: Store) -> dict | None:
-    """The largest peak memory of any running rank (its last logged step), and which rank had
-    the largest allocated: the one nearest to running out."""
+    """The largest peak memory of any running rank (its last logged step), allocated and
+    reserved, and the rank with the largest allocated (an operator's next question)."""
     peak = store.peak_memory()
     if peak is None:
         return None

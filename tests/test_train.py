@@ -6,11 +6,8 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import threading
 from pathlib import Path
 
 import pytest
@@ -171,62 +168,3 @@ def test_kill_rank_fault_kills_the_rank_at_its_step(tmp_path):
     assert "rank 0 kills itself at step 3" in proc.stderr
     steps = [json.loads(s)["step"] for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
-
-
-class _Agent:
-    """A stand-in for the node agent's socket: collects every heartbeat the ranks send."""
-
-    def __init__(self):
-        self.path = os.path.join(tempfile.mkdtemp(), "agent.sock")  # AF_UNIX paths are short
-        self.beats: list[dict] = []
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.bind(self.path)
-        self._sock.settimeout(0.1)
-        self._open = True
-        self._thread = threading.Thread(target=self._receive, daemon=True)
-        self._thread.start()
-
-    def _receive(self) -> None:
-        while self._open:
-            try:
-                self.beats.append(json.loads(self._sock.recv(65536)))
-            except TimeoutError:
-                continue
-
-    def close(self) -> None:
-        self._open = False
-        self._thread.join()
-        self._sock.close()
-        os.unlink(self.path)
-        os.rmdir(os.path.dirname(self.path))
-
-
-def _train_beating(rank: int, world_size: int, raw: dict, agent_socket: str) -> None:
-    os.environ["OPTIMUS_AGENT_SOCKET"] = agent_socket
-    if rank == 1:  # rank 1 peaks 128 MiB higher: the largest is not rank 0's own
-        torch.ones(32 << 20).sum()
-    train(validate_job(raw, world=world_size))
-
-
-def test_metrics_record_the_largest_peak_memory_of_any_rank(run_ranks, tmp_path):
-    raw = tiny(str(tmp_path), supervision={"heartbeat_interval_s": 0.05})
-    agent = _Agent()
-    try:
-        run_ranks(_train_beating, 2, raw, agent.path, timeout=120)
-    finally:
-        agent.close()
-    # Each rank's last heartbeat carries its own peak in the last step, which is logged.
-    own = {b["rank"]: b["memory"] for b in agent.beats if b["phase"] == "done"}
-    assert own.keys() == {0, 1}
-    lines = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    last = lines[-1]["memory"]
-    assert last == {"allocated_bytes": own[1]["allocated_bytes"], "allocated_rank": 1,
-                    "reserved_bytes": own[1]["reserved_bytes"], "reserved_rank": 1}
-    assert own[1]["allocated_bytes"] > own[0]["allocated_bytes"] + (64 << 20)
-    # On a CPU: the peak RSS so far, in bytes, so at least the weights, their gradients and
-    # Adam's two moments (float32), and never falling from one step to the next.
-    job = validate_job(raw)
-    parameters = sum(p.numel() for p in build_model(job.model, seed=0, device="cpu").parameters())
-    assert last["allocated_bytes"] > 4 * 4 * parameters
-    peaks = [m["memory"]["allocated_bytes"] for m in lines]
-    assert len(peaks) == 5 and peaks == sorted(peaks)
