@@ -393,13 +393,16 @@ class Agent:
         if not beats:
             return None
         full = [p.compute for p in live if len(p.compute) >= max(p.compute.maxlen // 2, 1)]
+        memory = [b["memory"] for b in beats if b.get("memory")]
         return NodeSummary(
             max_step=max(b["step"] for b in beats), min_step=min(b["step"] for b in beats),
             outside=sum(b["phase"] not in COLLECTIVE_PHASES for b in beats),
             nonfinite=not all(b.get("finite", True) for b in beats),
             compute_s=max(statistics.median(c) for c in full) if full else None,
             paused=sum(b["phase"] == "paused" for b in beats),
-            oldest_beat=min(b["time"] for b in beats))
+            oldest_beat=min(b["time"] for b in beats),
+            peak_allocated=max((m["allocated_bytes"] for m in memory), default=None),
+            peak_reserved=max((m["reserved_bytes"] for m in memory), default=None))
 
     def _rank_states(self, live: list[RankProcess]) -> dict[str, int]:
         """How many of this node's live ranks are in each state (for the exporter)."""

@@ -83,6 +83,8 @@ class JobCollector(Collector):
         if step is not None:
             yield _gauge("optimus_step", "The furthest step any rank has reached", step)
         yield from self._training(plan if running else {})
+        if running:
+            yield from self._memory()
 
         causes = _json(record.get("restart_causes"), {})
         restarts = CounterMetricFamily("optimus_restarts", "Restarts of the job, by cause",
@@ -119,6 +121,19 @@ class JobCollector(Collector):
         if metrics.get("tokens") is not None:  # a gauge: a restart goes back to its checkpoint's
             yield _gauge("optimus_tokens", "Tokens trained up to the last logged step",
                          metrics["tokens"])
+
+    def _memory(self) -> Iterator:
+        """The largest peak memory of any rank, each over its last logged step: how near the
+        fullest rank is to its device's capacity. One series each, whatever the ranks."""
+        peak = self.store.peak_memory()
+        if peak is None:
+            return
+        yield _gauge("optimus_memory_peak_allocated_bytes", "The largest peak memory held by "
+                     "tensors on any rank in its last logged step (CPU: peak RSS so far)",
+                     peak["allocated_bytes"])
+        yield _gauge("optimus_memory_peak_reserved_bytes", "The largest peak memory reserved "
+                     "by the allocator on any rank in its last logged step (CPU: peak RSS so "
+                     "far)", peak["reserved_bytes"])
 
     def _ranks_and_nodes(self, plan: dict, now: float) -> Iterator:
         store = self.store

@@ -31,6 +31,7 @@ import optimus.cli as core
 from controller import operator
 from controller.store import Store, StoreUnavailable, redis_url, safe_url
 from controller.view import PAUSED, RUNNING, STOPPED, TERMINAL
+from optimus.files import human_bytes
 
 ACK_TIMEOUT_S = 15.0  # a leading controller answers within a tick or two
 
@@ -182,7 +183,9 @@ def job_status(job_name: str, redis: str | None, output: str) -> None:
     for key, value in status.items():
         if value in (None, "", [], {}):
             continue
-        if isinstance(value, dict):
+        if key == "peak_memory":
+            value = _memory_text(value)
+        elif isinstance(value, dict):
             value = ", ".join(f"{k} {v}" for k, v in value.items())
         elif isinstance(value, list):
             value = ", ".join(map(str, value))
@@ -205,6 +208,7 @@ def _status(store: Store, record: dict[str, str]) -> dict:
         "desired": record.get("desired") or None, "generation": int(record.get("generation", -1)),
         "step": step, "loss": (metrics or {}).get("loss"),
         "tokens_per_s": (metrics or {}).get("tokens_per_s"),
+        "peak_memory": _peak_memory(store) if running else None,
         "restarts": int(record.get("restarts", 0)),
         "restart_causes": _loads(record.get("restart_causes"), {}),
         "nodes": plan.get("nodes", []) if running else [],
@@ -220,6 +224,25 @@ def _status(store: Store, record: dict[str, str]) -> dict:
         "last_failure": _loads(record.get("last_failure"), None),
         "leader": store.leader(),
     }
+
+
+def _peak_memory(store: Store) -> dict | None:
+    """The largest peak memory of any running rank (its last logged step), allocated and
+    reserved, and the rank with the largest allocated (an operator's next question)."""
+    peak = store.peak_memory()
+    if peak is None:
+        return None
+    beats = store.rank_beats(peak["allocated_node"]).values()
+    top = max(beats, key=lambda b: (b.get("memory") or {}).get("allocated_bytes", -1),
+              default={})
+    return {"allocated_bytes": peak["allocated_bytes"], "reserved_bytes": peak["reserved_bytes"],
+            "rank": top.get("rank")}
+
+
+def _memory_text(peak: dict) -> str:
+    rank = f" (rank {peak['rank']})" if peak.get("rank") is not None else ""
+    return (f"{human_bytes(peak['allocated_bytes'])} allocated{rank}, "
+            f"{human_bytes(peak['reserved_bytes'])} reserved")
 
 
 @job.command("pause")

@@ -36,6 +36,7 @@ T = TypeVar("T")
 EVENTS_MAXLEN = 10_000  # approximate (MAXLEN ~): Redis trims whole nodes of the stream
 REQUESTS_MAXLEN = 1_000
 EXITS_MAXLEN = 200_000  # > one generation's ranks at 131k ranks
+PEAK_MEMORY = ("peak_allocated", "peak_reserved")  # sorted sets: node -> bytes
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
 # Renew the lease only if we still hold it; take it if it is free. 1: held, 0: someone else.
@@ -92,6 +93,9 @@ class NodeSummary:
     compute_s: float | None  # the slowest rank's median compute time over the window
     paused: int = 0  # ranks waiting paused
     oldest_beat: float | None = None  # time of the oldest rank heartbeat (None: none yet)
+    # The largest peak memory of its ranks' last logged steps, bytes (None: none logged yet)
+    peak_allocated: int | None = None
+    peak_reserved: int | None = None
 
 
 @dataclass
@@ -299,22 +303,22 @@ class Store:
     def _summary(self, pipe, node: str, summary: NodeSummary | None) -> None:
         """The node's row in each job-wide sorted set, so that every sweep is one range query."""
         if summary is None:
-            for key in ("steps", "minsteps", "outside", "compute", "paused", "oldest"):
+            for key in ("steps", "minsteps", "outside", "compute", "paused", "oldest",
+                        *PEAK_MEMORY):
                 pipe.zrem(self.k(key), node)
             pipe.srem(self.k("nonfinite"), node)
             return
         pipe.zadd(self.k("steps"), {node: summary.max_step})
         pipe.zadd(self.k("paused"), {node: summary.paused})
-        if summary.oldest_beat is None:
-            pipe.zrem(self.k("oldest"), node)
-        else:
-            pipe.zadd(self.k("oldest"), {node: summary.oldest_beat})
         pipe.zadd(self.k("minsteps"), {node: summary.min_step})
         pipe.zadd(self.k("outside"), {node: summary.outside})
-        if summary.compute_s is None:
-            pipe.zrem(self.k("compute"), node)
-        else:
-            pipe.zadd(self.k("compute"), {node: summary.compute_s})
+        for key, value in (("oldest", summary.oldest_beat), ("compute", summary.compute_s),
+                           ("peak_allocated", summary.peak_allocated),
+                           ("peak_reserved", summary.peak_reserved)):
+            if value is None:
+                pipe.zrem(self.k(key), node)
+            else:
+                pipe.zadd(self.k(key), {node: value})
         if summary.nonfinite:
             pipe.sadd(self.k("nonfinite"), node)
         else:
@@ -356,6 +360,22 @@ class Store:
     def node_steps(self) -> dict[str, float]:
         """Node -> the furthest step of its ranks, for nodes running ranks."""
         return dict(self.call(lambda: self.r.zrange(self.k("steps"), 0, -1, withscores=True)))
+
+    def peak_memory(self) -> dict | None:
+        """The largest peak allocated and reserved memory of any running rank (its last logged
+        step), and the node it runs on: {"allocated_bytes", "allocated_node", "reserved_bytes",
+        "reserved_node"}; None before a rank has logged a step. One round trip."""
+        def read():
+            pipe = self.r.pipeline(transaction=False)
+            for key in PEAK_MEMORY:
+                pipe.zrevrange(self.k(key), 0, 0, withscores=True)
+            return pipe.execute()
+        tops = self.call(read)
+        if not all(tops):
+            return None
+        (allocated_node, allocated), (reserved_node, reserved) = (top[0] for top in tops)
+        return {"allocated_bytes": int(allocated), "allocated_node": allocated_node,
+                "reserved_bytes": int(reserved), "reserved_node": reserved_node}
 
     def furthest_step(self) -> int | None:
         top = self.call(lambda: self.r.zrevrange(self.k("steps"), 0, 0, withscores=True))

@@ -1,9 +1,19 @@
-"""Crash-safe file writes shared by data preparation and checkpoints."""
+"""Crash-safe file writes shared by data preparation and checkpoints; sizes for people."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+
+def human_bytes(n: int) -> str:
+    """`n` bytes in binary units, one decimal: "512 B", "1.5 GiB"."""
+    size, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if size < 1024 or unit == "PiB":
+            break
+        size /= 1024
+    return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
 
 
 def fsync_dir(path: Path) -> None:

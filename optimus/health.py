@@ -7,7 +7,8 @@ ends normally. Version 1 of the datagram, every field always present:
 
     {"v": 1, "rank": 5, "local_rank": 1, "pid": 4242, "generation": 2, "time": 1.79e9,
      "step": 120, "phase": "backward", "phase_since": 1.79e9, "compute_s": 0.41,
-     "wait_s": 0.03, "finite": true, "seq": 57, "metrics": null}
+     "wait_s": 0.03, "finite": true, "seq": 57, "resume": null, "metrics": null,
+     "memory": {"allocated_bytes": 61203824640, "reserved_bytes": 66571993088}}
 
 - generation: OPTIMUS_GENERATION (`launch_env().restart_count`); time: time.time() at the send.
 - step: the step in progress; before the first one, the step the run resumed from (0: none).
@@ -45,6 +46,10 @@ ends normally. Version 1 of the datagram, every field always present:
   far, all ranks), "tokens_per_s", "mfu" (null where the device's peak is unknown),
   "step_time_s", "checkpoint_s" (the last save, from its start to this rank's files written;
   null before one)}. The controller's Prometheus exporter reads them from Redis.
+- memory: null until a step is logged, then this rank's own peak memory in that step:
+  {"allocated_bytes", "reserved_bytes"} (optimus/runtime/memory.py; on a CPU, both the peak
+  resident set size so far). Each agent keeps its node's largest; the exporter and `optimus job
+  status` show the largest of all nodes.
 
 The socket never blocks, and every send error (no agent yet, agent gone, its queue full) is
 ignored: the next beat tries again, and reaches an agent that binds the same path again.
@@ -117,6 +122,7 @@ class Heartbeat:
         self._finite = True
         self._metrics: dict | None = None  # rank 0's last logged step (see the module doc)
         self._resume: dict | None = None  # what this rank resumed from, once it knows
+        self._memory: dict | None = None  # this rank's peak memory in its last logged step
         self._step_began = 0.0
         self._waited = 0.0  # in the step in progress
         self._waiting = False  # inside a waiting phase (a nested one adds nothing more)
@@ -150,9 +156,12 @@ class Heartbeat:
         wall = time.perf_counter() - self._step_began
         self._last = (wall - self._waited, self._waited)
 
-    def logged(self, loss: float, grad_norm: float, metrics: dict | None = None) -> None:
-        """A logged step: whether its loss and norm were finite; rank 0 adds its metrics."""
+    def logged(self, loss: float, grad_norm: float, metrics: dict | None = None,
+               memory: dict | None = None) -> None:
+        """A logged step: whether its loss and norm were finite, this rank's peak memory in it;
+        rank 0 adds its metrics."""
         self._finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        self._memory = memory
         if metrics is not None:
             self._metrics = {k: (v if v is None or math.isfinite(v) else None)
                              for k, v in metrics.items()}
@@ -194,7 +203,7 @@ class Heartbeat:
         beat = {**self._fixed, "time": time.time(), "step": step, "phase": phase,
                 "phase_since": since, "compute_s": compute_s, "wait_s": wait_s,
                 "finite": self._finite, "seq": self._seq, "resume": self._resume,
-                "metrics": self._metrics}
+                "metrics": self._metrics, "memory": self._memory}
         self._seq += 1
         with contextlib.suppress(OSError):  # no agent, agent gone, queue full: try next time
             self._sock.sendto(json.dumps(beat).encode(), self.path)
@@ -247,7 +256,8 @@ class NoHeartbeat:
     def end_step(self) -> None:
         pass
 
-    def logged(self, loss: float, grad_norm: float, metrics: dict | None = None) -> None:
+    def logged(self, loss: float, grad_norm: float, metrics: dict | None = None,
+               memory: dict | None = None) -> None:
         pass
 
     def nonfinite(self) -> None:

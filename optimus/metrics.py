@@ -48,6 +48,9 @@ class StepMetrics:
     checkpoint: dict | None = None  # the checkpointer's counters, when checkpointing
     moe: dict | None = None  # per MoE layer, slots routed to each expert; dropped; aux loss
     data: dict | None = None  # the step's samples: `sample_fingerprint`
+    # The largest peak memory of any rank and which rank had it (optimus/runtime/memory.py):
+    # {"allocated_bytes", "allocated_rank", "reserved_bytes", "reserved_rank"}
+    memory: dict | None = None
 
 
 def sample_fingerprint(start: int, batch_size: int, sample_ids: Iterable,

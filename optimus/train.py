@@ -47,8 +47,11 @@ from optimus.runtime import (
     device_name,
     init_distributed,
     launch_env,
+    max_over_ranks,
+    peak_memory,
     pick_backend,
     pick_device,
+    reset_peak_memory,
 )
 
 # DTensor warns at every clip on a dp x tp mesh that it gathers in two steps; it is expected.
@@ -143,6 +146,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         for step in range(first, job.optim.steps + 1):
             faults.step_start(step)
             heartbeat.begin_step(step)
+            reset_peak_memory(device)
             started = time.perf_counter()
             lr = lr_at(step, job.optim)
             set_lr(optimizer, lr)
@@ -181,10 +185,12 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                 result.sample_ids.append([int(s) for mb in microbatches for s in mb["sample_ids"]])
 
             if step % job.supervision.log_every == 0 or step == job.optim.steps:
+                own_memory = peak_memory(device)
                 with heartbeat.phase("grad_sync"):
                     for group in (pp_group, dp_group):  # only last stages hold losses
                         if group.size() > 1:
                             dist.all_reduce(loss_sum, group=group)
+                    memory = max_over_ranks(own_memory, env.rank, device)  # all ranks
                 loss_value = loss_sum.item()  # waits for the device
                 step_time = time.perf_counter() - started
                 tokens_per_s, mfu = log.throughput(step_tokens, step_time)
@@ -193,12 +199,12 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                     "loss": loss_value, "tokens": progress.tokens, "tokens_per_s": tokens_per_s,
                     "mfu": mfu, "step_time_s": step_time,
                     "checkpoint_s": ckpt.stats.last_write_s if ckpt and ckpt.stats.saves_committed
-                    else None})
+                    else None}, memory=own_memory)
                 log.record(StepMetrics(step=step, loss=loss_value, grad_norm=float(grad_norm),
                                        lr=lr, tokens=progress.tokens, step_time_s=step_time,
                                        tokens_per_s=tokens_per_s, mfu=mfu,
                                        checkpoint=ckpt.stats.as_dict() if ckpt else None,
-                                       moe=experts, data=data))
+                                       moe=experts, data=data, memory=memory))
             else:
                 log.samples(step, data)
 

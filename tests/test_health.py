@@ -20,7 +20,10 @@ import torch
 from multiproc import free_port
 
 from optimus.checkpoint.manifest import committed_steps
+from optimus.config import load_job
 from optimus.health import PHASES, Command, Commands, Heartbeat
+from optimus.models import build_model
+from optimus.train import train
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "jobs" / "tiny-gpt.yaml"
@@ -131,7 +134,7 @@ def test_a_training_process_sends_heartbeats_in_the_protocol(socket_dir, tmp_pat
     assert len(beats) > 100
     for beat in beats:
         assert {k: type(v) for k, v in beat.items()
-                if k not in ("metrics", "resume")} == FIELDS, beat
+                if k not in ("metrics", "resume", "memory")} == FIELDS, beat
         assert (beat["v"], beat["rank"], beat["local_rank"]) == (1, 0, 0)
         assert (beat["pid"], beat["generation"]) == (proc.pid, 3)
         assert beat["phase"] in PHASES
@@ -164,6 +167,40 @@ def test_a_training_process_sends_heartbeats_in_the_protocol(socket_dir, tmp_pat
     assert (final["loss"], final["tokens"], final["step_time_s"]) == (
         last["loss"], last["tokens"], last["step_time_s"])
     assert final["tokens_per_s"] == last["tokens_per_s"] and final["checkpoint_s"] > 0
+    # Every rank carries its own peak memory in its last logged step; alone, it is the largest.
+    assert beats[0]["memory"] is None
+    assert last["memory"] == {**beats[-1]["memory"], "allocated_rank": 0, "reserved_rank": 0}
+
+
+def _train_beating(rank: int, world_size: int, overrides: list[str], agent_socket: str) -> None:
+    os.environ["OPTIMUS_AGENT_SOCKET"] = agent_socket
+    if rank == 1:  # rank 1 peaks 128 MiB higher: the largest is not rank 0's own
+        torch.ones(32 << 20).sum()
+    train(load_job(JOB, overrides))
+
+
+def test_metrics_record_the_largest_peak_memory_any_rank_sent(run_ranks, socket_dir, tmp_path):
+    agent = Agent(socket_dir / "agent.sock")
+    overrides = [*TINY, f"run_dir={tmp_path}", "optim.steps=5", "checkpoint.interval=0",
+                 "supervision.heartbeat_interval_s=0.05"]
+    try:
+        run_ranks(_train_beating, 2, overrides, str(agent.path), timeout=120)
+    finally:
+        agent.close()
+    # Each rank's last heartbeat carries its own peak in the last step, which is logged.
+    own = {b["rank"]: b["memory"] for b in agent.beats if b["phase"] == "done"}
+    assert own.keys() == {0, 1}
+    lines = _metrics(tmp_path)
+    last = lines[-1]["memory"]
+    assert last == {"allocated_bytes": own[1]["allocated_bytes"], "allocated_rank": 1,
+                    "reserved_bytes": own[1]["reserved_bytes"], "reserved_rank": 1}
+    assert own[1]["allocated_bytes"] > own[0]["allocated_bytes"] + (64 << 20)
+    # On a CPU: the peak RSS so far, in bytes, so at least the weights, their gradients and
+    # Adam's two moments (float32), and never falling from one logged step to the next.
+    model = build_model(load_job(JOB, overrides).model, seed=0, device="cpu")
+    assert last["allocated_bytes"] > 4 * 4 * sum(p.numel() for p in model.parameters())
+    peaks = [m["memory"]["allocated_bytes"] for m in lines]
+    assert len(peaks) == 5 and peaks == sorted(peaks)
 
 
 def test_an_absent_agent_changes_nothing(socket_dir, tmp_path):

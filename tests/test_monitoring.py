@@ -36,6 +36,8 @@ CONTRACT = {
     "optimus_tokens_per_second",
     "optimus_mfu_ratio",
     "optimus_step_time_seconds",
+    "optimus_memory_peak_allocated_bytes",
+    "optimus_memory_peak_reserved_bytes",
     "optimus_ranks",
     "optimus_heartbeat_age_seconds_bucket",
     "optimus_heartbeat_age_seconds_sum",

@@ -38,6 +38,7 @@ from promql import exported_names, metric_names, monitoring_expressions
 from controller.store import Store
 from optimus.checkpoint.manifest import committed_steps
 from optimus.checkpoint.quarantine import quarantined
+from optimus.files import human_bytes
 
 JOB = "ops"
 
@@ -153,6 +154,20 @@ def test_pause_holds_every_rank_at_one_step_after_a_checkpoint_and_resume_goes_o
     assert sample(scrape, "optimus_job_state", state="PAUSED") == 1
     assert sample(scrape, "optimus_ranks", state="paused") == 2
     assert sample(scrape, "optimus_step") == paused_at
+    # Paused, no rank logs a step: each one's peak memory holds still, and the scrape and the
+    # status show the largest of them (each rank's own, from its heartbeat).
+    own = {b["rank"]: b["memory"] for b in first}
+    allocated = max(m["allocated_bytes"] for m in own.values())
+    reserved = max(m["reserved_bytes"] for m in own.values())
+    assert sample(scrape, "optimus_memory_peak_allocated_bytes") == allocated
+    assert sample(scrape, "optimus_memory_peak_reserved_bytes") == reserved
+    status = json.loads(ok(optimus("job", "status", "--job", JOB, "-o", "json", url=live.url)))
+    peak = status["peak_memory"]
+    assert (peak["allocated_bytes"], peak["reserved_bytes"]) == (allocated, reserved)
+    assert own[peak["rank"]]["allocated_bytes"] == allocated
+    table = ok(optimus("job", "status", "--job", JOB, url=live.url))
+    assert (f"{human_bytes(allocated)} allocated (rank {peak['rank']}), "
+            f"{human_bytes(reserved)} reserved") in table
 
     refused = optimus("job", "pause", "--job", JOB, url=live.url)
     assert refused.returncode != 0

@@ -30,7 +30,8 @@ def base_job(**parallel) -> dict:
 def _train(rank: int, world_size: int, raw: dict) -> dict:
     result = train(validate_job(raw, world=world_size), keep_state=True, quiet=True)
     return {"losses": result.losses, "state": result.state,
-            "grad_norms": [m.grad_norm for m in result.metrics]}
+            "grad_norms": [m.grad_norm for m in result.metrics],
+            "memory": [m.memory for m in result.metrics]}
 
 
 LAYOUTS = {
@@ -83,6 +84,13 @@ def test_layout_matches_one_process(run_ranks, name):
     for key, value in one["state"].items():
         assert relative_error(merged[key], value) <= 1e-5, key
     assert one["losses"][-1] < one["losses"][0]  # it trained, so agreeing is not trivial
+    # The peak memory is taken over the whole world, whatever the layout: every rank records the
+    # same, naming one of its ranks (on a CPU, peak RSS so far: the last step's is the most).
+    memory = ranks[0]["memory"]
+    assert all(result["memory"] == memory for result in ranks)
+    last = memory[-1]
+    assert 0 <= last["allocated_rank"] < world
+    assert all(last["allocated_bytes"] >= m["allocated_bytes"] for m in memory)
 
 
 def test_activation_checkpointing_changes_nothing_but_memory(run_ranks):

@@ -18,6 +18,7 @@ from optimus.runtime import (
     expand_hostlist,
     init_distributed,
     launch_env,
+    max_over_ranks,
     pick_backend,
     pick_device,
 )
@@ -406,3 +407,23 @@ def test_harness_kills_a_hung_rank_at_the_timeout(run_ranks):
     with pytest.raises(RanksTimedOut, match=r"ranks \[2\] of 3 did not finish within 3 s"):
         run_ranks(_hangs_on_rank_2, 3, timeout=3)
     assert time.monotonic() - start < 10
+
+
+# --- memory ---------------------------------------------------------------------------------
+
+GIB = 1 << 30
+PEAKS = [{"allocated_bytes": 5 * GIB, "reserved_bytes": 9 * GIB},  # rank 0
+         {"allocated_bytes": 7 * GIB + 3, "reserved_bytes": 8 * GIB},
+         {"allocated_bytes": 6 * GIB, "reserved_bytes": 9 * GIB}]
+
+
+def _max_over_ranks(rank, world_size):
+    return max_over_ranks(PEAKS[rank], rank, torch.device("cpu"))
+
+
+def test_max_over_ranks_finds_the_largest_peaks_and_their_ranks(run_ranks):
+    results = run_ranks(_max_over_ranks, 3)
+    # Exact bytes; a tie (9 GiB reserved on ranks 0 and 2) names the lowest rank.
+    expected = {"allocated_bytes": 7 * GIB + 3, "allocated_rank": 1,
+                "reserved_bytes": 9 * GIB, "reserved_rank": 0}
+    assert results == [expected] * 3

@@ -9,7 +9,7 @@ import time
 import pytest
 from cluster import ROOT, RedisServer, free_port
 
-from controller.store import Store, StoreUnavailable, prefix
+from controller.store import NodeSummary, Store, StoreUnavailable, prefix
 
 
 @pytest.fixture
@@ -55,6 +55,27 @@ def test_agent_tick_is_one_round_trip_that_writes_beats_and_reads_plan_and_chaos
     assert s.overdue(now) == {"n0": now - 1}
     assert s.agent_status(["n0", "n9"]) == {"n0": {"generation": "3", "state": "running",
                                                    "live_ranks": "2"}}
+
+
+def _summary(allocated: int | None, reserved: int | None) -> NodeSummary:
+    return NodeSummary(max_step=4, min_step=4, outside=0, nonfinite=False, compute_s=None,
+                       peak_allocated=allocated, peak_reserved=reserved)
+
+
+def test_peak_memory_is_the_largest_of_any_node_and_leaves_with_its_ranks(redis_server):
+    s = Store(redis_server.url, "j")
+    tick = {"status": {"state": "running"}, "rank_beats": {}, "deadline": None,
+            "reset_ranks": False}
+    s.agent_tick("n0", **tick, summary=_summary(None, None))  # no step logged yet
+    assert s.peak_memory() is None
+    s.agent_tick("n0", **tick, summary=_summary(3 << 30, 5 << 30))
+    s.agent_tick("n1", **tick, summary=_summary(4 << 30, 4 << 30))
+    s.agent_tick("n2", **tick, summary=_summary(2 << 30, 2 << 30))
+    assert s.peak_memory() == {"allocated_bytes": 4 << 30, "allocated_node": "n1",
+                               "reserved_bytes": 5 << 30, "reserved_node": "n0"}
+    s.agent_tick("n1", **tick, summary=None)  # its ranks are gone
+    assert s.peak_memory() == {"allocated_bytes": 3 << 30, "allocated_node": "n0",
+                               "reserved_bytes": 5 << 30, "reserved_node": "n0"}
 
 
 def test_exits_stream_reads_after_a_cursor(redis_server):

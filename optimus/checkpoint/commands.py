@@ -30,6 +30,7 @@ from optimus.checkpoint.manifest import (
     verify,
 )
 from optimus.checkpoint.quarantine import QUARANTINE_NOTE, quarantined
+from optimus.files import human_bytes
 
 EXIT_PROBLEMS = 2
 _output = click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table",
@@ -55,15 +56,6 @@ def _resolve(path: Path) -> tuple[Path, bool]:
 def _step_dirs(root: Path) -> list[Path]:
     found = [(step_of(p), p) for p in root.iterdir() if p.is_dir()]
     return [p for s, p in sorted((s, p) for s, p in found if s is not None)]
-
-
-def _human_bytes(n: int) -> str:
-    size, unit = float(n), "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if size < 1024 or unit == "PiB":
-            break
-        size /= 1024
-    return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
 
 
 def _human_age(seconds: float) -> str:
@@ -142,7 +134,7 @@ def list_checkpoints(path: Path, output: str) -> None:
         tokens = "-" if r["tokens"] is None else f"{r['tokens']:,}"
         table.add_row(*(Text(str(v)) for v in (
             "-" if r["step"] is None else r["step"], r["state"], tokens, _layout(r["layout"]),
-            _human_bytes(r["bytes"]), _human_age(r["age_s"]))))
+            human_bytes(r["bytes"]), _human_age(r["age_s"]))))
     Console(width=120).print(table)
     for r in rows:
         if r["state"] == "quarantined":
@@ -183,7 +175,7 @@ def inspect_checkpoint(path: Path, output: str) -> None:
         ("layout", _layout(manifest.get("layout"))),
         ("config hash", manifest.get("config_hash", "-")),
         ("data state", "-" if data_state is None else json.dumps(data_state)),
-        ("files", f"{len(files)}, {total:,} bytes ({_human_bytes(total)})"),
+        ("files", f"{len(files)}, {total:,} bytes ({human_bytes(total)})"),
         ("committed", when),
         ("also", ", ".join(k for k in manifest if k not in shown) or "-"),
     ]
@@ -214,6 +206,6 @@ def verify_checkpoints(path: Path, sizes_only: bool) -> None:
         else:
             files = read_manifest(target)["files"]
             total = sum(f["size"] for f in files.values())
-            click.echo(f"ok: {target.name} ({len(files)} files, {_human_bytes(total)})")
+            click.echo(f"ok: {target.name} ({len(files)} files, {human_bytes(total)})")
     if bad:
         click.get_current_context().exit(EXIT_PROBLEMS)
