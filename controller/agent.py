@@ -230,9 +230,9 @@ class Agent:
         if action == "run" and mine and gen != self.generation and not self._live():
             if self.checked_for != gen:
                 self.checked_for = gen
-                self.fit_for = self._healthy_for(gen)
+                self.fit_for = self._healthy_for(gen) and self._can_run(plan)
             if not self.fit_for:
-                return  # the node record says why; the controller excludes the node
+                return  # the node record or the stop request says why
             if self.spawner.warming():
                 return  # its imports are nearly done: ranks then start in milliseconds
             self._launch(plan)
@@ -450,6 +450,23 @@ class Agent:
             return False
         return True
 
+    def _can_run(self, plan: dict) -> bool:
+        """Whether this node can run the job as the ranks will read it. A job asking for
+        float8 where torchao is missing or the device has no float8 matmuls is the job's fault,
+        not the node's (its nodes are all of one kind): no rank starts, and the agent asks the
+        controller to stop the job, with the reason, instead of excluding itself."""
+        problem = job_problem_here(plan["job_file"], plan.get("overrides", []))
+        if problem is None:
+            return True
+        self._event("refused", f"{self.node} refuses generation {plan['generation']}: "
+                    f"{problem}")
+        try:
+            self.store.request("stop", f"agent:{self.node}", self.host, reason=problem)
+        except StoreUnavailable as e:
+            self._note_outage(e)
+            self.checked_for = None  # ask again on the next tick
+        return False
+
     # --- commands: stacks, health checks, faults -----------------------------------------------
 
     def _command(self, command: dict) -> None:
@@ -538,6 +555,22 @@ class Agent:
             self.store.event(f"agent:{self.node}", kind, message, node=self.node, **fields)
         except StoreUnavailable as e:
             self._note_outage(e)
+
+
+def job_problem_here(job_file: str, overrides: list[str]) -> str | None:
+    """Why this machine cannot run the job file (with its overrides) at all, or None."""
+    from optimus.config import ConfigError, load_job
+    from optimus.parallel.float8 import check_float8_here
+
+    try:
+        job = load_job(job_file, list(overrides))
+    except ConfigError:
+        return None  # each rank names that problem in its log, as it always has
+    try:
+        check_float8_here(job, source=job_file)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def _signal_group(popen: Any, sig: int) -> None:

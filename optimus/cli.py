@@ -53,9 +53,11 @@ def main() -> None:
 def train(job: Path, overrides: tuple[str, ...]) -> None:
     """Train JOB as one rank (or as each rank under torchrun / srun / mpiexec)."""
     from optimus.health import CheckpointFailed, NonFinite
+    from optimus.parallel.float8 import check_float8_here
     from optimus.train import train as run_training  # torch loads only when training
 
     config = load_job(job, list(overrides))
+    check_float8_here(config, source=str(job))  # every rank, before the rendezvous
     try:
         run_training(config)
     except (NonFinite, CheckpointFailed) as e:  # the agent reads the exit status (87, 88, 89)

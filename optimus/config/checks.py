@@ -78,6 +78,11 @@ def _job_problems(job: JobConfig) -> list[tuple[str, str, str]]:
     elif p.ep > 1:
         out.append(("parallel.ep", f"ep={p.ep} needs experts to shard",
                     "set model.moe.experts, or ep: 1"))
+    if job.training.float8 != "off" and p.tp > 1:
+        out.append(("training.float8", f"{job.training.float8} float8 with tensor parallel "
+                    f"(tp={p.tp}) is not supported: the tp plan's sequence-parallel inputs and "
+                    "its kv-head copies have no float8 counterpart here",
+                    "set parallel.tp: 1 (shard with dp instead), or training.float8: off"))
     if d.seq_len > m.max_seq_len:
         out.append(("data.seq_len", f"{d.seq_len} is longer than model.max_seq_len="
                     f"{m.max_seq_len}", f"use seq_len <= {m.max_seq_len}"))
