@@ -39,6 +39,7 @@ from optimus.models import flops_per_token
 from optimus.optim import build_optimizer, lr_at, set_lr
 from optimus.parallel.compile import CompileLog
 from optimus.parallel.experts import expert_step
+from optimus.parallel.float8 import float8_message, precompute_float8_scales
 from optimus.parallel.grads import clip_grad_norm_, local_grads_finite
 from optimus.parallel.plan import IGNORE_INDEX, build_parallel_model
 from optimus.runtime import (
@@ -102,6 +103,10 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             enabled=env.rank == 0 and not quiet)
         result = TrainResult(losses=[], metrics=log.history)
         compiles = CompileLog(log) if job.training.compile else None
+        if job.training.float8 != "off":
+            log.event("float8", float8_message(job.training.float8, device.type,
+                                               model.float8_skipped),
+                      skipped=dict(model.float8_skipped))
 
         # Checkpoints: resume from the newest one that verifies, then save every `interval`.
         progress = Progress(job.data.batch_size)
@@ -175,6 +180,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                 faults.in_optimizer(step)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                precompute_float8_scales(model.parts)  # tensorwise float8 all-gather only
             with heartbeat.phase("grad_sync"):  # the experts' load, all ranks; their balance
                 experts = expert_step(model.moe, job.model, mesh, device)
             progress.advance(step_tokens)

@@ -1,6 +1,7 @@
 """Build this rank's share of the model for a layout, and run one step's forward and backward.
 
-Plans are applied in one fixed order: pipeline split, then per stage tensor parallel ->
+Plans are applied in one fixed order: pipeline split, then per stage float8 conversion ->
+tensor parallel ->
 expert parallel -> activation checkpointing -> compile -> data-parallel sharding and mixed
 precision (FSDP2 over `dp`, experts over `edp`), all on the meta device; only then are this
 rank's shards allocated and initialised.
@@ -31,6 +32,7 @@ from optimus.parallel.data_parallel import (
 )
 from optimus.parallel.expert_parallel import apply_expert_parallel, expert_group
 from optimus.parallel.experts import share_balance_counts
+from optimus.parallel.float8 import apply_float8
 from optimus.parallel.pipeline import build_schedule, build_stage_models, run_pipeline_step
 from optimus.parallel.schedule_rules import stage_ids as pipeline_stage_ids
 from optimus.parallel.schedule_rules import stage_style
@@ -78,6 +80,8 @@ class ParallelModel:
     moe: list[MoE] = field(default_factory=list)  # the MoE layers of these chunks
     # Under tensor parallelism: the MoE layers train on each tp rank's own tokens.
     tp_group: dist.ProcessGroup | None = None
+    # training.float8: the matmul layers of these chunks left in high precision, and why.
+    float8_skipped: list[tuple[str, str]] = field(default_factory=list)
 
     def set_step_tokens(self, tokens: int) -> None:
         """The step's global token count: the loss and any auxiliary loss divide by it."""
@@ -165,7 +169,11 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
     ep_group = expert_group(mesh) if layout.ep > 1 else None
     # bf16 is FSDP2's mixed-precision policy; without data parallelism, the same on one rank.
     policy = precision_policy(compute_dtype(job.training.mixed_precision, device))
+    recipe, float8_skipped = job.training.float8, []
     for part in parts:
+        if recipe != "off":  # first: TP and FSDP2 then wrap the Float8Linear layers
+            float8_skipped += apply_float8(
+                part, recipe, fsdp_float8_all_gather=recipe == "tensorwise" and layout.dp > 1)
         if layout.tp > 1:
             apply_tensor_parallel(part, mesh["tp"])
         if layout.ep > 1:
@@ -186,4 +194,4 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
         schedule = build_schedule(parts, ids, num_stages, mesh["pp"].get_group(), device,
                                   p.schedule, job.data.microbatches, loss_fn)
     return ParallelModel(parts, schedule, ids, num_stages, loss_fn, layout.tp > 1, moe,
-                         mesh["tp"].get_group() if layout.tp > 1 else None)
+                         mesh["tp"].get_group() if layout.tp > 1 else None, float8_skipped)
