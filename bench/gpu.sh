@@ -53,7 +53,7 @@ die() {
 
 install_wheels() {
   if compgen -G "$REPO/.whl/*.whl" >/dev/null; then
-    echo "installing $(find "$REPO/.whl" -name '*.whl' | wc -l) wheels from .whl into /tmp/site"
+    echo "installing $(find "$REPO/.whl" -type f -name '*.whl' | wc -l) wheels from .whl into /tmp/site"
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site "$REPO"/.whl/*.whl || die "pip could not install the wheels in .whl"
     export PYTHONPATH="/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
@@ -68,7 +68,9 @@ check_gpu() {
   "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
     || die "torch sees no CUDA GPU (torch.cuda.is_available() is False)"
   "$PYTHON" -c 'import optimus.train, optimus.checkpoint.saver, torchao.float8' \
-    || die "a package is missing (above): carry .whl, made by 'make gpu-wheels'"
+    || die "optimus or torchao does not import (above): for a missing package carry .whl" \
+      "(make gpu-wheels); torch here is $("$PYTHON" -c 'import torch; print(torch.__version__)'),"\
+      "the project pins 2.13"
 }
 
 # part NAME LIMIT_S COMMAND...: run one part under a time limit, its log in $DIR/NAME.log.
