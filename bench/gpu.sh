@@ -53,7 +53,9 @@ die() {
 
 install_wheels() {
   if compgen -G "$REPO/.whl/*.whl" >/dev/null; then
-    echo "installing $(find "$REPO/.whl" -type f -name '*.whl' | wc -l) wheels from .whl into /tmp/site"
+    local count
+    count=$(find "$REPO/.whl" -type f -name '*.whl' | wc -l)
+    echo "installing $count wheels from .whl into /tmp/site"
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site "$REPO"/.whl/*.whl || die "pip could not install the wheels in .whl"
     export PYTHONPATH="/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
