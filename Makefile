@@ -7,7 +7,7 @@ VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
 
-.PHONY: venv promtool demo test lint bench clean
+.PHONY: venv promtool demo test lint bench gpu-wheels clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,20 @@ bench: venv
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/recovery.py
 	$(BIN)/python bench/moe.py
+
+# Wheels for bench/gpu.sh on a device machine (CPython 3.12, manylinux x86-64, no network there):
+# the packages Optimus needs that its image lacks (/work/.library/device/KINDS.md lists what it
+# has: torch, numpy, pyyaml, click, rich and its deps, prometheus-client). Versions as in .venv.
+GPU_WHEELS := torchao==0.18.0 hiredis==3.5.0 redis==8.1.0 tenacity==9.2.1 pydantic==2.14.3 \
+	pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 torchdata==0.11.0
+GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 \
+	manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64
+
+gpu-wheels:
+	rm -rf .whl
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp $(addprefix --platform ,$(GPU_PLATFORMS)) -d .whl $(GPU_WHEELS)
+	@ls .whl; du -sh .whl
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,9 +1,10 @@
-"""Checkpoint cost on one CPU rank: time the loop is blocked per save, write and load bandwidth.
+"""Checkpoint cost on one rank: time the loop is blocked per save, write and load bandwidth.
 
-One rank (world 1, gloo on a HashStore), a GPT whose training state (fp32 weights + AdamW
-exp_avg + exp_avg_sq: 12 bytes/param) is a few hundred MB, saved by `Checkpointer` into a temp
-dir under runs/ (the repo's disk). Each figure is printed beside its reference, measured in the
-same run in alternating rounds, as a ratio of medians:
+One rank (world 1 on a HashStore: gloo on a CPU, NCCL with `--device cuda`, where weights and
+optimizer state live in GPU memory and a save stages them from there), a GPT whose training
+state (fp32 weights + AdamW exp_avg + exp_avg_sq: 12 bytes/param) is a few hundred MB, saved by
+`Checkpointer` into a temp dir under runs/ (the repo's disk). Each figure is printed beside its
+reference, measured in the same run in alternating rounds, as a ratio of medians:
 
 1. Blocked share: real steps (forward, backward, AdamW) with the trainer's pieces, a save every
    INTERVAL steps, poll() at every step boundary. Median `last_blocked_s` / median step time
@@ -20,6 +21,7 @@ same run in alternating rounds, as a ratio of medians:
    writable, and warm.
 
     .venv/bin/python bench/checkpoint.py [--layers 2] [--dim 1024] [--rounds 3] [--quick]
+                                         [--device cpu|cuda]
 
 About 8 minutes on two cores with the defaults; figures and findings in docs/benchmarks.md.
 """
@@ -45,10 +47,16 @@ from optimus.data import build_loader, build_source
 from optimus.optim import build_optimizer, lr_at, set_lr
 from optimus.parallel.grads import clip_grad_norm_
 from optimus.parallel.plan import IGNORE_INDEX, build_parallel_model
-from optimus.runtime import ParallelDims, destroy_distributed, init_distributed, launch_env
+from optimus.runtime import (
+    ParallelDims,
+    autocast_for,
+    destroy_distributed,
+    init_distributed,
+    launch_env,
+    pick_backend,
+)
 
 REPO = Path(__file__).resolve().parents[1]
-CPU = torch.device("cpu")
 MODES = ("process", "thread", "sync")
 SEQ, BATCH = 256, 8  # 2,048 tokens a step: ~2 s for the default model on two quiet cores
 INTERVAL = 4  # steps between saves: the write and commit finish before the next one is due
@@ -57,32 +65,34 @@ REPEATS = 5  # writes and loads of each kind per round (each takes about a secon
 BYTES_PER_PARAM = 12  # fp32 weight + AdamW exp_avg + exp_avg_sq
 
 
-def bench_job(layers: int, dim: int) -> dict:
+def bench_job(layers: int, dim: int, device: str = "cpu") -> dict:
     return {
         "name": "bench-checkpoint",
         "model": {"vocab_size": 257, "dim": dim, "n_layers": layers, "n_heads": dim // 64,
                   "max_seq_len": SEQ},
         "optim": {"steps": 100_000, "lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 10},
         "data": {"source": "synthetic", "seq_len": SEQ, "batch_size": BATCH, "microbatches": 1},
-        "parallel": {"device": "cpu"},
+        "parallel": {"device": device},
     }
 
 
 class Rank:
-    """The trainer's pieces on one CPU rank, and its training state as the trainer saves it."""
+    """The trainer's pieces on one rank, and its training state as the trainer saves it."""
 
     def __init__(self, job):
         self.job = job
-        init_distributed(launch_env({}), "gloo", CPU)  # world 1: a HashStore
+        self.device = device = torch.device(job.parallel.device)
+        init_distributed(launch_env({}), pick_backend(device), device)  # world 1: a HashStore
         layout = resolve_layout(job, 1)
-        mesh = ParallelDims(dp=1, tp=1, pp=1, ep=1, world_size=1).build_mesh("cpu")
+        mesh = ParallelDims(dp=1, tp=1, pp=1, ep=1, world_size=1).build_mesh(device.type)
         torch.manual_seed(job.seed)
-        self.model = build_parallel_model(job, layout, mesh, CPU)
-        self.optimizer = build_optimizer(self.model.state_view(), job.optim, CPU)
+        self.model = build_parallel_model(job, layout, mesh, device)
+        self.optimizer = build_optimizer(self.model.state_view(), job.optim, device)
+        self.autocast = autocast_for(job.training.mixed_precision, device)
         self.pp_group = mesh["pp"].get_group()
         self.progress = Progress(job.data.batch_size)
         self.state = training_state(self.model, self.optimizer, self.progress, rank=0,
-                                    layout=layout_key(layout, CPU))
+                                    layout=layout_key(layout, device))
         source = build_source("synthetic", vocab_size=job.model.vocab_size, seed=job.seed)
         self.batches = iter(build_loader(source, seq_len=SEQ, batch_size=BATCH,
                                          microbatches=job.data.microbatches, dp_rank=0,
@@ -97,11 +107,13 @@ class Rank:
         microbatches = [next(self.batches) for _ in range(self.job.data.microbatches)]
         tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in microbatches)
         self.model.loss_fn.tokens = tokens
-        self.model.forward_backward(microbatches, CPU)
+        with self.autocast:
+            loss = self.model.forward_backward(microbatches, self.device)
         clip_grad_norm_(self.model.parameters(), self.job.optim.grad_clip, self.pp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.advance(tokens)
+        loss.item()  # waits for the device, as the trainer's logged step does
 
     def save(self, ckpt: Checkpointer, step: int) -> str:
         return ckpt.save(step, self.state, {**self.progress.meta(), **self.meta})
@@ -247,11 +259,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true",
                         help="one round, two saves per run: a smoke test, not a figure")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the model and optimizer state live (a save stages them "
+                             "from there)")
     args = parser.parse_args()
     rounds = 1 if args.quick else args.rounds
     saves = 2 if args.quick else 3
 
-    rank = Rank(validate_job(bench_job(args.layers, args.dim), world=1))
+    rank = Rank(validate_job(bench_job(args.layers, args.dim, args.device), world=1))
     (REPO / "runs").mkdir(exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-checkpoint-", dir=REPO / "runs"))
     try:

@@ -14,25 +14,8 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-# Dense bf16 peak per device (one tile for Intel Max 1550), in TFLOP/s. Matched by substring of
-# the device's reported name, lower-cased; the first match wins, so longer names come first.
-PEAK_TFLOPS: dict[str, float] = {
-    "h200": 989.0,
-    "h100": 989.0,
-    "a100": 312.0,
-    "max 1550": 298.0,  # 448 XVE x 512 flop/clk x 1.3 GHz, per tile
-}
-
-
-def peak_flops(device_name: str, override_tflops: float | None = None) -> float | None:
-    """Peak FLOP/s of one device, or None when the table does not know it (e.g. a CPU)."""
-    if override_tflops is not None:
-        return override_tflops * 1e12
-    name = device_name.lower()
-    for key, tflops in PEAK_TFLOPS.items():
-        if key in name:
-            return tflops * 1e12
-    return None
+# The peak table lives in optimus/runtime/peaks.py; these names are re-exported from here.
+from optimus.runtime.peaks import PEAK_TFLOPS, peak_flops  # noqa: F401
 
 
 @dataclass

@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# Everything of issue 16 that needs a GPU, on one H100, in one command of under 9 minutes:
+#
+#   part                                          time limit  what it holds
+#   bench/mfu.py --device cuda, all eight modes        350 s   16 runs of 10 steps of ~0.2 s;
+#                                                               9 draws of the 1.1B initial
+#                                                               weights on the CPU (~5 s each);
+#                                                               compiles of 4 modes (~40 s for
+#                                                               the first side, less for the
+#                                                               second); 12 warm-up steps
+#   bench/moe.py --device cuda --ep 1                   60 s   one GPU: no expert parallelism
+#   bench/checkpoint.py --device cuda --rounds 1        75 s   ~300 MB of state, 25 timed writes
+#   pip install, nvidia-smi, versions                  ~15 s
+#
+# A part that runs past its limit is stopped and the rest still run; bench/mfu.py writes its
+# JSON after every mode, so a cut run keeps the modes it finished.
+#
+# Output, in DIR (the first argument, else $OUT, else bench/gpu-out): gpu-results.json (every
+# figure: mfu.py's JSON, the other parts' logs, versions, each part's exit status and time),
+# gpu.log (all of stdout and stderr), mfu.json, mfu.log, moe.log, checkpoint.log.
+#
+# Python packages. The device machines' image already has torch, numpy, pyyaml, click, rich
+# (markdown-it-py, mdurl, pygments) and prometheus-client (/work/.library/device/KINDS.md);
+# the rest travel as wheels in .whl/, made here, on a machine with pip and a network, by
+#     make gpu-wheels
+# which runs, for CPython 3.12 on manylinux x86-64:
+#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+#       --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+#       --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
+#       torchao==0.18.0 hiredis==3.5.0 redis==8.1.0 tenacity==9.2.1 pydantic==2.14.3 \
+#       pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 torchdata==0.11.0
+# This script installs whatever is in .whl/ into /tmp/site (no index, no dependencies) and puts
+# it and the repo on PYTHONPATH; nothing is installed into the image's own environment.
+#
+# Run on the device machine, with .whl carried:
+#     OPTIMUS_COMMIT=<this checkout's commit> bash bench/gpu.sh
+# (the copy there has no .git, so the commit is passed in to be recorded).
+
+set -uo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+DIR=${1:-${OUT:-$REPO/bench/gpu-out}}
+PYTHON=${PYTHON:-python3}
+mkdir -p "$DIR"
+cd "$REPO" || exit 1
+exec > >(tee -a "$DIR/gpu.log") 2>&1
+
+die() {
+  echo "gpu.sh: $*" >&2
+  exit 1
+}
+
+install_wheels() {
+  if compgen -G "$REPO/.whl/*.whl" >/dev/null; then
+    local count
+    count=$(find "$REPO/.whl" -type f -name '*.whl' | wc -l)
+    echo "installing $count wheels from .whl into /tmp/site"
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site "$REPO"/.whl/*.whl || die "pip could not install the wheels in .whl"
+    export PYTHONPATH="/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    echo "no .whl folder: using the packages this Python already has"
+    export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+}
+
+check_gpu() {
+  command -v nvidia-smi >/dev/null || die "no nvidia-smi: this machine has no NVIDIA GPU"
+  "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
+    || die "torch sees no CUDA GPU (torch.cuda.is_available() is False)"
+  "$PYTHON" -c 'import optimus.train, optimus.checkpoint.saver, torchao.float8' \
+    || die "optimus or torchao does not import (above): for a missing package carry .whl" \
+      "(make gpu-wheels); torch here is $("$PYTHON" -c 'import torch; print(torch.__version__)'),"\
+      "the project pins 2.13"
+}
+
+# part NAME LIMIT_S COMMAND...: run one part under a time limit, its log in $DIR/NAME.log.
+part() {
+  local name=$1 limit=$2
+  shift 2
+  echo
+  echo "=== $name (limit ${limit} s): $*"
+  local started=$SECONDS
+  PYTHONUNBUFFERED=1 timeout -k 10 "$limit" "$@" 2>&1 | tee "$DIR/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - started)) s"
+  echo "$name $rc $((SECONDS - started))" >>"$DIR/parts.txt"
+}
+
+install_wheels
+check_gpu
+rm -f "$DIR/parts.txt" "$DIR/mfu.json"
+nvidia-smi | tee "$DIR/nvidia-smi.txt"
+
+part mfu 350 "$PYTHON" bench/mfu.py --device cuda --steps 10 --warmup 3 --out "$DIR/mfu.json"
+part moe 60 "$PYTHON" bench/moe.py --device cuda --ep 1
+part checkpoint 75 "$PYTHON" bench/checkpoint.py --device cuda --rounds 1
+
+"$PYTHON" - "$DIR" <<'EOF'
+"""Gather every part into one JSON: mfu.py's figures, the other parts' logs, the versions."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+out = Path(sys.argv[1])
+parts = {}
+for line in (out / "parts.txt").read_text().splitlines():
+    name, rc, seconds = line.split()
+    parts[name] = {"exit": int(rc), "seconds": int(seconds)}
+mfu = out / "mfu.json"
+results = {
+    "torch": torch.__version__, "cuda": torch.version.cuda,
+    "cudnn": torch.backends.cudnn.version(), "device": torch.cuda.get_device_name(),
+    "capability": list(torch.cuda.get_device_capability()),
+    "commit": os.environ.get("OPTIMUS_COMMIT", "unknown"),
+    "nvidia_smi": (out / "nvidia-smi.txt").read_text(), "parts": parts,
+    "mfu": json.loads(mfu.read_text()) if mfu.exists() else None,
+    "moe_log": (out / "moe.log").read_text(),
+    "checkpoint_log": (out / "checkpoint.log").read_text(),
+}
+(out / "gpu-results.json").write_text(json.dumps(results, indent=1) + "\n")
+print(f"\nwrote {out / 'gpu-results.json'}: " + ", ".join(
+    f"{n} exit {p['exit']} in {p['seconds']} s" for n, p in parts.items()))
+EOF
+rm -f "$DIR/parts.txt" "$DIR/nvidia-smi.txt"
