@@ -95,7 +95,7 @@ def test_layout_matches_one_process(run_ranks, name):
 
 def test_activation_checkpointing_changes_nothing_but_memory(run_ranks):
     one = reference(run_ranks, 4)
-    for mode in ("full", "selective"):
+    for mode in ("full", "selective", "op"):
         raw = base_job(activation_checkpoint=mode)
         (result,) = run_ranks(_train, 1, raw, timeout=120)
         assert result["losses"] == pytest.approx(one["losses"], rel=1e-6)

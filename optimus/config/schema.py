@@ -107,6 +107,10 @@ class TrainingConfig(Section):
                             "the accelerators' path)")
     compile: bool = Field(
         False, description="torch.compile each transformer block and the loss on its own")
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
+        "inductor", description="inductor: generated kernels (the fast one); aot_eager and "
+                                "eager trace without generating code, to tell a tracing "
+                                "problem from a code-generation one")
     float8: Literal["off", "tensorwise", "rowwise"] = Field(
         "off", description="float8 matmuls in the blocks' linear layers (torchao): tensorwise "
                            "or rowwise scales; needs a device with float8 matmuls")

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from optimus.models.moe import recompute_contexts
+from optimus.models.moe import MoE, recompute_contexts
 
 MODES = ("none", "full", "selective", "op")
 
@@ -49,9 +49,14 @@ def _keep_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def op_level_contexts():
-    """`context_fn` for `op`: the selective policy above, with the MoE layers' replay."""
+    """`context_fn` for `op` on a dense block: the selective policy above."""
+    return create_selective_checkpoint_contexts(_keep_expensive)
+
+
+def op_level_moe_contexts():
+    """`context_fn` for `op` on an MoE block: the selective policy, with the MoE replay."""
     moe_forward, moe_recompute = recompute_contexts()
-    forward, recompute = create_selective_checkpoint_contexts(_keep_expensive)
+    forward, recompute = op_level_contexts()
     return _both(moe_forward, forward), _both(moe_recompute, recompute)
 
 
@@ -63,17 +68,31 @@ def _both(first, second) -> Iterator[None]:
         yield
 
 
+def _context_fn(mode: str, block: nn.Module):
+    """What the recompute of `block` runs under. Dense blocks take none but `op`'s policy
+    (torch.compile traces checkpoints whose contexts are dispatch modes, nothing else); an MoE
+    block adds its replay, and is then compiled inside its checkpoint (optimus/parallel/
+    compile.py)."""
+    if has_moe(block):
+        return op_level_moe_contexts if mode == "op" else recompute_contexts
+    return op_level_contexts if mode == "op" else None
+
+
+def has_moe(block: nn.Module) -> bool:
+    return any(isinstance(m, MoE) for m in block.modules())
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) -> int:
     """Wrap blocks of `model.layers` in place; return how many were wrapped."""
     if mode not in MODES:
         raise ValueError(f"activation checkpointing mode {mode!r}: use {', '.join(MODES)}")
     if mode == "none":
         return 0
-    context_fn = op_level_contexts if mode == "op" else recompute_contexts
     wrapped = 0
     for key, block in list(model.layers.items()):
         if mode != "selective" or int(key) % every == 0:
-            model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False,
-                                                 context_fn=context_fn)
+            context_fn = _context_fn(mode, block)
+            options = {"context_fn": context_fn} if context_fn else {}
+            model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False, **options)
             wrapped += 1
     return wrapped

@@ -16,11 +16,18 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from optimus.parallel.activation_checkpoint import has_moe
 
-def apply_compile(model: nn.Module) -> int:
-    """Compile every block of `model.layers` in place; return how many."""
+
+def apply_compile(model: nn.Module, backend: str = "inductor") -> int:
+    """Compile every block of `model.layers` in place; return how many.
+
+    A checkpointed MoE block is compiled inside its checkpoint: its recompute replays the
+    routing through context managers that torch.compile cannot trace (only dispatch modes),
+    so the checkpoint stays eager around the compiled block."""
     for block in model.layers.values():
-        block.compile()
+        inner = getattr(block, "_checkpoint_wrapped_module", None)
+        (inner if inner is not None and has_moe(inner) else block).compile(backend=backend)
     return len(model.layers)
 
 

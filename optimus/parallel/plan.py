@@ -53,9 +53,10 @@ class TokenSumLoss:
     the gradients, summed over microbatches and ranks, those of the global mean loss.
     """
 
-    def __init__(self, compiled: bool = False) -> None:
+    def __init__(self, compile_backend: str | None = None) -> None:
         self.tokens = 1
-        self._sum = torch.compile(cross_entropy_sum) if compiled else cross_entropy_sum
+        self._sum = (torch.compile(cross_entropy_sum, backend=compile_backend)
+                     if compile_backend else cross_entropy_sum)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self._sum(logits, labels) / self.tokens
@@ -157,7 +158,8 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
     """This rank's model chunks, with the same weights as the one-process model."""
     p = job.parallel
     # The vocab-parallel loss (tp > 1) stays eager: its DTensor backward does not compile.
-    loss_fn = TokenSumLoss(compiled=job.training.compile and layout.tp == 1)
+    loss_fn = TokenSumLoss(job.training.compile_backend
+                           if job.training.compile and layout.tp == 1 else None)
     if layout.pp > 1:
         num_stages = layout.pp * layout.virtual_stages
         ids = pipeline_stage_ids(mesh["pp"].get_local_rank(), layout.pp, layout.virtual_stages,
@@ -180,7 +182,7 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
             apply_expert_parallel(part, mesh["ep"], ep_group)
         apply_activation_checkpointing(part, p.activation_checkpoint, p.ac_every)
         if job.training.compile:
-            apply_compile(part)
+            apply_compile(part, job.training.compile_backend)
         if layout.dp > 1 or policy is not None:
             apply_data_parallel(part, mesh["dp"], mesh["edp"] if layout.ep > 1 else None,
                                 policy, reshard=layout.dp > 1)
