@@ -558,14 +558,20 @@ class Agent:
 
 
 def job_problem_here(job_file: str, overrides: list[str]) -> str | None:
-    """Why this machine cannot run the job file (with its overrides) at all, or None."""
+    """Why this machine cannot run the job file (with its overrides) at all, or None.
+
+    Reading the job is cheap (no torch); only a job that asks for float8 has the device
+    asked, which imports torch into the agent once (seconds, within its heartbeat timeout)."""
     from optimus.config import ConfigError, load_job
-    from optimus.parallel.float8 import check_float8_here
 
     try:
         job = load_job(job_file, list(overrides))
     except ConfigError:
         return None  # each rank names that problem in its log, as it always has
+    if job.training.float8 == "off":
+        return None
+    from optimus.parallel.float8 import check_float8_here
+
     try:
         check_float8_here(job, source=job_file)
     except ConfigError as e:
