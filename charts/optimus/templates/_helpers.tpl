@@ -1,0 +1,87 @@
+{{/* Names are cut to 40 characters: the agents' pod hostnames add "-agents-<index>" and must
+stay within a DNS label's 63. */}}
+{{- define "optimus.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "optimus.selector" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* Call with (dict "root" $ "component" "redis"). */}}
+{{- define "optimus.labels" -}}
+{{ include "optimus.selector" .root }}
+app.kubernetes.io/component: {{ .component }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
+{{- end -}}
+
+{{- define "optimus.componentSelector" -}}
+{{ include "optimus.selector" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* The job's name, read from the job file: the agents need it (--job) before any controller
+has written it to Redis. */}}
+{{- define "optimus.jobName" -}}
+{{- $job := fromYaml .Values.job.file -}}
+{{- if hasKey $job "Error" -}}
+{{- fail (printf "job.file is not YAML: %s" (get $job "Error")) -}}
+{{- end -}}
+{{- required "job.file must set name" (get $job "name") -}}
+{{- end -}}
+
+{{- define "optimus.redisHost" -}}
+{{ include "optimus.fullname" . }}-redis
+{{- end -}}
+
+{{- define "optimus.authSecret" -}}
+{{ include "optimus.fullname" . }}-redis-auth
+{{- end -}}
+
+{{- define "optimus.claim" -}}
+{{ .Values.shared.existingClaim | default (printf "%s-shared" (include "optimus.fullname" .)) }}
+{{- end -}}
+
+{{/* REDIS_PASSWORD from the Secret, then REDIS_URL built from it (Kubernetes expands
+$(REDIS_PASSWORD) because it is defined first). Call with (dict "root" $ "user" "agent"). */}}
+{{- define "optimus.redisEnv" -}}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "optimus.authSecret" .root }}
+      key: {{ .user }}-password
+- name: REDIS_URL
+  value: redis://optimus-{{ .user }}:$(REDIS_PASSWORD)@{{ include "optimus.redisHost" .root }}:6379/0
+{{- end -}}
+
+{{/* The job file and the shared volume, mounted at the same paths in controllers and agents:
+ranks are given the job file's path by the controller and read it on their node. */}}
+{{- define "optimus.volumeMounts" -}}
+- name: job
+  mountPath: /etc/optimus
+  readOnly: true
+- name: shared
+  mountPath: {{ .Values.shared.mountPath }}
+{{- end -}}
+
+{{- define "optimus.volumes" -}}
+- name: job
+  configMap:
+    name: {{ include "optimus.fullname" . }}-job
+- name: shared
+  persistentVolumeClaim:
+    claimName: {{ include "optimus.claim" . }}
+{{- end -}}
+
+{{- define "optimus.setArgs" -}}
+{{- range .Values.job.set }}
+- --set
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
