@@ -223,6 +223,8 @@ def test_controllers_leader_and_standby(custom):
         mounts = {m["name"]: m["mountPath"] for m in container(obj)["volumeMounts"]}
         assert mounts["shared"] == container(obj)["workingDir"] == "/lustre/optimus"
         assert mounts["job"] == "/etc/optimus"
+        (wait,) = obj["spec"]["template"]["spec"]["initContainers"]  # Redis up before them
+        assert f"(\"{RELEASE}-optimus-redis\", 6379)" in wait["command"][-1]
     pdb = one(custom, "PodDisruptionBudget")
     assert pdb["spec"]["maxUnavailable"] == 1
     assert selects(pdb["spec"]["selector"], pod_labels(deployment))

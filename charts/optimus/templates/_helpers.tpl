@@ -85,3 +85,22 @@ ranks are given the job file's path by the controller and read it on their node.
 - {{ . | quote }}
 {{- end }}
 {{- end -}}
+
+{{/* Controllers and agents exit when Redis does not answer at start; an agent's exit would
+spend one of its index's retries. So their pods wait for Redis's port first. */}}
+{{- define "optimus.waitForRedis" -}}
+- name: wait-for-redis
+  image: "{{ .Values.image.repository }}:{{ .Values.image.tag }}"
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command:
+    - python
+    - -c
+    - |
+      import socket, time
+      while True:
+          try:
+              socket.create_connection(("{{ include "optimus.redisHost" . }}", 6379), timeout=2).close()
+              break
+          except OSError:
+              time.sleep(2)
+{{- end -}}
