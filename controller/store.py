@@ -40,6 +40,7 @@ T = TypeVar("T")
 
 EVENTS_MAXLEN = 10_000  # approximate (MAXLEN ~): Redis trims whole nodes of the stream
 EVENT_WAIT_MS = 500  # behind Sentinel: how long an event write waits for a replica's copy
+ALONE_S = 30.0  # how long a primary found without a replica is not waited on again
 UNSENT_MAX = 10_000  # events kept in a process while Redis is unreachable (the oldest go)
 REQUESTS_MAXLEN = 1_000
 EXITS_MAXLEN = 200_000  # > one generation's ranks at 131k ranks
@@ -134,6 +135,7 @@ class Store:
         self.unsent: deque[dict[str, str]] = deque(maxlen=UNSENT_MAX)
         self._sending = threading.Lock()
         self.trouble_at = 0.0  # wall time of the last call that found Redis unreachable
+        self._alone_until = 0.0  # monotonic time until which events wait for no replica
 
     def k(self, name: str) -> str:
         return self.p + name
@@ -537,14 +539,20 @@ class Store:
             if not batch:
                 return
 
+            wait = self.replicas and time.monotonic() >= self._alone_until
+
             def write():
-                pipe = self.r.pipeline()
+                pipe = self.r.pipeline(transaction=False)  # WAIT blocks only outside MULTI
                 for entry in batch:
                     pipe.xadd(self.k("events"), entry, maxlen=EVENTS_MAXLEN, approximate=True)
-                if self.replicas:
+                if wait:
                     pipe.wait(self.replicas, EVENT_WAIT_MS)
-                pipe.execute()
-            self.call(write)
+                return pipe.execute()
+            replies = self.call(write)
+            if wait and replies[-1] < self.replicas:
+                # No replica took them (a primary left alone after a failover): stop waiting
+                # for one for a while, rather than slow every event by EVENT_WAIT_MS.
+                self._alone_until = time.monotonic() + ALONE_S
             for _ in batch:  # what was queued meanwhile stays
                 self.unsent.popleft()
 
