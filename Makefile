@@ -1,13 +1,13 @@
 # The quick start: `make demo` trains the tiny job end to end, `make test` runs the tests.
 # Both build .venv from nothing on first use: torch 2.13.0 from the machine's local CPU build
 # (never a CUDA build), then Optimus itself with its dev extras; `make test` also installs
-# promtool (Debian's prometheus package) when it is missing.
+# promtool (Debian's prometheus package) and redis-sentinel when they are missing.
 
 VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
 
-.PHONY: venv promtool demo test lint bench gpu-wheels clean
+.PHONY: venv promtool redis-sentinel demo test lint bench gpu-wheels clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,17 @@ promtool:
 	    $$SUDO apt-get install -y --no-install-recommends prometheus >/dev/null; }; }
 	@command -v promtool >/dev/null || { echo "promtool is missing: apt-get install prometheus"; exit 1; }
 
-test: venv promtool
+# redis-sentinel runs the failover test (tests/test_sentinel.py): Debian's package of that name.
+redis-sentinel:
+	@command -v redis-sentinel >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y --no-install-recommends redis-sentinel >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && \
+	    $$SUDO apt-get install -y --no-install-recommends redis-sentinel >/dev/null; }; }
+	@command -v redis-sentinel >/dev/null || { \
+	  echo "redis-sentinel is missing: apt-get install redis-sentinel"; exit 1; }
+
+test: venv promtool redis-sentinel
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
 

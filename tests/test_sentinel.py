@@ -14,12 +14,23 @@ import time
 
 import pytest
 import redis
-from cluster import ROOT, SentinelCluster, metrics, metrics_so_far, wait_for, write_job
+from cluster import (
+    ROOT,
+    RedisServer,
+    SentinelCluster,
+    free_port,
+    metrics,
+    metrics_so_far,
+    wait_for,
+    write_job,
+)
 
 from controller.connect import parse_sentinel_url
-from controller.store import Store, prefix, safe_url
+from controller.store import Store, StoreUnavailable, prefix, safe_url
 
 STEPS, KILL_AT = 60, 12
+HEARTBEAT_TIMEOUT_S = 3.0  # write_job's: agents silent longer than this are judged lost
+DOWN_AFTER_MS = 2500  # a failover longer than that timeout, which must still cost no node
 
 pytestmark = pytest.mark.skipif(not shutil.which("redis-sentinel"),
                                 reason="redis-sentinel is not installed (make test installs it)")
@@ -27,7 +38,7 @@ pytestmark = pytest.mark.skipif(not shutil.which("redis-sentinel"),
 
 @pytest.fixture
 def sentinels(tmp_path):
-    cluster = SentinelCluster(tmp_path / "redis")
+    cluster = SentinelCluster(tmp_path / "redis", down_after_ms=DOWN_AFTER_MS)
     yield cluster
     cluster.stop()
 
@@ -77,7 +88,8 @@ def test_training_rides_out_a_failover_of_the_redis_primary(sentinels, tmp_path)
     # The agents did lose Redis for a while, and came back to the new primary by themselves.
     agents = [(run / "control" / f"agent-node{i}.log").read_text() for i in range(3)]
     assert all("Redis unreachable" in a and "Redis answers again" in a for a in agents)
-    assert failover_s < 15
+    # Longer than the heartbeat timeout: judged on the wall clock alone, every node was lost.
+    assert HEARTBEAT_TIMEOUT_S < failover_s < 15
 
 
 def _lease_ttl(port: int) -> int:
@@ -120,3 +132,34 @@ def test_sentinel_urls_keep_the_two_kinds_of_credentials_apart(monkeypatch):
     for bad in ("redis+sentinel://h1", "redis+sentinel://h1/jobs/x", "redis+sentinel://h:p/s"):
         with pytest.raises(ValueError):
             parse_sentinel_url(bad)
+
+
+def _certificates(d) -> None:
+    """A CA, and a server certificate for 127.0.0.1 that it signed."""
+    def ssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+        "-days", "2", "-subj", "/CN=optimus-test-ca")
+    ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+        "-subj", "/CN=127.0.0.1")
+    (d / "ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    ssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", "server.pem", "-days", "2", "-extfile", "ext")
+
+
+@pytest.mark.skipif(not shutil.which("openssl"), reason="openssl makes the test certificates")
+def test_rediss_trusts_the_ca_file_from_the_url_or_the_environment(tmp_path, monkeypatch):
+    _certificates(tmp_path)
+    server = RedisServer(tmp_path, "--tls-port", str(port := free_port()), "--tls-cert-file",
+                         str(tmp_path / "server.pem"), "--tls-key-file",
+                         str(tmp_path / "server.key"), "--tls-auth-clients", "no")
+    try:
+        url = f"rediss://127.0.0.1:{port}/0"
+        Store(f"{url}?ssl_ca_certs={tmp_path / 'ca.pem'}", "tls").ping()
+        monkeypatch.setenv("REDIS_CA_FILE", str(tmp_path / "ca.pem"))
+        Store(url, "tls").ping()
+        monkeypatch.delenv("REDIS_CA_FILE")
+        with pytest.raises(StoreUnavailable, match="certificate verify failed"):
+            Store(url, "tls", retry_s=0.2).ping()  # the system's CAs do not know ours
+    finally:
+        server.stop()
