@@ -192,6 +192,11 @@ class Agent:
             self.redis_down = False
             log.warning("Redis answers again")
         self.reset_ranks = False
+        if self.store.unsent:  # events an outage held back
+            try:
+                self.store.flush_events()
+            except StoreUnavailable as e:
+                self._note_outage(e)
         if not tick.registered:  # Redis lost our record: restarted empty, or flushed
             self._register()
             self.reset_ranks = True

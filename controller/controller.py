@@ -21,6 +21,7 @@ state; the checkpoints were never in Redis.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -129,11 +130,12 @@ class Controller:
             self.leading = False
             return None
         if leading and not self.leading:
-            self._event("leader", f"controller {self.ident} leads")
+            self._event("leader", f"controller {self.ident} leads", send=False)  # sent below
         self.leading = leading
         if not leading:
             return None
         try:
+            self.store.flush_events()  # what an outage held back, before anything new
             obs = self.observe()
             decision = decide(obs, self.s)
             self.apply(decision, obs)
@@ -154,6 +156,8 @@ class Controller:
             record = self._rebuild()
         now = time.time()
         job = _job_view(record)
+        if job.progress_at is not None:
+            job = dataclasses.replace(job, progress_at=self._excused(job.progress_at))
         plan = self.store.plan()
         entries, raw, control = self.store.operator_view(job.requests_seen)
         excluded = {n: e["reason"] for n, e in entries.items()}
@@ -178,8 +182,8 @@ class Controller:
             st, node_info = status.get(name, {}), info.get(name, {})
             nodes[name] = NodeView(
                 name=name, host=node_info.get("host", st.get("host", name)),
-                alive=(now - beats.get(name, 0.0) <= self.s.agent_timeout_s
-                       and st.get("state") != "gone"),
+                alive=(name in beats and now - self._excused(beats[name])
+                       <= self.s.agent_timeout_s and st.get("state") != "gone"),
                 healthy=node_info.get("health") == "ok",
                 health=node_info.get("health_detail", node_info.get("health", "unknown")),
                 excluded=excluded.get(name),
@@ -226,10 +230,12 @@ class Controller:
         if time.monotonic() - self._compute_read >= STRAGGLER_CHECK_S:
             self._compute_read = time.monotonic()
             compute = self.store.compute_scores()
+        agent_beats = {n: None if b is None else self._excused(b)
+                       for n, b in sweep.agent_beats.items()}
         return Observed(now=now, job=job, plan=plan, nodes={}, exits=exits,
                         overdue=self._overdue(plan, now, sweep.agent_beats),
                         latest_step=latest,
-                        agent_beats=sweep.agent_beats, progress=sweep.max_step,
+                        agent_beats=agent_beats, progress=sweep.max_step,
                         unhealthy=unhealthy, unhealthy_idle=idle,
                         nonfinite=frozenset(sweep.nonfinite),
                         suspects=suspects, waiting_in_collective=waiting, stacks=stacks,
@@ -257,12 +263,18 @@ class Controller:
                                          f"startup_timeout_s={self.s.startup_timeout_s:g}",
                                          late[node], confirmed))
                     continue
-                age = now - beat["time"]
+                age = now - self._excused(beat["time"])
                 if age > self.s.heartbeat_timeout_s:
                     found.append(Overdue(node, first + local_rank,
                                          f"no heartbeat for {age:.1f} s (step {beat['step']}, "
                                          f"phase {beat['phase']})", beat["time"], confirmed))
         return found
+
+    def _excused(self, t: float) -> float:
+        """A time that silence is counted from: never before this controller last found Redis
+        unreachable. A failover or an outage silences every agent at once (they cannot write);
+        judged on the wall clock alone, it would look like every node lost."""
+        return max(t, self.store.trouble_at)
 
     def _node_index(self, plan: dict) -> dict[str, int]:
         """Node -> node rank of the plan's generation (cached: plans are long at scale)."""
@@ -299,17 +311,21 @@ class Controller:
             self._latest_shown = obs.latest_step
         if d.job:
             self.store.update_job(d.job)
-        for kind, message, fields in d.events:
-            self._event(kind, message, **fields)
+        for kind, message, fields in d.events:  # queued at once: an outage loses none
+            self._event(kind, message, send=False, **fields)
+        self.store.flush_events()
         if (set(d.job) - VOLATILE or d.plan is not None or d.exclude or d.operator_exclude
                 or d.include or d.control is not None):
             self._write_journal()
 
-    def _event(self, kind: str, message: str, **fields) -> None:
-        """An event; an operator's request is recorded under the operator's name (`actor`)."""
+    def _event(self, kind: str, message: str, send: bool = True, **fields) -> None:
+        """An event; an operator's request is recorded under the operator's name (`actor`).
+        Unsent, it waits in the store's queue for the next flush."""
         log.info("%s: %s", kind, message)
         actor = fields.pop("actor", "controller")
-        self.store.event(actor, kind, message, controller=self.ident, **fields)
+        self.store.queue_event(actor, kind, message, controller=self.ident, **fields)
+        if send:
+            self.store.flush_events()
 
     # --- the journal and rebuilding from it ----------------------------------------------------
 

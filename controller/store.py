@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -31,9 +34,14 @@ from tenacity import (
     wait_exponential,
 )
 
+from controller.connect import connect, is_sentinel
+
 T = TypeVar("T")
 
 EVENTS_MAXLEN = 10_000  # approximate (MAXLEN ~): Redis trims whole nodes of the stream
+EVENT_WAIT_MS = 500  # behind Sentinel: how long an event write waits for a replica's copy
+ALONE_S = 30.0  # how long a primary found without a replica is not waited on again
+UNSENT_MAX = 10_000  # events kept in a process while Redis is unreachable (the oldest go)
 REQUESTS_MAXLEN = 1_000
 EXITS_MAXLEN = 200_000  # > one generation's ranks at 131k ranks
 PEAK_MEMORY = ("peak_allocated", "peak_reserved")  # sorted sets: node -> bytes
@@ -63,8 +71,8 @@ class StoreUnavailable(Exception):
 
 
 def redis_url(explicit: str | None = None) -> str:
-    """`explicit`, else $REDIS_URL, else the local default (redis:// or rediss://, with
-    user:password@ for ACLs)."""
+    """`explicit`, else $REDIS_URL, else the local default (redis://, rediss:// or
+    redis+sentinel://, with user:password@ for ACLs: controller/connect.py)."""
     return explicit or os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0"
 
 
@@ -115,13 +123,19 @@ class Store:
         self.url, self.job, self.p = url, job, prefix(job)
         self.retry_s = retry_s
         try:
-            self.r = redis.Redis.from_url(url, socket_timeout=timeout_s,
-                                          socket_connect_timeout=timeout_s,
-                                          decode_responses=True, health_check_interval=30)
+            self.r = connect(url, timeout_s)
         except ValueError as e:  # a malformed URL
-            raise StoreUnavailable(f"REDIS_URL {url!r} is not a Redis URL: {e}") from None
+            raise StoreUnavailable(f"REDIS_URL {safe_url(url)!r} is not a Redis URL: "
+                                   f"{e}") from None
         self._lease = self.r.register_script(_LEASE)
         self._release = self.r.register_script(_RELEASE)
+        # Behind Sentinel, an event counts as written once a replica has it too (WAIT): the
+        # primary may die before it replicates. A lone server has no replica to wait for.
+        self.replicas = 1 if is_sentinel(url) else 0
+        self.unsent: deque[dict[str, str]] = deque(maxlen=UNSENT_MAX)
+        self._sending = threading.Lock()
+        self.trouble_at = 0.0  # wall time of the last call that found Redis unreachable
+        self._alone_until = 0.0  # monotonic time until which events wait for no replica
 
     def k(self, name: str) -> str:
         return self.p + name
@@ -129,13 +143,14 @@ class Store:
     def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` with retries on transient errors (exponential backoff, `retry_s` in all)."""
         try:
-            for attempt in Retrying(retry=retry_if_exception(_transient),
+            for attempt in Retrying(retry=retry_if_exception(self._transient),
                                     stop=stop_after_delay(self.retry_s),
                                     wait=wait_exponential(multiplier=0.05, max=1.0),
                                     reraise=False):
                 with attempt:
                     return fn()
         except RetryError as e:
+            self.trouble_at = time.time()
             cause = e.last_attempt.exception()
             raise StoreUnavailable(f"Redis at {safe_url(self.url)} did not answer for "
                                    f"{self.retry_s:g} s: {cause}") from None
@@ -152,6 +167,14 @@ class Store:
                                        f"user the keys {self.p}*") from None
             raise
         raise AssertionError("unreachable")
+
+    def _transient(self, e: BaseException) -> bool:
+        """Worth a retry; and noted, so that the controller judges no silence that fell
+        while Redis did not answer (see `trouble_at`)."""
+        if _transient(e):
+            self.trouble_at = time.time()
+            return True
+        return False
 
     def ping(self) -> None:
         self.call(self.r.ping)
@@ -496,10 +519,42 @@ class Store:
         return {n: json.loads(v) for n, v in raw.items()}
 
     def event(self, actor: str, kind: str, message: str, **fields: Any) -> None:
-        entry = {"time": f"{time.time():.3f}", "actor": actor, "kind": kind, "message": message,
-                 **{k: _text(v) for k, v in fields.items()}}
-        self.call(lambda: self.r.xadd(self.k("events"), entry, maxlen=EVENTS_MAXLEN,
-                                      approximate=True))
+        """Record an event (see `queue_event`) and send every unsent one."""
+        self.queue_event(actor, kind, message, **fields)
+        self.flush_events()
+
+    def queue_event(self, actor: str, kind: str, message: str, **fields: Any) -> None:
+        """An event for the next `flush_events`. Events wait in this process until Redis has
+        taken them: an outage or a failover delays them (their `time` is when they happened)
+        rather than losing them."""
+        self.unsent.append({"time": f"{time.time():.3f}", "actor": actor, "kind": kind,
+                            "message": message, **{k: _text(v) for k, v in fields.items()}})
+
+    def flush_events(self) -> None:
+        """Send the unsent events, oldest first, in one round trip; behind Sentinel, wait (up
+        to EVENT_WAIT_MS) for a replica to have them. At least once: a connection lost
+        mid-write sends them again, so a failover may leave a duplicate, never a gap."""
+        with self._sending:  # one sender at a time (an agent's stacks thread sends too)
+            batch = list(self.unsent)
+            if not batch:
+                return
+
+            wait = self.replicas and time.monotonic() >= self._alone_until
+
+            def write():
+                pipe = self.r.pipeline(transaction=False)  # WAIT blocks only outside MULTI
+                for entry in batch:
+                    pipe.xadd(self.k("events"), entry, maxlen=EVENTS_MAXLEN, approximate=True)
+                if wait:
+                    pipe.wait(self.replicas, EVENT_WAIT_MS)
+                return pipe.execute()
+            replies = self.call(write)
+            if wait and replies[-1] < self.replicas:
+                # No replica took them (a primary left alone after a failover): stop waiting
+                # for one for a while, rather than slow every event by EVENT_WAIT_MS.
+                self._alone_until = time.monotonic() + ALONE_S
+            for _ in batch:  # what was queued meanwhile stays
+                self.unsent.popleft()
 
     def events(self, count: int = 100, after: str = "-") -> list[tuple[str, dict]]:
         start = after if after in ("-", "0") else f"({after}"
@@ -538,7 +593,8 @@ def _text(value: Any) -> str:
 
 
 def safe_url(url: str) -> str:
-    """The URL without its password, for messages."""
+    """The URL without its passwords (the data servers' and the sentinels'), for messages."""
+    url = re.sub(r"(sentinel_password=)[^&]*", r"\1***", url)
     if "@" not in url:
         return url
     scheme, rest = url.split("://", 1)

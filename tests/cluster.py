@@ -29,6 +29,7 @@ class RedisServer:
 
     def __init__(self, workdir: Path, *args: str):
         self.workdir, self.port, self.args = workdir, free_port(), list(args)
+        workdir.mkdir(parents=True, exist_ok=True)
         self.proc: subprocess.Popen | None = None
         self.start()
 
@@ -167,3 +168,73 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+class SentinelCluster:
+    """A primary, one replica and three redis-sentinel processes on loopback, watching service
+    `optimus` (a quorum of 2, the primary judged down after `down_after_ms`)."""
+
+    SERVICE = "optimus"
+
+    def __init__(self, workdir: Path, down_after_ms: int = 1000):
+        self.workdir = workdir
+        self.primary = RedisServer(workdir / "primary")
+        self.replica = RedisServer(workdir / "replica", "--replicaof", "127.0.0.1",
+                                   str(self.primary.port))
+        self.sentinels: list[subprocess.Popen] = []
+        self.sentinel_ports = [free_port() for _ in range(3)]
+        try:
+            for i, port in enumerate(self.sentinel_ports):
+                self.sentinels.append(self._sentinel(i, port, down_after_ms))
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
+        return f"redis+sentinel://{hosts}/{self.SERVICE}/0"
+
+    def _sentinel(self, i: int, port: int, down_after_ms: int) -> subprocess.Popen:
+        conf = self.workdir / f"sentinel{i}.conf"  # sentinels rewrite their own file
+        conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {self.workdir}\n"
+                        f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.primary.port} 2\n"
+                        f"sentinel down-after-milliseconds {self.SERVICE} {down_after_ms}\n"
+                        f"sentinel failover-timeout {self.SERVICE} 10000\n")
+        log = open(self.workdir / f"sentinel{i}.log", "ab")  # noqa: SIM115
+        p = subprocess.Popen(["redis-sentinel", str(conf)], stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        return p
+
+    def _ask(self, port: int, *command: str):
+        import redis
+        with redis.Redis(port=port, socket_timeout=1, decode_responses=True) as r:
+            return r.execute_command(*command)
+
+    def _wait_ready(self) -> None:
+        """Until every sentinel knows the replica and the two other sentinels: only then can
+        they agree on a failover."""
+        def ready() -> bool:
+            with contextlib.suppress(Exception):
+                for port in self.sentinel_ports:
+                    info = self._ask(port, "SENTINEL", "MASTER", self.SERVICE)  # a dict
+                    if int(info["num-other-sentinels"]) < 2 or int(info["num-slaves"]) < 1:
+                        return False
+                role = self._ask(self.replica.port, "ROLE")
+                return role[0] == "slave" and role[3] == "connected"
+            return False
+        wait_for(ready, 30, "three sentinels that know the replica and each other", 0.2)
+
+    def primary_port(self) -> int:
+        """The primary the sentinels name now."""
+        return int(self._ask(self.sentinel_ports[0], "SENTINEL", "GET-MASTER-ADDR-BY-NAME",
+                             self.SERVICE)[1])
+
+    def stop(self) -> None:
+        for p in self.sentinels:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        self.primary.stop()
+        self.replica.stop()
