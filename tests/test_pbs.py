@@ -100,8 +100,8 @@ def test_the_script_runs_the_job_replaces_a_killed_rank_and_a_resubmission_leave
 
 def test_a_failed_job_ends_the_script_with_status_1(tmp_path):
     job = write_job(tmp_path / "job.yaml", tmp_path / "run", name="pbs-fail", steps=20,
-                    faults=[{"kind": "kill_rank", "rank": 0, "step": 2}])
-    done = run_script(tmp_path, job, "201.fake", nodes=1, hosts=["localhost"])
+                    faults=[{"kind": "kill_rank", "rank": 0, "step": 2}], max_restarts=0)
+    done = run_script(tmp_path, job, "201.fake", nodes=1, hosts=["localhost"], timeout=60)
     assert done.returncode == 1, done.stdout[-3000:]
     assert "job pbs-fail ended FAILED" in done.stdout
 
