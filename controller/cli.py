@@ -17,6 +17,7 @@ import click
 
 import optimus.cli as core
 from controller import ops  # noqa: F401 (adds `optimus job`, `optimus node`, `optimus events`)
+from controller.schedulers import pbs as pbs_scheduler
 from controller.store import Store, StoreUnavailable, redis_url
 from optimus.config import ConfigError, check_job, load_job
 
@@ -243,3 +244,11 @@ def _known_node(store: Store, job_name: str, node: str | None) -> None:
     if node not in known:
         raise ConfigError(f"no node {node!r} in job {job_name}; fix: --node one of "
                           + (", ".join(sorted(known)) or "(none registered)"))
+
+
+@main.group()
+def submit() -> None:
+    """Fill in a scheduler's batch script for JOB; print it or submit it."""
+
+
+submit.add_command(pbs_scheduler.command)

@@ -11,6 +11,7 @@ boundary all ranks agree (optimus/health.py), so all act after the same step.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ from optimus.parallel.grads import clip_grad_norm_, local_grads_finite
 from optimus.parallel.plan import IGNORE_INDEX, build_parallel_model
 from optimus.runtime import (
     ParallelDims,
+    cpu_binding,
     destroy_distributed,
     device_name,
     init_distributed,
@@ -72,6 +74,9 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
           quiet: bool = False) -> TrainResult:
     """Train `job` as this process's rank; the launch environment says which rank that is."""
     env = launch_env()
+    cpus = cpu_binding(os.environ.get("OPTIMUS_CPU_BIND"), env.local_rank)
+    if cpus:  # e.g. Aurora's 12 ranks per node, each on its own 8 cores
+        os.sched_setaffinity(0, cpus)
     layout = resolve_layout(job, env.world_size)
     device = pick_device(job.parallel.device, env.local_rank)
     backend = pick_backend(device, job.parallel.backend)

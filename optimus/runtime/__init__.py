@@ -6,7 +6,13 @@ The torch-bound names load on first use (optimus/lazy.py): the `optimus` command
 """
 
 from optimus.lazy import lazy_names
-from optimus.runtime.launch import LaunchEnv, LaunchError, expand_hostlist, launch_env
+from optimus.runtime.launch import (
+    LaunchEnv,
+    LaunchError,
+    cpu_binding,
+    expand_hostlist,
+    launch_env,
+)
 
 _WHERE = {
     "DeviceError": "device", "compute_dtype": "device",
@@ -15,5 +21,6 @@ _WHERE = {
     "init_distributed": "dist", "max_over_ranks": "memory", "peak_memory": "memory",
     "reset_peak_memory": "memory",
 }
-__all__ = ["LaunchEnv", "LaunchError", "expand_hostlist", "launch_env", *sorted(_WHERE)]
+__all__ = ["LaunchEnv", "LaunchError", "cpu_binding", "expand_hostlist", "launch_env",
+           *sorted(_WHERE)]
 __getattr__ = lazy_names(__name__, _WHERE)

@@ -49,6 +49,27 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     return _finish(env, launcher, read(env))
 
 
+def cpu_binding(spec: str | None, local_rank: int) -> set[int] | None:
+    """The CPUs this rank binds itself to, from OPTIMUS_CPU_BIND; None: no binding.
+
+    The spec is what `mpiexec --cpu-bind list:` takes (`list:1-8:9-16:...`, one entry per
+    local rank). Under an Optimus agent the launcher starts one agent per node, so it cannot
+    bind the agent's ranks: each rank applies its own entry instead."""
+    if not spec or spec == "none":
+        return None
+    entries = spec.removeprefix("list:").split(":")
+    if not spec.startswith("list:") or local_rank >= len(entries):
+        raise LaunchError(f"OPTIMUS_CPU_BIND={spec!r} has no entry for local rank {local_rank}; "
+                          "fix: list:CPUS:CPUS:... with one entry per rank of a node, or none")
+    cpus: set[int] = set()
+    for part in entries[local_rank].split(","):
+        first, _, last = part.partition("-")
+        if not first.isdigit() or not (last or first).isdigit():
+            raise LaunchError(f"OPTIMUS_CPU_BIND={spec!r}: {part!r} is not a CPU or a range")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
 def expand_hostlist(hostlist: str) -> list[str]:
     """Expand a Slurm host list: "nid[001-003,010],login2" -> nid001 nid002 nid003 nid010 login2."""
     hosts: list[str] = []

@@ -1,0 +1,1 @@
+"""Batch scripts for the schedulers Optimus runs under, filled in by `optimus submit`."""
