@@ -1,13 +1,13 @@
 # The quick start: `make demo` trains the tiny job end to end, `make test` runs the tests.
 # Both build .venv from nothing on first use: torch 2.13.0 from the machine's local CPU build
 # (never a CUDA build), then Optimus itself with its dev extras; `make test` also installs
-# promtool (Debian's prometheus package) when it is missing.
+# promtool (Debian's prometheus package) and Slurm (slurmctld, slurmd, munge) when missing.
 
 VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
 
-.PHONY: venv promtool demo test lint bench gpu-wheels clean
+.PHONY: venv promtool slurm demo test lint bench gpu-wheels clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,20 @@ promtool:
 	    $$SUDO apt-get install -y --no-install-recommends prometheus >/dev/null; }; }
 	@command -v promtool >/dev/null || { echo "promtool is missing: apt-get install prometheus"; exit 1; }
 
-test: venv promtool
+# A real Slurm for tests/test_slurm.py, which runs a private single-host cluster (three slurmd):
+# Debian's slurmctld, slurmd, slurm-client and munge. The packages' own services stay unused.
+SLURM_BINS := slurmctld slurmd sbatch munged
+slurm:
+	@for b in $(SLURM_BINS); do command -v $$b >/dev/null || missing=1; done; \
+	[ -z "$$missing" ] || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); PKGS="slurmctld slurmd slurm-client munge"; \
+	  $$SUDO apt-get install -y --no-install-recommends $$PKGS >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && \
+	    $$SUDO apt-get install -y --no-install-recommends $$PKGS >/dev/null; }; }
+	@for b in $(SLURM_BINS); do command -v $$b >/dev/null || \
+	  { echo "$$b is missing: apt-get install slurmctld slurmd slurm-client munge"; exit 1; }; done
+
+test: venv promtool slurm
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
 

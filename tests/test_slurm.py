@@ -26,21 +26,24 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from cluster import ROOT, free_port, wait_for, write_job
 
+from controller.cli import main
+from controller.schedulers.slurm import time_limit_s
 from optimus.checkpoint.manifest import committed_steps
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
 NODES = ("n1", "n2", "n3")
 STEPS, FAULT_STEP = 30, 15
 
-pytestmark = [
-    pytest.mark.skipif(any(shutil.which(d) is None for d in DAEMONS),
-                       reason="Slurm is not installed: `make slurm` installs Debian's slurmctld, "
-                              "slurmd, slurm-client and munge"),
-    pytest.mark.skipif(os.geteuid() != 0,
-                       reason="slurmd must run as root to start a job's processes as its user"),
-]
+
+def needs_slurm(test):
+    test = pytest.mark.skipif(any(shutil.which(d) is None for d in DAEMONS),
+                              reason="Slurm is not installed: `make slurm` installs Debian's "
+                                     "slurmctld, slurmd, slurm-client and munge")(test)
+    return pytest.mark.skipif(os.geteuid() != 0, reason="slurmd must run as root to start "
+                              "a job's processes as its user")(test)
 
 
 class SlurmCluster:
@@ -176,6 +179,7 @@ def slurm(tmp_path_factory):
         cluster.stop()
 
 
+@needs_slurm
 def test_a_killed_rank_is_replaced_on_the_spare_node(slurm, tmp_path):
     run = tmp_path / "run"
     job = write_job(tmp_path / "job.yaml", run, name="slurm-e2e", steps=STEPS,
@@ -227,6 +231,7 @@ def test_a_killed_rank_is_replaced_on_the_spare_node(slurm, tmp_path):
     assert f"#SBATCH --exclude={culprit}\n" in again.stdout
 
 
+@needs_slurm
 def test_a_requeued_job_resumes_from_its_checkpoint(slurm, tmp_path):
     """`scontrol requeue` kills the allocation mid-run and starts the script again: Redis
     reloads a RUNNING job whose plan names agents that are gone. The new leader must take it
@@ -273,3 +278,58 @@ def _job_id(done: subprocess.CompletedProcess) -> str:
 def _logs(run: Path) -> str:
     return "".join(f"\n--- {p.name}\n" + p.read_text(errors="replace")[-3000:]
                    for p in sorted((run / "control").glob("*.log")))
+
+
+# --- the script as `optimus submit slurm` fills it in: no Slurm needed --------------------------
+
+def _submit(*args: str):
+    return CliRunner().invoke(main, ["submit", "slurm", *args])
+
+
+def test_the_filled_script_carries_the_values_and_the_known_bad_nodes(tmp_path):
+    run = tmp_path / "run"
+    job = write_job(tmp_path / "job.yaml", run, name="fill")
+    run.mkdir()
+    (run / "controller.json").write_text(json.dumps({"excluded": {"n7": {"reason": "x"}}}))
+    out = _submit(str(job), "--nodes", "4", "--spares", "2", "--ranks-per-node", "2",
+                  "--time", "2", "--partition", "gpu", "--account", "proj-1",
+                  "--exclude", "n[8-9]", "--set", "optim.lr=1e-3", "--no-requeue")
+    assert out.exit_code == 0, out.output
+    script = out.output
+    for line in ("#SBATCH --nodes=6", "#SBATCH --time=2", "#SBATCH --partition=gpu",
+                 "#SBATCH --account=proj-1", "#SBATCH --exclude=n7,n[8-9]",
+                 "#SBATCH --no-requeue", "#SBATCH --signal=B:USR1@30",  # a quarter of 2 min
+                 f"#SBATCH --output={run}/slurm-%j.out", "NODES=4", "RANKS_PER_NODE=2",
+                 "SETS=(--set optim.lr=1e-3)", f"JOB_FILE={job}", "JOB_NAME=fill",
+                 "STANDBY_METRICS_PORT=0"):  # the job's metrics are off: the standby's too
+        assert f"\n{line}\n" in script, line
+    assert "{{" not in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--time", "1:0:0:0"], "--time '1:0:0:0' is not a Slurm time limit"),
+    (["--partition", "a b"], "--partition 'a b' would not survive a #SBATCH line"),
+    (["--exclude", "n1;reboot"], "--exclude 'n1;reboot' would not survive"),
+    (["--set", "parallel.tp=3"], "does not divide the world size 2"),
+    (["--wait"], "--wait waits for a submitted job"),
+    (["--nodes", "0"], "0 is not in the range x>=1"),
+])
+def test_bad_values_are_refused_in_one_line(tmp_path, args, says):
+    job = write_job(tmp_path / "job.yaml", tmp_path / "run", name="fill")
+    out = _submit(str(job), "--nodes", "2", *args)
+    assert out.exit_code == 2 and says in out.output, out.output
+    assert "Traceback" not in out.output
+
+
+def test_a_missing_job_file_is_refused(tmp_path):
+    out = _submit(str(tmp_path / "nope.yaml"), "--nodes", "1")
+    assert out.exit_code == 2 and f"no job file {tmp_path / 'nope.yaml'}" in out.output
+
+
+@pytest.mark.parametrize("text,seconds", [
+    ("90", 5400), ("1:30", 90), ("2:00:00", 7200), ("1-0", 86400), ("1-2:3", 93780),
+    ("1-2:3:4", 93784),
+])
+def test_slurm_time_limits_in_seconds(text, seconds):
+    assert time_limit_s(text) == seconds
