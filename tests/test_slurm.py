@@ -333,3 +333,39 @@ def test_a_missing_job_file_is_refused(tmp_path):
 ])
 def test_slurm_time_limits_in_seconds(text, seconds):
     assert time_limit_s(text) == seconds
+
+
+def test_a_new_allocation_takes_a_job_left_running_as_a_new_submission(tmp_path):
+    """A requeue finds the job RUNNING (in Redis, or only in the journal if Redis lost it),
+    with a plan whose agents are gone: resubmitted, exclusions kept; COMPLETED stays."""
+    from cluster import RedisServer
+
+    from controller.cli import _resubmit
+    from controller.store import Store
+    from optimus.config import load_job
+
+    server = RedisServer(tmp_path)
+    try:
+        job = load_job(write_job(tmp_path / "job.yaml", tmp_path / "run", name="requeued"))
+        store, journal = Store(server.url, "requeued"), tmp_path / "run" / "controller.json"
+        store.update_job({"state": "COMPLETED"})
+        _resubmit(store, job, "slurm job 7, start 1")
+        assert store.job_record()["state"] == "COMPLETED"
+        store.update_job({"state": "RUNNING", "generation": 4})
+        store.set_plan({"generation": 4, "action": "run", "nodes": ["n1", "n2"]})
+        store.exclude("n3", "ECC errors", by="controller")
+        _resubmit(store, job, "slurm job 7, start 1")
+        assert store.job_record() == {} and store.plan() is None
+        assert list(store.excluded()) == ["n3"]
+        store.reset()  # Redis lost everything: the journal still says RUNNING
+        journal.parent.mkdir(parents=True)
+        journal.write_text(json.dumps({"job": {"state": "RUNNING"},
+                                       "excluded": {"n4": {"reason": "lost", "by": "c"}}}))
+        _resubmit(store, job, "slurm job 7, start 2")
+        assert list(store.excluded()) == ["n4"] and not journal.exists()
+        kinds = [(e["kind"], e["message"]) for _, e in store.events()]
+        assert kinds[-1] == ("resubmitted", "job requeued was RUNNING; submitted again in a new "
+                             "allocation (slurm job 7, start 2), from its latest committed "
+                             "checkpoint; still excluded: n4")
+    finally:
+        server.stop()
