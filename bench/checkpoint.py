@@ -49,7 +49,6 @@ from optimus.parallel.grads import clip_grad_norm_
 from optimus.parallel.plan import IGNORE_INDEX, build_parallel_model
 from optimus.runtime import (
     ParallelDims,
-    autocast_for,
     destroy_distributed,
     init_distributed,
     launch_env,
@@ -88,7 +87,6 @@ class Rank:
         torch.manual_seed(job.seed)
         self.model = build_parallel_model(job, layout, mesh, device)
         self.optimizer = build_optimizer(self.model.state_view(), job.optim, device)
-        self.autocast = autocast_for(job.training.mixed_precision, device)
         self.pp_group = mesh["pp"].get_group()
         self.progress = Progress(job.data.batch_size)
         self.state = training_state(self.model, self.optimizer, self.progress, rank=0,
@@ -107,8 +105,8 @@ class Rank:
         microbatches = [next(self.batches) for _ in range(self.job.data.microbatches)]
         tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in microbatches)
         self.model.loss_fn.tokens = tokens
-        with self.autocast:
-            loss = self.model.forward_backward(microbatches, self.device)
+        # bf16 on cuda: the model's FSDP2 mixed-precision policy (training.mixed_precision).
+        loss = self.model.forward_backward(microbatches, self.device)
         clip_grad_norm_(self.model.parameters(), self.job.optim.grad_clip, self.pp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
