@@ -242,8 +242,10 @@ def test_a_full_disk_fails_every_save_and_the_run_exits_89_naming_the_final_step
     disk = tmp_path / "disk"
     mounted = _small_filesystem(disk)
     try:
+        # on_overlap wait: a loaded machine still writing step 4's save at step 8 would skip
+        # that one, and the count of failed saves below would be 1.
         raw = job(tmp_path / "run", checkpoint={"dir": str(disk / "ckpt"), "interval": 4,
-                                                "async_mode": "process"})
+                                                "async_mode": "process", "on_overlap": "wait"})
         raw["model"].update(dim=128, ffn_dim=256)  # ~0.6M parameters: ~7 MiB of state
         proc = _run_train(raw, tmp_path, preexec_fn=None if mounted else _limit_file_size)
         lines = [json.loads(s) for s in (tmp_path / "run" / "metrics.jsonl").read_text()
