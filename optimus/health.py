@@ -88,10 +88,12 @@ from optimus.runtime.launch import LaunchEnv
 
 SOCKET_ENV = "OPTIMUS_AGENT_SOCKET"
 VERSION = 1
-# Each phase, and whether its time counts as waiting (the rest of a step is compute).
+# Each phase, and whether its time counts as waiting (the rest of a step is compute). A
+# validation ("eval") is not the step's compute: counted with waiting, it cannot make a step
+# that validates look like a straggler's.
 PHASES = {"startup": False, "data": True, "forward": False, "backward": False,
           "grad_sync": True, "optim": False, "checkpoint": True, "checkpoint_sync": True,
-          "sync": True, "paused": True, "done": False}
+          "sync": True, "paused": True, "eval": True, "done": False}
 # The phases a rank is in while it waits in a collective with its peers (see the module doc).
 COLLECTIVE_PHASES = ("grad_sync", "checkpoint_sync", "sync")
 CONTROL_ENV = "OPTIMUS_CONTROL_FILE"
@@ -123,6 +125,7 @@ class Heartbeat:
         self._metrics: dict | None = None  # rank 0's last logged step (see the module doc)
         self._resume: dict | None = None  # what this rank resumed from, once it knows
         self._memory: dict | None = None  # this rank's peak memory in its last logged step
+        self._validation: dict | None = None  # rank 0's last validation: val_loss, val_step
         self._step_began = 0.0
         self._waited = 0.0  # in the step in progress
         self._waiting = False  # inside a waiting phase (a nested one adds nothing more)
@@ -166,6 +169,10 @@ class Heartbeat:
             self._metrics = {k: (v if v is None or math.isfinite(v) else None)
                              for k, v in metrics.items()}
 
+    def validated(self, summary: dict | None) -> None:
+        """Rank 0's last validation ({"val_loss", "val_step"}), sent beside its metrics."""
+        self._validation = summary
+
     def nonfinite(self) -> None:
         """This rank's own loss or gradients are NaN/Inf: say so now, not at the next beat."""
         self._finite = False
@@ -203,7 +210,8 @@ class Heartbeat:
         beat = {**self._fixed, "time": time.time(), "step": step, "phase": phase,
                 "phase_since": since, "compute_s": compute_s, "wait_s": wait_s,
                 "finite": self._finite, "seq": self._seq, "resume": self._resume,
-                "metrics": self._metrics, "memory": self._memory}
+                "metrics": self._metrics if self._validation is None else {
+                    **(self._metrics or {}), **self._validation}, "memory": self._memory}
         self._seq += 1
         with contextlib.suppress(OSError):  # no agent, agent gone, queue full: try next time
             self._sock.sendto(json.dumps(beat).encode(), self.path)
@@ -258,6 +266,9 @@ class NoHeartbeat:
 
     def logged(self, loss: float, grad_norm: float, metrics: dict | None = None,
                memory: dict | None = None) -> None:
+        pass
+
+    def validated(self, summary: dict | None) -> None:
         pass
 
     def nonfinite(self) -> None:

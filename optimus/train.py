@@ -25,6 +25,7 @@ from optimus.checkpoint.saver import Checkpointer
 from optimus.checkpoint.state import Progress, training_state
 from optimus.config import JobConfig, job_hash, resolve_layout
 from optimus.data import build_loader, build_source
+from optimus.evaluate import EvalResult, evaluate, held_out_for
 from optimus.faults import RankFaults
 from optimus.health import (
     PAUSE_POLL_S,
@@ -68,6 +69,7 @@ class TrainResult:
     sample_ids: list[list[int]] = field(default_factory=list)  # this rank's, per step
     state: dict[str, torch.Tensor] | None = None  # full model weights, when asked for
     stopped_at: int | None = None  # the step after which all ranks stopped (SIGTERM), if any
+    evals: list[tuple[int, EvalResult]] = field(default_factory=list)  # (step, validation)
 
 
 def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = False,
@@ -136,6 +138,8 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                               num_workers=job.data.num_workers,
                               prefetch_factor=job.data.prefetch_factor)
         batches = iter(loader)
+        held_out = (held_out_for(job, layout, mesh["dp"].get_local_rank())
+                    if job.eval.every else None)  # the validation windows, this rank's share
         if resumed:
             state["rng"].apply()  # making the iterator drew from the RNG; put it back
         heartbeat.resumed(progress.step, resumed["step"] if resumed else None,
@@ -218,6 +222,12 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                                        moe=experts, data=data, memory=memory))
             else:
                 log.samples(step, data)
+
+            if held_out is not None and (step % job.eval.every == 0 or step == job.optim.steps):
+                with heartbeat.phase("eval"):
+                    validation = evaluate(model, held_out, device, mesh)
+                result.evals.append((step, validation))
+                _log_validation(log, heartbeat, step, progress.tokens, validation, env.rank)
 
             # The step boundary: what any rank was told (stop, pause, checkpoint now), all do
             # after this step; too many failed saves in a row stop them all here.
@@ -410,6 +420,15 @@ def _save_now(ckpt: Checkpointer | None, log: MetricsLog, job: JobConfig, step: 
     log.event("checkpoint", f"checkpoint of step {step} asked by an operator: "
               + ("committed" if wait or outcome == "exists" else "writing in the background"),
               step=step)
+
+
+def _log_validation(log: MetricsLog, heartbeat, step: int, tokens: int,
+                    validation: EvalResult, rank: int) -> None:
+    """A validation's figures: an "eval" line in metrics.jsonl, rank 0's heartbeat summary."""
+    log.event("eval", f"step {step}: validation loss {validation.loss:.4f} (perplexity "
+              f"{validation.perplexity:.2f}) on {validation.tokens:,} held-out tokens in "
+              f"{validation.seconds:.1f} s", step=step, tokens=tokens, **validation.fields())
+    heartbeat.validated(None if rank else {"val_loss": validation.loss, "val_step": step})
 
 
 def _nonfinite(step: int, loss_sum: torch.Tensor, model, heartbeat) -> None:

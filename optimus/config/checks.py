@@ -92,6 +92,13 @@ def _job_problems(job: JobConfig) -> list[tuple[str, str, str]]:
     if d.source == "synthetic" and d.path:
         out.append(("data.path", "is only read when data.source is `shards`",
                     "remove data.path or set data.source: shards"))
+    if job.eval.every and not job.eval.path and d.source != "synthetic":
+        out.append(("eval.path", "validation (eval.every > 0) on prepared data needs held-out "
+                    "tokens", "set eval.path to the holdout/ folder `optimus data prepare "
+                    "--holdout` wrote (or another prepared folder), or eval.every: 0"))
+    if job.eval.path and not job.eval.every:
+        out.append(("eval.path", "is only read when eval.every > 0",
+                    "set eval.every (steps between validations) or remove eval.path"))
     if d.batch_size % d.microbatches:
         out.append(("data.batch_size", f"{d.batch_size} is not divisible by microbatches="
                     f"{d.microbatches}", "make batch_size a multiple of microbatches"))

@@ -139,6 +139,21 @@ class DataConfig(Section):
     prefetch_factor: PositiveInt = 2
 
 
+class EvalConfig(Section):
+    """Validation: the loss on held-out tokens, every `every` steps and after the last."""
+
+    every: NonNegativeInt = Field(
+        0, description="steps between validations (and after the last step); 0: none")
+    batches: PositiveInt = Field(
+        4, description="global batches of data.batch_size sequences of data.seq_len tokens: "
+                       "the same held-out windows at every validation, whatever the layout")
+    path: str | None = Field(
+        None, description="prepared held-out tokens (the holdout/ folder `optimus data "
+                          "prepare --holdout` writes, or any prepared folder); None: with "
+                          "synthetic data, documents the training stream never reaches; with "
+                          "shards it must be set")
+
+
 class CheckpointConfig(Section):
     dir: str = Field("{run_dir}/checkpoints", description="{run_dir} and {name} expand")
     interval: NonNegativeInt = Field(0, description="steps between saves; 0: never")
@@ -234,6 +249,7 @@ class JobConfig(Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     supervision: SupervisionConfig = Field(default_factory=SupervisionConfig)
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)

@@ -22,12 +22,13 @@ class SyntheticCorpus:
     doc_len = 256
     alphabet = 16
 
-    def __init__(self, vocab_size: int, seed: int, num_tokens: int = 2**40):
+    def __init__(self, vocab_size: int, seed: int, num_tokens: int = 2**40, first_doc: int = 0):
         if vocab_size < 3:
             raise DataError(f"synthetic data needs vocab_size >= 3, got {vocab_size}")
         if seed < 0:
             raise DataError(f"seed must be >= 0, got {seed}")
         self.vocab_size, self.seed, self.num_tokens = vocab_size, seed, num_tokens
+        self.first_doc = first_doc  # document k of this view is document first_doc + k
         self.eos_id = vocab_size - 1
         rng = np.random.default_rng([_SALT, seed])
         # Lowercase letters when the vocabulary is byte-like, so decoded text is readable.
@@ -54,7 +55,7 @@ class SyntheticCorpus:
         doc = self._cache.get(k)
         if doc is not None:
             return doc
-        rng = np.random.default_rng([_SALT, self.seed, k])
+        rng = np.random.default_rng([_SALT, self.seed, self.first_doc + k])
         n = len(self.symbols)
         motif = self._walk(rng, int(rng.integers(n)), int(rng.integers(4, 13)))
         body = list(motif)
@@ -70,6 +71,12 @@ class SyntheticCorpus:
             self._cache.clear()
         self._cache[k] = doc
         return doc
+
+    def held_out(self, num_tokens: int = 2**30) -> SyntheticCorpus:
+        """The same language, in documents past the end of this stream: validation tokens
+        that training, which reads only [0, num_tokens), never sees."""
+        return SyntheticCorpus(self.vocab_size, self.seed, num_tokens,
+                               first_doc=self.first_doc + -(-self.num_tokens // self.doc_len))
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start + length) as int64."""

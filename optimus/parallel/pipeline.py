@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.distributed.pipelining as pipelining
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -147,3 +148,51 @@ def run_pipeline_step(schedule, stage_ids: list[int], num_stages: int,
         return [loss.detach() for loss in losses]
     schedule.step(*args, return_outputs=False)
     return []
+
+
+
+def forward_stages(parts: list[nn.Module], stage_ids: list[int], owners: list[int],
+                   pp_group: ProcessGroup, inputs: list[torch.Tensor],
+                   loss_fn: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """Forward only, without torch's schedules (validation): every microbatch through the
+    stages this rank holds, in ascending stage order, hidden states passed point to point.
+
+    `owners[s]` is the pp rank holding stage s; `inputs` are the microbatches' tokens, used
+    by the rank holding stage 0; `loss_fn(microbatch index, logits)` runs on the rank holding
+    the last stage, whose losses are returned (elsewhere []). Why not `schedule.eval`: in torch
+    2.13 it fails for the zero-bubble schedules (their action lists keep backward actions), and
+    every switch between it and training re-runs the stages' shape inference. Dependencies only
+    point to higher stages and sends do not block, so ascending order cannot deadlock. Hidden states
+    travel in float32 (the next stage's FSDP2 root casts them back to its compute dtype), after
+    their shape (under sequence parallelism each tp rank's share of the sequence).
+    """
+    group_ranks = dist.get_process_group_ranks(pp_group)
+    last = len(owners) - 1
+    local = {}  # (stage, microbatch) -> hidden states from a stage this rank also holds
+    losses = []
+    sends = []  # in flight, with their tensors: a blocking send could wait on a rank that is
+    # itself sending to us (stages 0 and 2 here, 1 and 3 there)
+    for stage, part in sorted(zip(stage_ids, parts, strict=True), key=lambda x: x[0]):
+        for i, tokens in enumerate(inputs):
+            if stage == 0:
+                x = tokens
+            elif owners[stage - 1] == owners[stage]:
+                x = local.pop((stage, i))
+            else:
+                src = group_ranks[owners[stage - 1]]
+                shape = torch.empty(3, dtype=torch.int64, device=tokens.device)
+                dist.recv(shape, src, group=pp_group)
+                x = torch.empty(shape.tolist(), device=tokens.device)
+                dist.recv(x, src, group=pp_group)
+            out = part(x)
+            if stage == last:
+                losses.append(loss_fn(i, out))
+            elif owners[stage + 1] == owners[stage]:
+                local[(stage + 1, i)] = out
+            else:
+                dst = group_ranks[owners[stage + 1]]
+                for t in (torch.tensor(out.shape, device=out.device), out.float().contiguous()):
+                    sends.append((dist.isend(t, dst, group=pp_group), t))
+    for work, _ in sends:
+        work.wait()
+    return losses

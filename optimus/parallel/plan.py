@@ -33,7 +33,12 @@ from optimus.parallel.data_parallel import (
 from optimus.parallel.expert_parallel import apply_expert_parallel, expert_group
 from optimus.parallel.experts import share_balance_counts
 from optimus.parallel.float8 import apply_float8
-from optimus.parallel.pipeline import build_schedule, build_stage_models, run_pipeline_step
+from optimus.parallel.pipeline import (
+    build_schedule,
+    build_stage_models,
+    forward_stages,
+    run_pipeline_step,
+)
 from optimus.parallel.schedule_rules import stage_ids as pipeline_stage_ids
 from optimus.parallel.schedule_rules import stage_style
 from optimus.parallel.tensor_parallel import (
@@ -83,6 +88,9 @@ class ParallelModel:
     tp_group: dist.ProcessGroup | None = None
     # training.float8: the matmul layers of these chunks left in high precision, and why.
     float8_skipped: list[tuple[str, str]] = field(default_factory=list)
+    # Under a pipeline: the pp rank holding each stage, and the pp group (validation's forward).
+    stage_owners: list[int] = field(default_factory=list)
+    pp_group: dist.ProcessGroup | None = None
 
     def set_step_tokens(self, tokens: int) -> None:
         """The step's global token count: the loss and any auxiliary loss divide by it."""
@@ -149,6 +157,33 @@ class ParallelModel:
         return total
 
 
+    @torch.no_grad()
+    def forward_loss(self, microbatches: list[dict], device: torch.device) -> torch.Tensor:
+        """Forward only (validation): this rank's summed cross-entropy of the microbatches'
+        labelled tokens, not divided by anything. Under a pipeline only ranks holding the last
+        stage see losses (the others return zero); nothing is counted as training load."""
+        total = torch.zeros((), device=device)
+        tokens, self.loss_fn.tokens = self.loss_fn.tokens, 1  # the step's divisor, put back
+        try:
+            with loss_context(self.tp_enabled):
+                if self.schedule is not None:
+                    labels = [mb["labels"].to(device) for mb in microbatches]
+                    losses = forward_stages(
+                        self.parts, self.stage_ids, self.stage_owners, self.pp_group,
+                        [mb["input_ids"].to(device) for mb in microbatches],
+                        lambda i, logits: self.loss_fn(logits, labels[i]))
+                    for loss in losses:
+                        total += _local(loss)
+                else:
+                    (model,) = self.parts
+                    for mb in microbatches:
+                        logits = model(mb["input_ids"].to(device, non_blocking=True))
+                        total += _local(self.loss_fn(logits, mb["labels"].to(device)))
+        finally:
+            self.loss_fn.tokens = tokens
+        return total
+
+
 def _local(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
@@ -195,5 +230,12 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
     if layout.pp > 1:
         schedule = build_schedule(parts, ids, num_stages, mesh["pp"].get_group(), device,
                                   p.schedule, job.data.microbatches, loss_fn)
+    owners = []
+    if layout.pp > 1:
+        style = stage_style(p.schedule)
+        held = [pipeline_stage_ids(r, layout.pp, layout.virtual_stages, style)
+                for r in range(layout.pp)]
+        owners = [next(r for r in range(layout.pp) if s in held[r]) for s in range(num_stages)]
     return ParallelModel(parts, schedule, ids, num_stages, loss_fn, layout.tp > 1, moe,
-                         mesh["tp"].get_group() if layout.tp > 1 else None, float8_skipped)
+                         mesh["tp"].get_group() if layout.tp > 1 else None, float8_skipped,
+                         owners, pp_group=mesh["pp"].get_group() if layout.pp > 1 else None)

@@ -1,0 +1,114 @@
+"""Validation: the loss of held-out tokens, the same value whatever the layout.
+
+The held-out set is `eval.batches` global batches of `data.batch_size` windows of
+`data.seq_len + 1` tokens, taken in one fixed shuffled order (keyed by the job's seed, first
+epoch only: no window twice) from `eval.path`, or, with synthetic data, from documents past
+the end of the training stream. Every validation reads the same windows, so its values compare
+across a run. Each global batch is split as a training step's is (microbatches, then a slice per
+data-parallel replica), so every layout sums the loss of the same tokens; the sum and the token
+count are reduced over the whole world, and every rank returns the same mean.
+
+    optimus eval CHECKPOINT --data DIR     one process, or each rank under torchrun / srun
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from optimus.config import JobConfig, Layout
+from optimus.data.errors import DataError
+from optimus.data.loader import MicrobatchSampler, WindowDataset, build_source
+from optimus.data.synthetic import SyntheticCorpus
+from optimus.parallel.plan import IGNORE_INDEX, ParallelModel
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float  # mean cross-entropy per held-out token, nats
+    tokens: int  # held-out tokens it covers, all ranks
+    seconds: float
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss) if self.loss < 700 else math.inf
+
+    def fields(self) -> dict:
+        """What a metrics line, an event and the heartbeat summary carry."""
+        return {"loss": self.loss, "perplexity": self.perplexity, "eval_tokens": self.tokens,
+                "eval_s": round(self.seconds, 3)}
+
+
+def held_out_source(job: JobConfig, path: str | None = None):
+    """The held-out tokens: `path` (or eval.path), else the synthetic stream's held-out part."""
+    path = path or job.eval.path
+    if path:
+        return build_source("shards", path=path, vocab_size=job.model.vocab_size)
+    if job.data.source != "synthetic":
+        raise DataError("validation on prepared data needs held-out tokens: set eval.path "
+                        "(e.g. the holdout/ folder of `optimus data prepare --holdout`)")
+    return SyntheticCorpus(job.model.vocab_size, job.seed).held_out()
+
+
+class HeldOut:
+    """This rank's share of the held-out windows: per global batch, its microbatches."""
+
+    def __init__(self, source, *, seq_len: int, batch_size: int, microbatches: int,
+                 batches: int, dp_rank: int, dp_size: int, seed: int, where: str = "eval"):
+        self.dataset = WindowDataset(source, seq_len, seed)
+        needed = batches * batch_size
+        if self.dataset.num_samples < needed:
+            raise DataError(
+                f"{where} holds {self.dataset.num_samples} windows of {seq_len + 1} tokens, "
+                f"fewer than {batches} batch(es) x {batch_size} sequences = {needed}; lower "
+                "the number of validation batches or hold out more documents")
+        self.batches, self.microbatches = batches, microbatches
+        self.sampler_args = dict(batch_size=batch_size, microbatches=microbatches,
+                                 dp_rank=dp_rank, dp_size=dp_size)
+
+    def __iter__(self):
+        """Each global batch as this rank's list of microbatches (dicts of stacked tensors)."""
+        sampler = MicrobatchSampler(**self.sampler_args)
+        for _ in range(self.batches):
+            batch = []
+            for _ in range(self.microbatches):
+                items = [self.dataset[g] for g in next(sampler)]
+                batch.append({k: torch.stack([it[k] for it in items]) for k in items[0]})
+            yield batch
+
+
+def held_out_for(job: JobConfig, layout: Layout, dp_rank: int, path: str | None = None,
+                 batches: int | None = None) -> HeldOut:
+    d = job.data
+    return HeldOut(held_out_source(job, path), seq_len=d.seq_len, batch_size=d.batch_size,
+                   microbatches=d.microbatches, batches=batches or job.eval.batches,
+                   dp_rank=dp_rank, dp_size=layout.dp, seed=job.seed,
+                   where=path or job.eval.path or "the synthetic held-out stream")
+
+
+def evaluate(model: ParallelModel, held_out: HeldOut, device: torch.device,
+             mesh: DeviceMesh) -> EvalResult:
+    """The mean loss of the held-out tokens, on every rank (a collective: all ranks call it)."""
+    started = time.perf_counter()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = 0
+    for batch in held_out:
+        loss_sum += model.forward_loss(batch, device).double()
+        tokens += sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in batch)
+    # Ranks holding the last stage have the losses, every tp rank of them the same one: sum
+    # one rank's loss and tokens per dp replica.
+    first_tp = mesh["tp"].get_local_rank() == 0
+    holds_loss = first_tp and model.num_stages - 1 in model.stage_ids
+    counted = first_tp and mesh["pp"].get_local_rank() == 0
+    totals = torch.stack([loss_sum * holds_loss,
+                          torch.tensor(float(tokens * counted), dtype=torch.float64,
+                                       device=device)])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(totals)
+    loss, count = totals.tolist()
+    return EvalResult(loss / max(count, 1.0), int(count), time.perf_counter() - started)
