@@ -101,6 +101,10 @@ def config_check(job: Path, overrides: tuple[str, ...], world: int) -> None:
     click.echo(f"ok: {job} on {world} ranks: dp={layout.dp} tp={layout.tp} pp={layout.pp} "
                f"ep={layout.ep} virtual_stages={layout.virtual_stages}; {d.microbatches} "
                f"microbatch(es) of {per_rank} sequence(s) per dp replica per step")
+    if d.sources:  # the shares as weights ask; the run's start-up event has the realised ones
+        total = sum(s.weight for s in d.sources)
+        click.echo(f"data: a mixture of {len(d.sources)} source(s): " + ", ".join(
+            f"{s.path} {s.weight / total:.1%}" for s in d.sources))
 
 
 @main.group()

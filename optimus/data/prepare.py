@@ -33,7 +33,6 @@ from optimus.data.prepare_file import (
     done_path,
     prepare_file,
 )
-from optimus.data.prepare_pool import run_pool
 from optimus.data.progress import PrepareProgress
 from optimus.data.readers import SUFFIXES, input_format, unknown_format
 from optimus.data.tokenizer import load_tokenizer
@@ -254,6 +253,8 @@ def _run(files: list[Path], out_dir: Path, settings: Settings, workers: int | No
                                           lambda d, t, b, i=i: display.add(i, d, t, b))
                 display.file_done(i, sizes[i])
         else:
+            from optimus.data.prepare_pool import run_pool
+
             records.update(run_pool(todo, files, out_dir, settings, n, display, sizes,
                                     out_dir / LOCK_NAME))
     finally:
