@@ -150,8 +150,10 @@ def _start(out_dir: Path, plan: dict, overwrite: bool) -> dict | None:
     the plan. Returns the index when the folder already holds exactly this result."""
     plan_path, index_path = out_dir / PLAN_NAME, out_dir / INDEX_NAME
     old = _read_json(plan_path) if plan_path.is_file() else None
-    if overwrite:
+    nothing_done = not index_path.exists() and not any((out_dir / DONE_DIR).glob("*.json"))
+    if overwrite or (old is not None and nothing_done):  # nothing to keep: start afresh
         _clear(out_dir)
+        old = None
     elif old is None and index_path.exists():
         raise DataError(f"{out_dir} already holds prepared data ({INDEX_NAME}) from an earlier "
                         "prepare; choose another folder or pass --overwrite (overwrite=True)")
@@ -163,7 +165,7 @@ def _start(out_dir: Path, plan: dict, overwrite: bool) -> dict | None:
                         "to start over")
     elif old is not None and index_path.exists():
         return _read_json(index_path)
-    if old is None or overwrite:
+    if old is None:
         write_atomic(plan_path, json.dumps(plan, indent=1).encode(), out_dir / "prepare.tmp")
     return None
 
@@ -172,11 +174,14 @@ def _differences(old: dict, new: dict) -> str:
     keys = [k for k in new if k != "inputs" and old.get(k) != new[k]]
     parts = [f"{k} {old.get(k)!r} then, {new[k]!r} now" for k in keys]
     before, now = set(old.get("inputs", [])), set(new["inputs"])
-    if before != now:
-        added, gone = sorted(now - before), sorted(before - now)
-        parts.append(f"inputs: {len(added)} new (e.g. {added[0]})" if added else "inputs")
-        if gone:
-            parts[-1] += f", {len(gone)} no longer given (e.g. {gone[0]})"
+    added, gone = sorted(now - before), sorted(before - now)
+    changes = []
+    if added:
+        changes.append(f"{len(added)} new, e.g. {added[0]}")
+    if gone:
+        changes.append(f"{len(gone)} no longer given, e.g. {gone[0]}")
+    if changes:
+        parts.append("inputs: " + ", ".join(changes))
     return "; ".join(parts)
 
 

@@ -34,9 +34,9 @@ def input_format(path: Path) -> str | None:
 
 def unknown_format(path: Path) -> DataError:
     return DataError(
-        f"input file {path} has an extension optimus does not read; use .txt (one document per "
-        "file), .jsonl / .jsonl.gz / .jsonl.zst / .json.gz / .json.zst (one JSON object per "
-        "line) or .parquet (one document per row)")
+        f"input file {path} has extension {path.suffix!r}, which optimus does not read; use "
+        ".txt (one document per file), .jsonl / .jsonl.gz / .jsonl.zst / .json.gz / .json.zst "
+        "(one JSON object per line) or .parquet (one document per row)")
 
 
 class DocumentReader:
@@ -75,9 +75,9 @@ class DocumentReader:
                     if line.strip():
                         yield self._text(self._parse(line, lineno), lineno)
         except errors as e:
-            raise DataError(
-                f"{self.path}: the {self.format} stream is corrupt after line {lineno} ({e}); "
-                "download or copy the file again") from e
+            where = f"after line {lineno}" if lineno else "from its start"
+            raise DataError(f"{self.path}: the {self.format} stream is corrupt {where} ({e}); "
+                            "download or copy the file again") from e
         self.bytes_read = self.path.stat().st_size
 
     def _decompressed(self, raw: BinaryIO) -> tuple[BinaryIO, tuple]:
@@ -90,8 +90,8 @@ class DocumentReader:
             except ImportError as e:
                 raise DataError(f"reading {self.path} needs the zstandard package; "
                                 f"run: {EXTRA}") from e
-            reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-            return io.BufferedReader(reader), (zstandard.ZstdError, OSError, EOFError)
+            stream = io.BufferedReader(_ZstdFrames(raw, zstandard), buffer_size=1 << 20)
+            return stream, (zstandard.ZstdError, OSError, EOFError)
         return raw, ()
 
     def _parse(self, line: str, lineno: int):
@@ -145,3 +145,40 @@ class DocumentReader:
             raise DataError(f"{self.path}: cannot read row group data after row {row} ({e}); "
                             "download or copy the file again") from e
 
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of every zstd frame of `raw` in turn (parallel compressors write
+    many). zstandard's own stream reader ends quietly inside a truncated frame; this raises."""
+
+    def __init__(self, raw: BinaryIO, zstandard):
+        self._raw, self._dctx = raw, zstandard.ZstdDecompressor()
+        self._frame, self._in_frame = self._dctx.decompressobj(), False
+        self._out, self._pos = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self._pos == len(self._out):
+            chunk = self._raw.read(1 << 20)
+            if not chunk:
+                if self._in_frame:
+                    raise EOFError("the file ends inside a zstd frame: it is truncated")
+                return 0
+            self._out, self._pos = self._decompress(chunk), 0
+        n = min(len(buffer), len(self._out) - self._pos)
+        buffer[:n] = self._out[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def _decompress(self, chunk: bytes) -> bytes:
+        parts = []
+        while chunk:
+            self._in_frame = True
+            parts.append(self._frame.decompress(chunk))
+            chunk = b""
+            if self._frame.eof:  # the rest of the chunk starts the next frame
+                chunk = self._frame.unused_data
+                self._frame, self._in_frame = self._dctx.decompressobj(), False
+        return b"".join(parts)
