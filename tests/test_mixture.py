@@ -200,3 +200,16 @@ def test_two_rank_training_on_a_mixture_resumes_on_one_rank(run_ranks, folders, 
     mix = [e for e in events if e.get("event") == "mixture"]
     assert len(mix) == 2 and [s["quota"] for s in mix[1]["sources"]] == quotas(WEIGHTS)
     assert mix[1]["sources"][2]["epochs"] == pytest.approx(64 * 6553 / BLOCK / 12)
+
+
+def test_config_check_names_the_mixture(tmp_path):
+    from click.testing import CliRunner
+
+    from optimus.cli import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps({"name": "m", "data": {"source": "shards", "sources": [
+        {"path": "/data/dclm", "weight": 3}, {"path": "/data/wiki", "weight": 1}]}}))
+    out = CliRunner().invoke(main, ["config", "check", str(job), "--world", "2"])
+    assert out.exit_code == 0, out.output
+    assert "data: a mixture of 2 source(s): /data/dclm 75.0%, /data/wiki 25.0%" in out.output
