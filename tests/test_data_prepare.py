@@ -106,7 +106,7 @@ def _hf_tokenizer(path: Path) -> None:
 
 
 def _doc(i: int) -> str:
-    return f"document {i} says " + " ".join(["word%d" % (i * 7 % 13), "word%d" % (i % 5)] * 3)
+    return f"document {i} says " + " ".join([f"word{i * 7 % 13}", f"word{i % 5}"] * 3)
 
 
 def test_worker_processes_write_byte_identical_output(tmp_path):
@@ -187,7 +187,7 @@ def test_changed_arguments_are_refused_unless_overwrite(tmp_path):
     bad.write_bytes(b"{oops\n")
     out = tmp_path / "out"
     with pytest.raises(DataError, match=r"c\.jsonl:1: not valid JSON"):
-        prepare([a, b, bad], out)  # a and b are done and kept
+        prepare([a, b, bad], out, workers=2)  # a and b are done and kept
     assert sorted(p.name for p in (out / "done").iterdir()) == ["00000.json", "00001.json"]
     with pytest.raises(DataError, match=r"was being prepared with other arguments \(inputs: 1 "
                        r"no longer given, e\.g\. .*c\.jsonl\); run again with the same "

@@ -95,17 +95,18 @@ def test_items_are_windows_of_their_source_with_unique_ids(folders):
     assert data.offsets == [0, 1000, 1250, 1262]  # ids [0, 1262): one per (source, window)
 
 
-def _loader(folders, dp_rank=0, dp_size=1, start_index=0, weights=WEIGHTS, microbatches=2):
+def _loader(folders, dp_rank=0, dp_size=1, start_index=0, weights=WEIGHTS, microbatches=2,
+            num_workers=0):
     return build_loader(_mixture(folders, weights), seq_len=SEQ, batch_size=8,
                         microbatches=microbatches, dp_rank=dp_rank, dp_size=dp_size, seed=5,
-                        start_index=start_index)
+                        start_index=start_index, num_workers=num_workers)
 
 
-def _steps(folders, dp_size, n_steps, start_index=0):
+def _steps(folders, dp_size, n_steps, start_index=0, num_workers=0):
     """Sample ids per step over all ranks, in global index order."""
     per_rank = []
     for r in range(dp_size):
-        it = iter(_loader(folders, r, dp_size, start_index))
+        it = iter(_loader(folders, r, dp_size, start_index, num_workers=num_workers))
         per_rank.append([next(it)["sample_ids"].tolist() for _ in range(2 * n_steps)])
     return [sum((per_rank[r][i] for i in (2 * s, 2 * s + 1) for r in range(dp_size)), [])
             for s in range(n_steps)]
@@ -117,7 +118,7 @@ def test_dp_resharding_and_resume_read_exactly_the_uninterrupted_samples(folders
     assert sum(ref, []) == [data.sample_id(g) for g in range(80)]
     assert _steps(folders, 2, 10) == ref and _steps(folders, 4, 10) == ref
     assert _steps(folders, 4, 6, start_index=4 * 8) == ref[4:]  # dp 1 -> 4 at step 4
-    assert _steps(folders, 2, 3, start_index=7 * 8) == ref[7:]
+    assert _steps(folders, 2, 3, start_index=7 * 8, num_workers=2) == ref[7:]  # pickled
 
 
 def test_the_saved_state_names_the_sources_and_weights(folders):

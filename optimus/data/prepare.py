@@ -126,23 +126,31 @@ def prepare(
 def _locked(out_dir: Path) -> Iterator[None]:
     """One prepare per folder. The workers hold the lock too (shared), so a rerun also waits
     for the workers of a killed prepare to be gone."""
-    path = out_dir / LOCK_NAME
-    with path.open("a+") as f:
-        deadline = time.monotonic() + LOCK_WAIT_S
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise DataError(f"another `optimus data prepare` is writing to {out_dir}; "
-                                    "wait for it to finish, or stop it and run again") from None
-                time.sleep(0.1)
+    with (out_dir / LOCK_NAME).open("a+") as f:
+        if not _acquire(f, out_dir):  # a file system without locks (Lustre without flock)
+            yield
+            return
         fcntl.flock(f, fcntl.LOCK_SH)  # let our own workers share it
         try:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _acquire(f, out_dir: Path) -> bool:
+    """Take the lock alone, waiting a while; False where the file system has no locks."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise DataError(f"another `optimus data prepare` is writing to {out_dir}; "
+                                "wait for it to finish, or stop it and run again") from None
+            time.sleep(0.1)
+        except OSError:
+            return False
 
 
 def _start(out_dir: Path, plan: dict, overwrite: bool) -> dict | None:

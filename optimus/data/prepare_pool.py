@@ -67,7 +67,8 @@ def _start_worker(lock_path: str, reports, parent: int) -> None:
     if os.getppid() != parent:  # it died before we could ask to follow it
         os._exit(1)
     _lock = open(lock_path, "a+")  # noqa: SIM115 (held for the worker's life)
-    fcntl.flock(_lock, fcntl.LOCK_SH)
+    with contextlib.suppress(OSError):  # no locks on this file system: PDEATHSIG must do
+        fcntl.flock(_lock, fcntl.LOCK_SH)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: N workers, N cores
     _reports = reports
 

@@ -35,7 +35,7 @@ class PrepareProgress:
                 TimeRemainingColumn,
             )
 
-            self._bar = Progress(TextColumn("prepare"), BarColumn(),
+            self._bar = Progress(BarColumn(bar_width=20),
                                  TextColumn("{task.percentage:>3.0f}%"),
                                  TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
                                  TimeRemainingColumn(), console=Console(stderr=True))
@@ -44,7 +44,7 @@ class PrepareProgress:
             self._bar.start()
 
     def _detail(self) -> str:
-        return (f"{self.files_done}/{self.files} files, {self.docs:,} documents, "
+        return (f"{self.files_done}/{self.files} files, {self.docs:,} docs, "
                 f"{self.tokens:,} tokens, {human_bytes(self.bytes)} of "
                 f"{human_bytes(self.total_bytes)}")
 

@@ -23,7 +23,7 @@ from optimus.data.errors import DataError
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")
 SUFFIXES = (".txt", ".parquet", *JSONL_SUFFIXES)
 EXTRA = "pip install 'optimus[data]'"
-PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: a row group never sits whole in memory
+PARQUET_BATCH_ROWS = 1024  # rows turned into Python strings at a time: never the whole file
 
 
 def input_format(path: Path) -> str | None:
