@@ -180,7 +180,7 @@ def test_bad_input_is_named_with_its_line_or_row(tmp_path, monkeypatch):
     refused("cut.json.zst", None, r"needs the zstandard package; run: pip install")
 
 
-def test_changed_arguments_are_refused_unless_overwrite(tmp_path):
+def test_changed_arguments_are_refused_unless_overwrite(tmp_path, monkeypatch):
     a, b, bad = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
     a.write_bytes(_jsonl(["one"]))
     b.write_bytes(_jsonl(["two"]))
@@ -207,6 +207,12 @@ def test_changed_arguments_are_refused_unless_overwrite(tmp_path):
     index = prepare([a], out, dtype="uint32", overwrite=True)
     assert index["dtype"] == "uint32" and _documents(out) == ["one"]
     assert not (out / "shard_00001_0000.bin").exists()
+    with (out / ".prepare.lock").open() as lock:  # another prepare is writing there
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        monkeypatch.setattr(sys.modules["optimus.data.prepare"], "LOCK_WAIT_S", 0.2)
+        with pytest.raises(DataError, match=r"another `optimus data prepare` is writing to "
+                           ".*out; wait for it to finish"):
+            prepare([a], out, dtype="uint32")
 
 
 def test_holdout_is_disjoint_deterministic_and_readable(tmp_path):

@@ -180,6 +180,8 @@ def _start(out_dir: Path, plan: dict, overwrite: bool) -> dict | None:
 
 def _differences(old: dict, new: dict) -> str:
     keys = [k for k in new if k != "inputs" and old.get(k) != new[k]]
+    if "tokenizer" in keys:  # its fingerprint differs too; the name says enough
+        keys.remove("tokenizer_fingerprint")
     parts = [f"{k} {old.get(k)!r} then, {new[k]!r} now" for k in keys]
     before, now = set(old.get("inputs", [])), set(new["inputs"])
     added, gone = sorted(now - before), sorted(before - now)
