@@ -161,7 +161,8 @@ def _write_batch(tok, texts: list[str], writers: list[ShardWriter], counts: list
     if not texts:
         return 0, 0
     encoded = tok.encode_batch(texts)
-    side = [held_out(t.encode("utf-8"), holdout) for t in texts]
+    side = ([held_out(t.encode("utf-8"), holdout) for t in texts] if holdout > 0
+            else [False] * len(texts))
     tokens = 0
     for dest, writer in enumerate(writers):
         docs = [ids for ids, s in zip(encoded, side, strict=True) if s == bool(dest)]
