@@ -101,6 +101,10 @@ def config_check(job: Path, overrides: tuple[str, ...], world: int) -> None:
     click.echo(f"ok: {job} on {world} ranks: dp={layout.dp} tp={layout.tp} pp={layout.pp} "
                f"ep={layout.ep} virtual_stages={layout.virtual_stages}; {d.microbatches} "
                f"microbatch(es) of {per_rank} sequence(s) per dp replica per step")
+    if d.sources:  # the shares as weights ask; the run's start-up event has the realised ones
+        total = sum(s.weight for s in d.sources)
+        click.echo(f"data: a mixture of {len(d.sources)} source(s): " + ", ".join(
+            f"{s.path} {s.weight / total:.1%}" for s in d.sources))
 
 
 @main.group()
@@ -109,24 +113,45 @@ def data() -> None:
 
 
 @data.command("prepare")
-@click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.argument("inputs", nargs=-1, required=True)
 @click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path),
-              help="Directory for the token shards and index.json.")
+              help="Folder for the token shards and index.json.")
 @click.option("--tokenizer", default="byte", show_default=True,
-              help="`byte`, or the path of a Hugging Face tokenizer.json.")
+              help="`byte`, or the path of a Hugging Face tokenizer.json (or its folder).")
 @click.option("--dtype", type=click.Choice(["auto", "uint16", "uint32"]), default="auto",
-              show_default=True)
-@click.option("--shard-tokens", type=click.IntRange(min=1), default=2**26, show_default=True)
-@click.option("--text-key", default="text", show_default=True, help="JSONL field with the text.")
-@click.option("--overwrite", is_flag=True, help="Replace shards already in --out.")
-def data_prepare(inputs, out_dir, tokenizer, dtype, shard_tokens, text_key, overwrite) -> None:
-    """Tokenize text (.txt: one document per file) and JSONL (one per line) into shards."""
+              show_default=True, help="Token width on disk; auto: uint16 if the vocab fits.")
+@click.option("--shard-tokens", type=click.IntRange(min=1), default=2**26, show_default=True,
+              help="Most tokens per shard file; each input file starts its own shards.")
+@click.option("--text-key", default="text", show_default=True,
+              help="The JSON field, or parquet column, that holds the text.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Worker processes, one input file each at a time [default: one per CPU].")
+@click.option("--holdout", type=click.FloatRange(min=0, max=1, max_open=True), default=0.0,
+              show_default=True, help="Fraction of documents set aside in OUT/holdout/ (a "
+              "prepared folder of its own, for eval.path), chosen by a hash of their text.")
+@click.option("--overwrite", is_flag=True,
+              help="Delete what an earlier prepare wrote to --out and start over.")
+def data_prepare(inputs, out_dir, tokenizer, dtype, shard_tokens, text_key, workers, holdout,
+                 overwrite) -> None:
+    """Tokenize INPUTS (files, folders, glob patterns) into token shards in --out.
+
+    Reads .txt (one document per file), JSON lines (.jsonl, .jsonl.gz, .jsonl.zst, and
+    .json.gz / .json.zst as Dolma-style corpora name them: one document per line) and
+    .parquet (one per row). Every document ends with the tokenizer's end-of-document token.
+    Killed or failed, it continues when run again with the same arguments: finished input
+    files are kept, never rewritten. See docs/data.md."""
     from optimus.data.prepare import prepare
 
     summary = prepare(list(inputs), out_dir, tokenizer=tokenizer, dtype=dtype,
-                      shard_tokens=shard_tokens, text_key=text_key, overwrite=overwrite)
-    click.echo(f"wrote {summary['total_tokens']:,} tokens in {len(summary['shards'])} shard(s) "
-               f"({summary['dtype']}) to {out_dir}")
+                      shard_tokens=shard_tokens, text_key=text_key, overwrite=overwrite,
+                      workers=workers, holdout=holdout, progress=True)
+    click.echo(f"wrote {summary['total_tokens']:,} tokens of {summary['num_documents']:,} "
+               f"documents in {len(summary['shards'])} shard(s) ({summary['dtype']}) to "
+               f"{out_dir}")
+    if "holdout" in summary:
+        held = summary["holdout"]["num_documents"]
+        click.echo(f"held out {held:,} documents in {out_dir / 'holdout'}"
+                   + ("" if held else ": none; raise --holdout (and pass --overwrite)"))
 
 
 @data.command("audit")

@@ -129,14 +129,16 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
 
         # Data: each dp replica reads its slice of the global batch, from where it stopped.
         dp_group = mesh["dp"].get_group()
-        source = build_source(job.data.source, path=job.data.path,
-                              vocab_size=job.model.vocab_size, seed=job.seed)
+        source = build_source(job.data, vocab_size=job.model.vocab_size, seed=job.seed)
         loader = build_loader(source, seq_len=job.data.seq_len, batch_size=job.data.batch_size,
                               microbatches=job.data.microbatches,
                               dp_rank=mesh["dp"].get_local_rank(), dp_size=layout.dp,
                               seed=job.seed, start_index=progress.data_index,
                               num_workers=job.data.num_workers,
                               prefetch_factor=job.data.prefetch_factor)
+        if job.data.sources:  # each source's realised share, and how often the run reads it
+            message, fields = loader.dataset.report(job.optim.steps * job.data.batch_size)
+            log.event("mixture", message, **fields)
         batches = iter(loader)
         held_out = (held_out_for(job, layout, mesh["dp"].get_local_rank())
                     if job.eval.every else None)  # the validation windows, this rank's share

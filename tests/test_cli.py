@@ -32,8 +32,10 @@ def test_prepare_then_train_on_the_shards(tmp_path):
     assert prepared.exit_code == 0, prepared.output
     tok = ByteTokenizer()
     expected = tok.encode(TEXTS[0]) + [tok.eos_id] + tok.encode(TEXTS[1]) + [tok.eos_id]
-    assert f"wrote {len(expected):,} tokens in 1 shard(s) (uint16)" in prepared.output
-    tokens = np.fromfile(out / "shard_00000.bin", dtype=np.uint16)
+    assert (f"wrote {len(expected):,} tokens of 2 documents in 2 shard(s) (uint16)"
+            in prepared.output)  # one shard per input file
+    tokens = np.concatenate([np.fromfile(p, dtype=np.uint16)
+                             for p in sorted(out.glob("shard_*.bin"))])
     assert tokens.tolist() == expected
 
     job = {"name": "on-shards", "run_dir": str(tmp_path / "run"),

@@ -100,7 +100,8 @@ def test_prepare_writes_index_and_shards(tmp_path, corpus_files):
     assert index["dtype"] == "uint16" and index["vocab_size"] == 257
     assert index["eos_id"] == EOS and index["tokenizer"] == "byte"
     assert index["total_tokens"] == len(expected) == 36 and index["num_documents"] == 3
-    assert [s["num_tokens"] for s in index["shards"]] == [10, 10, 10, 6]
+    # each input file starts its own shards: a.txt holds 19 tokens, b.jsonl 17
+    assert [s["num_tokens"] for s in index["shards"]] == [10, 9, 10, 7]
     data = []
     for s in index["shards"]:
         raw = (out / s["file"]).read_bytes()
@@ -108,11 +109,14 @@ def test_prepare_writes_index_and_shards(tmp_path, corpus_files):
         data += np.frombuffer(raw, dtype="<u2").tolist()
     assert data == expected
     assert sorted(p.name for p in out.iterdir()) == [
+        ".prepare.lock",
+        "done",
         "index.json",
-        "shard_00000.bin",
-        "shard_00001.bin",
-        "shard_00002.bin",
-        "shard_00003.bin",
+        "prepare.json",
+        "shard_00000_0000.bin",
+        "shard_00000_0001.bin",
+        "shard_00001_0000.bin",
+        "shard_00001_0001.bin",
     ]
 
     shards = TokenShards(out)
@@ -130,8 +134,8 @@ def test_prepare_writes_index_and_shards(tmp_path, corpus_files):
 def test_prepare_forced_uint32(tmp_path, corpus_files):
     inputs, expected = corpus_files
     index = prepare(inputs, tmp_path / "out", dtype="uint32")
-    assert index["dtype"] == "uint32" and len(index["shards"]) == 1
-    raw = (tmp_path / "out" / "shard_00000.bin").read_bytes()
+    assert index["dtype"] == "uint32" and len(index["shards"]) == 2  # one per input file
+    raw = b"".join((tmp_path / "out" / s["file"]).read_bytes() for s in index["shards"])
     assert len(raw) == 4 * len(expected)
     assert np.frombuffer(raw, dtype="<u4").tolist() == expected
     assert TokenShards(tmp_path / "out").read(0, len(expected)).tolist() == expected
@@ -175,34 +179,36 @@ def test_prepare_refusals(tmp_path, corpus_files):
         prepare(inputs, tmp_path / "o2", dtype="int8")
 
 
-def test_prepare_failure_keeps_old_data_and_overwrite_replaces_it(tmp_path, corpus_files):
+def test_a_failed_prepare_leaves_no_index_and_overwrite_replaces_it(tmp_path, corpus_files):
     inputs, expected = corpus_files
     out = tmp_path / "out"
-    prepare(inputs, out, shard_tokens=10)
-    old_index = (out / "index.json").read_text()
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "' + "x" * 50 + '"}\n{"oops": 1}\n')
     with pytest.raises(DataError, match=r"bad\.jsonl:2"):
-        prepare([bad], out, shard_tokens=10, overwrite=True)
-    assert (out / "index.json").read_text() == old_index  # untouched, no temp files left
-    assert not list(out.glob("*.tmp"))
-    assert TokenShards(out).read(0, 36).tolist() == expected
+        prepare([*inputs, bad], out, shard_tokens=10)
+    assert not (out / "index.json").exists()  # no usable data, and no temp files left
+    assert not list(out.glob("*.tmp")) and not list(out.glob("shard_00002*"))
+    bad.write_text('{"text": "fixed"}\n')  # fixed in place: the run continues
+    index = prepare([*inputs, bad], out, shard_tokens=10)
+    assert TokenShards(out).read(0, 42).tolist() == [*expected, *b"fixed", EOS]
+    assert index["num_documents"] == 4
 
     index = prepare(inputs[:1], out, shard_tokens=100, overwrite=True)
     assert index["total_tokens"] == 19 and len(index["shards"]) == 1
-    assert sorted(p.name for p in out.iterdir()) == ["index.json", "shard_00000.bin"]
+    assert sorted(p.name for p in out.glob("shard_*")) == ["shard_00000_0000.bin"]
 
 
 def test_truncated_or_missing_shard_is_named(tmp_path, corpus_files):
     inputs, _ = corpus_files
     out = tmp_path / "out"
     prepare(inputs, out, shard_tokens=10)
-    shard = out / "shard_00001.bin"
+    shard = out / "shard_00001_0000.bin"
     shard.write_bytes(shard.read_bytes()[:-2])
-    with pytest.raises(DataError, match=r"shard_00001\.bin is truncated: 18 bytes, index says 20"):
+    with pytest.raises(DataError, match=r"shard_00001_0000\.bin is truncated: 18 bytes, index "
+                       "says 20"):
         TokenShards(out)
     shard.unlink()
-    with pytest.raises(DataError, match=r"shard_00001\.bin .* is missing"):
+    with pytest.raises(DataError, match=r"shard_00001_0000\.bin .* is missing"):
         TokenShards(out)
     with pytest.raises(DataError, match="index.json missing"):
         TokenShards(tmp_path)

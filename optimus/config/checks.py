@@ -86,12 +86,26 @@ def _job_problems(job: JobConfig) -> list[tuple[str, str, str]]:
     if d.seq_len > m.max_seq_len:
         out.append(("data.seq_len", f"{d.seq_len} is longer than model.max_seq_len="
                     f"{m.max_seq_len}", f"use seq_len <= {m.max_seq_len}"))
-    if d.source == "shards" and not d.path:
+    if d.source == "shards" and not d.path and not d.sources:
         out.append(("data.path", "source `shards` needs the directory of token shards",
-                    "run `optimus data prepare` and set data.path to its --out"))
-    if d.source == "synthetic" and d.path:
-        out.append(("data.path", "is only read when data.source is `shards`",
-                    "remove data.path or set data.source: shards"))
+                    "run `optimus data prepare` and set data.path to its --out (or "
+                    "data.sources to several, with weights)"))
+    for key, value in (("data.path", d.path), ("data.sources", d.sources)):
+        if d.source == "synthetic" and value:
+            out.append((key, "is only read when data.source is `shards`",
+                        f"remove {key} or set data.source: shards"))
+    if d.path and d.sources:
+        out.append(("data.sources", "is set together with data.path",
+                    "keep data.path for one prepared folder, or data.sources for a mixture"))
+    if d.sources is not None:
+        paths = [s.path for s in d.sources]
+        if not paths:
+            out.append(("data.sources", "is an empty list",
+                        "name at least one {path, weight}, or remove it"))
+        elif len(set(paths)) < len(paths):
+            twice = sorted({p for p in paths if paths.count(p) > 1})
+            out.append(("data.sources", f"names {', '.join(twice)} more than once",
+                        "list each folder once, with the sum of its weights"))
     if job.eval.every and not job.eval.path and d.source != "synthetic":
         out.append(("eval.path", "validation (eval.every > 0) on prepared data needs held-out "
                     "tokens", "set eval.path to the holdout/ folder `optimus data prepare "

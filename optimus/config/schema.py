@@ -129,9 +129,18 @@ class OptimConfig(Section):
     fused: bool | None = Field(None, description="None: fused where the device has it")
 
 
+class DataSource(Section):
+    """One prepared folder of a mixture, and its share of the samples."""
+
+    path: str = Field(description="a folder written by `optimus data prepare`")
+    weight: PositiveFloat = Field(1.0, description="relative: shares are weight / sum")
+
+
 class DataConfig(Section):
     source: Literal["synthetic", "shards"] = "synthetic"
     path: str | None = Field(None, description="token shards from `optimus data prepare`")
+    sources: list[DataSource] | None = Field(
+        None, description="shards: a weighted mixture of prepared folders, instead of path")
     seq_len: PositiveInt = 256
     batch_size: PositiveInt = Field(8, description="sequences per optimizer step, all ranks")
     microbatches: PositiveInt = Field(1, description="per step and data-parallel replica")

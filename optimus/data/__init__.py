@@ -11,7 +11,7 @@ from optimus.lazy import lazy_names
 _WHERE = {
     "FeistelPermutation": "loader", "MicrobatchSampler": "loader", "SampleOrder": "loader",
     "WindowDataset": "loader", "build_loader": "loader", "build_source": "loader",
-    "TokenShards": "shards", "SyntheticCorpus": "synthetic",
+    "Mixture": "mixture", "TokenShards": "shards", "SyntheticCorpus": "synthetic",
     "ByteTokenizer": "tokenizer", "HFTokenizer": "tokenizer", "load_tokenizer": "tokenizer",
 }
 __all__ = ["DataError", "prepare", *sorted(_WHERE)]

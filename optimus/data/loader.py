@@ -18,7 +18,7 @@ index.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from optimus.data.errors import DataError
 from optimus.data.shards import TokenShards
 from optimus.data.synthetic import SyntheticCorpus
+
+if TYPE_CHECKING:
+    from optimus.data.mixture import Mixture
 
 _MASK64 = (1 << 64) - 1
 
@@ -183,7 +186,7 @@ def _check(cond: bool, msg: str) -> None:
 
 
 def build_loader(
-    source: TokenSource,
+    source: TokenSource | Mixture,
     *,
     seq_len: int,
     batch_size: int,
@@ -209,14 +212,16 @@ def build_loader(
     _check(start_index >= 0, f"start_index must be >= 0, got {start_index}")
     _check(num_workers >= 0, f"num_workers must be >= 0, got {num_workers}")
     _check(prefetch_factor >= 1, f"prefetch_factor must be >= 1, got {prefetch_factor}")
-    dataset = WindowDataset(source, seq_len, seed)
+    windows = getattr(source, "windows", None)  # a Mixture makes its own dataset
+    dataset = windows(seq_len, seed) if windows else WindowDataset(source, seq_len, seed)
     sampler = MicrobatchSampler(
         batch_size=batch_size,
         microbatches=microbatches,
         dp_rank=dp_rank,
         dp_size=dp_size,
         start_index=start_index,
-        data_key={"seed": seed, "seq_len": seq_len, "num_samples": dataset.num_samples},
+        data_key={"seed": seed, "seq_len": seq_len, "num_samples": dataset.num_samples,
+                  **getattr(dataset, "data_key", {})},
     )
     with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch hook
         warnings.filterwarnings("ignore", message=".*set_vital.*")
@@ -229,19 +234,39 @@ def build_loader(
 
 
 def build_source(
-    kind: str, *, path: str | None = None, vocab_size: int, seed: int = 0
-) -> TokenSource:
-    """ "synthetic" -> SyntheticCorpus; "shards" -> TokenShards(path), checked against the model."""
+    kind: str | Any, *, path: str | None = None, vocab_size: int, seed: int = 0,
+    sources: list | None = None,
+) -> TokenSource | Mixture:
+    """The job's data: "synthetic" -> SyntheticCorpus; "shards" -> TokenShards(path), or a
+    Mixture of `sources` ({path, weight} each), checked against the model's vocabulary.
+    `kind` may be the job's whole data section (DataConfig) instead of its `source`."""
+    if not isinstance(kind, str):
+        kind, path, sources = kind.source, kind.path, kind.sources
     if kind == "synthetic":
         return SyntheticCorpus(vocab_size, seed)
     if kind == "shards":
+        _check(not (path and sources), "set data.path (one source) or data.sources (a "
+               "mixture), not both")
+        if sources:
+            from optimus.data.mixture import Mixture
+
+            return Mixture([_shards(_field(s, "path"), vocab_size) for s in sources],
+                           [_field(s, "weight") for s in sources])
         _check(path is not None, "data kind 'shards' needs a path to a prepared folder")
-        shards = TokenShards(path)
-        _check(
-            shards.vocab_size <= vocab_size,
-            f"the data in {path} was tokenized with vocab_size {shards.vocab_size}, larger "
-            f"than the model's vocab_size {vocab_size}; raise the model's vocab_size to at "
-            f"least {shards.vocab_size} or prepare the data with a matching tokenizer",
-        )
-        return shards
+        return _shards(path, vocab_size)
     raise DataError(f"unknown data kind {kind!r}; use 'synthetic' or 'shards'")
+
+
+def _field(source, name: str):
+    return source[name] if isinstance(source, dict) else getattr(source, name)
+
+
+def _shards(path: str, vocab_size: int) -> TokenShards:
+    shards = TokenShards(path)
+    _check(
+        shards.vocab_size <= vocab_size,
+        f"the data in {path} was tokenized with vocab_size {shards.vocab_size}, larger "
+        f"than the model's vocab_size {vocab_size}; raise the model's vocab_size to at "
+        f"least {shards.vocab_size} or prepare the data with a matching tokenizer",
+    )
+    return shards

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
+
+import numpy as np
 
 from optimus.data.errors import DataError
 
@@ -14,8 +18,11 @@ EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>")
 class Tokenizer(Protocol):
     vocab_size: int
     eos_id: int
+    fingerprint: str  # equal for tokenizers that map text to the same ids
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_batch(self, texts: list[str]) -> list[Sequence[int]]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -25,9 +32,13 @@ class ByteTokenizer:
 
     vocab_size = 257
     eos_id = 256
+    fingerprint = "byte"
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[Sequence[int]]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i != self.eos_id).decode("utf-8", errors="replace")
@@ -50,6 +61,7 @@ class HFTokenizer:
             self._tok = _HF.from_file(str(self.path))
         except Exception as e:
             raise DataError(f"cannot read tokenizer {self.path}: {e}") from e
+        self.fingerprint = "sha256:" + hashlib.sha256(self.path.read_bytes()).hexdigest()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         for name in EOS_CANDIDATES:
             tid = self._tok.token_to_id(name)
@@ -65,6 +77,9 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[Sequence[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
