@@ -30,8 +30,6 @@ from optimus.data.tokenizer import ByteTokenizer, HFTokenizer
 from optimus.models import build_model
 from optimus.train import train
 
-transformers = pytest.importorskip("transformers")
-
 MODEL = {"vocab_size": 258, "dim": 64, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2,
          "ffn_dim": 96, "max_seq_len": 32}
 GLM = {"experts": 4, "top_k": 2, "score": "sigmoid", "shared_experts": 1, "expert_ffn_dim": 32,
@@ -99,7 +97,13 @@ def runs(tmp_path_factory):
     return out
 
 
-def _logits_diff(exported: Path, raw: dict, state: dict) -> tuple[float, object]:
+@pytest.fixture(scope="module")
+def transformers():
+    """Imported only by the tests that load models (seconds of imports)."""
+    return pytest.importorskip("transformers")
+
+
+def _logits_diff(transformers, exported: Path, raw: dict, state: dict) -> tuple[float, object]:
     cfg = ModelConfig.model_validate(raw["model"])
     ours = build_model(cfg, seed=0)
     ours.load_state_dict(state)
@@ -110,7 +114,8 @@ def _logits_diff(exported: Path, raw: dict, state: dict) -> tuple[float, object]
         return float((ours.eval()(tokens) - theirs.eval()(tokens).logits).abs().max()), theirs
 
 
-def test_dense_gqa_export_loads_in_transformers_with_the_same_logits(runs, tmp_path):
+def test_dense_gqa_export_loads_in_transformers_with_the_same_logits(runs, tmp_path,
+                                                                    transformers):
     raw, step, state = runs["dense"]
     out = tmp_path / "llama"
     result = CliRunner().invoke(main, ["checkpoint", "export", "latest", "--dir",
@@ -122,7 +127,7 @@ def test_dense_gqa_export_loads_in_transformers_with_the_same_logits(runs, tmp_p
     shards = sorted(p.name for p in out.glob("model-*.safetensors"))
     assert len(shards) > 1 and set(index["weight_map"].values()) == set(shards)
     assert all(p.stat().st_size < 100_000 + 4096 for p in out.glob("model-*.safetensors"))
-    diff, model = _logits_diff(out, raw, state)
+    diff, model = _logits_diff(transformers, out, raw, state)
     assert type(model).__name__ == "LlamaForCausalLM"
     assert model.config.num_key_value_heads == 2 and model.config.num_attention_heads == 4
     assert diff <= 1e-4
@@ -139,14 +144,14 @@ def test_dense_gqa_export_loads_in_transformers_with_the_same_logits(runs, tmp_p
 @pytest.mark.parametrize("name, family", [("glm", "Glm4MoeForCausalLM"),
                                           ("qwen", "Qwen2MoeForCausalLM")])
 def test_moe_export_loads_as_the_matching_family_with_the_same_logits(runs, tmp_path, name,
-                                                                      family):
+                                                                      family, transformers):
     raw, step, state = runs[name]
     done = export_hf(step, tmp_path / name)
     assert done.family.architecture == family
     assert done.notes and "synthetic" in done.notes[0]  # no tokenizer to write
     if name == "glm":  # the loss-free bias moved, and routing depends on it
         assert state["layers.1.feed_forward.expert_bias"].count_nonzero() > 0
-    diff, model = _logits_diff(tmp_path / name, raw, state)
+    diff, model = _logits_diff(transformers, tmp_path / name, raw, state)
     assert type(model).__name__ == family
     assert diff <= 1e-4
     # Streaming: every checkpoint read asked for one tensor, each model tensor read once
@@ -167,6 +172,19 @@ def test_moe_without_an_exact_family_is_refused_with_its_reason(moe, reason):
         choose_family(cfg, bias_nonzero=True)
     if moe.get("balance") == "bias" and moe["score"] == "softmax":  # zero bias: Qwen2-MoE
         assert choose_family(cfg, bias_nonzero=False).model_type == "qwen2_moe"
+
+
+def test_a_refused_export_says_why_in_one_line_and_writes_nothing(tmp_path):
+    raw = job(tmp_path, {**QWEN, "balance": "bias"})
+    run_ranks(_save_fresh, 1, raw, str(tmp_path / "ckpt"), 0.05, timeout=120)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["checkpoint", "export", "0", "--dir",
+                                       str(tmp_path / "ckpt"), "--format", "hf", "--out",
+                                       str(out)])
+    assert result.exit_code == 2
+    assert "the loss-free bias is non-zero" in result.output
+    assert "Exportable: moe.score: sigmoid" in result.output
+    assert not out.exists() and not list(tmp_path.glob(".tmp*"))
 
 
 @pytest.mark.parametrize("name, world, parallel", [("dense", 2, {"pp": 2}),
@@ -270,13 +288,17 @@ def test_export_streams_its_peak_memory_stays_far_below_the_model(runs, tmp_path
     assert sum(p.stat().st_size for p in (tmp_path / "out").glob("*.safetensors")) > model_bytes
 
 
-def _save_fresh(rank: int, world_size: int, raw: dict, root: str) -> int:
-    """A freshly initialised model of the job, saved as step 0 of `root`; its size."""
+def _save_fresh(rank: int, world_size: int, raw: dict, root: str, bias: float = 0.0) -> int:
+    """A freshly initialised model of the job (its loss-free biases at `bias`), saved as step 0
+    of `root`; its size."""
     from optimus.checkpoint.saver import Checkpointer
     from optimus.checkpoint.state import ModelState
+    from optimus.models.moe import moe_layers
 
     job_ = validate_job(raw, world=world_size)
     model = build_model(job_.model, seed=job_.seed)
+    for layer in moe_layers(model):
+        layer.expert_bias.fill_(bias)
     saver = Checkpointer(root, rank=rank, world_size=world_size, mode="sync")
     saver.save(0, {"model": ModelState(model)}, {"config": job_.model_dump(mode="json")})
     saver.close()

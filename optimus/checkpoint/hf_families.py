@@ -202,7 +202,6 @@ def check_hf_config(hf: dict, cfg, source: str) -> Family:
             f"({family.architecture}): import a checkpoint of that family, or change model.moe")
     expected = hf_config(cfg, family)
     expected["rope_type"] = "default"
-    expected["mlp_only_layers"] = expected.get("mlp_only_layers")
     for key, field, default in _COMMON + _FAMILY_KEYS[family]:
         got = _read(hf, key, default)
         want = expected[key]
