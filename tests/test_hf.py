@@ -239,6 +239,27 @@ def _losses(rank: int, world_size: int, raw: dict) -> list[float]:
     return train(validate_job(raw, world=world_size)).losses
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_llama_saved_by_transformers_imports_exactly(tmp_path, transformers, tied):
+    """Not only our exports: a Transformers Llama (one file, no index, MQA, other theta and
+    eps; with tied embeddings the head starts as the embedding)."""
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=32,
+        rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    theirs.save_pretrained(tmp_path)
+    cfg = ModelConfig.model_validate({"vocab_size": 300, "dim": 64, "ffn_dim": 128,
+                                      "n_layers": 2, "n_heads": 4, "n_kv_heads": 1,
+                                      "max_seq_len": 32, "norm_eps": 1e-6, "rope_theta": 5e4})
+    ours = build_model(cfg, seed=0).eval()
+    load_hf(tmp_path, cfg, [ours])
+    tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert float((ours(tokens) - theirs(tokens).logits).abs().max()) <= 1e-4
+
+
 def test_a_config_json_that_does_not_match_the_job_is_refused(runs, tmp_path):
     raw, step, _ = runs["dense"]
     exported = export_hf(step, tmp_path / "hf").out
