@@ -215,7 +215,7 @@ def test_a_run_starts_from_init_from_unless_it_resumes(runs, tmp_path):
     raw = job(tmp_path / "run", model={**MODEL, "init_from": f"hf:{exported}"},
               data=runs["dense"][0]["data"], optim={"steps": 1, "lr": 1e-2, "warmup_steps": 1},
               checkpoint={"interval": 1, "async_mode": "thread"})
-    losses = run_ranks(_losses, 1, raw, timeout=120)[0]
+    losses = run_ranks(_losses, 2, raw, timeout=120)[0]  # dp2: each rank fills its shards
     # The first step's loss is the imported model's on the first batch.
     job_ = validate_job(raw, world=1)
     ours = build_model(job_.model, seed=0)
@@ -229,7 +229,7 @@ def test_a_run_starts_from_init_from_unless_it_resumes(runs, tmp_path):
                                ignore_index=-100)
     assert abs(losses[0] - float(want)) < 1e-5
     raw["optim"]["steps"] = 2  # a rerun resumes its own checkpoint: init_from is not used
-    run_ranks(_losses, 1, raw, timeout=120)
+    run_ranks(_losses, 2, raw, timeout=120)
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     used = [e["applied"] for e in events if e.get("event") == "init_from"]
     assert used == [True, False]
