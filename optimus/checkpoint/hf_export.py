@@ -138,6 +138,8 @@ def export_hf(step_path: Path | str, out: Path | str, *, max_shard_bytes: int = 
         _write_json(tmp / "config.json", hf_config(cfg, family, dtype, eos_id))
         if eos_id is not None:
             _write_json(tmp / "generation_config.json", {"eos_token_id": eos_id})
+        for small in tmp.glob("*.json"):  # the shards were synced as they were written
+            _fsync(small)
         fsync_dir(tmp)
         _publish(tmp, out)
     except BaseException:
@@ -218,6 +220,14 @@ def _write_shard(path: Path, shard: _Shard, tensors: CheckpointTensors,
 
 def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _publish(tmp: Path, out: Path) -> None:
