@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from optimus.checkpoint.hf_import import init_from
 from optimus.checkpoint.manifest import committed_steps
 from optimus.checkpoint.saver import Checkpointer
 from optimus.checkpoint.state import Progress, training_state
@@ -123,6 +124,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             ckpt and job.checkpoint.resume == "auto") else None
         if ckpt is not None:
             _log_resume(log, ckpt, resumed)
+        init_from(job, model, resumed, log)  # model.init_from: a Hugging Face start, unless resumed
         if progress.step >= job.optim.steps:
             log.event("done", f"nothing to train: the checkpoint is at step {progress.step} of "
                       f"{job.optim.steps}; raise optim.steps to train further")

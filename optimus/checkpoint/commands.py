@@ -1,4 +1,6 @@
-"""`optimus checkpoint list | inspect | verify`: look at checkpoints without loading torch.
+"""`optimus checkpoint list | inspect | verify | export`: look at checkpoints, hand them on.
+
+list, inspect and verify never load torch; export (hf_export.py) loads it when it runs.
 
 Each command takes a checkpoint root (the job's `checkpoint.dir`) or one `step_<n>` folder in it.
 A path that is not there raises CheckpointError, which the top-level CLI prints as one line.
@@ -9,6 +11,7 @@ their reason; `verify` names them but does not count them as damage (they are ou
 from __future__ import annotations
 
 import json
+import re
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -209,3 +212,77 @@ def verify_checkpoints(path: Path, sizes_only: bool) -> None:
             click.echo(f"ok: {target.name} ({len(files)} files, {human_bytes(total)})")
     if bad:
         click.get_current_context().exit(EXIT_PROBLEMS)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _size(text: str) -> int:
+    """"5GB", "500MB", "2GiB" or a byte count (decimal units, as Transformers reads them)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m[2].lower() not in _UNITS or float(m[1]) * _UNITS[m[2].lower()] < 1:
+        raise click.BadParameter(f"{text!r} is not a size: use e.g. 5GB, 500MB or 2GiB")
+    return int(float(m[1]) * _UNITS[m[2].lower()])
+
+
+def _export_source(step: str, root: Path | None, job: Path | None) -> Path:
+    """The committed step folder STEP names: a number or `latest` in --dir / the job's
+    checkpoint.dir, or a path (a step folder, or a root: its latest)."""
+    if step == "latest" or step.isdigit():
+        if (root is None) == (job is None):
+            raise CheckpointError(f"STEP {step} needs the checkpoint directory it is in: give "
+                                  "--dir CHECKPOINT_DIR or --job JOB_FILE (one of them)")
+        if job is not None:
+            from optimus.config import load_job
+
+            root = Path(load_job(job).resolved_checkpoint_dir)
+        root, _ = _resolve(root)
+        if step != "latest":
+            path = step_dir(root, int(step))
+            if not path.is_dir():
+                steps = ", ".join(map(str, committed_steps(root))) or "none"
+                raise CheckpointError(f"{root} has no checkpoint of step {int(step)} "
+                                      f"(committed: {steps})")
+            return path
+    else:
+        root, single = _resolve(Path(step))
+        if single:
+            return root
+    latest = latest_committed(root)
+    if latest is None:
+        raise CheckpointError(f"{root} holds no committed checkpoint: nothing to export")
+    return latest
+
+
+@checkpoint.command("export")
+@click.argument("step", metavar="STEP")
+@click.option("--dir", "root", type=click.Path(path_type=Path),
+              help="The checkpoint directory (a job's checkpoint.dir) STEP is in.")
+@click.option("--job", type=click.Path(path_type=Path), help="A job file: its checkpoint.dir.")
+@click.option("--format", "fmt", type=click.Choice(["hf"]), required=True,
+              help="hf: a Hugging Face Transformers model folder.")
+@click.option("--out", type=click.Path(path_type=Path), required=True,
+              help="The folder to write (new or empty, unless --overwrite).")
+@click.option("--max-shard-size", "max_shard", default="5GB", show_default=True,
+              help="The largest safetensors file (a tensor larger than this gets its own).")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
+@click.option("--overwrite", is_flag=True, help="Replace what is in --out.")
+def export_checkpoint(step: str, root: Path | None, job: Path | None, fmt: str, out: Path,
+                      max_shard: str, dtype: str, overwrite: bool) -> None:
+    """Write checkpoint STEP as a model other tools load (Hugging Face Transformers).
+
+    STEP is a step number or `latest`, in --dir or in the job's checkpoint.dir, or the path of
+    one step_<n> folder (or of a checkpoint directory: its latest). Tensors are read and
+    written one at a time, so a model larger than this machine's memory exports too.
+    """
+    from optimus.checkpoint.hf_export import export_hf  # torch loads only here
+
+    source = _export_source(step, root, job)
+    done = export_hf(source, out, max_shard_bytes=_size(max_shard),
+                     dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], overwrite=overwrite)
+    shards = sum(f.endswith(".safetensors") for f in done.files)
+    click.echo(f"exported {source} as {done.family.architecture} to {done.out}: "
+               f"{shards} safetensors file(s), {', '.join(done.files)}")
+    for note in done.notes:
+        click.echo(f"note: {note}")

@@ -59,6 +59,9 @@ class ModelConfig(Section):
     norm_eps: PositiveFloat = 1e-5
     init_std: PositiveFloat = 0.02
     moe: MoEConfig = Field(default_factory=MoEConfig)
+    init_from: Annotated[str, Field(pattern=r"^hf:.+")] | None = Field(
+        None, description='"hf:DIR": start from the Hugging Face model in DIR (its config.json '
+                          "must match this model); ignored when the run resumes a checkpoint")
 
     @model_validator(mode="after")
     def _resolve(self) -> ModelConfig:
