@@ -183,4 +183,43 @@ def data_audit(run_dir: Path, output: str) -> None:
         sys.exit(EXIT_USER_ERROR)
 
 
+@main.command("eval")
+@click.argument("step", metavar="CHECKPOINT")
+@click.option("--data", type=click.Path(path_type=Path),
+              help="Prepared held-out tokens (e.g. the holdout/ folder of `optimus data "
+                   "prepare --holdout`); omit for a synthetic-data job's held-out stream.")
+@click.option("--dir", "root", type=click.Path(path_type=Path),
+              help="The checkpoint directory CHECKPOINT (a step number or `latest`) is in.")
+@click.option("--job", type=click.Path(path_type=Path), help="A job file: its checkpoint.dir.")
+@click.option("--batches", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Global batches of data.batch_size sequences of data.seq_len tokens.")
+@set_option
+@click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table",
+              show_default=True)
+def evaluate_command(step: str, data: Path | None, root: Path | None, job: Path | None,
+                     batches: int, overrides: tuple[str, ...], output: str) -> None:
+    """Validation loss and perplexity of a committed checkpoint, on any layout.
+
+    CHECKPOINT is a step folder, a checkpoint directory (its latest), or a step number /
+    `latest` with --dir or --job. One process by default; under torchrun (or srun, mpiexec)
+    each rank runs it, data parallel over all of them, or the layout --set parallel.tp=2
+    --set parallel.pp=2 ... asks for. The model and data shapes are the checkpoint's own."""
+    from optimus.checkpoint.commands import resolve_step
+    from optimus.evaluate import evaluate_checkpoint  # torch loads only here
+
+    path = resolve_step(step, root, job, what="evaluate")
+    result, manifest, rank = evaluate_checkpoint(path, data=str(data) if data else None,
+                                                 batches=batches, overrides=list(overrides))
+    if rank != 0:
+        return
+    if output == "json":
+        click.echo(json.dumps({"checkpoint": str(path), "step": manifest.get("step"),
+                               "data": str(data) if data else "synthetic held-out",
+                               **result.fields()}))
+        return
+    click.echo(f"{path} (step {manifest.get('step')}): validation loss {result.loss:.4f}, "
+               f"perplexity {result.perplexity:.2f}, on {result.tokens:,} held-out tokens of "
+               f"{data or 'the synthetic held-out stream'} ({result.seconds:.1f} s)")
+
+
 main.add_command(checkpoint)

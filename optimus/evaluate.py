@@ -13,9 +13,11 @@ count are reduced over the whole world, and every rank returns the same mean.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -112,3 +114,61 @@ def evaluate(model: ParallelModel, held_out: HeldOut, device: torch.device,
         dist.all_reduce(totals)
     loss, count = totals.tolist()
     return EvalResult(loss / max(count, 1.0), int(count), time.perf_counter() - started)
+
+
+def evaluate_checkpoint(step_path: Path, *, data: str | None, batches: int,
+                        overrides: list[str] = ()) -> tuple[EvalResult, dict, int]:
+    """The validation loss of a committed checkpoint, computed by this process's rank on the
+    layout the launch gives (one process, or each rank under torchrun / srun / mpiexec):
+    the checkpoint's own job, its layout and settings changed by `overrides`
+    ("parallel.tp=2"), its weights loaded (resharded by DCP), the held-out windows of `data`
+    (a prepared folder; None: the synthetic held-out stream of a synthetic-data job). Returns
+    the result, the checkpoint's manifest and this process's rank."""
+    from optimus.checkpoint.manifest import read_manifest
+    from optimus.checkpoint.saver import Checkpointer
+    from optimus.checkpoint.state import ModelState
+    from optimus.config import apply_override, resolve_layout, validate_job
+    from optimus.parallel.plan import build_parallel_model
+    from optimus.runtime import (
+        ParallelDims,
+        destroy_distributed,
+        init_distributed,
+        launch_env,
+        pick_backend,
+        pick_device,
+    )
+
+    manifest = read_manifest(step_path)
+    raw = json.loads(json.dumps(manifest["config"]))
+    if data is None and raw["data"]["source"] != "synthetic":
+        raise DataError(f"{step_path} was trained on prepared data: name its held-out tokens "
+                        "with --data DIR (e.g. the holdout/ folder of `optimus data prepare`)")
+    # The checkpoint's model and data shapes; a layout of this launch's own (data parallel
+    # over every rank unless --set says otherwise); nothing of its training run's machinery.
+    raw.update(parallel={}, training={"mixed_precision": raw["training"]["mixed_precision"]},
+               fault_injection={"faults": []}, eval={"every": 1})
+    raw["model"]["init_from"] = None
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    raw["eval"] = {"every": 1, "batches": batches, "path": data}
+    env = launch_env()
+    job = validate_job(raw, source=f"{step_path}/optimus.json", world=env.world_size)
+    layout = resolve_layout(job, env.world_size)
+    device = pick_device(job.parallel.device, env.local_rank)
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        init_distributed(env, pick_backend(device, job.parallel.backend), device)
+    try:
+        mesh = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,
+                            world_size=env.world_size).build_mesh(device.type)
+        model = build_parallel_model(job, layout, mesh, device)
+        loader = Checkpointer(step_path.parent, rank=env.rank, world_size=env.world_size,
+                              mode="sync")
+        loader.load(step_path, {"model": ModelState(model.state_view())})
+        loader.close()
+        held_out = held_out_for(job, layout, mesh["dp"].get_local_rank(), path=data,
+                                batches=batches)
+        return evaluate(model, held_out, device, mesh), manifest, env.rank
+    finally:
+        if owns_group:
+            destroy_distributed()

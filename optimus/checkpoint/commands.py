@@ -226,7 +226,7 @@ def _size(text: str) -> int:
     return int(float(m[1]) * _UNITS[m[2].lower()])
 
 
-def _export_source(step: str, root: Path | None, job: Path | None) -> Path:
+def resolve_step(step: str, root: Path | None, job: Path | None, what: str = "export") -> Path:
     """The committed step folder STEP names: a number or `latest` in --dir / the job's
     checkpoint.dir, or a path (a step folder, or a root: its latest)."""
     if step == "latest" or step.isdigit():
@@ -251,7 +251,7 @@ def _export_source(step: str, root: Path | None, job: Path | None) -> Path:
             return root
     latest = latest_committed(root)
     if latest is None:
-        raise CheckpointError(f"{root} holds no committed checkpoint: nothing to export")
+        raise CheckpointError(f"{root} holds no committed checkpoint: nothing to {what}")
     return latest
 
 
@@ -278,7 +278,7 @@ def export_checkpoint(step: str, root: Path | None, job: Path | None, fmt: str, 
     """
     from optimus.checkpoint.hf_export import export_hf  # torch loads only here
 
-    source = _export_source(step, root, job)
+    source = resolve_step(step, root, job)
     done = export_hf(source, out, max_shard_bytes=_size(max_shard),
                      dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], overwrite=overwrite)
     shards = sum(f.endswith(".safetensors") for f in done.files)
