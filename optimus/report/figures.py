@@ -37,7 +37,6 @@ class Figure:
 
 
 def draw_all(run: Run, out: Path) -> list[Figure]:
-    out.mkdir(parents=True, exist_ok=True)
     drawers: list[Callable[[Run, Path], Figure | None]] = [
         timeline_figure, loss_figure, optimizer_figure, checkpoint_figure]
     return [f for f in (draw(run, out) for draw in drawers) if f is not None]
@@ -228,5 +227,6 @@ def _step_in(label: str) -> int | None:
 
 
 def _save(fig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
