@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -120,7 +121,8 @@ def _short(text: str, limit: int = 120) -> str:
 
 
 def _final_best(values: list[float]) -> str:
-    return f"{values[-1]:.4f} / {min(values):.4f}" if values else NONE
+    finite = [v for v in values if math.isfinite(v)]  # a NaN loss is no best
+    return f"{values[-1]:.4f} / {min(finite):.4f}" if finite else NONE
 
 
 def _perplexity(run: Run) -> str:

@@ -22,6 +22,8 @@ from optimus.report.runlog import Run  # noqa: E402
 from optimus.report.timeline import STYLE, Mark, marks  # noqa: E402
 
 DPI = 110
+MAX_POINTS = 10_000  # per line drawn
+MAX_BARS = 40  # checkpoint saves drawn as bars; more, as points
 WIDE = (11, 5.6)
 HALF = (11, 3.6)
 SEGMENT_COLOURS = ("#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf")
@@ -64,8 +66,10 @@ def timeline_figure(run: Run, out: Path) -> Figure:
                     "steps since the checkpoint it resumed from are trained again.")
     has_mfu = any(s.mfu is not None for s in run.logged)
     mfu_axis = speed.twinx() if has_mfu else None
+    drawn = []
     for segment in sorted({s.segment for s in run.logged}):
-        rows = [s for s in run.logged if s.segment == segment]
+        rows = _thin([s for s in run.logged if s.segment == segment])
+        drawn += rows
         colour = SEGMENT_COLOURS[segment % len(SEGMENT_COLOURS)]
         times = [x(s.time) for s in rows]
         progress.plot(times, [s.step for s in rows], ".-", color=colour, ms=3, lw=1.2)
@@ -73,13 +77,14 @@ def timeline_figure(run: Run, out: Path) -> Figure:
         if mfu_axis is not None:
             mfu_axis.plot(times, [100 * s.mfu if s.mfu is not None else None for s in rows],
                           "-", color=colour, lw=0.8, alpha=0.6)
-    figure.series["step"] = ([s.time for s in run.logged], [s.step for s in run.logged])
-    figure.series["tokens/s"] = ([s.time for s in run.logged],
-                                 [s.tokens_per_s for s in run.logged])
+    figure.series["step"] = ([s.time for s in drawn], [s.step for s in drawn])
+    figure.series["tokens/s"] = ([s.time for s in drawn], [s.tokens_per_s for s in drawn])
     progress.set_ylabel("step")
     progress.yaxis.set_major_locator(MaxNLocator(integer=True))
+    progress.yaxis.set_major_formatter(EngFormatter())
     speed.set_ylabel("tokens/s")
     speed.yaxis.set_major_formatter(EngFormatter())
+    speed.set_ylim(bottom=0)  # a dip reads as large as it is
     if mfu_axis is not None:
         mfu_axis.set_ylabel("MFU % (lines)")
         top = max(100 * s.mfu for s in run.logged if s.mfu is not None)
@@ -132,8 +137,9 @@ def _draw_marks(ax, found: list[Mark], x, labels: bool) -> None:
 
 def loss_figure(run: Run, out: Path) -> Figure:
     fig, ax = plt.subplots(figsize=HALF)
-    tokens = [s.tokens for s in run.steps]
-    loss = [s.loss for s in run.steps]
+    steps = _thin(run.steps)
+    tokens = [s.tokens for s in steps]
+    loss = [s.loss for s in steps]
     figure = Figure("loss.png", "Loss against tokens",
                     "Training loss of the steps that count (a step trained again after a "
                     "restart shows its last value)"
@@ -161,7 +167,7 @@ def _tokens_at(run: Run, step: int) -> int | None:
 
 
 def optimizer_figure(run: Run, out: Path) -> Figure | None:
-    steps = [s for s in run.steps if s.grad_norm is not None or s.lr is not None]
+    steps = _thin([s for s in run.steps if s.grad_norm is not None or s.lr is not None])
     if not steps:
         return None
     fig, (norm, lr) = plt.subplots(1, 2, figsize=HALF)
@@ -200,10 +206,15 @@ def checkpoint_figure(run: Run, out: Path) -> Figure | None:
     every = sorted({*steps, *(s for s in failed_at if s is not None)})
     gaps = [b - a for a, b in zip(every, every[1:], strict=False)]
     width = 0.35 * (min(gaps) if gaps else 1)
-    ax.bar([s - width / 2 for s in steps], write, width=width, color="#1f77b4",
-           label="write (s)")
-    ax.bar([s + width / 2 for s in steps], blocked, width=width, color="#ff7f0e",
-           label="training blocked (s)")
+    if len(steps) <= MAX_BARS:
+        ax.bar([s - width / 2 for s in steps], write, width=width, color="#1f77b4",
+               label="write (s)")
+        ax.bar([s + width / 2 for s in steps], blocked, width=width, color="#ff7f0e",
+               label="training blocked (s)")
+    else:  # hundreds of bars read as a comb: points instead
+        ax.plot(steps, write, ".-", color="#1f77b4", ms=3, lw=0.8, label="write (s)")
+        ax.plot(steps, blocked, ".-", color="#ff7f0e", ms=3, lw=0.8,
+                label="training blocked (s)")
     figure.series["write s"] = (steps, write)
     figure.series["blocked s"] = (steps, blocked)
     if failed:
@@ -211,11 +222,16 @@ def checkpoint_figure(run: Run, out: Path) -> Figure | None:
         ax.plot(at, [0] * len(at), "x", color=STYLE["save_failed"][0], ms=10, mew=2,
                 label="failed", clip_on=False)
         figure.marks = failed
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(every) <= 12:  # a tick under each save
+        ax.set_xticks(every)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_formatter(EngFormatter())
     ax.set_xlabel("checkpoint of step")
     ax.set_ylabel("seconds")
+    ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(frameon=False, fontsize=8)
+    ax.legend(loc="lower left", bbox_to_anchor=(0, 1), ncol=3, frameon=False, fontsize=8)
     fig.tight_layout()
     _save(fig, out / figure.file)
     return figure
@@ -224,6 +240,15 @@ def checkpoint_figure(run: Run, out: Path) -> Figure | None:
 def _step_in(label: str) -> int | None:
     found = re.search(r"step (\d+)", label)
     return int(found.group(1)) if found else None
+
+
+def _thin(rows: list, limit: int = MAX_POINTS) -> list:
+    """At most about `limit` of `rows`, evenly spaced, the last one kept: a line of a million
+    steps draws no better than one of ten thousand, and much slower."""
+    if len(rows) <= limit:
+        return rows
+    stride = -(-len(rows) // limit)
+    return rows[::stride] + ([rows[-1]] if (len(rows) - 1) % stride else [])
 
 
 def _save(fig, path: Path) -> None:

@@ -18,6 +18,7 @@ Pure Python: no torch, no plotting.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,10 +121,10 @@ def read_run(run_dir: Path | str) -> Run:
     return run
 
 
-def _json_lines(run: Run, path: Path) -> list[dict]:
+def _json_lines(run: Run, path: Path) -> Iterator[dict]:
+    """The file's JSON objects, one by one (a long run's file need not fit in memory)."""
     if not path.is_file():
-        return []
-    rows = []
+        return
     with open(path, errors="replace") as f:
         for text in f:
             if not text.strip():
@@ -134,13 +135,12 @@ def _json_lines(run: Run, path: Path) -> list[dict]:
                 run.unreadable += 1
                 continue
             if isinstance(row, dict):
-                rows.append(row)
+                yield row
             else:
                 run.unreadable += 1
-    return rows
 
 
-def _read_metrics(run: Run, rows: list[dict]) -> None:
+def _read_metrics(run: Run, rows: Iterable[dict]) -> None:
     counted: dict[int, Step] = {}
     evals: dict[int, Eval] = {}
     last_step = None
