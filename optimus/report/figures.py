@@ -58,7 +58,7 @@ def _clock(run: Run) -> tuple[float, float, str]:
 def timeline_figure(run: Run, out: Path) -> Figure:
     """Progress and throughput against the wall clock, with the control plane's marks."""
     origin, unit, xlabel = _clock(run)
-    x = lambda t: (t - origin) / unit  # noqa: E731
+    x = lambda t: (t - origin) / unit
     fig, (progress, speed) = plt.subplots(2, 1, figsize=WIDE, sharex=True,
                                           gridspec_kw={"height_ratios": [3, 2]})
     figure = Figure("timeline.png", "Timeline: progress, throughput and the control plane",
@@ -92,7 +92,7 @@ def timeline_figure(run: Run, out: Path) -> Figure:
     speed.set_xlabel(xlabel)
     figure.marks = marks(run)
     for ax in (progress, speed):
-        _draw_marks(ax, figure.marks, x, labels=ax is progress)
+        _mark_lines(ax, figure.marks, x)
         ax.grid(alpha=0.3)
     kinds = sorted({m.kind for m in figure.marks}, key=list(STYLE).index)
     if kinds:
@@ -101,24 +101,29 @@ def timeline_figure(run: Run, out: Path) -> Figure:
         fig.legend(handles, [k.replace("_", " ") for k in kinds], loc="lower center",
                    ncol=len(kinds), frameon=False, fontsize=8)
     fig.tight_layout(rect=(0, 0.05 if kinds else 0, 1, 1))
+    _mark_labels(progress, figure.marks, x)  # once the layout is final: they avoid each other
     _save(fig, out / figure.file)
     return figure
 
 
-def _draw_marks(ax, found: list[Mark], x, labels: bool) -> None:
-    """Vertical lines (spans for pauses); with `labels`, each mark's label at the top, in the
-    highest row where it overlaps no label placed before it."""
-    lo, hi = ax.get_xlim()
-    renderer = ax.figure.canvas.get_renderer()
-    rows: list[list] = []  # per row, the display boxes of the labels in it
+def _mark_lines(ax, found: list[Mark], x) -> None:
+    """A vertical line per moment, a shaded span per pause."""
     for m in found:
         colour, style = STYLE[m.kind]
         if m.end is not None:
             ax.axvspan(x(m.time), x(m.end), color=colour, alpha=0.15, lw=0)
         else:
             ax.axvline(x(m.time), color=colour, ls=style, lw=1.1, alpha=0.9)
-        if not labels:
-            continue
+
+
+def _mark_labels(ax, found: list[Mark], x) -> None:
+    """Each mark's label at the top of `ax`, in the highest row where it overlaps no label
+    placed before it."""
+    lo, hi = ax.get_xlim()
+    renderer = ax.figure.canvas.get_renderer()
+    rows: list[list] = []  # per row, the display boxes of the labels in it
+    for m in found:
+        colour = STYLE[m.kind][0]
         right = x(m.time) > lo + 0.8 * (hi - lo)  # near the right edge: the label goes left
         text = ax.annotate(m.label, (x(m.time), 1.0), xycoords=("data", "axes fraction"),
                            xytext=(-3 if right else 3, -4), textcoords="offset points",
@@ -127,7 +132,7 @@ def _draw_marks(ax, found: list[Mark], x, labels: bool) -> None:
                                  "alpha": 0.85})
         for row, boxes in enumerate([*rows, []]):
             text.xyann = (text.xyann[0], -4 - 11 * row)
-            box = text.get_window_extent(renderer)
+            box = text.get_window_extent(renderer).padded(8)  # the text's white box, and air
             if not any(box.overlaps(other) for other in boxes):
                 break
         if row == len(rows):
