@@ -231,3 +231,14 @@ def test_the_event_mirror_carries_on_after_a_failover_without_duplicates(tmp_pat
         assert abs(rows[0]["time"] - time.time()) < 60
     finally:
         server.stop()
+
+
+def test_without_matplotlib_the_command_names_the_extra(tmp_path, monkeypatch):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(_step(1, 100.0, 5.0)) + "\n")
+    for name in [m for m in sys.modules if m.startswith(("optimus.report.", "matplotlib"))]:
+        monkeypatch.delitem(sys.modules, name)  # imported afresh, restored after the test
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    result = CliRunner().invoke(main, ["report", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.output == ("error: optimus report: matplotlib is not installed — fix: pip "
+                             "install 'optimus[report]'\n")
