@@ -149,6 +149,9 @@ def _report(console: Console, run_dir: Path) -> None:
     except (ConfigError, DataError) as e:
         console.print(f"report: not rendered: {e}")
         return
+    except KeyboardInterrupt:  # the processes are gone already: only the page is given up
+        console.print(f"report: interrupted; `optimus report {_shown(run_dir)}` renders it")
+        return
     console.print(f"report: {_shown(page)}")
 
 
