@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from cluster import ROOT, RedisServer, metrics, metrics_so_far, wait_for, write_job
+from cluster import ROOT, RedisServer, metrics, wait_for, write_job
 from PIL import Image
 
 from controller.event_log import EventLog
@@ -47,8 +47,8 @@ def _assert_pngs(page: Path, expected: set[str]) -> None:
 
 def test_the_demo_job_s_report_shows_its_fault_exclusion_restart_and_pause(tmp_path):
     run = tmp_path / "run"
-    job = write_job(tmp_path / "job.yaml", run, steps=STEPS,
-                    faults=[{"kind": "kill_rank", "rank": 1, "step": FAULT_STEP}])
+    job = write_job(tmp_path / "job.yaml", run, steps=STEPS, async_mode="sync",  # committed
+                    faults=[{"kind": "kill_rank", "rank": 1, "step": FAULT_STEP}])  # before it
     raw = yaml.safe_load(job.read_text())
     raw["checkpoint"]["interval"] = 5
     job.write_text(yaml.safe_dump(raw))
@@ -58,14 +58,11 @@ def test_the_demo_job_s_report_shows_its_fault_exclusion_restart_and_pause(tmp_p
     try:
         first = p.stdout.readline()
         store = Store(re.search(r"Redis (redis://\S+);", first).group(1), "e2e")
-
-        def generation_1_stepped() -> bool:
-            rows = metrics_so_far(run)
-            resumes = [i for i, r in enumerate(rows) if r.get("event") == "resume"]
-            return bool(resumes) and any("loss" in r for r in rows[resumes[-1]:])
-        wait_for(generation_1_stepped, 120, "a step of generation 1")
+        wait_for(lambda: store.job_record().get("generation") == "1"
+                 and store.job_record().get("state") == "RUNNING", 120, "generation 1")
         host = socket.gethostname()
-        store.request("pause", "tester", host, "look at the report")  # as `optimus job pause`
+        # As `optimus job pause`; generation 1's ranks pause after their first step.
+        store.request("pause", "tester", host, "look at the report")
         wait_for(lambda: store.job_record().get("state") == "PAUSED", 60, "PAUSED")
         store.request("resume", "tester", host)
         out = first + p.communicate(timeout=180)[0]
