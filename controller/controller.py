@@ -15,7 +15,8 @@ predicts it for the plan and reports what they loaded (controller/checkpoints.py
 Besides Redis, the leader keeps a journal, `<run_dir>/controller.json` (the job record, the plan
 and the exclusions, written atomically on every change). If Redis comes back empty, the journal
 and the agents' reports (each agent re-registers and says which generation it runs) rebuild the
-state; the checkpoints were never in Redis.
+state; the checkpoints were never in Redis. It also mirrors the job's events stream into
+`<run_dir>/events.jsonl` (controller/event_log.py), the history `optimus report` draws.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from controller.decide import (
     Settings,
     decide,
 )
+from controller.event_log import EventLog
 from controller.store import Store, StoreUnavailable
 from optimus.checkpoint.manifest import committed_steps
 from optimus.config import ConfigError, JobConfig, check_job
@@ -110,6 +112,7 @@ class Controller:
         self._index: dict[str, int] = {}
         self._latest_shown: int | None = None
         self.checkpoints = CheckpointView(self.checkpoint_dir, store)
+        self.event_log = EventLog(store, Path(job.resolved_run_dir) / "events.jsonl")
 
     def run(self, exit_when_done: bool = False) -> str | None:
         """Reconcile until the job ends (with `exit_when_done`) or forever; its final state."""
@@ -128,17 +131,20 @@ class Controller:
             if self.leading:
                 log.warning("lost Redis; acting no more until it answers: %s", e)
             self.leading = False
+            self.event_log.forget()
             return None
         if leading and not self.leading:
             self._event("leader", f"controller {self.ident} leads", send=False)  # sent below
         self.leading = leading
         if not leading:
+            self.event_log.forget()  # whoever leads appends meanwhile
             return None
         try:
             self.store.flush_events()  # what an outage held back, before anything new
             obs = self.observe()
             decision = decide(obs, self.s)
             self.apply(decision, obs)
+            self.event_log.mirror()  # this tick's events too: the last tick's are on disk
             return decision.job.get("state", obs.job.state)
         except StoreUnavailable as e:
             log.warning("Redis unavailable mid-tick; retrying: %s", e)

@@ -29,6 +29,7 @@ from controller.spawn import die_with_parent
 from controller.store import Store, StoreUnavailable
 from optimus.checkpoint.manifest import committed_steps
 from optimus.config import ConfigError, JobConfig
+from optimus.data.errors import DataError
 
 POLL_S = 0.25
 
@@ -134,7 +135,32 @@ def run_local(job: JobConfig, job_file: str, overrides: list[str], *, nodes: int
     steps = committed_steps(job.resolved_checkpoint_dir)
     console.print(f"latest committed checkpoint: "
                   f"{f'step {steps[-1]}' if steps else 'none'} in {job.resolved_checkpoint_dir}")
+    _report(console, run_dir)
     return 0 if state in TERMINAL and state != FAILED else 1
+
+
+def _report(console: Console, run_dir: Path) -> None:
+    """The run's report (optimus/report/), and where it is; a run that logged no step, or a
+    machine without matplotlib, gets a line that says so instead."""
+    from optimus.report import build_report
+
+    try:
+        page = build_report(run_dir)
+    except (ConfigError, DataError) as e:
+        console.print(f"report: not rendered: {e}")
+        return
+    except KeyboardInterrupt:  # the processes are gone already: only the page is given up
+        console.print(f"report: interrupted; `optimus report {_shown(run_dir)}` renders it")
+        return
+    console.print(f"report: {_shown(page)}")
+
+
+def _shown(path: Path) -> str:
+    """Relative to the working directory when it is below it (runs/tiny-gpt/report/...)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def _follow(console: Console, store: Store, cluster: LocalCluster, job: JobConfig,

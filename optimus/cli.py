@@ -222,4 +222,16 @@ def evaluate_command(step: str, data: Path | None, root: Path | None, job: Path 
                f"{data or 'the synthetic held-out stream'} ({result.seconds:.1f} s)")
 
 
+@main.command()
+@click.argument("run_dir", metavar="RUN_DIR", type=click.Path(path_type=Path))
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
+              help="Directory for index.html and its PNGs; default RUN_DIR/report.")
+def report(run_dir: Path, out_dir: Path | None) -> None:
+    """Render RUN_DIR's report: one HTML page with figures (loss, throughput, the control
+    plane's timeline, checkpoint saves) and a table of the run's facts."""
+    from optimus.report import build_report
+
+    click.echo(f"report: {build_report(run_dir, out_dir)}")
+
+
 main.add_command(checkpoint)

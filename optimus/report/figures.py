@@ -1,0 +1,262 @@
+"""The report's figures: PNGs drawn with matplotlib's Agg backend (no display needed).
+
+Each `*_figure` function draws one PNG into `out` and returns a `Figure` that says what it shows
+(its series and its marks), so that what a reader sees can be checked without looking.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: before pyplot
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.ticker import EngFormatter, MaxNLocator  # noqa: E402
+
+from optimus.report.runlog import Run  # noqa: E402
+from optimus.report.timeline import STYLE, Mark, marks  # noqa: E402
+
+DPI = 110
+MAX_POINTS = 10_000  # per line drawn
+MAX_BARS = 40  # checkpoint saves drawn as bars; more, as points
+WIDE = (11, 5.6)
+HALF = (11, 3.6)
+SEGMENT_COLOURS = ("#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+
+
+@dataclass
+class Figure:
+    file: str  # the PNG's name, beside the page
+    title: str
+    caption: str
+    series: dict[str, tuple[list, list]] = field(default_factory=dict)  # name -> (x, y)
+    marks: list[Mark] = field(default_factory=list)
+
+
+def draw_all(run: Run, out: Path) -> list[Figure]:
+    drawers: list[Callable[[Run, Path], Figure | None]] = [
+        timeline_figure, loss_figure, optimizer_figure, checkpoint_figure]
+    return [f for f in (draw(run, out) for draw in drawers) if f is not None]
+
+
+def _clock(run: Run) -> tuple[float, float, str]:
+    """Origin, divisor and axis label of the wall-clock axis (seconds, minutes or hours)."""
+    start, end = run.start or 0.0, run.end or 0.0
+    span = end - start
+    if span > 3 * 3600:
+        return start, 3600.0, "hours since the start"
+    if span > 180:
+        return start, 60.0, "minutes since the start"
+    return start, 1.0, "seconds since the start"
+
+
+def timeline_figure(run: Run, out: Path) -> Figure:
+    """Progress and throughput against the wall clock, with the control plane's marks."""
+    origin, unit, xlabel = _clock(run)
+    x = lambda t: (t - origin) / unit
+    fig, (progress, speed) = plt.subplots(2, 1, figsize=WIDE, sharex=True,
+                                          gridspec_kw={"height_ratios": [3, 2]})
+    figure = Figure("timeline.png", "Timeline: progress, throughput and the control plane",
+                    "Each colour is one start of training (a generation); after a restart the "
+                    "steps since the checkpoint it resumed from are trained again.")
+    has_mfu = any(s.mfu is not None for s in run.logged)
+    mfu_axis = speed.twinx() if has_mfu else None
+    drawn = []
+    for segment in sorted({s.segment for s in run.logged}):
+        rows = _thin([s for s in run.logged if s.segment == segment])
+        drawn += rows
+        colour = SEGMENT_COLOURS[segment % len(SEGMENT_COLOURS)]
+        times = [x(s.time) for s in rows]
+        progress.plot(times, [s.step for s in rows], ".-", color=colour, ms=3, lw=1.2)
+        speed.plot(times, [s.tokens_per_s for s in rows], ".", color=colour, ms=3)
+        if mfu_axis is not None:
+            mfu_axis.plot(times, [100 * s.mfu if s.mfu is not None else None for s in rows],
+                          "-", color=colour, lw=0.8, alpha=0.6)
+    figure.series["step"] = ([s.time for s in drawn], [s.step for s in drawn])
+    figure.series["tokens/s"] = ([s.time for s in drawn], [s.tokens_per_s for s in drawn])
+    progress.set_ylabel("step")
+    progress.yaxis.set_major_locator(MaxNLocator(integer=True))
+    progress.yaxis.set_major_formatter(EngFormatter())
+    speed.set_ylabel("tokens/s")
+    speed.yaxis.set_major_formatter(EngFormatter())
+    speed.set_ylim(bottom=0)  # a dip reads as large as it is
+    if mfu_axis is not None:
+        mfu_axis.set_ylabel("MFU % (lines)")
+        top = max(100 * s.mfu for s in run.logged if s.mfu is not None)
+        mfu_axis.set_ylim(0, 1.15 * top if top > 0 else 1)
+    speed.set_xlabel(xlabel)
+    figure.marks = marks(run)
+    for ax in (progress, speed):
+        _mark_lines(ax, figure.marks, x)
+        ax.grid(alpha=0.3)
+    kinds = sorted({m.kind for m in figure.marks}, key=list(STYLE).index)
+    if kinds:
+        handles = [Line2D([], [], color=STYLE[k][0], ls=STYLE[k][1], lw=1.5 if k != "pause"
+                          else 6, alpha=1 if k != "pause" else 0.25) for k in kinds]
+        fig.legend(handles, [k.replace("_", " ") for k in kinds], loc="lower center",
+                   ncol=len(kinds), frameon=False, fontsize=8)
+    fig.tight_layout(rect=(0, 0.05 if kinds else 0, 1, 1))
+    _mark_labels(progress, figure.marks, x)  # once the layout is final: they avoid each other
+    _save(fig, out / figure.file)
+    return figure
+
+
+def _mark_lines(ax, found: list[Mark], x) -> None:
+    """A vertical line per moment, a shaded span per pause."""
+    for m in found:
+        colour, style = STYLE[m.kind]
+        if m.end is not None:
+            ax.axvspan(x(m.time), x(m.end), color=colour, alpha=0.15, lw=0)
+        else:
+            ax.axvline(x(m.time), color=colour, ls=style, lw=1.1, alpha=0.9)
+
+
+def _mark_labels(ax, found: list[Mark], x) -> None:
+    """Each mark's label at the top of `ax`, in the highest row where it overlaps no label
+    placed before it."""
+    lo, hi = ax.get_xlim()
+    renderer = ax.figure.canvas.get_renderer()
+    rows: list[list] = []  # per row, the display boxes of the labels in it
+    for m in found:
+        colour = STYLE[m.kind][0]
+        right = x(m.time) > lo + 0.8 * (hi - lo)  # near the right edge: the label goes left
+        text = ax.annotate(m.label, (x(m.time), 1.0), xycoords=("data", "axes fraction"),
+                           xytext=(-3 if right else 3, -4), textcoords="offset points",
+                           fontsize=7.5, color=colour, va="top", ha="right" if right else "left",
+                           bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none",
+                                 "alpha": 0.85})
+        for row, boxes in enumerate([*rows, []]):
+            text.xyann = (text.xyann[0], -4 - 11 * row)
+            box = text.get_window_extent(renderer).padded(8)  # the text's white box, and air
+            if not any(box.overlaps(other) for other in boxes):
+                break
+        if row == len(rows):
+            rows.append([])
+        rows[row].append(box)
+
+
+def loss_figure(run: Run, out: Path) -> Figure:
+    fig, ax = plt.subplots(figsize=HALF)
+    steps = _thin(run.steps)
+    tokens = [s.tokens for s in steps]
+    loss = [s.loss for s in steps]
+    figure = Figure("loss.png", "Loss against tokens",
+                    "Training loss of the steps that count (a step trained again after a "
+                    "restart shows its last value)"
+                    + ("; validation loss on held-out data." if run.evals else
+                       "; no validation was logged."))
+    ax.plot(tokens, loss, "-", color=SEGMENT_COLOURS[0], lw=1.2, label="train")
+    figure.series["train loss"] = (tokens, loss)
+    if run.evals:
+        vx = [e.tokens if e.tokens is not None else _tokens_at(run, e.step) for e in run.evals]
+        vy = [e.loss for e in run.evals]
+        ax.plot(vx, vy, "o-", color="#d62728", ms=4, lw=1.2, label="validation")
+        figure.series["validation loss"] = (vx, vy)
+    ax.set_xlabel("tokens")
+    ax.xaxis.set_major_formatter(EngFormatter())
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False)
+    fig.tight_layout()
+    _save(fig, out / figure.file)
+    return figure
+
+
+def _tokens_at(run: Run, step: int) -> int | None:
+    return next((s.tokens for s in run.steps if s.step >= step), None)
+
+
+def optimizer_figure(run: Run, out: Path) -> Figure | None:
+    steps = _thin([s for s in run.steps if s.grad_norm is not None or s.lr is not None])
+    if not steps:
+        return None
+    fig, (norm, lr) = plt.subplots(1, 2, figsize=HALF)
+    figure = Figure("optimizer.png", "Gradient norm and learning rate",
+                    "The global gradient norm before clipping, and the learning rate, per "
+                    "step that counts.")
+    xs = [s.step for s in steps]
+    for ax, name, ys in ((norm, "gradient norm", [s.grad_norm for s in steps]),
+                         (lr, "learning rate", [s.lr for s in steps])):
+        ax.plot(xs, ys, "-", color=SEGMENT_COLOURS[0], lw=1.1)
+        ax.set_xlabel("step")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+        figure.series[name] = (xs, ys)
+    lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    fig.tight_layout()
+    _save(fig, out / figure.file)
+    return figure
+
+
+def checkpoint_figure(run: Run, out: Path) -> Figure | None:
+    failed = [m for m in marks(run) if m.kind == "save_failed"]
+    if not run.saves and not failed:
+        return None
+    fig, ax = plt.subplots(figsize=HALF)
+    figure = Figure("checkpoints.png", "Checkpoint saves",
+                    "Per save committed during training: the time from the save's start to "
+                    "rank 0's files written (the write runs beside training), and how long it "
+                    "held training up (staging into host memory). A save at a stop or at the "
+                    "last step is committed after the last logged step: it has no bar. "
+                    "Crosses: saves that failed.")
+    steps = [s.step for s in run.saves]
+    write = [s.write_s or 0.0 for s in run.saves]
+    blocked = [s.blocked_s or 0.0 for s in run.saves]
+    failed_at = [_step_in(m.label) for m in failed]
+    every = sorted({*steps, *(s for s in failed_at if s is not None)})
+    gaps = [b - a for a, b in zip(every, every[1:], strict=False)]
+    width = 0.35 * (min(gaps) if gaps else 1)
+    if len(steps) <= MAX_BARS:
+        ax.bar([s - width / 2 for s in steps], write, width=width, color="#1f77b4",
+               label="write (s)")
+        ax.bar([s + width / 2 for s in steps], blocked, width=width, color="#ff7f0e",
+               label="training blocked (s)")
+    else:  # hundreds of bars read as a comb: points instead
+        ax.plot(steps, write, ".-", color="#1f77b4", ms=3, lw=0.8, label="write (s)")
+        ax.plot(steps, blocked, ".-", color="#ff7f0e", ms=3, lw=0.8,
+                label="training blocked (s)")
+    figure.series["write s"] = (steps, write)
+    figure.series["blocked s"] = (steps, blocked)
+    if failed:
+        at = [s for s in failed_at if s is not None]
+        ax.plot(at, [0] * len(at), "x", color=STYLE["save_failed"][0], ms=10, mew=2,
+                label="failed", clip_on=False)
+        figure.marks = failed
+    if len(every) <= 12:  # a tick under each save
+        ax.set_xticks(every)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_formatter(EngFormatter())
+    ax.set_xlabel("checkpoint of step")
+    ax.set_ylabel("seconds")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(loc="lower left", bbox_to_anchor=(0, 1), ncol=3, frameon=False, fontsize=8)
+    fig.tight_layout()
+    _save(fig, out / figure.file)
+    return figure
+
+
+def _step_in(label: str) -> int | None:
+    found = re.search(r"step (\d+)", label)
+    return int(found.group(1)) if found else None
+
+
+def _thin(rows: list, limit: int = MAX_POINTS) -> list:
+    """At most about `limit` of `rows`, evenly spaced, the last one kept: a line of a million
+    steps draws no better than one of ten thousand, and much slower."""
+    if len(rows) <= limit:
+        return rows
+    stride = -(-len(rows) // limit)
+    return rows[::stride] + ([rows[-1]] if (len(rows) - 1) % stride else [])
+
+
+def _save(fig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)

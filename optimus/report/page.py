@@ -1,0 +1,91 @@
+"""The report page: one HTML file, its figures beside it as PNGs (relative links)."""
+
+from __future__ import annotations
+
+import time
+from html import escape
+from pathlib import Path
+
+from optimus.report.facts import facts
+from optimus.report.figures import Figure, draw_all
+from optimus.report.runlog import Run, read_run
+from optimus.report.timeline import marks
+
+STYLE_SHEET = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 1.5em auto; max-width: 1240px;
+       color: #111827; padding: 0 1em; }
+h1 { font-size: 1.5em; margin-bottom: 0.1em; } h2 { font-size: 1.15em; margin-top: 1.6em; }
+.sub { color: #6b7280; margin-top: 0; }
+table { border-collapse: collapse; } td, th { padding: 3px 10px; vertical-align: top;
+  border-bottom: 1px solid #e5e7eb; text-align: left; }
+table.facts th { width: 16em; font-weight: 600; color: #374151; }
+img { max-width: 100%; border: 1px solid #e5e7eb; }
+.caption { color: #4b5563; margin: 0.3em 0 0; }
+td.kind { white-space: nowrap; font-weight: 600; } td.time { white-space: nowrap; }
+"""
+
+
+def build_report(run_dir: Path | str, out: Path | str | None = None) -> Path:
+    """Write the report of the run in `run_dir` into `out` (default `<run_dir>/report/`):
+    `index.html` and its PNG figures. Returns the page's path. Raises DataError when
+    `run_dir` holds no run (no metrics.jsonl, or no logged step in it)."""
+    run = read_run(run_dir)
+    out = Path(out) if out is not None else run.run_dir / "report"
+    figures = draw_all(run, out)
+    page = out / "index.html"
+    page.write_text(render(run, figures))
+    return page
+
+
+def render(run: Run, figures: list[Figure]) -> str:
+    facts_rows = facts(run)
+    name = dict(facts_rows)["job"]
+    parts = [
+        "<!doctype html>", "<html lang='en'><head><meta charset='utf-8'>",
+        f"<title>Optimus report: {escape(name)}</title><style>{STYLE_SHEET}</style></head>",
+        f"<body><h1>Optimus run report: {escape(name)}</h1>",
+        f"<p class='sub'>{escape(str(run.run_dir))}, rendered "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')} from {escape(_sources(run))}</p>",
+        "<table class='facts'>",
+        *(f"<tr><th>{escape(k)}</th><td>{escape(v)}</td></tr>" for k, v in facts_rows),
+        "</table>",
+    ]
+    for figure in figures:
+        parts += [f"<h2>{escape(figure.title)}</h2>",
+                  f"<img src='{escape(figure.file)}' alt='{escape(figure.title)}'>",
+                  f"<p class='caption'>{escape(figure.caption)}</p>"]
+    parts += _events_table(run)
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def _events_table(run: Run) -> list[str]:
+    found = marks(run)
+    where = ("the control plane's events (events.jsonl)" if run.control
+             else "rank 0's events (metrics.jsonl; this run has no events.jsonl)")
+    if not found:
+        return ["<h2>Timeline</h2>", f"<p>Nothing happened worth a mark, from {where}: no "
+                "restart, fault, exclusion, pause or failed save.</p>"]
+    start = run.start or found[0].time
+    rows = []
+    for m in found:
+        when = time.strftime("%H:%M:%S", time.localtime(m.time))
+        span = f" for {m.end - m.time:.1f} s" if m.end is not None else ""
+        rows.append(f"<tr><td class='time'>{when} (+{m.time - start:.1f} s)</td>"
+                    f"<td class='kind'>{escape(m.kind.replace('_', ' '))}</td>"
+                    f"<td>{escape(m.label + span)}: {escape(m.detail)}</td></tr>")
+    return ["<h2>Timeline</h2>",
+            f"<p class='caption'>The marks on the timeline figure, from {where}; every event "
+            "is in events.jsonl (<code>optimus events</code> while the job runs).</p>",
+            "<table>", *rows, "</table>"]
+
+
+def _sources(run: Run) -> str:
+    found = ["metrics.jsonl"]
+    if run.control:
+        found.append("events.jsonl")
+    if run.journal:
+        found.append("controller.json")
+    if run.committed:
+        found.append("checkpoint manifests")
+    return ", ".join(found)

@@ -1,0 +1,241 @@
+"""What a run directory says about its run, read for the report.
+
+- `metrics.jsonl`, rank 0's: a line per logged step, a short line ({"time", "step", "data"}) per
+  step between logged ones, and event lines ({"time", "event", "message", ...}: resume,
+  checkpoint, paused, stopped, eval, ...). Every generation appends to it, so a restart shows up
+  as the steps going back: the new generation retrains the steps after the checkpoint it resumed
+  from, and for each step the record of the generation that trained it last is the one that
+  counts (as in `optimus data audit`).
+- `events.jsonl`, the control plane's events mirrored by the leading controller (none for a
+  plain `optimus train`).
+- `controller.json`, the controller's journal: the job record, the last plan, the exclusions.
+- the checkpoint manifests (`optimus.json`): the resolved job configuration and layout.
+
+Robust to what a crash leaves: a line cut short, or not JSON, is skipped and counted.
+Pure Python: no torch, no plotting.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from optimus.checkpoint import CheckpointError
+from optimus.checkpoint.manifest import committed_steps, read_manifest, step_dir
+from optimus.config import ConfigError, load_job
+from optimus.data.errors import DataError
+
+
+@dataclass
+class Step:
+    step: int
+    time: float
+    segment: int  # which start of training in metrics.jsonl logged it (0, 1, ...)
+    loss: float
+    tokens: int
+    grad_norm: float | None = None
+    lr: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    checkpoint: dict | None = None
+
+
+@dataclass
+class Eval:
+    step: int
+    time: float
+    tokens: int | None
+    loss: float
+    perplexity: float | None = None
+
+
+@dataclass
+class Save:
+    """A committed checkpoint, as the step line after its commit tells it."""
+
+    step: int
+    time: float
+    write_s: float | None  # from save() to rank 0's files written
+    blocked_s: float | None  # how long the save held up training
+
+
+@dataclass
+class Event:
+    time: float
+    kind: str
+    message: str
+    actor: str = ""
+    fields: dict = field(default_factory=dict)
+
+
+@dataclass
+class Run:
+    run_dir: Path
+    logged: list[Step] = field(default_factory=list)  # every logged step line, file order
+    steps: list[Step] = field(default_factory=list)  # the steps that count, by step
+    evals: list[Eval] = field(default_factory=list)  # the validations that count, by step
+    saves: list[Save] = field(default_factory=list)
+    rank_events: list[Event] = field(default_factory=list)  # metrics.jsonl's event lines
+    control: list[Event] = field(default_factory=list)  # events.jsonl
+    segments: list[float] = field(default_factory=list)  # when each start of training began
+    journal: dict = field(default_factory=dict)
+    config: dict | None = None  # the resolved job configuration, when the run dir holds it
+    layout: dict | None = None
+    committed: list[int] = field(default_factory=list)  # steps with a committed checkpoint
+    unreadable: int = 0  # lines skipped: cut short or not JSON objects
+
+    @property
+    def start(self) -> float | None:
+        times = [t for t in (self.segments[:1] + [e.time for e in self.control[:1]]) if t]
+        return min(times) if times else None
+
+    @property
+    def end(self) -> float | None:
+        times = [x.time for x in (self.logged[-1:] + self.rank_events[-1:] + self.control[-1:])]
+        return max(times) if times else None
+
+
+def read_run(run_dir: Path | str) -> Run:
+    """Everything the report needs from `run_dir`; DataError when there is no run there."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    if not run_dir.is_dir():
+        raise DataError(f"{run_dir} is not a directory: give a run directory (the job's "
+                        "run_dir, e.g. runs/tiny-gpt)")
+    if not metrics.is_file():
+        raise DataError(f"{run_dir} has no metrics.jsonl: give the run directory of a job that "
+                        "has trained (rank 0 writes <run_dir>/metrics.jsonl)")
+    run = Run(run_dir=run_dir)
+    _read_metrics(run, _json_lines(run, metrics))
+    if not run.logged and not run.evals:
+        raise DataError(f"{metrics} holds no logged step yet: nothing to report")
+    run.control = [Event(float(e.get("time") or 0.0), str(e.get("kind", "")),
+                         str(e.get("message", "")), str(e.get("actor", "")),
+                         {k: v for k, v in e.items()
+                          if k not in ("id", "time", "kind", "message", "actor")})
+                   for e in _json_lines(run, run_dir / "events.jsonl")]
+    run.journal = _json_file(run_dir / "controller.json") or {}
+    _read_config(run)
+    return run
+
+
+def _json_lines(run: Run, path: Path) -> Iterator[dict]:
+    """The file's JSON objects, one by one (a long run's file need not fit in memory)."""
+    if not path.is_file():
+        return
+    with open(path, errors="replace") as f:
+        for text in f:
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except ValueError:  # a line cut short by a crash: the rest still counts
+                run.unreadable += 1
+                continue
+            if isinstance(row, dict):
+                yield row
+            else:
+                run.unreadable += 1
+
+
+def _read_metrics(run: Run, rows: Iterable[dict]) -> None:
+    counted: dict[int, Step] = {}
+    evals: dict[int, Eval] = {}
+    last_step = None
+    committed_before = 0  # this segment's saves_committed so far
+
+    def roll_back(after: int) -> None:  # a restart: steps after `after` were not kept
+        for table in (counted, evals):
+            for s in [s for s in table if s > after]:
+                del table[s]
+
+    for row in rows:
+        when = _number(row.get("time"))
+        if when is None:
+            run.unreadable += 1
+            continue
+        kind = row.get("event")
+        if kind is not None:
+            fields = {k: v for k, v in row.items() if k not in ("time", "event", "message")}
+            run.rank_events.append(Event(when, str(kind), str(row.get("message", "")),
+                                         "rank 0", fields))
+            if kind == "resume" and _number(row.get("step")) is not None:
+                roll_back(int(row["step"]))
+                run.segments.append(when)
+                last_step, committed_before = int(row["step"]), 0
+            elif kind == "eval" and _number(row.get("loss")) is not None:
+                step = int(row.get("step", last_step or 0))
+                evals[step] = Eval(step, when, _int(row.get("tokens")), float(row["loss"]),
+                                   _number(row.get("perplexity")))
+            continue
+        step = _int(row.get("step"))
+        if step is None:
+            run.unreadable += 1
+            continue
+        if last_step is None or step <= last_step:  # the first line, or a start from scratch
+            roll_back(step - 1)
+            run.segments.append(when)
+            committed_before = 0
+        last_step = step
+        if _number(row.get("loss")) is None:
+            continue  # a step between logged ones: only its samples' fingerprint
+        line = Step(step, when, len(run.segments) - 1, float(row["loss"]),
+                    _int(row.get("tokens")) or 0, _number(row.get("grad_norm")),
+                    _number(row.get("lr")), _number(row.get("tokens_per_s")),
+                    _number(row.get("mfu")), row.get("checkpoint") or None)
+        run.logged.append(line)
+        counted[step] = line
+        ckpt = line.checkpoint or {}
+        if int(ckpt.get("saves_committed") or 0) > committed_before:
+            committed_before = int(ckpt["saves_committed"])
+            if ckpt.get("last_commit_step") is not None:
+                run.saves.append(Save(int(ckpt["last_commit_step"]), when,
+                                      _number(ckpt.get("last_write_s")),
+                                      _number(ckpt.get("last_blocked_s"))))
+    run.steps = [counted[s] for s in sorted(counted)]
+    run.evals = [evals[s] for s in sorted(evals)]
+
+
+def _read_config(run: Run) -> None:
+    """The resolved configuration: the newest checkpoint manifest's (what the ranks trained),
+    else the job file the controller's plan names, loaded with its overrides."""
+    plan = run.journal.get("plan") or {}
+    job = None
+    if plan.get("job_file"):
+        try:
+            job = load_job(plan["job_file"], list(plan.get("overrides") or []))
+        except (ConfigError, OSError):
+            job = None  # moved or changed since: the manifests may still say
+    root = Path(job.resolved_checkpoint_dir) if job else run.run_dir / "checkpoints"
+    run.committed = committed_steps(root) if root.is_dir() else []
+    if run.committed:
+        try:
+            manifest = read_manifest(step_dir(root, run.committed[-1]))
+        except CheckpointError:  # damaged: the job file may still say
+            manifest = {}
+        run.config, run.layout = manifest.get("config"), manifest.get("layout")
+        if run.layout and manifest.get("world_size"):
+            run.layout = {**run.layout, "world_size": manifest["world_size"]}
+    if run.config is None and job is not None:
+        run.config = job.model_dump(mode="json")
+
+
+def _json_file(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _int(value) -> int | None:
+    number = _number(value)
+    return None if number is None else int(number)
