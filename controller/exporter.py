@@ -101,7 +101,8 @@ class JobCollector(Collector):
                      self.job.supervision.heartbeat_timeout_s)
 
     def _training(self, plan: dict) -> Iterator:
-        """Rank 0's last logged step: loss, throughput, MFU, step time, tokens, last save."""
+        """Rank 0's last logged step: loss, throughput, MFU, step time, tokens, last save; its
+        last validation."""
         metrics = None
         if plan.get("nodes"):
             beat = self.store.rank_beats(plan["nodes"][0]).get(0)
@@ -114,7 +115,9 @@ class JobCollector(Collector):
             ("mfu", "optimus_mfu_ratio", "Model FLOPs utilisation, 0..1"),
             ("step_time_s", "optimus_step_time_seconds", "Wall time of the last logged step"),
             ("checkpoint_s", "optimus_checkpoint_duration_seconds",
-             "The last save, from its start to rank 0's files written"))
+             "The last save, from its start to rank 0's files written"),
+            ("val_loss", "optimus_validation_loss",
+             "The last validation loss: mean cross-entropy of the held-out tokens (eval.every)"))
         for key, name, text in described:
             if metrics.get(key) is not None:
                 yield _gauge(name, text, metrics[key])

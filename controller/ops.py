@@ -208,6 +208,7 @@ def _status(store: Store, record: dict[str, str]) -> dict:
         "desired": record.get("desired") or None, "generation": int(record.get("generation", -1)),
         "step": step, "loss": (metrics or {}).get("loss"),
         "tokens_per_s": (metrics or {}).get("tokens_per_s"),
+        "val_loss": (metrics or {}).get("val_loss"), "val_step": (metrics or {}).get("val_step"),
         "peak_memory": _peak_memory(store) if running else None,
         "restarts": int(record.get("restarts", 0)),
         "restart_causes": _loads(record.get("restart_causes"), {}),

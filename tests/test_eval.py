@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -63,6 +65,7 @@ _one: dict = {}
 def one_process(run_ranks, tmp_path_factory, experts: int = 0) -> dict:
     if experts not in _one:
         raw = base_job(str(tmp_path_factory.mktemp("one")), experts=experts)
+        raw["checkpoint"] = {"interval": STEPS, "async_mode": "sync"}  # for `optimus eval`
         (_one[experts],) = run_ranks(_train, 1, raw, timeout=120)
         _one[experts]["raw"] = raw
     return _one[experts]
@@ -135,3 +138,40 @@ def test_config_refusals(tmp_path):
     raw["eval"] = {"every": 0, "path": str(tmp_path)}
     with pytest.raises(ConfigError, match="only read when eval.every"):
         validate_job(raw, world=1)
+
+
+def _evaluate_checkpoint(rank: int, world_size: int, path: str, overrides: list) -> float:
+    from pathlib import Path
+
+    from optimus.evaluate import evaluate_checkpoint
+
+    result, manifest, _ = evaluate_checkpoint(Path(path), data=None, batches=BATCHES,
+                                              overrides=overrides)
+    assert manifest["step"] == STEPS
+    return result.loss
+
+
+def test_optimus_eval_of_a_checkpoint_matches_the_run_on_any_layout(run_ranks, tmp_path_factory):
+    one = one_process(run_ranks, tmp_path_factory)
+    root = f"{one['raw']['run_dir']}/checkpoints"
+    want = one["evals"][-1][1]  # the run's own validation of its last step
+    out = subprocess.run([sys.executable, "-m", "optimus", "eval", "latest", "--dir", root,
+                          "--batches", str(BATCHES), "-o", "json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["step"] == STEPS and report["eval_tokens"] == BATCHES * 8 * 32
+    assert report["loss"] == pytest.approx(want, rel=1e-6)
+    assert report["perplexity"] == pytest.approx(math.exp(want), rel=1e-6)
+    # resharded by DCP onto tensor parallel ranks: the same value
+    for loss in run_ranks(_evaluate_checkpoint, 2, root + f"/step_{STEPS:09d}",
+                          ["parallel.tp=2"], timeout=120):
+        assert loss == pytest.approx(want, rel=2e-5)
+
+
+def test_optimus_eval_refusals(tmp_path):
+    missing = subprocess.run([sys.executable, "-m", "optimus", "eval", str(tmp_path / "nope")],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2
+    assert missing.stderr.strip().startswith("error:") and "does not exist" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1

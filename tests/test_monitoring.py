@@ -33,6 +33,7 @@ CONTRACT = {
     "optimus_target_steps",
     "optimus_tokens",
     "optimus_loss",
+    "optimus_validation_loss",
     "optimus_tokens_per_second",
     "optimus_mfu_ratio",
     "optimus_step_time_seconds",

@@ -65,7 +65,8 @@ class Live:
         with open(self.out, "w") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "controller", "run", str(self.job), "--nodes", "2",
-                 "--spares", "1", "--set", f"monitoring.metrics_port={self.port}"],
+                 "--spares", "1", "--set", f"monitoring.metrics_port={self.port}",
+                 "--set", "eval.every=4", "--set", "eval.batches=1"],
                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         line = wait_for(lambda: next((w for w in self.out.read_text().split() if
                                       w.startswith("redis://")), None), 60, "the Redis URL")
@@ -214,6 +215,8 @@ def test_a_live_scrape_exports_every_metric_the_dashboard_and_alerts_use(live):
     assert sample(scrape, "optimus_heartbeat_age_seconds_bucket", le="5.0") == 2
     assert 0 < sample(scrape, "optimus_mfu_ratio") < 1
     assert sample(scrape, "optimus_tokens") > 0
+    validations = [m["loss"] for m in metrics_so_far(live.run) if m.get("event") == "eval"]
+    assert sample(scrape, "optimus_validation_loss") in validations
     assert sample(scrape, "optimus_heartbeat_overdue_nodes") == 0
     status = json.loads(ok(optimus("job", "status", "--job", JOB, "-o", "json", url=live.url)))
     # Generation 0 takes the first two nodes to register: which two is a race.
