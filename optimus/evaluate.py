@@ -41,9 +41,10 @@ class EvalResult:
         return math.exp(self.loss) if self.loss < 700 else math.inf
 
     def fields(self) -> dict:
-        """What a metrics line, an event and the heartbeat summary carry."""
-        return {"loss": self.loss, "perplexity": self.perplexity, "eval_tokens": self.tokens,
-                "eval_s": round(self.seconds, 3)}
+        """What an "eval" line of metrics.jsonl carries (never a "loss" key: readers take the
+        lines with one for training steps)."""
+        return {"val_loss": self.loss, "perplexity": self.perplexity,
+                "eval_tokens": self.tokens, "eval_s": round(self.seconds, 3)}
 
 
 def held_out_source(job: JobConfig, path: str | None = None):

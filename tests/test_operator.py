@@ -215,7 +215,7 @@ def test_a_live_scrape_exports_every_metric_the_dashboard_and_alerts_use(live):
     assert sample(scrape, "optimus_heartbeat_age_seconds_bucket", le="5.0") == 2
     assert 0 < sample(scrape, "optimus_mfu_ratio") < 1
     assert sample(scrape, "optimus_tokens") > 0
-    validations = [m["loss"] for m in metrics_so_far(live.run) if m.get("event") == "eval"]
+    validations = [m["val_loss"] for m in metrics_so_far(live.run) if m.get("event") == "eval"]
     assert sample(scrape, "optimus_validation_loss") in validations
     assert sample(scrape, "optimus_heartbeat_overdue_nodes") == 0
     status = json.loads(ok(optimus("job", "status", "--job", JOB, "-o", "json", url=live.url)))

@@ -131,20 +131,20 @@ def test_a_plain_run_s_metrics_file_with_restarts_and_a_crash(tmp_path):
         _step(1, 100.0, 5.2), _step(2, 101.0, 4.2),
         # a start from scratch with no resume event (no checkpoint was committed)
         _step(1, 105.0, 5.1), _step(2, 106.0, 4.1, 1, 2),
-        {"time": 106.5, "event": "eval", "message": "", "step": 2, "tokens": 200, "loss": 4.5,
+        {"time": 106.5, "event": "eval", "message": "", "step": 2, "tokens": 200, "val_loss": 4.5,
          "perplexity": 90.0, "eval_tokens": 64},
         _step(3, 107.0, 3.5, 1, 2),
         {"time": 107.5, "event": "paused", "message": "paused after step 3", "step": 3},
         {"time": 109.5, "event": "resumed", "message": "resumed after step 3", "step": 3},
         _step(4, 110.0, 3.0, 1, 2),
-        {"time": 110.5, "event": "eval", "message": "", "step": 4, "tokens": 400, "loss": 3.9,
+        {"time": 110.5, "event": "eval", "message": "", "step": 4, "tokens": 400, "val_loss": 3.9,
          "perplexity": 49.4, "eval_tokens": 64},
         {"time": 110.8, "event": "checkpoint", "message": "checkpoint of step 4: disk full",
          "saves_committed": 1, "saves_failed": 1},
         # resumed from the checkpoint of step 2: steps 3 and 4 (and the eval at 4) again
         {"time": 115.0, "event": "resume", "message": "continuing", "step": 2},
         _step(3, 116.0, 3.4), _step(4, 117.0, 2.9),
-        {"time": 117.5, "event": "eval", "message": "", "step": 4, "tokens": 400, "loss": 3.7,
+        {"time": 117.5, "event": "eval", "message": "", "step": 4, "tokens": 400, "val_loss": 3.7,
          "perplexity": 40.4, "eval_tokens": 64},
         _step(5, 118.0, 2.5), {"time": 118.5, "step": 6, "data": {"start": 0}},
     ]

@@ -165,9 +165,9 @@ def _read_metrics(run: Run, rows: Iterable[dict]) -> None:
                 roll_back(int(row["step"]))
                 run.segments.append(when)
                 last_step, committed_before = int(row["step"]), 0
-            elif kind == "eval" and _number(row.get("loss")) is not None:
+            elif kind == "eval" and _number(row.get("val_loss")) is not None:
                 step = int(row.get("step", last_step or 0))
-                evals[step] = Eval(step, when, _int(row.get("tokens")), float(row["loss"]),
+                evals[step] = Eval(step, when, _int(row.get("tokens")), float(row["val_loss"]),
                                    _number(row.get("perplexity")))
             continue
         step = _int(row.get("step"))
