@@ -59,7 +59,11 @@ def test_two_data_parallel_ranks_match_one_process(run_ranks, tmp_path):
         assert rank["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
         assert rank["state"].keys() == one["state"].keys()
         for name, value in one["state"].items():
-            torch.testing.assert_close(rank["state"][name], value, rtol=1e-5, atol=1e-6)
+            # Norm-wise, not element-wise: Adam divides each update by its own gradient's
+            # scale, so a weight with a near-zero gradient moves by rounding noise times lr
+            # (tests/test_parallel_matrix.py says more); the tensor as a whole agrees to 1e-7.
+            error = (rank["state"][name] - value).norm() / value.norm()
+            assert error < 1e-5, f"{name}: relative error {error:.2e}"
     # the weights really moved, so agreeing is not trivial
     start = build_model(validate_job(raw).model, seed=1234, device="cpu").state_dict()
     assert not torch.equal(start["layers.0.attention.wq.weight"],
