@@ -16,8 +16,8 @@ def human_bytes(n: int) -> str:
     return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in `path` durable."""
+def fsync_path(path: Path) -> None:
+    """Make `path` durable: a file's contents, or (a folder) a rename or new file in it."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

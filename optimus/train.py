@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,16 +22,16 @@ from torch.distributed.tensor import DTensor
 
 from optimus.checkpoint.hf_import import init_from
 from optimus.checkpoint.manifest import committed_steps
+from optimus.checkpoint.policy import RunCheckpoints
 from optimus.checkpoint.saver import Checkpointer
 from optimus.checkpoint.state import Progress, training_state
-from optimus.config import JobConfig, job_hash, resolve_layout
+from optimus.config import JobConfig, resolve_layout
 from optimus.data import build_loader, build_source
 from optimus.evaluate import EvalResult, evaluate, held_out_for
 from optimus.faults import RankFaults
 from optimus.health import (
     PAUSE_POLL_S,
     Agreed,
-    CheckpointFailed,
     Commands,
     NonFinite,
     register_stack_dumps,
@@ -149,16 +149,14 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         heartbeat.resumed(progress.step, resumed["step"] if resumed else None,
                           tuple(q["step"] for q in ckpt.quarantined) if ckpt else ())
 
-        def save_now(step: int, wait: bool) -> None:
-            _save_now(ckpt, log, job, step, state, progress, layout, wait)
+        saves = RunCheckpoints(ckpt, log, job, layout, state, progress)
         # A job paused (or stopped) across a restart stays so: agree before the first step too.
         first = progress.step + 1
         with heartbeat.phase("sync"):
             agreed = commands.start()
-        if _boundary(agreed, commands, heartbeat, log, progress.step, save_now):
+        if _boundary(agreed, commands, heartbeat, log, progress.step, saves.save_now):
             with heartbeat.phase("checkpoint"):
-                _stop(ckpt, log, job, progress.step, state, progress, layout,
-                      save=not commands.no_save)
+                saves.stop(progress.step, save=not commands.no_save)
             result.stopped_at, first = progress.step, job.optim.steps + 1  # no step to take
 
         for step in range(first, job.optim.steps + 1):
@@ -193,13 +191,13 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                 faults.in_optimizer(step)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                precompute_float8_scales(model.parts)  # tensorwise float8 all-gather only
+                if job.training.float8 == "tensorwise" and layout.dp > 1:
+                    precompute_float8_scales(model.parts)  # float8 all-gather's scales
             with heartbeat.phase("grad_sync"):  # the experts' load, all ranks; their balance
                 experts = expert_step(model.moe, job.model, mesh, device)
             progress.advance(step_tokens)
-            if ckpt is not None:
-                with heartbeat.phase("checkpoint"):
-                    _checkpoint_step(ckpt, log, job, step, state, progress, layout)
+            with heartbeat.phase("checkpoint"):
+                saves.after_step(step)
             if keep_sample_ids:
                 result.sample_ids.append([int(s) for mb in microbatches for s in mb["sample_ids"]])
 
@@ -235,23 +233,19 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
 
             # The step boundary: what any rank was told (stop, pause, checkpoint now), all do
             # after this step; too many failed saves in a row stop them all here.
-            if ckpt is not None and step < job.optim.steps:
-                with heartbeat.phase("checkpoint"):
-                    _check_failed_saves(ckpt, log, job, step)
+            with heartbeat.phase("checkpoint"):
+                saves.check_failed_saves(step)
             with heartbeat.phase("sync"):
                 agreed = commands.agree()
             heartbeat.end_step()
-            if _boundary(agreed, commands, heartbeat, log, step, save_now):
+            if _boundary(agreed, commands, heartbeat, log, step, saves.save_now):
                 with heartbeat.phase("checkpoint"):
-                    _stop(ckpt, log, job, step, state, progress, layout,
-                          save=not commands.no_save)
+                    saves.stop(step, save=not commands.no_save)
                 result.stopped_at = step
                 break
 
-        if ckpt is not None:
-            with heartbeat.phase("checkpoint"):  # the last step is saved, or this says why
-                _last_checkpoint(ckpt, log, job, progress.step, state, progress, layout,
-                                 final=first <= progress.step == job.optim.steps)
+        with heartbeat.phase("checkpoint"):  # the last step is saved, or this says why
+            saves.finish(progress.step, final=first <= progress.step == job.optim.steps)
         log.close()
         with heartbeat.phase("sync"):
             if keep_state:
@@ -294,94 +288,6 @@ def _log_resume(log: MetricsLog, ckpt: Checkpointer, resumed: dict | None) -> No
         log.event("checkpoint", ckpt.mode_note)
 
 
-def _checkpoint_step(ckpt: Checkpointer, log: MetricsLog, job: JobConfig, step: int,
-                     state: dict, progress: Progress, layout) -> None:
-    """At every step boundary, on every rank: finish a save in flight, start a due one (the
-    last step's comes after the loop: `_last_checkpoint`)."""
-    if ckpt.poll() == "failed":
-        log.event("checkpoint", ckpt.last_error, **ckpt.stats.as_dict())
-    if step == job.optim.steps:
-        return
-    interval = job.checkpoint.interval
-    if (interval and step % interval == 0
-            and ckpt.save(step, state, _meta(job, progress, layout)) == "skipped"):
-        log.event("checkpoint", f"save of step {step} skipped: the previous one is still "
-                  "being written", **ckpt.stats.as_dict())
-
-
-def _check_failed_saves(ckpt: Checkpointer, log: MetricsLog, job: JobConfig, step: int) -> None:
-    """Stop training (CheckpointFailed) after `max_failed_saves` failed saves in a row: hours
-    more of it would leave nothing newer to fall back to. The counts are agreed: all ranks stop."""
-    limit = job.checkpoint.max_failed_saves
-    if not limit or ckpt.stats.failed_in_a_row < limit:
-        return
-    if ckpt.wait() == "failed":  # one started since then decides too: a commit ends the streak
-        log.event("checkpoint", ckpt.last_error, **ckpt.stats.as_dict())
-    if ckpt.stats.failed_in_a_row < limit:
-        return
-    ckpt.close()
-    message = (f"{ckpt.stats.failed_in_a_row} checkpoint saves failed in a row "
-               f"(checkpoint.max_failed_saves={limit}): stopped after step {step}, "
-               f"{_newest_committed(ckpt)}; the last: {ckpt.last_error}")
-    log.event("checkpoint", message, step=step, **ckpt.stats.as_dict())
-    log.close()
-    raise CheckpointFailed(message)
-
-
-def _last_checkpoint(ckpt: Checkpointer, log: MetricsLog, job: JobConfig, step: int,
-                     state: dict, progress: Progress, layout, final: bool) -> None:
-    """After the loop, on every rank: the save in flight lands; then, when checkpointing is on
-    and this run trained the last step, that step is saved and waited for. A run whose last step
-    is not committed raises CheckpointFailed: it must never end as if its state were safe."""
-    if ckpt.wait() == "failed":
-        log.event("checkpoint", ckpt.last_error, **ckpt.stats.as_dict())
-    if final and job.checkpoint.interval:
-        outcome = ckpt.save(step, state, _meta(job, progress, layout))  # "exists": stop saved it
-        outcome = ckpt.wait() or outcome
-        if outcome not in ("committed", "exists"):
-            ckpt.close()
-            why = (ckpt.last_error or "not saved").removeprefix(f"checkpoint of step {step}: ")
-            message = (f"the final checkpoint (step {step}) failed, {_newest_committed(ckpt)}: "
-                       f"{why}")
-            log.event("checkpoint", message, step=step, **ckpt.stats.as_dict())
-            log.close()
-            raise CheckpointFailed(message)
-    ckpt.close()
-
-
-def _newest_committed(ckpt: Checkpointer) -> str:
-    steps = committed_steps(ckpt.root)
-    return f"the newest committed is step {steps[-1]}" if steps else "none is committed"
-
-
-def _stop(ckpt: Checkpointer | None, log: MetricsLog, job: JobConfig, step: int, state: dict,
-          progress: Progress, layout, save: bool = True) -> None:
-    """On every rank, after the step all agreed to stop at: make it the latest checkpoint;
-    without `save` (the controller saw wrong arithmetic), save nothing and commit nothing."""
-    if not save:
-        if ckpt is not None:
-            ckpt.abandon()
-        log.event("stopped", f"stopped after step {step} without a checkpoint: the controller "
-                  "saw evidence of wrong arithmetic (a bad tile), so this state is not to be "
-                  "trusted", step=step, checkpoint_step=None, saved=False)
-        return
-    if ckpt is None:
-        log.event("stopped", f"stopped after step {step} (SIGTERM); checkpointing is off, so "
-                  "nothing was saved", step=step, checkpoint_step=None)
-        return
-    if ckpt.wait() == "failed":  # the save in flight lands first
-        log.event("checkpoint", ckpt.last_error, **ckpt.stats.as_dict())
-    outcome = ckpt.save(step, state, _meta(job, progress, layout))  # "exists": just saved
-    outcome = ckpt.wait() or outcome
-    if outcome == "failed":
-        log.event("checkpoint", ckpt.last_error, **ckpt.stats.as_dict())
-    saved = step if outcome in ("committed", "exists") else None
-    where = (f"checkpoint of step {step} committed" if saved is not None
-             else "its checkpoint failed, a restart resumes from an older one")
-    log.event("stopped", f"stopped after step {step} (SIGTERM); {where}", step=step,
-              checkpoint_step=saved)
-
-
 def _boundary(agreed: Agreed, commands: Commands, heartbeat, log: MetricsLog, step: int,
               save_now) -> bool:
     """Act on what all ranks agreed after `step`: save now if asked, wait while paused (the
@@ -406,26 +312,6 @@ def _boundary(agreed: Agreed, commands: Commands, heartbeat, log: MetricsLog, st
             agreed = commands.agree()
 
 
-def _save_now(ckpt: Checkpointer | None, log: MetricsLog, job: JobConfig, step: int,
-              state: dict, progress: Progress, layout, wait: bool) -> None:
-    """An operator's checkpoint of `step`, on every rank; with `wait`, until it is committed."""
-    if ckpt is None:
-        log.event("checkpoint", f"checkpoint of step {step} asked, but checkpointing is off "
-                  "(checkpoint.interval 0 and nothing to resume): nothing saved", step=step)
-        return
-    if ckpt.wait() == "failed":  # the save in flight lands first
-        log.event("checkpoint", ckpt.last_error, **ckpt.stats.as_dict())
-    outcome = ckpt.save(step, state, _meta(job, progress, layout))  # "exists": just saved
-    if wait:
-        outcome = ckpt.wait() or outcome
-    if outcome == "failed":
-        log.event("checkpoint", ckpt.last_error, **ckpt.stats.as_dict())
-        return
-    log.event("checkpoint", f"checkpoint of step {step} asked by an operator: "
-              + ("committed" if wait or outcome == "exists" else "writing in the background"),
-              step=step)
-
-
 def _log_validation(log: MetricsLog, heartbeat, step: int, tokens: int,
                     validation: EvalResult, rank: int) -> None:
     """A validation's figures: an "eval" line in metrics.jsonl, rank 0's heartbeat summary."""
@@ -446,12 +332,6 @@ def _nonfinite(step: int, loss_sum: torch.Tensor, model, heartbeat) -> None:
     detail = (f"local loss {'finite' if loss_ok else float(loss_sum)}, local gradients "
               f"{'finite' if grads_ok else 'NaN/Inf'}")
     raise NonFinite(step, local, detail)
-
-
-def _meta(job: JobConfig, progress: Progress, layout) -> dict:
-    """What a checkpoint's manifest says beside its tensors."""
-    return {**progress.meta(), "layout": asdict(layout), "config": job.model_dump(mode="json"),
-            "config_hash": job_hash(job), "world_size": layout.world_size}
 
 
 def _count_tokens(microbatches: list[dict], device: torch.device,

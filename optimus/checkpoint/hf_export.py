@@ -37,7 +37,7 @@ from optimus.checkpoint.hf_tokenizer import tokenizer_files
 from optimus.checkpoint.manifest import CheckpointError, read_manifest, verify
 from optimus.checkpoint.storage import TensorFileReader
 from optimus.config import ModelConfig
-from optimus.files import fsync_dir
+from optimus.files import fsync_path
 
 INDEX = "model.safetensors.index.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -139,8 +139,8 @@ def export_hf(step_path: Path | str, out: Path | str, *, max_shard_bytes: int = 
         if eos_id is not None:
             _write_json(tmp / "generation_config.json", {"eos_token_id": eos_id})
         for small in tmp.glob("*.json"):  # the shards were synced as they were written
-            _fsync(small)
-        fsync_dir(tmp)
+            fsync_path(small)
+        fsync_path(tmp)
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -222,14 +222,6 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _publish(tmp: Path, out: Path) -> None:
     """Rename the finished folder into place (an old one, when overwriting, goes after)."""
     old = None
@@ -237,6 +229,6 @@ def _publish(tmp: Path, out: Path) -> None:
         old = out.with_name(f".old.{out.name}.{os.getpid()}")
         os.replace(out, old)
     os.replace(tmp, out)
-    fsync_dir(out.parent)
+    fsync_path(out.parent)
     if old is not None:
         shutil.rmtree(old)

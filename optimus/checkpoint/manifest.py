@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from optimus.files import fsync_dir, write_atomic
+from optimus.files import fsync_path, write_atomic
 
 __all__ = [
     "COMMIT_MARKER", "FORMAT", "MANIFEST", "CheckpointError", "apply_retention", "clean_partial",
@@ -143,13 +143,13 @@ def commit(step_path: Path, meta: dict) -> dict:
 
     digests = _digests(step_path, sync=True)
     for d in {(step_path / r).parent for r in digests}:
-        fsync_dir(d)
+        fsync_path(d)
     manifest = {"format": FORMAT, **meta, "files": digests, "committed_at": time.time()}
     data = (json.dumps(manifest, indent=1, sort_keys=False) + "\n").encode()
     _write_atomic(step_path / MANIFEST, data)
     _write_atomic(step_path / COMMIT_MARKER, (hashlib.sha256(data).hexdigest() + "\n").encode())
-    fsync_dir(step_path)
-    fsync_dir(step_path.parent)
+    fsync_path(step_path)
+    fsync_path(step_path.parent)
     return manifest
 
 
@@ -306,6 +306,6 @@ def apply_retention(root: Path | str, keep_last: int, keep_every: int) -> list[i
     for step in doomed:
         path = step_dir(root, step)
         (path / COMMIT_MARKER).unlink()  # uncommitted first: a crash now leaves a partial dir
-        fsync_dir(path)
+        fsync_path(path)
         shutil.rmtree(path)
     return doomed

@@ -33,7 +33,7 @@ from optimus.checkpoint.manifest import (
     verify,
     write_note,
 )
-from optimus.files import fsync_dir
+from optimus.files import fsync_path
 
 __all__ = ["QUARANTINE", "QUARANTINE_NOTE", "pick_loadable", "quarantine", "quarantined"]
 
@@ -58,8 +58,8 @@ def quarantine(root: Path | str, step: int, reason: str, *, kind: str = "corrupt
     while target.exists():  # the same step set aside twice within a second
         target, n = aside / f"{source.name}.{stamp}-{n}", n + 1
     os.rename(source, target)
-    fsync_dir(root)
-    fsync_dir(aside)
+    fsync_path(root)
+    fsync_path(aside)
     note = {"step": step, "kind": kind, "reason": reason, "problems": list(problems),
             "quarantined_at": now, "by": by, "was": source.name}
     write_note(target / QUARANTINE_NOTE, note)

@@ -36,7 +36,7 @@ from optimus.data.prepare_file import (
 from optimus.data.progress import PrepareProgress
 from optimus.data.readers import SUFFIXES, input_format, unknown_format
 from optimus.data.tokenizer import load_tokenizer
-from optimus.files import fsync_dir, write_atomic
+from optimus.files import fsync_path, write_atomic
 
 __all__ = ["DTYPES", "FORMAT", "FORMAT_VERSION", "INDEX_NAME", "expand_inputs", "prepare"]
 
@@ -308,4 +308,4 @@ def _totals(records: list[dict], docs_key: str, shards_key: str) -> dict:
 def _write_index(folder: Path, index: dict) -> None:
     write_atomic(folder / INDEX_NAME, json.dumps(index, indent=1).encode(),
                  folder / (INDEX_NAME + ".tmp"))
-    fsync_dir(folder)
+    fsync_path(folder)

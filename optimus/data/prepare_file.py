@@ -21,7 +21,7 @@ import numpy as np
 
 from optimus.data.readers import DocumentReader
 from optimus.data.tokenizer import load_tokenizer
-from optimus.files import fsync_dir, write_atomic
+from optimus.files import fsync_path, write_atomic
 
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 HOLDOUT_DIR = "holdout"
@@ -99,7 +99,7 @@ class ShardWriter:
             name = shard["file"]
             os.replace(self.out_dir / (name + ".tmp"), self.out_dir / name)
         if self.shards:
-            fsync_dir(self.out_dir)
+            fsync_path(self.out_dir)
         return self.shards
 
     def abort(self) -> None:
@@ -151,7 +151,7 @@ def prepare_file(i: int, path: Path, out_dir: Path, settings: Settings,
         record.update(holdout_documents=counts[1], holdout_shards=shards[1])
     done = done_path(out_dir, i)
     write_atomic(done, json.dumps(record, indent=1).encode(), done.with_suffix(".tmp"))
-    fsync_dir(done.parent)
+    fsync_path(done.parent)
     return record
 
 

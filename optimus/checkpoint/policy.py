@@ -1,0 +1,154 @@
+"""When the trainer saves, and what it says about it: the checkpoint policy at step boundaries.
+
+`RunCheckpoints` holds what every save needs (the checkpointer, the metrics log, the job, its
+layout, the training state and its progress counters), so the loop in optimus/train.py calls
+one method per moment: `after_step` (a due save starts, a finished one is reported),
+`check_failed_saves`, `save_now` (an operator's request), `stop` (SIGTERM, or the controller's
+stop) and `finish` (after the loop: the last step saved and waited for). Every method runs on
+every rank, at the same step. Without a checkpointer (checkpointing off, nothing to resume) they
+say what was not saved and save nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from optimus.checkpoint.manifest import committed_steps
+from optimus.checkpoint.saver import Checkpointer
+from optimus.checkpoint.state import Progress
+from optimus.config import JobConfig, Layout, job_hash
+from optimus.health import CheckpointFailed
+from optimus.metrics import MetricsLog
+
+
+@dataclass
+class RunCheckpoints:
+    ckpt: Checkpointer | None
+    log: MetricsLog
+    job: JobConfig
+    layout: Layout
+    state: dict  # what a save writes: training_state(...)
+    progress: Progress  # its step, tokens and data index
+
+    def after_step(self, step: int) -> None:
+        """At every step boundary: finish a save in flight, start a due one (the last step's
+        comes after the loop: `finish`)."""
+        ckpt = self.ckpt
+        if ckpt is None:
+            return
+        if ckpt.poll() == "failed":
+            self._failed()
+        if step == self.job.optim.steps:
+            return
+        interval = self.job.checkpoint.interval
+        if interval and step % interval == 0 and self._save(step) == "skipped":
+            self.log.event("checkpoint", f"save of step {step} skipped: the previous one is "
+                           "still being written", **ckpt.stats.as_dict())
+
+    def check_failed_saves(self, step: int) -> None:
+        """Stop training (CheckpointFailed) after `max_failed_saves` failed saves in a row: hours
+        more of it would leave nothing newer to fall back to. The counts are agreed: all ranks
+        stop."""
+        ckpt, limit = self.ckpt, self.job.checkpoint.max_failed_saves
+        if ckpt is None or step >= self.job.optim.steps:
+            return
+        if not limit or ckpt.stats.failed_in_a_row < limit:
+            return
+        if ckpt.wait() == "failed":  # one started since then decides too: a commit ends it
+            self._failed()
+        if ckpt.stats.failed_in_a_row < limit:
+            return
+        self._give_up(step, f"{ckpt.stats.failed_in_a_row} checkpoint saves failed in a row "
+                      f"(checkpoint.max_failed_saves={limit}): stopped after step {step}, "
+                      f"{self._newest_committed()}; the last: {ckpt.last_error}")
+
+    def finish(self, step: int, final: bool) -> None:
+        """After the loop: the save in flight lands; then, when checkpointing is on and this run
+        trained the last step, that step is saved and waited for. A run whose last step is not
+        committed raises CheckpointFailed: it must never end as if its state were safe."""
+        ckpt = self.ckpt
+        if ckpt is None:
+            return
+        if ckpt.wait() == "failed":
+            self._failed()
+        if final and self.job.checkpoint.interval:
+            outcome = self._save(step)  # "exists": a stop saved it
+            outcome = ckpt.wait() or outcome
+            if outcome not in ("committed", "exists"):
+                why = (ckpt.last_error or "not saved").removeprefix(
+                    f"checkpoint of step {step}: ")
+                self._give_up(step, f"the final checkpoint (step {step}) failed, "
+                              f"{self._newest_committed()}: {why}")
+        ckpt.close()
+
+    def stop(self, step: int, save: bool = True) -> None:
+        """After the step all agreed to stop at: make it the latest checkpoint; without `save`
+        (the controller saw wrong arithmetic), save nothing and commit nothing."""
+        ckpt, log = self.ckpt, self.log
+        if not save:
+            if ckpt is not None:
+                ckpt.abandon()
+            log.event("stopped", f"stopped after step {step} without a checkpoint: the "
+                      "controller saw evidence of wrong arithmetic (a bad tile), so this state "
+                      "is not to be trusted", step=step, checkpoint_step=None, saved=False)
+            return
+        if ckpt is None:
+            log.event("stopped", f"stopped after step {step} (SIGTERM); checkpointing is off, "
+                      "so nothing was saved", step=step, checkpoint_step=None)
+            return
+        if ckpt.wait() == "failed":  # the save in flight lands first
+            self._failed()
+        outcome = self._save(step)  # "exists": just saved
+        outcome = ckpt.wait() or outcome
+        if outcome == "failed":
+            self._failed()
+        saved = step if outcome in ("committed", "exists") else None
+        where = (f"checkpoint of step {step} committed" if saved is not None
+                 else "its checkpoint failed, a restart resumes from an older one")
+        log.event("stopped", f"stopped after step {step} (SIGTERM); {where}", step=step,
+                  checkpoint_step=saved)
+
+    def save_now(self, step: int, wait: bool) -> None:
+        """An operator's checkpoint of `step`; with `wait`, until it is committed."""
+        ckpt, log = self.ckpt, self.log
+        if ckpt is None:
+            log.event("checkpoint", f"checkpoint of step {step} asked, but checkpointing is "
+                      "off (checkpoint.interval 0 and nothing to resume): nothing saved",
+                      step=step)
+            return
+        if ckpt.wait() == "failed":  # the save in flight lands first
+            self._failed()
+        outcome = self._save(step)  # "exists": just saved
+        if wait:
+            outcome = ckpt.wait() or outcome
+        if outcome == "failed":
+            self._failed()
+            return
+        log.event("checkpoint", f"checkpoint of step {step} asked by an operator: "
+                  + ("committed" if wait or outcome == "exists" else "writing in the background"),
+                  step=step)
+
+    # --- the pieces ----------------------------------------------------------------------------
+
+    def _save(self, step: int) -> str:
+        return self.ckpt.save(step, self.state, self.meta())
+
+    def meta(self) -> dict:
+        """What a checkpoint's manifest says beside its tensors."""
+        job, layout = self.job, self.layout
+        return {**self.progress.meta(), "layout": asdict(layout),
+                "config": job.model_dump(mode="json"), "config_hash": job_hash(job),
+                "world_size": layout.world_size}
+
+    def _failed(self) -> None:
+        self.log.event("checkpoint", self.ckpt.last_error, **self.ckpt.stats.as_dict())
+
+    def _give_up(self, step: int, message: str) -> None:
+        self.ckpt.close()
+        self.log.event("checkpoint", message, step=step, **self.ckpt.stats.as_dict())
+        self.log.close()
+        raise CheckpointFailed(message)
+
+    def _newest_committed(self) -> str:
+        steps = committed_steps(self.ckpt.root)
+        return f"the newest committed is step {steps[-1]}" if steps else "none is committed"
