@@ -200,7 +200,9 @@ def test_moe_runs_forward_and_backward_under_bf16_autocast():
     """The accelerators' path, on CPU: experts in bf16, their weighted sum in float32."""
     m = layer()
     m.step_tokens = 32
-    x = torch.randn(2, 16, 64)
+    # Seeded: with unlucky inputs a token's two best experts score within bf16's rounding of
+    # each other, bf16 routes it elsewhere, and its output differs by far more than rounding.
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
     reference = m(x)
     (reference.float() ** 2).sum().backward()
     want = m.router.weight.grad.clone()
