@@ -91,8 +91,8 @@ def test_one_process_validates_the_held_out_windows(run_ranks, tmp_path_factory)
 
 LAYOUTS = {
     "TP2xPP2": (4, {"tp": 2, "pp": 2}),
-    "PP2v2-interleaved-DP2": (4, {"pp": 2, "virtual_stages": 2, "dp": 2,
-                                  "schedule": "interleaved_1f1b"}),
+    # stages 0, 2 on one rank and 1, 3 on the other: each sends to the other in both directions
+    "PP2v2-interleaved": (2, {"pp": 2, "virtual_stages": 2, "schedule": "interleaved_1f1b"}),
     "PP2v2-zero-bubble": (2, {"pp": 2, "virtual_stages": 2, "schedule": "zbv_zero_bubble"}),
 }
 
