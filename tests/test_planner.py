@@ -1,0 +1,132 @@
+"""The planner's memory model against the memory real ranks use.
+
+Every layout runs one training step (forward, backward, AdamW) on 4 gloo ranks, all layouts in
+one set of processes, while `PeakMemory` counts the bytes of every live tensor storage: the
+quantity `torch.cuda.max_memory_allocated` reports on a GPU (optimus/planner/measure.py says
+why it is the same). The prediction of `rank_memory` for each pipeline position must be within
+15% of what the ranks at that position measured.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optimus.config import validate_job
+from optimus.planner.memory import PlanLayout, rank_memory
+
+WORLD, SEQ = 4, 128
+DENSE = {"vocab_size": 256, "dim": 128, "n_layers": 4, "n_heads": 4, "ffn_dim": 384,
+         "max_seq_len": SEQ}
+# A capacity factor of 1 pins the padded expert matmul's size (every expert's group is padded
+# to the capacity), so the MoE activations do not depend on how the untrained router happens
+# to route.
+MOE = {**DENSE, "moe": {"experts": 8, "top_k": 2, "expert_ffn_dim": 128, "capacity_factor": 1.0}}
+
+# name: (model, parallel section, sequences per microbatch, microbatches)
+LAYOUTS = {
+    "FSDP dp4": (DENSE, {}, 2, 1),
+    "FSDP dp4, full recompute": (DENSE, {"activation_checkpoint": "full"}, 2, 1),
+    "TP4": (DENSE, {"tp": 4}, 4, 1),
+    "TP4, op recompute": (DENSE, {"tp": 4, "activation_checkpoint": "op"}, 4, 1),
+    "TP2 x dp2, selective recompute": (DENSE, {"tp": 2, "activation_checkpoint": "selective"},
+                                       2, 2),
+    "PP4 gpipe": (DENSE, {"pp": 4, "schedule": "gpipe"}, 2, 4),
+    "PP4 1f1b": (DENSE, {"pp": 4, "schedule": "1f1b"}, 2, 8),
+    "PP2 x dp2 interleaved 1f1b": (DENSE, {"pp": 2, "virtual_stages": 2,
+                                           "schedule": "interleaved_1f1b"}, 2, 4),
+    "PP2 x TP2 zbv zero bubble": (DENSE, {"pp": 2, "tp": 2, "virtual_stages": 2,
+                                          "schedule": "zbv_zero_bubble"}, 2, 4),
+    "PP2 x dp2 interleaved zero bubble": (DENSE, {"pp": 2, "virtual_stages": 2,
+                                                  "schedule": "interleaved_zero_bubble"}, 2, 4),
+    "PP2 x dp2 dualpipev": (DENSE, {"pp": 2, "virtual_stages": 2, "schedule": "dualpipev"},
+                            1, 4),
+    "PP2 x dp2 looped bfs, full recompute": (DENSE, {"pp": 2, "virtual_stages": 2,
+                                                     "schedule": "looped_bfs",
+                                                     "activation_checkpoint": "full"}, 2, 4),
+    "MoE EP4": (MOE, {"ep": 4}, 2, 1),
+    "MoE EP2, full recompute": (MOE, {"ep": 2, "activation_checkpoint": "full"}, 2, 2),
+    "MoE TP2 x EP2": (MOE, {"tp": 2, "ep": 2}, 2, 1),
+}
+
+
+def _raw(model: dict, parallel: dict, microbatch: int, microbatches: int) -> dict:
+    dp = WORLD // (parallel.get("tp", 1) * parallel.get("pp", 1))
+    return {"name": "memory", "model": model, "optim": {"steps": 1, "warmup_steps": 0},
+            "data": {"seq_len": SEQ, "batch_size": microbatch * microbatches * dp,
+                     "microbatches": microbatches},
+            "parallel": {"device": "cpu", **parallel}}
+
+
+def _measure(rank: int, world: int, layouts: list[tuple]) -> list[int]:
+    """This rank's peak bytes over one step of each layout, in turn."""
+    from optimus.config import resolve_layout
+    from optimus.optim import build_optimizer
+    from optimus.parallel.plan import build_parallel_model
+    from optimus.planner.measure import PeakMemory, state_tensors
+    from optimus.runtime import ParallelDims
+
+    cpu = torch.device("cpu")
+    peaks = []
+    for model, parallel, microbatch, microbatches in layouts:
+        job = validate_job(_raw(model, parallel, microbatch, microbatches), world=world)
+        layout = resolve_layout(job, world)
+        mesh = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,
+                            world_size=world).build_mesh("cpu")
+        parts = build_parallel_model(job, layout, mesh, cpu)
+        optimizer = build_optimizer(parts.state_view(), job.optim, cpu)
+        # AdamW makes its state at its first step: make it now, so one measured step is a
+        # steady one (parameters, state, then the step's gradients and activations).
+        for p in parts.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        batch = torch.randint(0, 256, (microbatch * microbatches, SEQ + 1),
+                              generator=torch.Generator().manual_seed(0))
+        microbatch_list = [{"input_ids": x[:, :-1], "labels": x[:, 1:]}
+                           for x in batch.split(microbatch)]
+        tracker = PeakMemory()
+        tracker.track(state_tensors(parts.parts, optimizer))
+        tracker.track([batch])
+        with tracker:
+            parts.set_step_tokens(batch.numel())
+            parts.forward_backward(microbatch_list, cpu)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        peaks.append(tracker.peak)
+        del parts, optimizer, tracker, microbatch_list
+        torch.distributed.barrier()
+    return peaks
+
+
+def _plan(model: dict, parallel: dict, microbatch: int, microbatches: int) -> PlanLayout:
+    tp, pp = parallel.get("tp", 1), parallel.get("pp", 1)
+    return PlanLayout(dp=WORLD // (tp * pp), tp=tp, pp=pp, ep=parallel.get("ep", 1),
+                      v=parallel.get("virtual_stages", 1),
+                      schedule=parallel.get("schedule", "1f1b"), microbatches=microbatches,
+                      microbatch_size=microbatch, seq_len=SEQ,
+                      recompute=parallel.get("activation_checkpoint", "none"),
+                      precision="fp32")
+
+
+@pytest.fixture(scope="module")
+def measured(request):
+    from tests.multiproc import run_ranks
+
+    per_rank = run_ranks(_measure, WORLD, list(LAYOUTS.values()), timeout=240)
+    return {name: [peaks[i] for peaks in per_rank] for i, name in enumerate(LAYOUTS)}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_memory_model_within_15_percent_of_measured_peak(measured, name):
+    model, parallel, microbatch, microbatches = LAYOUTS[name]
+    cfg = validate_job(_raw(model, parallel, microbatch, microbatches)).model
+    plan = _plan(model, parallel, microbatch, microbatches)
+    per_position = WORLD // plan.pp  # ranks are ordered pp outermost (optimus/runtime/dims.py)
+    for pp_rank in range(plan.pp):
+        ranks = measured[name][pp_rank * per_position:(pp_rank + 1) * per_position]
+        predicted = rank_memory(cfg, plan, pp_rank).total
+        for got in ranks:
+            assert predicted == pytest.approx(got, rel=0.15), (
+                f"{name}, pp rank {pp_rank}: predicted {predicted / 2**20:.2f} MiB, "
+                f"measured {got / 2**20:.2f} MiB")
