@@ -45,7 +45,7 @@ LAYOUTS = {
                                                      "schedule": "looped_bfs",
                                                      "activation_checkpoint": "full"}, 2, 4),
     "MoE EP4": (MOE, {"ep": 4}, 2, 1),
-    "MoE EP2, full recompute": (MOE, {"ep": 2, "activation_checkpoint": "full"}, 2, 2),
+    "MoE EP2, full recompute": (MOE, {"ep": 2, "activation_checkpoint": "full"}, 2, 1),
     "MoE TP2 x EP2": (MOE, {"tp": 2, "ep": 2}, 2, 1),
 }
 
