@@ -92,10 +92,26 @@ def config_show(job: Path, overrides: tuple[str, ...], world: int | None, output
 @job_argument
 @set_option
 @click.option("--world", type=click.IntRange(min=1), required=True, help="Number of ranks.")
-def config_check(job: Path, overrides: tuple[str, ...], world: int) -> None:
-    """Validate JOB and its layout for a world of N ranks."""
+@click.option("--machine", help="A machine profile (optimus plan's table): refuse a job whose "
+              "ranks would not fit its device memory.")
+@click.option("--machines", type=click.Path(path_type=Path),
+              help="A YAML file of more machine profiles.")
+@click.option("--memory-gib", type=click.FloatRange(min=0, min_open=True),
+              help="Refuse a job whose ranks need more than this (overrides the profile's).")
+def config_check(job: Path, overrides: tuple[str, ...], world: int, machine: str | None,
+                 machines: Path | None, memory_gib: float | None) -> None:
+    """Validate JOB and its layout for a world of N ranks (and its memory on a device)."""
     cfg = load_job(job, list(overrides))
     layout = check_job(cfg, world=world, source=str(job))
+    if machine or memory_gib:
+        from optimus.planner.fit import check_fits, job_precision
+        from optimus.planner.machines import get_machine
+
+        profile = get_machine(machine, machines) if machine else None
+        capacity = memory_gib or profile.memory_gib
+        device = profile.name if profile else "a device"
+        memory = check_fits(cfg, layout, capacity, device, job_precision(
+            cfg, profile.precision if profile else "bf16"), source=str(job))
     d = cfg.data
     per_rank = d.batch_size // (layout.dp * d.microbatches)
     click.echo(f"ok: {job} on {world} ranks: dp={layout.dp} tp={layout.tp} pp={layout.pp} "
@@ -105,6 +121,9 @@ def config_check(job: Path, overrides: tuple[str, ...], world: int) -> None:
         total = sum(s.weight for s in d.sources)
         click.echo(f"data: a mixture of {len(d.sources)} source(s): " + ", ".join(
             f"{s.path} {s.weight / total:.1%}" for s in d.sources))
+    if machine or memory_gib:
+        click.echo(f"memory: {memory.total / 2**30:.1f} GiB per rank at most, of {capacity:g} "
+                   f"GiB on {device} (optimus plan {job} --explain shows every term)")
 
 
 @main.group()

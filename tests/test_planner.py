@@ -130,3 +130,46 @@ def test_memory_model_within_15_percent_of_measured_peak(measured, name):
             assert predicted == pytest.approx(got, rel=0.15), (
                 f"{name}, pp rank {pp_rank}: predicted {predicted / 2**20:.2f} MiB, "
                 f"measured {got / 2**20:.2f} MiB")
+
+
+# --- `optimus config check` refuses a job that cannot fit -------------------------------------
+
+def _check(*args: str):
+    from click.testing import CliRunner
+
+    from optimus.cli import main
+
+    return CliRunner().invoke(main, ["config", "check", "jobs/gpt-1.3b.yaml", "--world", "32",
+                                     *args])
+
+
+def test_config_check_refuses_a_job_that_cannot_fit_naming_the_term_and_a_fix():
+    result = _check("--memory-gib", "8")
+    assert result.exit_code == 2
+    line = result.output.strip()
+    assert "\n" not in line  # one line, no traceback
+    # 1.3B on 32 ranks with selective recompute, 2048-token microbatches of 2 sequences
+    # (64 = 32 x 2 per step): its activations overflow, not its sharded state.
+    assert "needs 15.2 GiB per rank on a device with 8 GiB: activations 8.2 GiB" in line
+    assert "fix: data.microbatches: 16" in line
+    # the fix it names does fit, by the same model
+    fixed = _check("--memory-gib", "8", "--set", "data.microbatches=16")
+    assert fixed.exit_code == 0, fixed.output
+    assert "memory: " in fixed.output and "of 8 GiB on a device" in fixed.output
+
+
+def test_config_check_on_a_machine_profile_and_bad_profiles(tmp_path):
+    ok = _check("--machine", "a100-hdr")
+    assert ok.exit_code == 0, ok.output
+    assert "of 80 GiB on a100-hdr" in ok.output
+    unknown = _check("--machine", "b300")
+    assert unknown.exit_code == 2
+    assert "unknown machine profile 'b300'" in unknown.output and "a100-hdr" in unknown.output
+    mine = tmp_path / "machines.yaml"
+    mine.write_text("tiny:\n  peak_tflops: 10\n  sustained: 0.5\n  memory_gib: 4\n"
+                    "  devices_per_node: 4\n  intra_gbps: 10\n  inter_gbps: 1\n")
+    small = _check("--machine", "tiny", "--machines", str(mine))
+    assert small.exit_code == 2 and "on tiny with 4 GiB" in small.output
+    mine.write_text("tiny:\n  peak_tflops: -1\n")
+    bad = _check("--machine", "tiny", "--machines", str(mine))
+    assert bad.exit_code == 2 and "profile tiny: peak_tflops" in bad.output
