@@ -126,6 +126,61 @@ def config_check(job: Path, overrides: tuple[str, ...], world: int, machine: str
                    f"GiB on {device} (optimus plan {job} --explain shows every term)")
 
 
+@main.command()
+@job_argument
+@set_option
+@click.option("--devices", type=click.IntRange(min=1), required=True,
+              help="Devices (ranks) to plan for.")
+@click.option("--machine", required=True, help="Machine profile, e.g. a100-hdr, h100-ndr.")
+@click.option("--machines", type=click.Path(path_type=Path),
+              help="A YAML file of more machine profiles.")
+@click.option("--memory-gib", type=click.FloatRange(min=0, min_open=True),
+              help="Device memory to plan within (default: the profile's).")
+@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--explain", "explain_layout", metavar="LAYOUT",
+              help="Show every term of one layout, named as the table names it.")
+@click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table")
+def plan(job: Path, overrides: tuple[str, ...], devices: int, machine: str,
+         machines: Path | None, memory_gib: float | None, top: int,
+         explain_layout: str | None, output: str) -> None:
+    """Rank JOB's layouts on N devices by predicted tokens/s, dropping those that do not fit."""
+    from rich.console import Console
+
+    from optimus.planner import report, search
+    from optimus.planner.fit import job_precision
+    from optimus.planner.machines import get_machine
+    from optimus.planner.memory import shape_of
+    from optimus.planner.steptime import step_time
+
+    cfg = load_job(job, list(overrides))
+    profile = get_machine(machine, machines)
+    precision = job_precision(cfg, profile.precision)
+    capacity = memory_gib or profile.memory_gib
+    if explain_layout:
+        lay = search.parse_layout(explain_layout, cfg, precision)
+        shape = shape_of(cfg.model)
+        found = search.Candidate(lay, search.worst_rank(shape, lay),
+                                 step_time(cfg.model, lay, profile, cfg.data.batch_size))
+        if output == "json":
+            click.echo(json.dumps(report.as_dict(found), indent=2))
+        else:
+            report.explain(found, capacity, Console(width=None if sys.stdout.isatty() else 160))
+        return
+    fits, seen = search.plan(cfg, devices, profile, precision, capacity)
+    if output == "json":
+        click.echo(json.dumps({"devices": devices, "machine": machine, "considered": seen,
+                               "fit": len(fits), "layouts": [report.as_dict(c)
+                                                             for c in fits[:top]]}, indent=2))
+        return
+    if not fits:
+        raise ConfigError(str(job), f"none of {seen} layouts on {devices} devices fits "
+                          f"{profile.name}'s {capacity:g} GiB", "plan for more devices, or a "
+                          "smaller data.batch_size or model")
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    console.print(report.table(fits[:top], f"{cfg.name} on {devices} x {profile.name}: "
+                               f"{len(fits)} of {seen} layouts fit {capacity:g} GiB"))
+
+
 @main.group()
 def data() -> None:
     """Prepare training data."""

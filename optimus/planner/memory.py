@@ -33,6 +33,8 @@ on real gloo ranks (tests/test_planner.py):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
+from typing import NamedTuple
 
 from optimus.models.moe import is_moe_layer
 from optimus.parallel.schedule_rules import SPLIT_BACKWARD, stage_ids, stage_layers, stage_style
@@ -102,12 +104,42 @@ class Memory:
         return max(self.terms().items(), key=lambda kv: kv[1])
 
 
+class _MoEShape(NamedTuple):
+    experts: int
+    top_k: int
+    expert_ffn_dim: int
+    shared_experts: int
+    dense_layers: int
+
+
+class Shape(NamedTuple):
+    """What the memory model reads of a model config; hashable, so per-layer terms cache."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    moe: _MoEShape
+
+
+def shape_of(cfg) -> Shape:
+    if isinstance(cfg, Shape):
+        return cfg
+    m = cfg.moe
+    return Shape(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
+                 cfg.ffn_dim, _MoEShape(m.experts, m.top_k, m.expert_ffn_dim or cfg.ffn_dim,
+                                        m.shared_experts, m.dense_layers))
+
+
 def _kv_local(cfg, tp: int) -> float:
     """Key (or value) width per rank: heads split over tp, or one head replicated past it."""
     hd = cfg.dim // cfg.n_heads
     return max(cfg.n_kv_heads * hd / tp, hd if tp > 1 else 0)
 
 
+@lru_cache(maxsize=65536)
 def _layer_params(cfg, layer: int, tp: int, ep: int) -> tuple[float, float]:
     """(elements of layer `layer` on one rank outside experts, inside experts)."""
     hd = cfg.dim // cfg.n_heads
@@ -121,6 +153,7 @@ def _layer_params(cfg, layer: int, tp: int, ep: int) -> tuple[float, float]:
     return attention + norms + other, 3 * cfg.dim * m.expert_ffn_dim * m.experts / ep
 
 
+@lru_cache(maxsize=65536)
 def _layer_activation(cfg, layer: int, mode: str, tp: int) -> float:
     """Elements saved for backward per token of the microbatch, by one layer, under `mode`.
 
@@ -172,6 +205,7 @@ def _stages(cfg, lay: PlanLayout, pp_rank: int) -> list[_Stage]:
 
 def rank_memory(cfg, lay: PlanLayout, pp_rank: int = 0) -> Memory:
     """Peak bytes of one rank at pipeline position `pp_rank` (every dp/tp rank alike)."""
+    cfg = shape_of(cfg)
     c = COMPUTE[lay.precision]
     tp, dp = lay.tp, lay.dp
     stages = _stages(cfg, lay, pp_rank)
@@ -273,6 +307,7 @@ def _one_pass_peak(cfg, lay, stage, grads, acts, tokens, c) -> tuple[float, floa
 
 def peak_memory(cfg, lay: PlanLayout) -> Memory:
     """The largest rank's memory over the pipeline positions."""
+    cfg = shape_of(cfg)
     return max((rank_memory(cfg, lay, r) for r in range(lay.pp)), key=lambda m: m.total)
 
 
