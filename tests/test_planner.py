@@ -173,3 +173,87 @@ def test_config_check_on_a_machine_profile_and_bad_profiles(tmp_path):
     mine.write_text("tiny:\n  peak_tflops: -1\n")
     bad = _check("--machine", "tiny", "--machines", str(mine))
     assert bad.exit_code == 2 and "profile tiny: peak_tflops" in bad.output
+
+
+# --- the step-time model and the search --------------------------------------------------------
+
+def test_bubble_replays_torch_orders_to_the_known_fractions():
+    from optimus.planner.schedules import bubble, in_flight
+
+    # Megatron-LM's (p - 1) / m for 1F1B and GPipe, (p - 1) / (v m) interleaved
+    assert bubble("1f1b", 4, 1, 8) == pytest.approx(3 / 8)
+    assert bubble("gpipe", 4, 1, 8) == pytest.approx(3 / 8)
+    assert bubble("interleaved_1f1b", 4, 2, 8) == pytest.approx(3 / 16)
+    assert bubble("zbv_zero_bubble", 4, 2, 8) < bubble("interleaved_1f1b", 4, 2, 8)
+    assert bubble("1f1b", 1, 1, 8) == 0.0
+    # 1F1B: rank r holds pp - r microbatches; GPipe all of them
+    assert [sum(h.values()) for h in in_flight("1f1b", 4, 1, 8)] == [4, 3, 2, 1]
+    assert [sum(h.values()) for h in in_flight("gpipe", 4, 1, 8)] == [8] * 4
+
+
+def test_step_time_of_one_device_is_its_flops_at_the_sustained_rate():
+    from optimus.models.counts import flops_per_token
+    from optimus.planner.machines import get_machine
+    from optimus.planner.memory import PlanLayout
+    from optimus.planner.steptime import SHAPE_KNEE, step_time
+
+    cfg = validate_job({"name": "x", "model": DENSE, "data": {"seq_len": SEQ}}).model
+    a100 = get_machine("a100-hdr")
+    lay = PlanLayout(microbatch_size=4, microbatches=2, seq_len=SEQ, precision="bf16")
+    t = step_time(cfg, lay, a100, global_batch=8)
+    tokens = 4 * SEQ
+    shape = tokens / (tokens + SHAPE_KNEE) * cfg.dim / (cfg.dim + SHAPE_KNEE)
+    want = 2 * tokens * flops_per_token(cfg, SEQ) / (312e12 * a100.sustained * shape)
+    assert t.compute == pytest.approx(want)
+    assert t.total == pytest.approx(want)  # one device: no communication, no bubble
+    assert t.tokens_per_s_per_device == pytest.approx(8 * SEQ / want)
+    # full recompute adds one forward of the blocks: a third of their FLOPs
+    full = step_time(cfg, PlanLayout(microbatch_size=4, microbatches=2, seq_len=SEQ,
+                                     recompute="full"), a100, global_batch=8)
+    assert 1.2 < full.compute / t.compute < 4 / 3
+
+
+def test_plan_1t_on_3072_devices_in_under_10_s():
+    import time
+
+    from optimus.planner.machines import get_machine
+    from optimus.planner.search import plan
+
+    # seed 001's largest model: 1T parameters, h 25600, 128 layers, 160 heads
+    job = validate_job({"name": "gpt-1t",
+                        "model": {"vocab_size": 51200, "dim": 25600, "n_layers": 128,
+                                  "n_heads": 160, "ffn_dim": 102400, "max_seq_len": 2048},
+                        "data": {"seq_len": 2048, "batch_size": 3072}})
+    started = time.perf_counter()
+    fits, seen = plan(job, 3072, get_machine("a100-hdr"), "bf16")
+    assert time.perf_counter() - started < 10
+    assert seen > 1000 and fits
+    speeds = [c.time.tokens_per_s_per_device for c in fits]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(c.memory.total <= 80 * 2**30 for c in fits)
+    assert all(c.layout.devices == 3072 and c.layout.tp <= 8 for c in fits)
+
+
+def test_plan_command_json_and_explain():
+    import json
+
+    from click.testing import CliRunner
+
+    from optimus.cli import main
+
+    run = CliRunner().invoke(main, ["plan", "jobs/gpt-1.3b.yaml", "--devices", "32",
+                                    "--machine", "a100-hdr", "-o", "json", "--top", "3"])
+    assert run.exit_code == 0, run.output
+    answer = json.loads(run.output)
+    assert answer["devices"] == 32 and len(answer["layouts"]) == 3
+    best = answer["layouts"][0]
+    assert best["memory_gib"] <= 80
+    assert best["step_s"] == pytest.approx(sum(best["step_terms_s"].values()), rel=1e-3)
+    explained = CliRunner().invoke(main, ["plan", "jobs/gpt-1.3b.yaml", "--devices", "32",
+                                          "--machine", "a100-hdr", "-o", "json",
+                                          "--explain", best["layout"]])
+    assert explained.exit_code == 0, explained.output
+    assert json.loads(explained.output)["step_s"] == pytest.approx(best["step_s"])
+    bad = CliRunner().invoke(main, ["plan", "jobs/gpt-1.3b.yaml", "--devices", "32",
+                                    "--machine", "a100-hdr", "--explain", "tp8.qq3"])
+    assert bad.exit_code == 2 and "cannot read layout 'tp8.qq3'" in bad.output
