@@ -82,8 +82,10 @@ class PeakMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        flat, _ = tree_flatten(out)
-        self.track(flat)
+        if isinstance(out, torch.Tensor):
+            self.track((out,))
+        else:
+            self.track(tree_flatten(out)[0])
         return out
 
     def __enter__(self):

@@ -44,15 +44,16 @@ def table(candidates: list[Candidate], title: str) -> Table:
 
 def explain(c: Candidate, capacity_gib: float, console: Console) -> None:
     """Every term of one layout's memory and step time."""
-    memory = Table(title=f"{c.layout.label()}: memory of pipeline rank {c.memory.pp_rank} "
-                         f"(the largest), of {capacity_gib:g} GiB")
+    console.print(f"{c.layout.label()}: memory of pipeline rank {c.memory.pp_rank} (the "
+                  f"largest), of {capacity_gib:g} GiB")
+    memory = Table()
     memory.add_column("term")
     memory.add_column("GiB", justify="right")
     for name, value in c.memory.terms().items():
         memory.add_row(name, f"{value / GIB:.2f}")
     memory.add_row("total", f"{c.memory.total / GIB:.2f}")
     console.print(memory)
-    step = Table(title="step time")
+    step = Table()
     step.add_column("term")
     step.add_column("s", justify="right")
     for name, value in c.time.terms().items():
