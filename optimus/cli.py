@@ -122,8 +122,10 @@ def config_check(job: Path, overrides: tuple[str, ...], world: int, machine: str
         click.echo(f"data: a mixture of {len(d.sources)} source(s): " + ", ".join(
             f"{s.path} {s.weight / total:.1%}" for s in d.sources))
     if machine or memory_gib:
-        click.echo(f"memory: {memory.total / 2**30:.1f} GiB per rank at most, of {capacity:g} "
-                   f"GiB on {device} (optimus plan {job} --explain shows every term)")
+        need = memory.total / 2**30
+        need = f"{need:.1f} GiB" if need >= 1 else f"{need * 1024:.0f} MiB"
+        click.echo(f"memory: {need} per rank at most, of {capacity:g} "
+                   f"GiB on {device} (`optimus plan --explain` shows every term)")
 
 
 @main.command()
@@ -172,6 +174,11 @@ def plan(job: Path, overrides: tuple[str, ...], devices: int, machine: str,
                                "fit": len(fits), "layouts": [report.as_dict(c)
                                                              for c in fits[:top]]}, indent=2))
         return
+    if not seen:
+        raise ConfigError(str(job), f"no layout splits this job over {devices} devices (tp "
+                          "must divide the heads, ffn_dim and vocabulary and fit a node; dp "
+                          f"must divide data.batch_size={cfg.data.batch_size})",
+                          "choose a device count that divides the batch, e.g. a power of two")
     if not fits:
         raise ConfigError(str(job), f"none of {seen} layouts on {devices} devices fits "
                           f"{profile.name}'s {capacity:g} GiB", "plan for more devices, or a "

@@ -35,7 +35,7 @@ def table(candidates: list[Candidate], title: str) -> Table:
         acts = m.activations + m.logits
         comm = t.tp_comm + t.pp_comm + t.ep_comm + t.dp_exposed
         out.add_row(str(i), c.layout.label(), f"{t.tokens_per_s_per_device:,.0f}",
-                    f"{t.tflops_per_device:.0f}", f"{t.mfu:.1%}", f"{t.total:.2f}",
+                    f"{t.tflops_per_device:.3g}", f"{t.mfu:.1%}", f"{t.total:.2f}",
                     f"{t.bubble / t.total:.1%}", f"{comm / t.total:.1%}",
                     f"{m.total / GIB:.1f}", f"{state / GIB:.1f}", f"{acts / GIB:.1f}",
                     f"{(m.total - state - acts) / GIB:.1f}")
