@@ -256,6 +256,6 @@ def test_plan_command_json_and_explain():
     bad = CliRunner().invoke(main, ["plan", "jobs/gpt-1.3b.yaml", "--devices", "32",
                                     "--machine", "a100-hdr", "--explain", "tp8.qq3"])
     assert bad.exit_code == 2 and "cannot read layout 'tp8.qq3'" in bad.output
-    none = CliRunner().invoke(main, ["plan", "jobs/gpt-1.3b.yaml", "--devices", "7",
+    none = CliRunner().invoke(main, ["plan", "jobs/gpt-1.3b.yaml", "--devices", "49",
                                      "--machine", "a100-hdr"])
-    assert none.exit_code == 2 and "no layout splits this job over 7 devices" in none.output
+    assert none.exit_code == 2 and "no layout splits this job over 49 devices" in none.output
