@@ -191,6 +191,21 @@ def _layer_activation(cfg, layer: int, mode: str, tp: int) -> float:
     return attention + 4 * cfg.ffn_dim / tp
 
 
+def _layer_bytes(cfg, layer: int, mode: str, tp: int, c: int) -> float:
+    """Bytes per token one layer keeps: its elements at the compute dtype's size, plus, in
+    bf16 without recompute, what stays in fp32 there (measured: the float copies RMSNorm and
+    RoPE save, about 4 d-wide tensors, and an MoE layer's fp32 combine of its top_k
+    outputs)."""
+    out = _layer_activation(cfg, layer, mode, tp) * c
+    if mode == "selective":
+        mode = "full" if layer % 2 == 0 else "none"
+    if c < 4 and mode == "none":
+        out += 8 * cfg.dim / tp
+        if is_moe_layer(cfg, layer):
+            out += 4 * cfg.moe.top_k * cfg.dim
+    return out
+
+
 @dataclass
 class _Stage:
     layers: range
@@ -253,10 +268,10 @@ def rank_memory(cfg, lay: PlanLayout, pp_rank: int = 0) -> Memory:
     layers = []  # this rank's layers in the order its forward runs them
     for sid, st in zip(ids, stages, strict=True):
         layers += list(st.layers)
-        per_mb = sum(_layer_activation(cfg, i, lay.recompute, tp) for i in st.layers)
+        per_mb = sum(_layer_bytes(cfg, i, lay.recompute, tp, c) for i in st.layers)
         if st.first:
-            per_mb += cfg.dim / tp  # the embedding's output
-        acts += held.get(sid, 0.0) * per_mb * tokens * c
+            per_mb += cfg.dim / tp * c  # the embedding's output
+        acts += held.get(sid, 0.0) * per_mb * tokens
         if lay.pp > 1:
             # torch's PipelineStage allocates a receive buffer per microbatch, for the inputs
             # of every stage but the first and the gradients of every stage but the last.
@@ -266,7 +281,10 @@ def rank_memory(cfg, lay: PlanLayout, pp_rank: int = 0) -> Memory:
             # microbatch held stays too)
             logits = (cfg.dim / tp + 3 * cfg.vocab_size / tp
                       + max(held.get(sid, 0.0) - 1, 0.0) * cfg.vocab_size / tp) * tokens * c
-    backward = (_recompute_extra(cfg, lay, layers) + 4 * cfg.dim / tp) * tokens * c
+    backward = (_recompute_extra(cfg, lay, layers, c) + 4 * cfg.dim / tp * c) * tokens
+    if any(is_moe_layer(cfg, i) for i in layers):
+        # an MoE layer's backward: the padded expert inputs' and hidden states' gradients
+        backward += 2 * cfg.moe.top_k * (cfg.dim + cfg.moe.expert_ffn_dim) / tp * tokens * c
     if lay.pp == 1 and not accumulate:
         # One microbatch: gradients appear as the backward frees activations, so the peak is
         # below the sum of both. Walk the backward block by block.
@@ -276,15 +294,15 @@ def rank_memory(cfg, lay: PlanLayout, pp_rank: int = 0) -> Memory:
                   SLACK * subtotal, pp_rank)
 
 
-def _recompute_extra(cfg, lay: PlanLayout, layers: list[int]) -> float:
-    """Elements per token that a recomputing block adds in backward, at the worst block.
+def _recompute_extra(cfg, lay: PlanLayout, layers: list[int], c: int) -> float:
+    """Bytes per token that a recomputing block adds in backward, at the worst block.
 
     Backward runs from the top: when block i recomputes (what it did not keep: `none` minus
     what `mode` kept), the blocks above it have already freed theirs."""
     worst, above = 0.0, 0.0
     for i in reversed(layers):
-        kept = _layer_activation(cfg, i, lay.recompute, lay.tp)
-        worst = max(worst, _layer_activation(cfg, i, "none", lay.tp) - kept - above)
+        kept = _layer_bytes(cfg, i, lay.recompute, lay.tp, c)
+        worst = max(worst, _layer_bytes(cfg, i, "none", lay.tp, c) - kept - above)
         above += kept
     return worst
 
@@ -292,7 +310,7 @@ def _recompute_extra(cfg, lay: PlanLayout, layers: list[int]) -> float:
 def _one_pass_peak(cfg, lay, stage, grads, acts, tokens, c) -> tuple[float, float]:
     """(gradients, activations) at the worst moment of a single forward-backward: backward
     runs from the last block, freeing its activations as its gradients are made."""
-    per_layer = [_layer_activation(cfg, i, lay.recompute, lay.tp) * tokens * c
+    per_layer = [_layer_bytes(cfg, i, lay.recompute, lay.tp, c) * tokens
                  for i in stage.layers]
     grad_layer = [sum(_layer_params(cfg, i, lay.tp, lay.ep)) / lay.dp * GRAD
                   for i in stage.layers]
