@@ -170,8 +170,6 @@ def _layer_activation(cfg, layer: int, mode: str, tp: int) -> float:
     """
     d, h = cfg.dim, cfg.n_heads
     kv = _kv_local(cfg, tp) if tp > 1 else cfg.n_kv_heads * (d // h)  # per rank
-    if mode == "selective":
-        mode = "full" if layer % 2 == 0 else "none"  # ac_every=2: blocks 0, 2, 4, ...
     if mode == "full":
         return d / tp
     moe = is_moe_layer(cfg, layer)
@@ -191,14 +189,20 @@ def _layer_activation(cfg, layer: int, mode: str, tp: int) -> float:
     return attention + 4 * cfg.ffn_dim / tp
 
 
+def _block_mode(lay: PlanLayout, layer: int) -> str:
+    """What recompute does to block `layer`: selective checkpoints every ac_every-th block by
+    its index in the whole model (activation_checkpoint.py), fully."""
+    if lay.recompute == "selective":
+        return "full" if layer % lay.ac_every == 0 else "none"
+    return lay.recompute
+
+
 def _layer_bytes(cfg, layer: int, mode: str, tp: int, c: int) -> float:
     """Bytes per token one layer keeps: its elements at the compute dtype's size, plus, in
     bf16 without recompute, what stays in fp32 there (measured: the float copies RMSNorm and
     RoPE save, about 4 d-wide tensors, and an MoE layer's fp32 combine of its top_k
     outputs)."""
     out = _layer_activation(cfg, layer, mode, tp) * c
-    if mode == "selective":
-        mode = "full" if layer % 2 == 0 else "none"
     if c < 4 and mode == "none":
         out += 8 * cfg.dim / tp
         if is_moe_layer(cfg, layer):
@@ -268,7 +272,7 @@ def rank_memory(cfg, lay: PlanLayout, pp_rank: int = 0) -> Memory:
     layers = []  # this rank's layers in the order its forward runs them
     for sid, st in zip(ids, stages, strict=True):
         layers += list(st.layers)
-        per_mb = sum(_layer_bytes(cfg, i, lay.recompute, tp, c) for i in st.layers)
+        per_mb = sum(_layer_bytes(cfg, i, _block_mode(lay, i), tp, c) for i in st.layers)
         if st.first:
             per_mb += cfg.dim / tp * c  # the embedding's output
         acts += held.get(sid, 0.0) * per_mb * tokens
@@ -301,7 +305,7 @@ def _recompute_extra(cfg, lay: PlanLayout, layers: list[int], c: int) -> float:
     what `mode` kept), the blocks above it have already freed theirs."""
     worst, above = 0.0, 0.0
     for i in reversed(layers):
-        kept = _layer_bytes(cfg, i, lay.recompute, lay.tp, c)
+        kept = _layer_bytes(cfg, i, _block_mode(lay, i), lay.tp, c)
         worst = max(worst, _layer_bytes(cfg, i, "none", lay.tp, c) - kept - above)
         above += kept
     return worst
@@ -310,7 +314,7 @@ def _recompute_extra(cfg, lay: PlanLayout, layers: list[int], c: int) -> float:
 def _one_pass_peak(cfg, lay, stage, grads, acts, tokens, c) -> tuple[float, float]:
     """(gradients, activations) at the worst moment of a single forward-backward: backward
     runs from the last block, freeing its activations as its gradients are made."""
-    per_layer = [_layer_bytes(cfg, i, lay.recompute, lay.tp, c) * tokens
+    per_layer = [_layer_bytes(cfg, i, _block_mode(lay, i), lay.tp, c) * tokens
                  for i in stage.layers]
     grad_layer = [sum(_layer_params(cfg, i, lay.tp, lay.ep)) / lay.dp * GRAD
                   for i in stage.layers]
@@ -329,7 +333,3 @@ def peak_memory(cfg, lay: PlanLayout) -> Memory:
     """The largest rank's memory over the pipeline positions."""
     cfg = shape_of(cfg)
     return max((rank_memory(cfg, lay, r) for r in range(lay.pp)), key=lambda m: m.total)
-
-
-def gib(n: float) -> float:
-    return n / 2**30
