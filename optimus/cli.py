@@ -92,10 +92,26 @@ def config_show(job: Path, overrides: tuple[str, ...], world: int | None, output
 @job_argument
 @set_option
 @click.option("--world", type=click.IntRange(min=1), required=True, help="Number of ranks.")
-def config_check(job: Path, overrides: tuple[str, ...], world: int) -> None:
-    """Validate JOB and its layout for a world of N ranks."""
+@click.option("--machine", help="A machine profile (optimus plan's table): refuse a job whose "
+              "ranks would not fit its device memory.")
+@click.option("--machines", type=click.Path(path_type=Path),
+              help="A YAML file of more machine profiles.")
+@click.option("--memory-gib", type=click.FloatRange(min=0, min_open=True),
+              help="Refuse a job whose ranks need more than this (overrides the profile's).")
+def config_check(job: Path, overrides: tuple[str, ...], world: int, machine: str | None,
+                 machines: Path | None, memory_gib: float | None) -> None:
+    """Validate JOB and its layout for a world of N ranks (and its memory on a device)."""
     cfg = load_job(job, list(overrides))
     layout = check_job(cfg, world=world, source=str(job))
+    if machine or memory_gib:
+        from optimus.planner.fit import check_fits, job_precision
+        from optimus.planner.machines import get_machine
+
+        profile = get_machine(machine, machines) if machine else None
+        capacity = memory_gib or profile.memory_gib
+        device = profile.name if profile else "a device"
+        memory = check_fits(cfg, layout, capacity, device, job_precision(
+            cfg, profile.precision if profile else "bf16"), source=str(job))
     d = cfg.data
     per_rank = d.batch_size // (layout.dp * d.microbatches)
     click.echo(f"ok: {job} on {world} ranks: dp={layout.dp} tp={layout.tp} pp={layout.pp} "
@@ -105,6 +121,71 @@ def config_check(job: Path, overrides: tuple[str, ...], world: int) -> None:
         total = sum(s.weight for s in d.sources)
         click.echo(f"data: a mixture of {len(d.sources)} source(s): " + ", ".join(
             f"{s.path} {s.weight / total:.1%}" for s in d.sources))
+    if machine or memory_gib:
+        need = memory.total / 2**30
+        need = f"{need:.1f} GiB" if need >= 1 else f"{need * 1024:.0f} MiB"
+        click.echo(f"memory: {need} per rank at most, of {capacity:g} "
+                   f"GiB on {device} (`optimus plan --explain` shows every term)")
+
+
+@main.command()
+@job_argument
+@set_option
+@click.option("--devices", type=click.IntRange(min=1), required=True,
+              help="Devices (ranks) to plan for.")
+@click.option("--machine", required=True, help="Machine profile, e.g. a100-hdr, h100-ndr.")
+@click.option("--machines", type=click.Path(path_type=Path),
+              help="A YAML file of more machine profiles.")
+@click.option("--memory-gib", type=click.FloatRange(min=0, min_open=True),
+              help="Device memory to plan within (default: the profile's).")
+@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--explain", "explain_layout", metavar="LAYOUT",
+              help="Show every term of one layout, named as the table names it.")
+@click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table")
+def plan(job: Path, overrides: tuple[str, ...], devices: int, machine: str,
+         machines: Path | None, memory_gib: float | None, top: int,
+         explain_layout: str | None, output: str) -> None:
+    """Rank JOB's layouts on N devices by predicted tokens/s, dropping those that do not fit."""
+    from rich.console import Console
+
+    from optimus.planner import report, search
+    from optimus.planner.fit import job_precision
+    from optimus.planner.machines import get_machine
+    from optimus.planner.memory import shape_of
+    from optimus.planner.steptime import step_time
+
+    cfg = load_job(job, list(overrides))
+    profile = get_machine(machine, machines)
+    precision = job_precision(cfg, profile.precision)
+    capacity = memory_gib or profile.memory_gib
+    if explain_layout:
+        lay = search.parse_layout(explain_layout, cfg, precision)
+        shape = shape_of(cfg.model)
+        found = search.Candidate(lay, search.worst_rank(shape, lay),
+                                 step_time(cfg.model, lay, profile, cfg.data.batch_size))
+        if output == "json":
+            click.echo(json.dumps(report.as_dict(found), indent=2))
+        else:
+            report.explain(found, capacity, Console(width=None if sys.stdout.isatty() else 160))
+        return
+    fits, seen = search.plan(cfg, devices, profile, precision, capacity)
+    if output == "json":
+        click.echo(json.dumps({"devices": devices, "machine": machine, "considered": seen,
+                               "fit": len(fits), "layouts": [report.as_dict(c)
+                                                             for c in fits[:top]]}, indent=2))
+        return
+    if not seen:
+        raise ConfigError(str(job), f"no layout splits this job over {devices} devices (tp "
+                          "must divide the heads, ffn_dim and vocabulary and fit a node; dp "
+                          f"must divide data.batch_size={cfg.data.batch_size})",
+                          "choose a device count that divides the batch, e.g. a power of two")
+    if not fits:
+        raise ConfigError(str(job), f"none of {seen} layouts on {devices} devices fits "
+                          f"{profile.name}'s {capacity:g} GiB", "plan for more devices, or a "
+                          "smaller data.batch_size or model")
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    console.print(report.table(fits[:top], f"{cfg.name} on {devices} x {profile.name}: "
+                               f"{len(fits)} of {seen} layouts fit {capacity:g} GiB"))
 
 
 @main.group()

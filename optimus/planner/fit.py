@@ -1,0 +1,85 @@
+"""Will a job fit? The memory model applied to a job file's own layout, and the fixes to try.
+
+`optimus config check --machine/--memory-gib` calls `check_fits`; it refuses a job whose
+largest rank needs more than the device holds, naming the term that overflows and changes of
+the job file that the same model says would fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from optimus.config import ConfigError, JobConfig, Layout
+from optimus.planner.memory import Memory, PlanLayout, peak_memory
+
+GIB = 2**30
+_LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer state",
+           "activations": "activations", "logits": "logits of the loss",
+           "gathered": "gathered parameters", "backward": "backward working memory",
+           "slack": "slack"}
+
+
+def job_layout(job: JobConfig, layout: Layout, precision: str) -> PlanLayout:
+    """The planner's view of a job file on its resolved layout."""
+    d, p = job.data, job.parallel
+    return PlanLayout(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,
+                      v=layout.virtual_stages, schedule=p.schedule, microbatches=d.microbatches,
+                      microbatch_size=max(1, d.batch_size // (layout.dp * d.microbatches)),
+                      seq_len=d.seq_len, recompute=p.activation_checkpoint,
+                      ac_every=p.ac_every, precision=precision)
+
+
+def job_precision(job: JobConfig, machine_precision: str = "bf16") -> str:
+    """fp32 or bf16: the job's choice, or on `auto` what the machine runs (bf16 on
+    accelerators, fp32 on a CPU)."""
+    chosen = job.training.mixed_precision
+    return machine_precision if chosen == "auto" else chosen
+
+
+def fixes(cfg, lay: PlanLayout, capacity: float) -> list[str]:
+    """Changes of the job file, one at a time, after which the model says it fits."""
+    out = []
+    order = ("none", "selective", "op", "full")  # ever less kept
+    for mode in order[order.index(lay.recompute) + 1:]:
+        if peak_memory(cfg, replace(lay, recompute=mode)).total <= capacity:
+            out.append(f"parallel.activation_checkpoint: {mode}")
+            break
+    if lay.microbatch_size > 1:
+        size = lay.microbatch_size
+        while size > 1:
+            size //= 2
+            more = lay.microbatches * lay.microbatch_size // size
+            if peak_memory(cfg, replace(lay, microbatch_size=size,
+                                        microbatches=more)).total <= capacity:
+                out.append(f"data.microbatches: {more}")
+                break
+    for axis in ("pp", "tp"):
+        grown = replace(lay, **{axis: getattr(lay, axis) * 2})
+        if lay.dp % 2 or (lay.dp // 2) % lay.ep:
+            continue
+        grown = replace(grown, dp=lay.dp // 2)
+        if axis == "pp" and cfg.n_layers < grown.pp * grown.v:
+            continue
+        if axis == "tp" and (cfg.n_heads % grown.tp or cfg.ffn_dim % grown.tp):
+            continue
+        if peak_memory(cfg, grown).total <= capacity:
+            out.append(f"parallel.{axis}: {getattr(grown, axis)} (dp {grown.dp})")
+    return out
+
+
+def check_fits(job: JobConfig, layout: Layout, capacity_gib: float, device: str,
+               precision: str, source: str = "job") -> Memory:
+    """The largest rank's memory; ConfigError when it exceeds `capacity_gib`."""
+    lay = job_layout(job, layout, precision)
+    memory = peak_memory(job.model, lay)
+    capacity = capacity_gib * GIB
+    if memory.total <= capacity:
+        return memory
+    term, size = memory.largest()
+    found = fixes(job.model, lay, capacity)
+    fix = " or ".join(found) if found else (
+        "more devices (a larger dp shards the state), a smaller data.batch_size, or a device "
+        "with more memory")
+    where = f" (pipeline rank {memory.pp_rank})" if lay.pp > 1 else ""
+    raise ConfigError(source, f"needs {memory.total / GIB:.1f} GiB per rank{where} on {device} "
+                      f"with {capacity_gib:g} GiB: {_LABELS[term]} {size / GIB:.1f} GiB", fix)

@@ -1,0 +1,73 @@
+"""Machine profiles: what a device computes and holds, and how fast it talks, as data.
+
+The built-in table is machines.yaml beside this file; a user's YAML file of the same shape adds
+profiles or overrides built-in ones. A bad file or an unknown name is a ConfigError naming the
+fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from optimus.config import ConfigError
+
+BUILT_IN = Path(__file__).with_name("machines.yaml")
+Positive = Annotated[float, Field(gt=0)]
+
+
+class Machine(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = ""
+    description: str = ""
+    peak_tflops: Positive
+    sustained: Annotated[float, Field(gt=0, le=1)]
+    memory_gib: Positive
+    devices_per_node: Annotated[int, Field(ge=1)]
+    intra_gbps: Positive
+    inter_gbps: Positive
+    latency_us: Annotated[float, Field(ge=0)] = 5.0
+    precision: Literal["bf16", "fp32"] = "bf16"
+
+
+def load_machines(extra: str | Path | None = None) -> dict[str, Machine]:
+    """The built-in profiles, updated by those in `extra` (a YAML file), by name."""
+    table = _read(BUILT_IN)
+    if extra is not None:
+        table.update(_read(Path(extra)))
+    return table
+
+
+def _read(path: Path) -> dict[str, Machine]:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(str(path), f"cannot read machine profiles: {e.strerror}",
+                          "pass an existing YAML file to --machines") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(str(path), f"is not valid YAML: {e}", "fix the file") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(str(path), "must map profile names to their fields",
+                          "see optimus/planner/machines.yaml for the shape")
+    out = {}
+    for name, fields in raw.items():
+        try:
+            out[name] = Machine(name=name, **(fields or {}))
+        except (ValidationError, TypeError) as e:
+            first = e.errors()[0] if isinstance(e, ValidationError) else {"loc": (), "msg": str(e)}
+            where = ".".join(str(x) for x in first["loc"])
+            raise ConfigError(str(path), f"profile {name}: {where} {first['msg']}".strip(),
+                              "see optimus/planner/machines.yaml for every field") from None
+    return out
+
+
+def get_machine(name: str, extra: str | Path | None = None) -> Machine:
+    table = load_machines(extra)
+    if name not in table:
+        raise ConfigError("--machine", f"unknown machine profile {name!r}",
+                          f"choose among {', '.join(sorted(table))}, or add it with --machines")
+    return table[name]

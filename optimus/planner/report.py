@@ -1,0 +1,66 @@
+"""How `optimus plan` shows its answer: a rich table, JSON, or every term of one layout."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from rich.console import Console
+from rich.table import Table
+
+from optimus.planner.search import Candidate
+
+GIB = 2**30
+
+
+def as_dict(c: Candidate) -> dict:
+    t = c.time
+    return {"layout": c.layout.label(), **asdict(c.layout),
+            "tokens_per_s_per_device": round(t.tokens_per_s_per_device, 3),
+            "tflops_per_device": round(t.tflops_per_device, 2), "mfu": round(t.mfu, 4),
+            "step_s": round(t.total, 4),
+            "step_terms_s": {k: round(v, 4) for k, v in t.terms().items()},
+            "memory_gib": round(c.memory.total / GIB, 3),
+            "memory_terms_gib": {k: round(v / GIB, 3) for k, v in c.memory.terms().items()},
+            "memory_pp_rank": c.memory.pp_rank}
+
+
+def table(candidates: list[Candidate], title: str) -> Table:
+    out = Table(title=title)
+    for name in ("#", "layout", "tokens/s/dev", "TFLOP/s/dev", "MFU", "step s", "bubble",
+                 "comm", "GiB/rank", "state", "act", "other"):
+        out.add_column(name, justify="left" if name == "layout" else "right")
+    for i, c in enumerate(candidates, 1):
+        t, m = c.time, c.memory
+        state = m.parameters + m.gradients + m.optimizer
+        acts = m.activations + m.logits
+        comm = t.tp_comm + t.pp_comm + t.ep_comm + t.dp_exposed
+        out.add_row(str(i), c.layout.label(), f"{t.tokens_per_s_per_device:,.0f}",
+                    f"{t.tflops_per_device:.3g}", f"{t.mfu:.1%}", f"{t.total:.2f}",
+                    f"{t.bubble / t.total:.1%}", f"{comm / t.total:.1%}",
+                    f"{m.total / GIB:.1f}", f"{state / GIB:.1f}", f"{acts / GIB:.1f}",
+                    f"{(m.total - state - acts) / GIB:.1f}")
+    return out
+
+
+def explain(c: Candidate, capacity_gib: float, console: Console) -> None:
+    """Every term of one layout's memory and step time."""
+    console.print(f"{c.layout.label()}: memory of pipeline rank {c.memory.pp_rank} (the "
+                  f"largest), of {capacity_gib:g} GiB")
+    memory = Table()
+    memory.add_column("term")
+    memory.add_column("GiB", justify="right")
+    for name, value in c.memory.terms().items():
+        memory.add_row(name, f"{value / GIB:.2f}")
+    memory.add_row("total", f"{c.memory.total / GIB:.2f}")
+    console.print(memory)
+    step = Table()
+    step.add_column("term")
+    step.add_column("s", justify="right")
+    for name, value in c.time.terms().items():
+        step.add_row(name, f"{value:.4f}")
+    step.add_row("total", f"{c.time.total:.4f}")
+    console.print(step)
+    t = c.time
+    console.print(f"{t.tokens_per_s_per_device:,.1f} tokens/s per device, "
+                  f"{t.tflops_per_device:.1f} TFLOP/s per device (recompute counted), "
+                  f"MFU {t.mfu:.1%}")

@@ -1,0 +1,118 @@
+"""Enumerate a job's layouts on N devices, keep those that fit, rank them by tokens/s.
+
+A layout is (tp, pp, virtual stages, schedule, dp, ep, microbatch size, recompute); the global
+batch and the model are the job's. Candidates are those `optimus config check` would accept
+(heads, ffn and vocabulary divide by tp, layers fill the stages, the schedule's microbatch
+rules, ep dividing dp and the experts); tensor parallel stays inside a node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from optimus.config import JobConfig
+from optimus.parallel.schedule_rules import schedule_problem
+from optimus.planner.machines import Machine
+from optimus.planner.memory import Memory, PlanLayout, rank_memory, shape_of
+from optimus.planner.steptime import StepTime, step_time
+
+GIB = 2**30
+RECOMPUTE = ("none", "selective", "op", "full")
+MICROBATCH_SIZES = (1, 2, 4, 8, 16)
+# (schedule, virtual stages per rank) tried for pp > 1.
+PIPELINES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4),
+             ("interleaved_1f1b", 8), ("zbv_zero_bubble", 2), ("interleaved_zero_bubble", 2),
+             ("gpipe", 1))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: PlanLayout
+    memory: Memory
+    time: StepTime
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def worst_rank(cfg, lay: PlanLayout) -> Memory:
+    """The largest rank's memory. Only the first, second and last pipeline positions are
+    candidates: the first holds the most microbatches in flight (and the embedding), the last
+    the loss's logits, and under V-shaped schedules rank 0 holds both ends."""
+    positions = sorted({0, min(1, lay.pp - 1), lay.pp - 1})
+    return max((rank_memory(cfg, lay, r) for r in positions), key=lambda m: m.total)
+
+
+def layouts(job: JobConfig, devices: int, machine: Machine, precision: str):
+    """Every valid layout of `job` on `devices` devices (a generator)."""
+    cfg, batch, seq = job.model, job.data.batch_size, job.data.seq_len
+    experts = cfg.moe.experts
+    for tp in _divisors(devices):
+        if tp > machine.devices_per_node or cfg.n_heads % tp or cfg.ffn_dim % tp \
+                or cfg.vocab_size % tp or seq % tp:
+            continue
+        if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
+            continue
+        for pp in _divisors(devices // tp):
+            if pp > cfg.n_layers:
+                continue
+            dp = devices // (tp * pp)
+            if batch % dp:
+                continue
+            for ep in ([e for e in _divisors(dp) if experts % e == 0] if experts else [1]):
+                for size in MICROBATCH_SIZES:
+                    if (batch // dp) % size:
+                        continue
+                    m = batch // (dp * size)
+                    for schedule, v in (PIPELINES if pp > 1 else (("1f1b", 1),)):
+                        if pp * v > cfg.n_layers or (pp > 1 and schedule_problem(
+                                schedule, pp, v, m)):
+                            continue
+                        for recompute in RECOMPUTE:
+                            yield PlanLayout(dp=dp, tp=tp, pp=pp, ep=ep, v=v, schedule=schedule,
+                                             microbatches=m, microbatch_size=size, seq_len=seq,
+                                             recompute=recompute, precision=precision)
+
+
+def plan(job: JobConfig, devices: int, machine: Machine, precision: str,
+         capacity_gib: float | None = None) -> tuple[list[Candidate], int]:
+    """(the layouts that fit, fastest first; how many were considered)."""
+    cfg = shape_of(job.model)
+    capacity = (capacity_gib or machine.memory_gib) * GIB
+    fits, seen = [], 0
+    for lay in layouts(job, devices, machine, precision):
+        seen += 1
+        memory = worst_rank(cfg, lay)
+        if memory.total > capacity:
+            continue
+        fits.append(Candidate(lay, memory, step_time(cfg, lay, machine, job.data.batch_size)))
+    fits.sort(key=lambda c: -c.time.tokens_per_s_per_device)
+    return fits, seen
+
+
+def parse_layout(text: str, job: JobConfig, precision: str) -> PlanLayout:
+    """A layout from its label (`PlanLayout.label`), e.g. tp8.pp4.dp32.1f1b.mb1x48.full."""
+    from optimus.config import ConfigError
+
+    fields = {"dp": 1, "tp": 1, "pp": 1, "ep": 1, "v": 1, "schedule": "1f1b",
+              "recompute": "none", "microbatch_size": 1, "microbatches": 1}
+    try:
+        for part in text.split("."):
+            if part in RECOMPUTE:
+                fields["recompute"] = part
+            elif part in {s for s, _ in PIPELINES} | {"looped_bfs", "dualpipev"}:
+                fields["schedule"] = part
+            elif part.startswith("mb"):
+                size, count = part[2:].split("x")
+                fields["microbatch_size"], fields["microbatches"] = int(size), int(count)
+            else:
+                key = part.rstrip("0123456789")
+                if key not in ("dp", "tp", "pp", "ep", "v"):
+                    raise ValueError(part)
+                fields[key] = int(part[len(key):])
+    except ValueError:
+        raise ConfigError("--explain", f"cannot read layout {text!r}",
+                          "write it as optimus plan prints it, e.g. "
+                          "tp8.pp4.dp32.interleaved_1f1b.v2.mb1x48.full") from None
+    return PlanLayout(seq_len=job.data.seq_len, precision=precision, **fields)

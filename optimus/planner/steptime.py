@@ -1,0 +1,131 @@
+"""Step time of a layout on a machine profile: compute, communication, pipeline bubble.
+
+Assumptions, all of them here:
+- compute: the FLOPs of `optimus.models.counts.flops_per_token` (6 per active matmul weight
+  per token, plus attention), plus the forward recomputed under activation checkpointing
+  (full: every block's; selective: every other block's; op: element-wise ops only, counted as
+  free), at the profile's peak times its `sustained` fraction, times a matmul-shape factor:
+  a matmul of M tokens and width K runs at M / (M + 128) x K / (K + 128) of the sustained
+  rate (small microbatches and narrow tensor-parallel shards starve the device).
+- tensor parallel: per block per microbatch two all-gathers and two reduce-scatters of the
+  microbatch's hidden states forward, as many backward (and again forward under recompute),
+  on the intra-node link while tp fits a node; not overlapped with compute.
+- pipeline: each microbatch's hidden states cross every stage boundary forward and back, on
+  the inter-node link once tp x pp exceeds a node; not overlapped. The bubble is the replay
+  of torch's own action list for the schedule (schedules.bubble).
+- data parallel (FSDP2): parameters all-gathered in compute dtype forward and backward (per
+  microbatch, unless the parameters stay gathered: one microbatch, or a zero-bubble
+  schedule), gradients reduce-scattered in fp32 once per step, on the inter-node link;
+  overlapped with compute, so only what exceeds the compute time shows.
+- expert parallel: four all-to-alls per MoE layer per microbatch (dispatch and combine,
+  forward and backward) of top_k copies of each token, intra-node while tp x ep fits a node.
+- ring collectives: a device sends (n - 1) / n of the buffer; latency per step of the ring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from optimus.models.counts import flops_per_token, matmul_param_count
+from optimus.models.moe import is_moe_layer
+from optimus.planner.machines import Machine
+from optimus.planner.memory import COMPUTE, GRAD, PlanLayout
+from optimus.planner.schedules import bubble
+
+SHAPE_KNEE = 128  # tokens or width at which a matmul runs at half its sustained rate
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one optimizer step, by term, and what they give."""
+
+    compute: float
+    tp_comm: float
+    pp_comm: float
+    ep_comm: float
+    bubble: float
+    dp_exposed: float
+    tokens_per_s_per_device: float = 0.0
+    tflops_per_device: float = 0.0  # model FLOPs with recompute, as seed 001 counts them
+    mfu: float = 0.0  # model FLOPs without recompute, against the peak
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.tp_comm + self.pp_comm + self.ep_comm + self.bubble
+                + self.dp_exposed)
+
+    def terms(self) -> dict[str, float]:
+        return {k: v for k, v in asdict(self).items()
+                if k not in ("tokens_per_s_per_device", "tflops_per_device", "mfu")}
+
+
+def _ring(n: int, size: float, gbps: float, latency_us: float) -> float:
+    """Seconds of a ring all-gather or reduce-scatter of `size` bytes over n devices."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * size / (gbps * 1e9) + (n - 1) * latency_us * 1e-6
+
+
+def recompute_flops(cfg, lay: PlanLayout) -> float:
+    """Extra FLOPs per token of the forwards recomputed in backward."""
+    forward = flops_per_token(cfg, lay.seq_len) / 3
+    head = 2 * cfg.dim * cfg.vocab_size  # the head is never recomputed
+    blocks = forward - head
+    share = {"none": 0.0, "op": 0.0, "full": 1.0, "selective": 0.5}[lay.recompute]
+    return share * blocks
+
+
+def step_time(cfg, lay: PlanLayout, machine: Machine, global_batch: int) -> StepTime:
+    """Predicted step time of `lay` with `global_batch` sequences a step."""
+    c = COMPUTE[lay.precision]
+    node = machine.devices_per_node
+    tokens_mb = lay.microbatch_size * lay.seq_len  # one microbatch of one replica
+    m = lay.microbatches
+    model_flops = flops_per_token(cfg, lay.seq_len)
+    hw_flops = model_flops + recompute_flops(cfg, lay)
+    shape = (tokens_mb / (tokens_mb + SHAPE_KNEE)
+             * (cfg.dim / lay.tp) / (cfg.dim / lay.tp + SHAPE_KNEE))
+    rate = machine.peak_tflops * 1e12 * machine.sustained * shape
+    compute = m * tokens_mb * hw_flops / (lay.tp * lay.pp) / rate
+
+    layers_here = cfg.n_layers / lay.pp
+    hidden = tokens_mb * cfg.dim * c
+    tp_link = machine.intra_gbps if lay.tp <= node else machine.inter_gbps
+    per_block = 8 + (4 if lay.recompute in ("full", "selective") else 0)
+    tp_comm = m * layers_here * per_block * _ring(lay.tp, hidden, tp_link, machine.latency_us)
+
+    pp_link = machine.intra_gbps if lay.tp * lay.pp <= node else machine.inter_gbps
+    pp_comm = 0.0
+    if lay.pp > 1:
+        pp_comm = m * lay.v * 2 * (hidden / lay.tp / (pp_link * 1e9)
+                                   + machine.latency_us * 1e-6)
+
+    ep_comm = 0.0
+    moe_layers = sum(is_moe_layer(cfg, i) for i in range(cfg.n_layers)) / lay.pp
+    if lay.ep > 1 and moe_layers:
+        ep_link = machine.intra_gbps if lay.tp * lay.ep <= node else machine.inter_gbps
+        routed = tokens_mb / lay.tp * cfg.moe.top_k * cfg.dim * c
+        ep_comm = m * moe_layers * 4 * (lay.ep - 1) / lay.ep * routed / (ep_link * 1e9)
+
+    pipeline_bubble = (compute + tp_comm + ep_comm) * bubble(lay.schedule, lay.pp, lay.v, m)
+
+    dp_exposed = 0.0
+    if lay.dp > 1:
+        experts = sum(3 * cfg.dim * cfg.moe.expert_ffn_dim * cfg.moe.experts
+                      for i in range(cfg.n_layers) if is_moe_layer(cfg, i))
+        # this rank's parameters, unsharded: experts split over ep, the rest over tp
+        params = ((matmul_param_count(cfg) - experts) / lay.tp + experts / lay.ep) / lay.pp
+        dp_link = machine.intra_gbps if lay.devices <= node else machine.inter_gbps
+        kept = m == 1 and lay.pp == 1 or lay.schedule in ("interleaved_zero_bubble",
+                                                          "zbv_zero_bubble", "dualpipev")
+        gathers = 2 * (1 if kept else m)
+        dp = (gathers * _ring(lay.dp, params * c, dp_link, machine.latency_us)
+              + _ring(lay.dp, params * GRAD, dp_link, machine.latency_us))
+        dp_exposed = max(0.0, dp - compute)
+
+    result = StepTime(compute, tp_comm, pp_comm, ep_comm, pipeline_bubble, dp_exposed)
+    tokens = global_batch * lay.seq_len
+    per_device = tokens / result.total / lay.devices
+    return StepTime(compute, tp_comm, pp_comm, ep_comm, pipeline_bubble, dp_exposed,
+                    per_device, per_device * hw_flops / 1e12,
+                    per_device * model_flops / (machine.peak_tflops * 1e12))
