@@ -130,7 +130,7 @@ def training_run(rank: Rank, ckpt: Checkpointer, saves: int, out: dict) -> None:
         busy = in_flight(ckpt)
         started = time.perf_counter()
         rank.step()
-        ckpt.poll()  # the trainer's step boundary: `_checkpoint_step`
+        ckpt.poll()  # the trainer's step boundary: `RunCheckpoints.after_step`
         due = i % INTERVAL == 0 and i <= INTERVAL * saves
         if due:
             outcome = rank.save(ckpt, rank.progress.step)

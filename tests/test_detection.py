@@ -80,7 +80,7 @@ def test_a_hang_names_the_rank_holding_the_others_with_its_stack(
     assert culprit not in store.plan()["nodes"]
     how = [e["message"] for e in events(store, "stacks")]
     if fault.get("deaf"):
-        assert "_agree" in stacks["0"] and "_checkpoint_step" in stacks["0"]  # the save's
+        assert "_agree" in stacks["0"] and "in after_step" in stacks["0"]  # the save's
         assert stacks["1"].endswith("(read by py-spy dump --nonblocking: no answer to SIGUSR1 "
                                     "within 1 s)\n")
         assert how == [f"stack of rank 1 on {culprit}: read by py-spy dump --nonblocking: no "
