@@ -46,21 +46,20 @@ def explain(c: Candidate, capacity_gib: float, console: Console) -> None:
     """Every term of one layout's memory and step time."""
     console.print(f"{c.layout.label()}: memory of pipeline rank {c.memory.pp_rank} (the "
                   f"largest), of {capacity_gib:g} GiB")
-    memory = Table()
-    memory.add_column("term")
-    memory.add_column("GiB", justify="right")
-    for name, value in c.memory.terms().items():
-        memory.add_row(name, f"{value / GIB:.2f}")
-    memory.add_row("total", f"{c.memory.total / GIB:.2f}")
-    console.print(memory)
-    step = Table()
-    step.add_column("term")
-    step.add_column("s", justify="right")
-    for name, value in c.time.terms().items():
-        step.add_row(name, f"{value:.4f}")
-    step.add_row("total", f"{c.time.total:.4f}")
-    console.print(step)
+    console.print(_terms(c.memory.terms(), c.memory.total, "GiB", lambda v: f"{v / GIB:.2f}"))
+    console.print(_terms(c.time.terms(), c.time.total, "s", lambda v: f"{v:.4f}"))
     t = c.time
     console.print(f"{t.tokens_per_s_per_device:,.1f} tokens/s per device, "
                   f"{t.tflops_per_device:.1f} TFLOP/s per device (recompute counted), "
                   f"MFU {t.mfu:.1%}")
+
+
+def _terms(terms: dict[str, float], total: float, unit: str, show) -> Table:
+    """A table of terms and their total, each shown by `show`."""
+    table = Table()
+    table.add_column("term")
+    table.add_column(unit, justify="right")
+    for name, value in terms.items():
+        table.add_row(name, show(value))
+    table.add_row("total", show(total))
+    return table
