@@ -144,11 +144,12 @@ class Heartbeat:
         return _Phase(self, name, PHASES[name], name in COLLECTIVE_PHASES)
 
     def resumed(self, step: int, checkpoint: int | None = None,
-                quarantined: tuple[int, ...] = ()) -> None:
+                quarantined: tuple[int, ...] = (), source: str = "disk") -> None:
         """The last step done before this run's first (the checkpoint's step; 0 for none), the
-        checkpoint loaded (None: none) and the newer ones set aside as corrupt."""
+        checkpoint loaded (None: none), the newer ones set aside as corrupt, and where the state
+        came from: "disk" or "memory" (an in-memory snapshot)."""
         self._step = step
-        self._resume = {"step": checkpoint, "quarantined": list(quarantined)}
+        self._resume = {"step": checkpoint, "quarantined": list(quarantined), "source": source}
 
     def begin_step(self, step: int) -> None:
         self._step = step
@@ -255,7 +256,7 @@ class NoHeartbeat:
         return self._nothing
 
     def resumed(self, step: int, checkpoint: int | None = None,
-                quarantined: tuple[int, ...] = ()) -> None:
+                quarantined: tuple[int, ...] = (), source: str = "disk") -> None:
         pass
 
     def begin_step(self, step: int) -> None:

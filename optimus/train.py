@@ -24,7 +24,8 @@ from optimus.checkpoint.hf_import import init_from
 from optimus.checkpoint.manifest import committed_steps
 from optimus.checkpoint.policy import RunCheckpoints
 from optimus.checkpoint.saver import Checkpointer
-from optimus.checkpoint.state import Progress, training_state
+from optimus.checkpoint.snapshot import Snapshots, load_agreed, resume_request
+from optimus.checkpoint.state import Progress, layout_key, training_state
 from optimus.config import JobConfig, resolve_layout
 from optimus.data import build_loader, build_source
 from optimus.evaluate import EvalResult, evaluate, held_out_for
@@ -116,14 +117,24 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                                                model.float8_skipped),
                       skipped=dict(model.float8_skipped))
 
-        # Checkpoints: resume from the newest one that verifies, then save every `interval`.
+        # Checkpoints: resume from the in-memory snapshot the agent names when every rank can,
+        # else from the newest disk checkpoint that verifies; then save every `interval`, and
+        # snapshot into the agent's memory every `memory_every` steps.
         progress = Progress(job.data.batch_size)
         state = training_state(model, optimizer, progress, rank=env.rank, layout=layout)
+        agree_on = torch.device("cpu") if backend == "gloo" else device
+        resumed, not_used = None, None
+        if job.checkpoint.resume == "auto":
+            with heartbeat.phase("checkpoint_sync"):
+                resumed, not_used = load_agreed(state, resume_request(), rank=env.rank,
+                                                layout=layout_key(layout, device))
         ckpt = _checkpointer(job, env, heartbeat)
-        resumed = ckpt.load_latest(state, job.checkpoint.verify_on_load) if (
-            ckpt and job.checkpoint.resume == "auto") else None
-        if ckpt is not None:
-            _log_resume(log, ckpt, resumed)
+        if resumed is None and ckpt and job.checkpoint.resume == "auto":
+            resumed = ckpt.load_latest(state, job.checkpoint.verify_on_load)
+        _log_resume(log, ckpt, resumed, not_used)
+        snapshots = Snapshots.for_job(job.checkpoint.memory_every, rank=env.rank,
+                                      generation=env.restart_count,
+                                      layout=layout_key(layout, device), agree_device=agree_on)
         init_from(job, model, resumed, log)  # model.init_from: a Hugging Face start, unless resumed
         if progress.step >= job.optim.steps:
             log.event("done", f"nothing to train: the checkpoint is at step {progress.step} of "
@@ -147,7 +158,8 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         if resumed:
             state["rng"].apply()  # making the iterator drew from the RNG; put it back
         heartbeat.resumed(progress.step, resumed["step"] if resumed else None,
-                          tuple(q["step"] for q in ckpt.quarantined) if ckpt else ())
+                          tuple(q["step"] for q in ckpt.quarantined) if ckpt else (),
+                          source=resumed.get("source", "disk") if resumed else "disk")
 
         saves = RunCheckpoints(ckpt, log, job, layout, state, progress)
         # A job paused (or stopped) across a restart stays so: agree before the first step too.
@@ -198,6 +210,11 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             progress.advance(step_tokens)
             with heartbeat.phase("checkpoint"):
                 saves.after_step(step)
+            if snapshots is not None and step < job.optim.steps:
+                with heartbeat.phase("checkpoint_sync"):  # an all-reduce once, when auto
+                    note = snapshots.after_step(step, time.perf_counter() - started, state)
+                if note:
+                    log.event("snapshot", note, every=snapshots.every)
             if keep_sample_ids:
                 result.sample_ids.append([int(s) for mb in microbatches for s in mb["sample_ids"]])
 
@@ -246,6 +263,8 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
 
         with heartbeat.phase("checkpoint"):  # the last step is saved, or this says why
             saves.finish(progress.step, final=first <= progress.step == job.optim.steps)
+            if snapshots is not None:
+                snapshots.close()
         log.close()
         with heartbeat.phase("sync"):
             if keep_state:
@@ -274,16 +293,27 @@ def _checkpointer(job: JobConfig, env, heartbeat) -> Checkpointer | None:
                         collective=lambda: heartbeat.phase("checkpoint_sync"))
 
 
-def _log_resume(log: MetricsLog, ckpt: Checkpointer, resumed: dict | None) -> None:
-    for message in resumed["skipped"] if resumed else ckpt.skipped:
-        log.event("checkpoint", f"{message}; falling back to an older checkpoint")
-    for q in ckpt.quarantined:
-        log.event("quarantine", f"checkpoint of step {q['step']} set aside as {q['path']}: "
-                  f"{q['reason']}; a later save of step {q['step']} writes it afresh", **q)
-    if resumed:
-        log.event("resume", f"continuing from {resumed['path']} (step {resumed['step']})",
-                  step=resumed["step"], data_index=resumed.get("data_index"),
-                  notes=resumed.get("notes", []))
+def _log_resume(log: MetricsLog, ckpt: Checkpointer | None, resumed: dict | None,
+                not_used: str | None) -> None:
+    if not_used:  # the agent named a memory snapshot that not every rank could load
+        log.event("checkpoint", f"{not_used}; resuming from disk instead")
+    if resumed and resumed.get("source") == "memory":
+        log.event("resume", f"continuing from the memory snapshot of step {resumed['step']} "
+                  f"(generation {resumed['generation']}, {resumed['path']}): nothing read from "
+                  "disk", step=resumed["step"], data_index=resumed["data_index"],
+                  source="memory", notes=[])
+    if ckpt is None:
+        return
+    if not (resumed and resumed.get("source") == "memory"):
+        for message in resumed["skipped"] if resumed else ckpt.skipped:
+            log.event("checkpoint", f"{message}; falling back to an older checkpoint")
+        for q in ckpt.quarantined:
+            log.event("quarantine", f"checkpoint of step {q['step']} set aside as {q['path']}: "
+                      f"{q['reason']}; a later save of step {q['step']} writes it afresh", **q)
+        if resumed:
+            log.event("resume", f"continuing from {resumed['path']} (step {resumed['step']})",
+                      step=resumed["step"], data_index=resumed.get("data_index"),
+                      source="disk", notes=resumed.get("notes", []))
     if ckpt.mode_note:
         log.event("checkpoint", ckpt.mode_note)
 

@@ -138,6 +138,12 @@ class RankRNG(Stateful):
         self._loaded = state_dict[PER_RANK][str(self.rank)]
         self.apply()
 
+    def restore(self, states: dict[str, torch.Tensor]) -> None:
+        """Set this rank's own states, from an in-memory snapshot of the same layout."""
+        self.load_note = None
+        self._loaded = states
+        self.apply()
+
     def apply(self) -> None:
         if self._loaded is None:
             return

@@ -1,0 +1,113 @@
+"""How in-memory snapshots lie in a node's snapshot folder: names, markers and checksums.
+
+Shared by the ranks that write them (optimus/checkpoint/snapshot.py) and the node agent that
+keeps, replicates and serves them (controller/snapshots.py). No torch here: the agent does not
+import it.
+
+    <node folder>/own/step_000000120.gen_0003/rank_00004.pt     this node's ranks' shards
+                                              rank_00004.json   its marker, written last
+    <node folder>/held/step_000000120.gen_0003/rank_00007.pt    replicas of other nodes' shards
+
+A point (step, generation) names one snapshot of the whole job; a shard is one rank's part of
+it. A shard is complete once its marker exists (the rank renames the data file in first, then
+writes the marker) and the data file has the marker's size; its marker carries the sha256 that
+every copy is checked against (the buddy on receipt, the rank before loading).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+_POINT = re.compile(r"^step_(\d+)\.gen_(\d+)$")
+_MARKER = re.compile(r"^rank_(\d+)\.json$")
+OWN, HELD = "own", "held"
+
+
+def point_name(step: int, generation: int) -> str:
+    return f"step_{step:09d}.gen_{generation:04d}"
+
+
+def parse_point(name: str) -> tuple[int, int] | None:
+    """(step, generation) of a point folder's name; None for anything else."""
+    m = _POINT.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def shard_files(point_dir: Path, rank: int) -> tuple[Path, Path]:
+    """A shard's data file and its marker."""
+    return point_dir / f"rank_{rank:05d}.pt", point_dir / f"rank_{rank:05d}.json"
+
+
+def points(folder: Path) -> list[tuple[int, int, Path]]:
+    """The point folders under `folder`, oldest step first: (step, generation, path)."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    found = [(*p, folder / n) for n in names if (p := parse_point(n))]
+    return sorted(found)
+
+
+def complete_shards(point_dir: Path) -> dict[int, dict]:
+    """rank -> marker, for each shard in `point_dir` whose data file is all there."""
+    out = {}
+    try:
+        names = os.listdir(point_dir)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        m = _MARKER.match(name)
+        if not m:
+            continue
+        rank = int(m.group(1))
+        data, marker = shard_files(point_dir, rank)
+        try:
+            meta = json.loads(marker.read_text())
+            if data.stat().st_size == meta["bytes"]:
+                out[rank] = meta
+        except (OSError, ValueError, KeyError):
+            continue  # being replaced, or not one of ours
+    return out
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def check_shard(point_dir: Path, rank: int) -> tuple[dict | None, str | None]:
+    """The shard's marker after checking its bytes against it, or (None, what is wrong)."""
+    data, marker = shard_files(point_dir, rank)
+    try:
+        meta = json.loads(marker.read_text())
+    except FileNotFoundError:
+        return None, f"no shard of rank {rank} in {point_dir}"
+    except (OSError, ValueError) as e:
+        return None, f"the marker of rank {rank} in {point_dir} is unreadable: {e}"
+    try:
+        size = data.stat().st_size
+    except FileNotFoundError:
+        return None, f"{data} is missing"
+    if size != meta.get("bytes"):
+        return None, f"{data} has {size} bytes, its marker says {meta.get('bytes')}"
+    digest = sha256_file(data)
+    if digest != meta.get("sha256"):
+        return None, f"{data} fails its sha256 check"
+    return meta, None
+
+
+def write_marker(point_dir: Path, rank: int, meta: dict) -> None:
+    """The marker, atomically (renamed in): its presence says the shard is complete."""
+    _, marker = shard_files(point_dir, rank)
+    tmp = marker.with_name(f".{marker.name}.tmp")
+    tmp.write_text(json.dumps(meta))
+    os.replace(tmp, marker)
+
+
+def remove_point(point_dir: Path) -> None:
+    shutil.rmtree(point_dir, ignore_errors=True)

@@ -1,0 +1,100 @@
+"""In-memory snapshots, rank side: real gloo ranks take them into a folder as an agent would give
+them, and a next run resumes from one exactly where the first run was, or (a shard corrupt, the
+layout changed) every rank falls back to disk together, saying why.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+from cluster import metrics, train_ranks, write_job
+
+from optimus.checkpoint.snapshot_files import complete_shards, point_name, points, shard_files
+
+STEPS = 12
+
+
+def _job(tmp_path: Path, name: str, **checkpoint) -> Path:
+    run = tmp_path / name
+    path = write_job(tmp_path / f"{name}.yaml", run, steps=STEPS)
+    job = yaml.safe_load(path.read_text())
+    job["checkpoint"].update({"interval": 0, **checkpoint})
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in metrics(run) if "loss" in m}
+
+
+def _samples(run: Path) -> dict[int, str]:
+    return {m["step"]: json.dumps(m["data"]) for m in metrics(run) if m.get("data")}
+
+
+def _events(run: Path, kind: str) -> list[dict]:
+    return [m for m in metrics(run) if m.get("event") == kind]
+
+
+def test_a_run_resumed_from_a_snapshot_continues_exactly(tmp_path):
+    own = tmp_path / "shm" / "own"
+    first = _job(tmp_path, "first", memory_every=3)
+    train_ranks(first, 2, env={"OPTIMUS_SNAPSHOT_DIR": str(own), "OPTIMUS_GENERATION": "0"})
+    taken = [(step, gen) for step, gen, _ in points(own)]
+    assert taken == [(3, 0), (6, 0), (9, 0)]  # every 3 steps, not the last (disk has it)
+    shards = complete_shards(own / point_name(9, 0))
+    assert sorted(shards) == [0, 1]
+    assert shards[1]["step"] == 9 and shards[1]["data_index"] == 9 * 8  # batch 8
+
+    # A second generation, told by its agent to load step 9, trains 10..12 as the first did.
+    second = _job(tmp_path, "second", memory_every=0)
+    request = {"step": 9, "generation": 0, "dir": str(own / point_name(9, 0))}
+    train_ranks(second, 2, env={"OPTIMUS_SNAPSHOT_RESUME": json.dumps(request),
+                                "OPTIMUS_GENERATION": "1"})
+    (resume,) = _events(tmp_path / "second", "resume")
+    assert resume["source"] == "memory" and resume["step"] == 9 and resume["data_index"] == 72
+    expected, got = _losses(tmp_path / "first"), _losses(tmp_path / "second")
+    assert sorted(got) == [10, 11, 12]
+    for step in got:
+        assert abs(got[step] - expected[step]) < 1e-6, (step, got[step], expected[step])
+    # Exactly once: steps 10..12 read the samples the first run read there, none other.
+    assert {s: v for s, v in _samples(tmp_path / "first").items() if s > 9} == \
+        _samples(tmp_path / "second")
+
+
+def test_a_corrupt_shard_sends_every_rank_to_disk_with_the_reason(tmp_path):
+    own = tmp_path / "shm" / "own"
+    first = _job(tmp_path, "first", memory_every=4, interval=4, keep_last=10)
+    train_ranks(first, 2, env={"OPTIMUS_SNAPSHOT_DIR": str(own), "OPTIMUS_GENERATION": "0"})
+    data, _ = shard_files(own / point_name(8, 0), 1)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    # The same run folder: its disk checkpoints (steps 4, 8, 12) are what the ranks fall back to.
+    job = yaml.safe_load(first.read_text())
+    job["optim"]["steps"] = 14
+    first.write_text(yaml.safe_dump(job))
+    request = {"step": 8, "generation": 0, "dir": str(own / point_name(8, 0))}
+    train_ranks(first, 2, env={"OPTIMUS_SNAPSHOT_RESUME": json.dumps(request),
+                               "OPTIMUS_GENERATION": "1"})
+    notes = [m["message"] for m in _events(tmp_path / "first", "checkpoint")
+             if "memory snapshot" in m["message"]]
+    assert len(notes) == 1 and "rank 1: " in notes[0], notes
+    assert "rank_00001.pt fails its sha256 check" in notes[0], notes
+    resume = _events(tmp_path / "first", "resume")[-1]
+    assert resume["source"] == "disk" and resume["step"] == 12
+
+
+def test_a_snapshot_of_another_layout_is_refused(tmp_path):
+    own = tmp_path / "shm" / "own"
+    first = _job(tmp_path, "first", memory_every=5)
+    train_ranks(first, 2, env={"OPTIMUS_SNAPSHOT_DIR": str(own), "OPTIMUS_GENERATION": "0"})
+    second = _job(tmp_path, "second", memory_every=0)
+    request = {"step": 10, "generation": 0, "dir": str(own / point_name(10, 0))}
+    train_ranks(second, 1, env={"OPTIMUS_SNAPSHOT_RESUME": json.dumps(request)})
+    (note,) = [m["message"] for m in _events(tmp_path / "second", "checkpoint")
+               if "memory snapshot" in m["message"]]
+    assert "taken under layout cpu:dp2" in note and "this run is cpu:dp1" in note, note
+    assert not _events(tmp_path / "second", "resume")  # nothing on disk either: from scratch
+    assert sorted(_losses(tmp_path / "second"))[0] == 1
