@@ -56,6 +56,7 @@ from typing import Any
 from controller.detect import COLLECTIVE_PHASES
 from controller.exit_text import own_lines
 from controller.health_check import health_check
+from controller.snapshots import SnapshotKeeper, default_root, job_secret
 from controller.spawn import Spawner
 from controller.stacks import Target, collect, find_py_spy
 from controller.store import NodeSummary, Store, StoreUnavailable
@@ -86,7 +87,8 @@ class RankProcess:
 
 class Agent:
     def __init__(self, store: Store, node: str, *, interval_s: float = 1.0,
-                 host: str | None = None, socket_dir: str | None = None):
+                 host: str | None = None, socket_dir: str | None = None,
+                 snapshot_root: Path | None = None):
         self.store, self.node, self.interval_s = store, node, interval_s
         self.host = host or socket.gethostname()
         self.procs: dict[int, RankProcess] = {}
@@ -104,7 +106,11 @@ class Agent:
         self.corrupt_tiles: set[int] = set()  # fault injection: tiles whose checks go wrong
         self.checked_for: int | None = None  # the generation the last pre-launch check was for
         self.fit_for = True
-        self.info = {"host": self.host, "pid": os.getpid(), **self._check_health()}
+        # In-memory snapshots: this node's ranks' and the replicas it holds for its peers.
+        self.snapshots = SnapshotKeeper((snapshot_root or default_root()) / store.job / node,
+                                        node, job_secret(store.url, store.job), self.host)
+        self.info = {"host": self.host, "pid": os.getpid(),
+                     "snapshot_addr": self.snapshots.address, **self._check_health()}
         sock_dir = Path(socket_dir or tempfile.gettempdir()) / f"optimus-{os.getuid()}"
         sock_dir.mkdir(mode=0o700, exist_ok=True)
         tag = hashlib.sha1(f"{store.job}/{node}/{os.getpid()}".encode()).hexdigest()[:12]
@@ -138,6 +144,8 @@ class Agent:
                     next_tick = max(next_tick + self.interval_s, now - self.interval_s / 2)
                     self._tick()
                 self._escalate()
+                if not self.redis_down:  # a new point goes to the buddy, and is reported, at once
+                    self._report_snapshots()
                 time.sleep(POLL_S)
             self._flush_exits()
             with contextlib.suppress(StoreUnavailable):
@@ -147,6 +155,7 @@ class Agent:
             return 0
         finally:
             self.spawner.close()
+            self.snapshots.close()
             self.sock.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
@@ -215,6 +224,16 @@ class Agent:
             self._follow(self.latest_plan)
         self._check_node_faults()
 
+    def _report_snapshots(self) -> None:
+        report = self.snapshots.poll(self.plan, self.generation)
+        if report is None:
+            return
+        try:
+            self.store.set_snapshots(self.node, report)
+        except StoreUnavailable as e:
+            self.snapshots.unreported()
+            self._note_outage(e)
+
     def _note_outage(self, e: Exception) -> None:
         if not self.redis_down:
             log.warning("Redis unreachable; the ranks keep running: %s", e)
@@ -240,6 +259,8 @@ class Agent:
                 return  # the node record or the stop request says why
             if self.spawner.warming():
                 return  # its imports are nearly done: ranks then start in milliseconds
+            if self.snapshots.resume_dir(plan)[0] == "waiting":
+                return  # a lost node's shards are on their way from the node that holds them
             self._launch(plan)
 
     def _live(self) -> bool:
@@ -282,6 +303,7 @@ class Agent:
         command = ["optimus", "train", plan["job_file"]]
         for override in plan.get("overrides", []):
             command += ["--set", override]
+        snapshot_env = self._snapshot_env(plan)
         for local_rank in range(rpn):
             rank = node_rank * rpn + local_rank
             env = {**os.environ,
@@ -294,7 +316,8 @@ class Agent:
                    "OPTIMUS_AGENT_SOCKET": self.socket_path,
                    "OPTIMUS_CONTROL_FILE": str(self.control_path),
                    "OPTIMUS_CHAOS_FILE": str(self.chaos_path),
-                   "OPTIMUS_AGENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+                   "OPTIMUS_AGENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
+                   **snapshot_env}
             path = log_dir / f"rank_{rank:05d}.log"
             env["OPTIMUS_STACKS_FILE"] = str(log_dir / f"rank_{rank:05d}.stacks")
             popen = self.spawner.start(command, env, path)
@@ -304,6 +327,27 @@ class Agent:
                 compute=deque(maxlen=plan.get("straggler_window", 20)))
         self._event("launch", f"generation {gen}: ranks {node_rank * rpn}-"
                     f"{node_rank * rpn + rpn - 1} started on {self.node}")
+
+    def _snapshot_env(self, plan: dict) -> dict[str, str]:
+        """Where this generation's ranks write snapshots, and the point they resume from when
+        the plan names one (every rank gets it; a rank whose shard is missing says so, and all
+        then resume from disk)."""
+        env = {"OPTIMUS_SNAPSHOT_DIR": str(self.snapshots.own)}
+        _, folder = self.snapshots.resume_dir(plan)
+        memory = plan.get("memory")
+        if folder is None or not memory:
+            return env
+        env["OPTIMUS_SNAPSHOT_RESUME"] = json.dumps(
+            {"step": memory["step"], "generation": memory["generation"], "dir": str(folder)})
+        holder = memory.get("holders", {}).get(self.node)
+        if holder is not None:
+            problem = self.snapshots.fetch_error()
+            self._event("snapshot", f"generation {plan['generation']}: {self.node} "
+                        + (f"could not fetch the shards of step {memory['step']} from "
+                           f"{holder['node']}: {problem}" if problem else
+                           f"fetched the shards of step {memory['step']} from {holder['node']}"),
+                        step=memory["step"], holder=holder["node"], ok=problem is None)
+        return env
 
     def _stop(self, grace_s: float, reason: str, save: bool = True) -> None:
         if not save and not self.no_save and self._live():

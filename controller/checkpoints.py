@@ -104,7 +104,8 @@ class CheckpointView:
         notes = {q.get("step"): q for q in quarantined(self.root)} if steps else {}
         aside = [{"step": step, "reason": notes.get(step, {}).get("reason", ""),
                   "path": notes.get(step, {}).get("path", "")} for step in steps]
-        return {"step": report.get("step"), "quarantined": aside}
+        return {"step": report.get("step"), "quarantined": aside,
+                "source": report.get("source", "disk")}
 
 
 def _clock(t: float | None) -> str:

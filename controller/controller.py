@@ -194,10 +194,11 @@ class Controller:
                 health=node_info.get("health_detail", node_info.get("health", "unknown")),
                 excluded=excluded.get(name),
                 generation=int(st["generation"]) if st.get("generation") else None,
-                live_ranks=int(st.get("live_ranks", 0)), last_beat=beats.get(name, 0.0))
+                live_ranks=int(st.get("live_ranks", 0)), last_beat=beats.get(name, 0.0),
+                snapshot_addr=node_info.get("snapshot_addr", ""))
         return Observed(now=now, job=job, plan=plan, nodes=nodes, latest_step=latest,
                         skipped=skipped, suspect_steps=suspect, unhealthy=unhealthy,
-                        unhealthy_idle=idle,
+                        unhealthy_idle=idle, snapshots=self.store.snapshots(),
                         excluded=excluded, **operator)
 
     def _unhealthy(self, nodes: list[str]) -> tuple[dict[str, str], frozenset[str]]:

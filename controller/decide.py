@@ -366,11 +366,18 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
         return
 
     chosen = chosen[:fits[0]]
+    memory, not_used = _memory_resume(obs, d, chosen, usable)
+    if memory is not None:
+        chosen = memory.pop("nodes")
     gen = max(job.generation, plan["generation"] if plan else -1) + 1
     spares = [n for n in chosen if n not in previous]
-    start = (f"from the checkpoint of step {obs.latest_step}" if obs.latest_step is not None
+    resume_step = memory["step"] if memory else obs.latest_step
+    start = (f"from the memory snapshot of step {memory['step']}" if memory else
+             f"from the checkpoint of step {obs.latest_step}" if obs.latest_step is not None
              else "from scratch")
     reason = f"generation {gen} on {names(chosen)} {start}"
+    if not_used:
+        reason += f" (memory snapshot not used: {not_used})"
     if d.set_aside:
         reason += (f" (set aside as suspect: step "
                    f"{', '.join(str(step) for step, _ in d.set_aside)})")
@@ -386,13 +393,49 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
         "generation": gen, "action": "run", "nodes": chosen,
         "ranks_per_node": s.ranks_per_node, "world_size": len(chosen) * s.ranks_per_node,
         "master_addr": obs.nodes[chosen[0]].host, "master_port": 0,  # node 0's agent picks it
-        "resume_step": obs.latest_step, "grace_s": s.failure_grace_s,
+        "resume_step": resume_step, "grace_s": s.failure_grace_s,
+        "buddies": recovery.buddies(chosen, sorted(usable - set(chosen)),
+                                    {n: v.snapshot_addr for n, v in obs.nodes.items()}),
+        **({"memory": memory} if memory else {}),
         "heartbeat_timeout_s": s.heartbeat_timeout_s, "startup_timeout_s": s.startup_timeout_s,
         "reason": reason, "issued": obs.now,
     }
     d.job.update({"state": PAUSING if job.desired == "pause" else RUNNING, "generation": gen,
                   "reason": reason, "failure_since": None, "next_plan_at": None})
     d.note("generation", reason)
+
+
+def _memory_resume(obs: Observed, d: Decision, chosen: list[str],
+                   usable: set[str]) -> tuple[dict | None, str | None]:
+    """The plan's `memory` entry when the next generation resumes from an in-memory snapshot
+    (recovery.memory_point), with the nodes it runs on ("nodes": survivors keep their slots, a
+    replacement takes a lost node's slot, preferring the node that holds its copy); or None and
+    why not, when a snapshot newer than the disk checkpoint exists but cannot be used."""
+    plan = obs.plan
+    alive = {n for n, v in obs.nodes.items() if v.alive}
+    point, why = recovery.memory_point(plan, obs.snapshots, alive, obs.latest_step)
+    if point is None:
+        return None, why
+    if d.set_aside or obs.job.suspect:
+        return None, "evidence of wrong arithmetic: no recent state is trusted"
+    previous = plan["nodes"]
+    if len(chosen) != len(previous):
+        return None, (f"the next generation runs on {len(chosen)} nodes, not {len(previous)}: "
+                      "a snapshot is only loaded by the layout that took it")
+    free = [n for n in chosen if n not in previous]
+    nodes, holders = [], {}
+    for old, slot in zip(previous, point["slots"], strict=True):
+        if old in usable:
+            new = old
+        else:
+            new = next((n for n in slot if n in free), free[0])
+            free.remove(new)
+        nodes.append(new)
+        if new not in slot:  # its shards come from a node that holds them
+            source = slot[0]
+            holders[new] = {"node": source, "addr": obs.nodes[source].snapshot_addr}
+    return {"step": point["step"], "generation": point["generation"], "holders": holders,
+            "nodes": nodes}, None
 
 
 def names(nodes: list[str], shown: int = 8) -> str:

@@ -9,12 +9,17 @@ pure rules, like decide.py, which calls them.
 - `loaded`: rank 0's report of what its generation really loaded (it verifies every sha256 and
   sets aside what is corrupt; the plan only predicted, from sizes), into the job record and a
   `loaded` event.
+- `memory_point`, `buddies`: the newest in-memory snapshot a next generation can resume from
+  (every shard and its replica committed, and still held by a live node), and who holds each
+  node's copy (controller/snapshots.py keeps them on the agents). The plan takes it over the
+  disk checkpoint when it is at least as new and the layout stays the same.
 """
 
 from __future__ import annotations
 
 from controller.detect import Evidence
 from controller.view import Decision, JobView, Observed
+from optimus.checkpoint.snapshot_files import parse_point
 
 
 def window(job: JobView, plan: dict, wrong: list[Evidence]) -> dict:
@@ -57,7 +62,8 @@ def loaded(obs: Observed, d: Decision) -> None:
         return
     step, planned = report.get("step"), plan.get("resume_step")
     d.job.update({"resumed_gen": gen, "resumed_step": step})
-    what = f"the checkpoint of step {step}" if step is not None else "scratch"
+    what = (("the memory snapshot" if report.get("source") == "memory" else "the checkpoint")
+            + f" of step {step}") if step is not None else "scratch"
     message = f"generation {gen} resumed from {what}"
     aside = report.get("quarantined", [])
     if step != planned:
@@ -68,4 +74,81 @@ def loaded(obs: Observed, d: Decision) -> None:
             f"step {q['step']} ({q.get('reason') or 'corrupt'})" for q in aside)
     d.note("loaded", message, generation=gen, step="" if step is None else step,
            planned_step="" if planned is None else planned,
+           source=report.get("source", "disk"),
            quarantined=[q["step"] for q in aside])
+
+
+# --- in-memory snapshots ---------------------------------------------------------------------
+
+SPARE_LOAD = 2  # nodes whose copies one spare holds at most (each is a node's snapshot in RAM)
+
+
+def buddies(chosen: list[str], spares: list[str], addrs: dict[str, str]) -> dict[str, dict]:
+    """Who holds each node's snapshot copy: {node: {"node", "addr"}}. A spare when there is
+    room on one (a spare that replaces the node then already holds its shards), else the next
+    node of the generation, so that no single lost node takes both copies. A lone node with no
+    spare has no buddy: its snapshots never become usable (the disk checkpoint stays the
+    recovery point)."""
+    spares = [s for s in spares if addrs.get(s)]
+    out = {}
+    for i, node in enumerate(chosen):
+        if i < SPARE_LOAD * len(spares):
+            buddy = spares[i % len(spares)]
+        elif len(chosen) > 1:
+            buddy = chosen[(i + 1) % len(chosen)]
+        else:
+            continue
+        if addrs.get(buddy):
+            out[node] = {"node": buddy, "addr": addrs[buddy]}
+    return out
+
+
+def memory_point(plan: dict | None, reports: dict[str, dict], alive: set[str],
+                 disk_step: int | None) -> tuple[dict | None, str | None]:
+    """The newest in-memory snapshot of `plan`'s generation layout that is usable, or None and
+    why not (None, None: there is nothing to say, e.g. no snapshot newer than the disk).
+
+    Usable means committed — every rank's shard has a replica on another node, which that node
+    checked against the shard's sha256 on receipt (and a node pushes only complete shards), as
+    the agents' reports say — and still there: each node slot's shards held whole, as its own
+    or as a replica, by a node that is alive. (Nodes keep their own copy of a point until a
+    newer one is confirmed, so the newest committed point usually has both.) The result: {"step", "generation",
+    "slots": [the alive nodes holding slot i's shards, for each node slot i of the plan]}.
+    """
+    if not plan or not reports:
+        return None, None
+    nodes, rpn = plan["nodes"], plan["ranks_per_node"]
+    found: set[str] = set()
+    newest = None
+    for report in reports.values():
+        found |= set(report.get("own", {}))
+    for name in sorted((n for n in found if parse_point(n)), key=parse_point, reverse=True):
+        step, generation = parse_point(name)
+        if disk_step is not None and step < disk_step:
+            break  # the disk checkpoint is newer
+        own = {n: set(r.get("own", {}).get(name, ())) for n, r in reports.items()}
+        held = {n: set(r.get("held", {}).get(name, ())) for n, r in reports.items()}
+        slots, lost = [], None
+        committed = True
+        for i, node in enumerate(nodes):
+            ranks = set(range(i * rpn, (i + 1) * rpn))
+            owners = {n for n, have in own.items() if ranks <= have}
+            copies = {n for n, have in held.items() if ranks <= have} - {node}
+            if not copies:
+                committed = False
+                break
+            holders = sorted((owners | copies) & alive)
+            if not holders and lost is None:
+                lost = (f"the memory snapshot of step {step} is lost: node {node} and the node "
+                        f"holding its copy ({', '.join(sorted(copies))}) are both gone")
+            slots.append(holders)
+        if not committed:
+            newest = newest or step
+            continue  # being written or replicated: an older point may be complete
+        if lost:
+            return None, lost
+        return {"step": step, "generation": generation, "slots": slots}, None
+    if newest is not None:
+        return None, (f"no snapshot newer than the disk checkpoint is complete on every rank "
+                      f"and replicated (the newest taken: step {newest})")
+    return None, None

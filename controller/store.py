@@ -447,6 +447,17 @@ class Store:
             pipe.execute()
         self.call(write)
 
+    def set_snapshots(self, node: str, report: dict) -> None:
+        """What in-memory snapshots the node holds (controller/snapshots.py: its address, its
+        own ranks' complete points, the replicas it holds, which points its buddy confirmed).
+        Written when it changes; a lost node's last report stays, as the record of what was
+        replicated before it went."""
+        self.call(lambda: self.r.hset(self.k("snapshots"), node, json.dumps(report)))
+
+    def snapshots(self) -> dict[str, dict]:
+        raw = self.call(lambda: self.r.hgetall(self.k("snapshots")))
+        return {n: json.loads(v) for n, v in raw.items()}
+
     def nodes(self) -> dict[str, dict]:
         raw = self.call(lambda: self.r.hgetall(self.k("nodes")))
         return {n: json.loads(v) for n, v in raw.items()}

@@ -114,6 +114,7 @@ class NodeView:
     generation: int | None = None  # the generation its agent runs or last ran
     live_ranks: int = 0
     last_beat: float = 0.0
+    snapshot_addr: str = ""  # host:port of its agent's snapshot server
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,8 @@ class Observed:
     control: dict = field(default_factory=dict)  # what agents pass to ranks: pause, checkpoint
     paused_nodes: int = 0  # nodes of the running generation whose ranks all wait paused
     known_nodes: frozenset[str] = frozenset()  # every registered node (read with requests)
+    # Between generations: each node's report of the in-memory snapshots it holds.
+    snapshots: dict[str, dict] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -497,7 +497,8 @@ def test_what_the_ranks_loaded_is_reported_once_and_named_when_not_as_planned():
     (kind, message, fields), = [e for e in d.events if e[0] == "loaded"]
     assert message == ("generation 1 resumed from the checkpoint of step 50, not from step 60 "
                        "as planned: rank 0 set aside step 60 (checksum mismatch: x)")
-    assert fields == {"generation": 1, "step": 50, "planned_step": 60, "quarantined": [60]}
+    assert fields == {"generation": 1, "step": 50, "planned_step": 60, "quarantined": [60],
+                      "source": "disk"}
     seen = busy(generation=1, progress_gen=1, resumed_gen=1, resumed_step=50)
     assert [e for e in decide(running(job=seen, plan=plan, resumed=report), S).events
             if e[0] == "loaded"] == []

@@ -1,0 +1,386 @@
+"""A node's in-memory snapshots, kept by its agent: the folder its ranks write into, the push of
+each complete point to the node's buddy, the replicas it holds for other nodes, and the pull a
+replacement node makes before its ranks start.
+
+    /dev/shm/optimus-<uid>/<job>/<node>/own/...    this node's ranks' shards
+                                        held/...   replicas of other nodes' shards
+
+(optimus/checkpoint/snapshot_files.py names what lies inside.) The folder is shared memory that
+belongs to the agent, not to a rank: a crashed rank or a restarted generation loses nothing. A
+new agent process is a rebooted node: it empties the folder, since nothing from before is
+vouched for. The controller learns what each node holds from a small report the agent writes
+to Redis when it changes (`Store.set_snapshots`); the bytes never go through Redis.
+
+Transport, agent to agent, one TCP connection per transfer (stdlib socketserver: two message
+kinds, files streamed straight to and from shared memory; a framework would add nothing). The
+server sends a fresh 32-byte challenge; the client answers with its request (one JSON line) and
+an HMAC-SHA256 of challenge + request under the job's secret — OPTIMUS_SNAPSHOT_SECRET, or one
+derived from the Redis URL with its password, which every agent of the job already holds — so
+only the job's agents can push or pull. Replies carry an HMAC of the same challenge too, and
+every file is checked against its marker's sha256 on receipt; a replica lands in `held/` only
+when all of its files check (renamed in, markers last).
+
+- push (`{"op": "push", "point", "files": [marker, ...]}` + the files' bytes): the buddy stores
+  them under held/<point>/ and answers {"ok": true}; the pusher reports the point replicated.
+- pull (`{"op": "pull", "point", "ranks"}`): the holder answers with the markers, then the
+  bytes, from own/ or held/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import socketserver
+import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from optimus.checkpoint.snapshot_files import (
+    HELD,
+    OWN,
+    check_shard,
+    complete_shards,
+    parse_point,
+    point_name,
+    points,
+    remove_point,
+    shard_files,
+    write_marker,
+)
+
+log = logging.getLogger("optimus.agent")
+
+KEEP = 2  # complete points kept per folder (and the one the running generation resumed from)
+TIMEOUT_S = 60.0  # per socket operation
+_CHUNK = 1 << 20
+
+
+def default_root() -> Path:
+    """Shared memory when the machine has it (Linux /dev/shm), else the temporary folder."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return base / f"optimus-{os.getuid()}"
+
+
+def job_secret(redis_url: str, job: str) -> bytes:
+    """The key agents of one job authenticate each other with (see the top of this module)."""
+    explicit = os.environ.get("OPTIMUS_SNAPSHOT_SECRET")
+    material = explicit if explicit else f"{redis_url}\n{job}"
+    return hashlib.sha256(material.encode()).digest()
+
+
+class SnapshotKeeper:
+    def __init__(self, root: Path, node: str, secret: bytes, host: str):
+        self.root, self.node, self.secret = Path(root), node, secret
+        shutil.rmtree(self.root, ignore_errors=True)  # a new agent: nothing before it counts
+        self.own, self.held = self.root / OWN, self.root / HELD
+        self.own.mkdir(parents=True, mode=0o700)
+        self.held.mkdir(mode=0o700)
+        self._server = _Server(("0.0.0.0", 0), _Handler)
+        self._server.keeper = self
+        self.address = f"{host}:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, name="snapshot-server",
+                         daemon=True).start()
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="snapshot-link")
+        self._push: Future | None = None
+        self._pushing: str | None = None
+        self.replicated: dict[str, str] = {}  # point -> the buddy that confirmed it
+        self.failed: dict[str, str] = {}  # point -> why its push failed
+        self._fetch: Future | None = None
+        self._fetch_key: tuple | None = None
+        self._reported: str | None = None
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # --- the agent's tick ----------------------------------------------------------------------
+
+    def poll(self, plan: dict | None, generation: int | None) -> dict | None:
+        """Every tick: drop old points, push the newest complete one of the running generation to
+        the buddy when it is not there yet. Returns the report when it changed since the last."""
+        resume = _resume_point(plan) if plan and plan.get("generation") == generation else None
+        _retain_own(self.own, set(self.replicated), resume)
+        _retain_held(self.held, resume)
+        if plan and generation is not None and plan.get("generation") == generation \
+                and self.node in plan.get("nodes", []):
+            self._replicate(plan)
+        report = self.report()
+        text = json.dumps(report, sort_keys=True)
+        if text == self._reported:
+            return None
+        self._reported = text
+        return report
+
+    def unreported(self) -> None:
+        """The last report did not reach the store: send it again next time."""
+        self._reported = None
+
+    def report(self) -> dict:
+        return {"addr": self.address,
+                "own": {p.name: sorted(complete_shards(p)) for _, _, p in points(self.own)},
+                "held": {p.name: sorted(complete_shards(p)) for _, _, p in points(self.held)},
+                "replicated": {p: b for p, b in self.replicated.items()
+                               if (self.own / p).is_dir()}}
+
+    def _replicate(self, plan: dict) -> None:
+        if self._push is not None:
+            if not self._push.done():
+                return
+            point, buddy = self._pushing, plan["buddies"].get(self.node, {}).get("node")
+            try:
+                self._push.result()
+                self.replicated[point] = buddy
+                self.failed.pop(point, None)
+            except (OSError, ValueError) as e:
+                self.failed[point] = str(e)
+                log.warning("snapshot %s not replicated to %s: %s", point, buddy, e)
+            self._push = self._pushing = None
+        buddy = plan.get("buddies", {}).get(self.node)
+        if not buddy:
+            return
+        mine = set(_node_ranks(plan, self.node))
+        for _, gen, path in reversed(points(self.own)):
+            if gen != plan["generation"]:
+                continue
+            if not mine <= set(complete_shards(path)):
+                continue  # still being written
+            if path.name not in self.replicated and path.name not in self.failed:
+                self._pushing = path.name
+                self._push = self._pool.submit(push, buddy["addr"], self.secret, path,
+                                               sorted(mine))
+            return  # only the newest complete point is worth sending
+
+    # --- a generation's start ------------------------------------------------------------------
+
+    def resume_dir(self, plan: dict) -> tuple[str, Path | None]:
+        """Where this node's ranks load the plan's memory point from: ("ready", folder),
+        ("waiting", None) while a pull from the holder runs, ("none", None) when the plan names
+        none. A pull that failed leaves ("ready", the empty folder): the ranks then find their
+        shards missing and all resume from disk, saying so."""
+        memory = plan.get("memory")
+        if not memory:
+            return "none", None
+        name = point_name(memory["step"], memory["generation"])
+        mine = set(_node_ranks(plan, self.node))
+        for folder in (self.own / name, self.held / name):
+            if mine <= set(complete_shards(folder)):
+                return "ready", folder
+        holder = memory.get("holders", {}).get(self.node)
+        key = (plan["generation"], name)
+        if holder is None:
+            return "ready", self.held / name
+        if self._fetch_key != key:
+            self._fetch_key = key
+            self._fetch = self._pool.submit(pull, holder["addr"], self.secret, self.held / name,
+                                            sorted(mine))
+        if not self._fetch.done():
+            return "waiting", None
+        with contextlib.suppress(Exception):
+            self._fetch.result()
+        return "ready", self.held / name
+
+    def fetch_error(self) -> str | None:
+        if self._fetch is None or not self._fetch.done():
+            return None
+        exc = self._fetch.exception()
+        return None if exc is None else str(exc)
+
+
+def _node_ranks(plan: dict, node: str) -> range:
+    rpn = plan["ranks_per_node"]
+    i = plan["nodes"].index(node)
+    return range(i * rpn, (i + 1) * rpn)
+
+
+def _resume_point(plan: dict) -> str | None:
+    memory = plan.get("memory")
+    return point_name(memory["step"], memory["generation"]) if memory else None
+
+
+def _retain_own(folder: Path, replicated: set[str], keep_also: str | None) -> None:
+    """This node's points: keep the newest KEEP its buddy confirmed and every newer one (being
+    written or replicated), and the point the running generation resumed from; before any is
+    confirmed, the newest KEEP. The newest point committed for the whole job (every node's
+    shards replicated) may be one behind this node's newest confirmed one: keeping both lets a
+    surviving node load its own copy instead of fetching it."""
+    found = points(folder)
+    confirmed = [p for *_, p in found if p.name in replicated]
+    floor = (confirmed[-KEEP:][0] if confirmed else
+             found[-KEEP][2] if len(found) >= KEEP else None)
+    if floor is None:
+        return
+    for *_, path in found:
+        if parse_point(path.name) < parse_point(floor.name) and path.name != keep_also:
+            remove_point(path)
+
+
+def _retain_held(folder: Path, keep_also: str | None) -> None:
+    """Replicas: for every rank, the newest KEEP points that hold its shard (pushers are not in
+    step: one node's newest may be another's older), and the resumed-from point."""
+    found = points(folder)
+    keep, seen = {keep_also}, {}
+    for *_, path in reversed(found):
+        for rank in complete_shards(path):
+            if seen.get(rank, 0) < KEEP:
+                seen[rank] = seen.get(rank, 0) + 1
+                keep.add(path.name)
+    for *_, path in found:
+        if path.name not in keep:
+            remove_point(path)
+
+
+# --- transfers -------------------------------------------------------------------------------
+
+def push(addr: str, secret: bytes, point_dir: Path, ranks: list[int]) -> None:
+    """Send these ranks' shards of a point to the agent at `addr`; raises unless it confirms."""
+    markers = []
+    for rank in ranks:
+        meta, problem = check_shard(point_dir, rank)
+        if problem:
+            raise ValueError(problem)
+        markers.append(meta)
+    with _connect(addr) as (sock, f, challenge):
+        _send_request(sock, secret, challenge, {"op": "push", "point": point_dir.name,
+                                                "files": markers})
+        for meta in markers:
+            data, _ = shard_files(point_dir, meta["rank"])
+            with open(data, "rb") as src:
+                sock.sendfile(src)
+        reply = _read_reply(f, secret, challenge)
+    if not reply.get("ok"):
+        raise ValueError(f"the buddy refused the snapshot: {reply.get('error')}")
+
+
+def pull(addr: str, secret: bytes, point_dir: Path, ranks: list[int]) -> None:
+    """Fetch these ranks' shards of a point from the agent at `addr` into `point_dir`."""
+    with _connect(addr) as (sock, f, challenge):
+        _send_request(sock, secret, challenge, {"op": "pull", "point": point_dir.name,
+                                                "ranks": ranks})
+        reply = _read_reply(f, secret, challenge)
+        if not reply.get("ok"):
+            raise ValueError(f"{addr} cannot serve {point_dir.name}: {reply.get('error')}")
+        _receive(f, point_dir, reply["files"])
+
+
+def _receive(f, point_dir: Path, markers: list[dict]) -> None:
+    """Files as announced by `markers`, each checked against its sha256, into `point_dir`;
+    the markers go in only once every file checks."""
+    incoming = point_dir.parent / f".incoming-{secrets.token_hex(6)}"
+    incoming.mkdir(parents=True)
+    try:
+        for meta in markers:
+            data, _ = shard_files(incoming, int(meta["rank"]))
+            digest, left = hashlib.sha256(), int(meta["bytes"])
+            with open(data, "wb") as out:
+                while left:
+                    chunk = f.read(min(_CHUNK, left))
+                    if not chunk:
+                        raise ValueError(f"the connection ended {left} bytes short of rank "
+                                         f"{meta['rank']}'s shard")
+                    digest.update(chunk)
+                    out.write(chunk)
+                    left -= len(chunk)
+            if digest.hexdigest() != meta["sha256"]:
+                raise ValueError(f"rank {meta['rank']}'s shard arrived with a wrong sha256")
+        point_dir.mkdir(parents=True, exist_ok=True)
+        for meta in markers:
+            data, _ = shard_files(incoming, int(meta["rank"]))
+            os.replace(data, shard_files(point_dir, int(meta["rank"]))[0])
+            write_marker(point_dir, int(meta["rank"]), meta)
+    finally:
+        shutil.rmtree(incoming, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _connect(addr: str):
+    host, _, port = addr.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT_S) as sock:
+        f = sock.makefile("rb")
+        challenge = f.read(32)
+        if len(challenge) != 32:
+            raise ValueError(f"{addr} is not a snapshot server")
+        yield sock, f, challenge
+
+
+def _mac(secret: bytes, challenge: bytes, line: bytes) -> str:
+    return hmac.new(secret, challenge + line, hashlib.sha256).hexdigest()
+
+
+def _send_request(sock: socket.socket, secret: bytes, challenge: bytes, request: dict) -> None:
+    line = json.dumps(request).encode()
+    sock.sendall(line + b"\n" + _mac(secret, challenge, line).encode() + b"\n")
+
+
+def _read_reply(f, secret: bytes, challenge: bytes) -> dict:
+    line, mac = f.readline().rstrip(b"\n"), f.readline().strip().decode()
+    if not hmac.compare_digest(mac, _mac(secret, challenge, b"reply" + line)):
+        raise ValueError("the peer's reply fails authentication: another job's agent, or a "
+                         "different OPTIMUS_SNAPSHOT_SECRET")
+    return json.loads(line)
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    keeper: SnapshotKeeper
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        keeper: SnapshotKeeper = self.server.keeper
+        self.request.settimeout(TIMEOUT_S)
+        challenge = secrets.token_bytes(32)
+        self.wfile.write(challenge)
+        line, mac = self.rfile.readline().rstrip(b"\n"), self.rfile.readline().strip().decode()
+        if not hmac.compare_digest(mac, _mac(keeper.secret, challenge, line)):
+            log.warning("snapshot request from %s refused: it fails authentication",
+                        self.client_address[0])
+            return  # say nothing to a stranger
+        try:
+            request = json.loads(line)
+            point = request["point"]
+            if parse_point(point) is None:
+                raise ValueError(f"{point!r} is not a snapshot point")
+            if request["op"] == "push":
+                _receive(self.rfile, keeper.held / point, request["files"])
+                self._reply(keeper, challenge, {"ok": True})
+            elif request["op"] == "pull":
+                self._serve(keeper, challenge, point, request["ranks"])
+            else:
+                raise ValueError(f"unknown op {request['op']!r}")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            with contextlib.suppress(OSError):
+                self._reply(keeper, challenge, {"ok": False, "error": str(e)})
+
+    def _serve(self, keeper: SnapshotKeeper, challenge: bytes, point: str,
+               ranks: list[int]) -> None:
+        markers, sources = [], []
+        for rank in ranks:
+            for folder in (keeper.own / point, keeper.held / point):
+                meta, problem = check_shard(folder, int(rank))
+                if meta is not None:
+                    markers.append(meta)
+                    sources.append(shard_files(folder, int(rank))[0])
+                    break
+            else:
+                raise ValueError(f"{keeper.node} holds no good shard of rank {rank} at {point}")
+        self._reply(keeper, challenge, {"ok": True, "files": markers})
+        for path in sources:
+            with open(path, "rb") as src:
+                self.request.sendfile(src)
+
+    def _reply(self, keeper: SnapshotKeeper, challenge: bytes, reply: dict) -> None:
+        line = json.dumps(reply).encode()
+        self.wfile.write(line + b"\n" + _mac(keeper.secret, challenge, b"reply" + line).encode()
+                         + b"\n")
+        self.wfile.flush()
