@@ -13,10 +13,12 @@ Assumptions, all of them here:
 - pipeline: each microbatch's hidden states cross every stage boundary forward and back, on
   the inter-node link once tp x pp exceeds a node; not overlapped. The bubble is the replay
   of torch's own action list for the schedule (schedules.bubble).
-- data parallel (FSDP2): parameters all-gathered in compute dtype forward and backward (per
-  microbatch, unless the parameters stay gathered: one microbatch, or a zero-bubble
-  schedule), gradients reduce-scattered in fp32 once per step, on the inter-node link;
-  overlapped with compute, so only what exceeds the compute time shows.
+- data parallel (FSDP2): parameters all-gathered in compute dtype for each microbatch's
+  forward and again for its backward (under a pipeline torch's stages hold them from a
+  backward to the next forward: m + 1 a step), or once a step where they stay gathered
+  (`param_gather: step`, or a zero-bubble schedule: PlanLayout.keeps_gathered); gradients
+  reduce-scattered in fp32 once per step, on the inter-node link; overlapped with compute,
+  so only what exceeds the compute time shows.
 - expert parallel: four all-to-alls per MoE layer per microbatch (dispatch and combine,
   forward and backward) of top_k copies of each token, intra-node while tp x ep fits a node.
 - ring collectives: a device sends (n - 1) / n of the buffer; latency per step of the ring.
@@ -116,9 +118,9 @@ def step_time(cfg, lay: PlanLayout, machine: Machine, global_batch: int) -> Step
         # this rank's parameters, unsharded: experts split over ep, the rest over tp
         params = ((matmul_param_count(cfg) - experts) / lay.tp + experts / lay.ep) / lay.pp
         dp_link = machine.intra_gbps if lay.devices <= node else machine.inter_gbps
-        kept = m == 1 and lay.pp == 1 or lay.schedule in ("interleaved_zero_bubble",
-                                                          "zbv_zero_bubble", "dualpipev")
-        gathers = 2 * (1 if kept else m)
+        # counted (tests/test_param_gather.py): 2 per microbatch; m + 1 under a pipeline,
+        # whose stages hold the units gathered from a backward to the next forward
+        gathers = 1 if lay.keeps_gathered else (m + 1 if lay.pp > 1 else 2 * m)
         dp = (gathers * _ring(lay.dp, params * c, dp_link, machine.latency_us)
               + _ring(lay.dp, params * GRAD, dp_link, machine.latency_us))
         dp_exposed = max(0.0, dp - compute)
