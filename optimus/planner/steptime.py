@@ -6,7 +6,10 @@ Assumptions, all of them here:
   (full: every block's; selective: every other block's; op: element-wise ops only, counted as
   free), at the profile's peak times its `sustained` fraction, times a matmul-shape factor:
   a matmul of M tokens and width K runs at M / (M + 128) x K / (K + 128) of the sustained
-  rate (small microbatches and narrow tensor-parallel shards starve the device).
+  rate (small microbatches and narrow tensor-parallel shards starve the device). Under a
+  pipeline the step waits for the busiest rank: its stages' blocks (the earlier stages take
+  the extra layers) plus the output projection and loss on the rank holding the last stage
+  (`_busiest_rank_flops`); without one, every rank does the same.
 - tensor parallel: per block per microbatch two all-gathers and two reduce-scatters of the
   microbatch's hidden states forward, as many backward (and again forward under recompute),
   on the intra-node link while tp fits a node; not overlapped with compute.
@@ -30,6 +33,7 @@ from dataclasses import asdict, dataclass
 
 from optimus.models.counts import flops_per_token, matmul_param_count
 from optimus.models.moe import is_moe_layer
+from optimus.parallel.schedule_rules import stage_ids, stage_layers, stage_style
 from optimus.planner.machines import Machine
 from optimus.planner.memory import COMPUTE, GRAD, PlanLayout
 from optimus.planner.schedules import bubble
@@ -77,6 +81,22 @@ def recompute_flops(cfg, lay: PlanLayout) -> float:
     return share * blocks
 
 
+def _busiest_rank_flops(cfg, lay: PlanLayout) -> float:
+    """FLOPs per token (recompute included) of the pipeline rank with the most work: the
+    rank holding the first stage has the most layers, the one holding the last the head."""
+    head = 6 * cfg.dim * cfg.vocab_size
+    total = flops_per_token(cfg, lay.seq_len) + recompute_flops(cfg, lay)
+    if lay.pp == 1:
+        return total
+    per_layer = (total - head) / cfg.n_layers
+    ranges = stage_layers(cfg.n_layers, lay.pp * lay.v)
+    last = lay.pp * lay.v - 1
+    style = stage_style(lay.schedule)
+    return max(sum(len(ranges[s]) * per_layer + (head if s == last else 0)
+                   for s in stage_ids(r, lay.pp, lay.v, style))
+               for r in {0, lay.pp - 1})
+
+
 def step_time(cfg, lay: PlanLayout, machine: Machine, global_batch: int) -> StepTime:
     """Predicted step time of `lay` with `global_batch` sequences a step."""
     c = COMPUTE[lay.precision]
@@ -88,7 +108,7 @@ def step_time(cfg, lay: PlanLayout, machine: Machine, global_batch: int) -> Step
     shape = (tokens_mb / (tokens_mb + SHAPE_KNEE)
              * (cfg.dim / lay.tp) / (cfg.dim / lay.tp + SHAPE_KNEE))
     rate = machine.peak_tflops * 1e12 * machine.sustained * shape
-    compute = m * tokens_mb * hw_flops / (lay.tp * lay.pp) / rate
+    compute = m * tokens_mb * _busiest_rank_flops(cfg, lay) / lay.tp / rate
 
     layers_here = cfg.n_layers / lay.pp
     hidden = tokens_mb * cfg.dim * c
