@@ -14,7 +14,11 @@ data parallel, as above; Table 1 does not give the interleaving depth v, so the 
 planner finds for that tp x pp), beside the published figure; and the planner's own top 3
 layouts, and whether the paper's tp x pp is among them.
 
-    .venv/bin/python bench/planner_papers.py [--markdown] [--terms]
+Then the job files (`--jobs`): seed 000's 175B on Aurora's Max 1550 tiles (jobs/gpt-175b.yaml,
+on as many tiles as its own layout has) and the Mula models on 64 Aurora nodes (768 tiles):
+the planner's prediction for the job file's own layout beside its best layout.
+
+    .venv/bin/python bench/planner_papers.py [--markdown] [--terms] [--jobs]
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import argparse
 import time
 from dataclasses import replace
 
-from optimus.config import validate_job
+from optimus.config import load_job, resolve_layout, validate_job
 from optimus.parallel.schedule_rules import schedule_problem
+from optimus.planner.fit import job_layout
 from optimus.planner.machines import get_machine
 from optimus.planner.memory import PlanLayout, shape_of
 from optimus.planner.search import plan, worst_rank
@@ -81,12 +86,49 @@ def megatron_2021(job, lay: PlanLayout) -> bool:
     return worst_rank(shape_of(job.model), replace(lay, dp=1)).total <= 80 * 2**30
 
 
+# job file, machine profile, devices
+JOB_FILES = [("jobs/gpt-175b.yaml", "max1550-aurora", 1536),
+             ("jobs/gpt-175b.yaml", "a100-hdr", 1536),
+             ("jobs/mula-1b.yaml", "max1550-aurora", 768),
+             ("jobs/mula-7b-a1b.yaml", "max1550-aurora", 768)]
+
+
+def job_files(markdown: bool) -> None:
+    """The job file's own layout against the planner's best, per device."""
+    head = ("job", "machine", "devices", "job file's layout", "its tokens/s/device",
+            "its TFLOP/s", "GiB/rank", "planner's best", "its tokens/s/device", "its TFLOP/s",
+            "job file's layout ranks")
+    if markdown:
+        print("| " + " | ".join(head) + " |")
+        print("|" + "---|" * len(head))
+    for path, name, devices in JOB_FILES:
+        machine = get_machine(name)
+        job = load_job(path)
+        own = job_layout(job, resolve_layout(job, devices), "bf16")
+        mine = step_time(job.model, own, machine, job.data.batch_size)
+        memory = worst_rank(shape_of(job.model), own).total / 2**30
+        fits, _ = plan(job, devices, machine, "bf16")
+        best = fits[0]
+        rank = next((i + 1 for i, c in enumerate(fits) if c.layout == own), None)
+        cells = (path, name, str(devices), own.label(), f"{mine.tokens_per_s_per_device:.0f}",
+                 f"{mine.tflops_per_device:.0f}", f"{memory:.1f}", best.layout.label(),
+                 f"{best.time.tokens_per_s_per_device:.0f}",
+                 f"{best.time.tflops_per_device:.0f}",
+                 f"{rank} of {len(fits)}" if rank else f"does not fit ({len(fits)} do)")
+        print(("| " + " | ".join(cells) + " |") if markdown else "  ".join(cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--terms", action="store_true",
                         help="also print each step-time term's share on the paper's layout")
+    parser.add_argument("--jobs", action="store_true",
+                        help="the job files (seed 000's 175B, Mula) instead of seed 001")
     args = parser.parse_args()
+    if args.jobs:
+        job_files(args.markdown)
+        return
     a100 = get_machine("a100-hdr")
     rows = []
     for size, heads, hidden, layers, tp, pp, gpus, batch, published, _ in SEED_001_TABLE_1:
