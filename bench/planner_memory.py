@@ -131,8 +131,9 @@ def main() -> None:
         measured = allocated or tracked
         error = predicted / measured - 1
         worst = max(worst, abs(error))
-        print(f"{name:<38} {predicted / MIB:>8.1f}Mi {allocated / MIB:>8.1f}Mi "
-              f"{tracked / MIB:>8.1f}Mi {error:>+7.1%}")
+        shown = f"{allocated / MIB:>8.1f}Mi" if allocated else f"{'-':>10}"
+        print(f"{name:<38} {predicted / MIB:>8.1f}Mi {shown} {tracked / MIB:>8.1f}Mi "
+              f"{error:>+7.1%}")
     print(f"largest error {worst:.1%} (error: predicted against "
           f"{'max_memory_allocated' if args.device == 'cuda' else 'the tracked peak'})")
     dist.destroy_process_group()

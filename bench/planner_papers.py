@@ -74,12 +74,13 @@ def paper_layout(job, tp: int, pp: int, gpus: int, machine) -> PlanLayout:
 
 
 def megatron_2021(job, lay: PlanLayout) -> bool:
-    """A layout Megatron-LM could run in 2021: full recompute (or none), 1F1B or interleaved
-    1F1B, replicated data parallelism (one gradient exchange a step: param_gather step), and
-    no sharded optimizer: every replica holds its tp x pp share of the master weights and
-    Adam's moments whole, so it must fit as it would at dp 1."""
-    if lay.recompute not in ("full", "none") or lay.schedule not in ("1f1b",
-                                                                      "interleaved_1f1b"):
+    """A layout Megatron-LM ran in 2021: full recompute (all of Table 1; without sequence
+    parallelism its activations did not fit otherwise, which Optimus's memory model, built
+    with sequence parallelism, cannot say), 1F1B or interleaved 1F1B, replicated data
+    parallelism (one gradient exchange a step: param_gather step), and no sharded optimizer:
+    every replica holds its tp x pp share of the master weights and Adam's moments whole, so
+    it must fit as it would at dp 1."""
+    if lay.recompute != "full" or lay.schedule not in ("1f1b", "interleaved_1f1b"):
         return False
     if lay.dp > 1 and lay.param_gather != "step":
         return False
