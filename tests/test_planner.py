@@ -158,6 +158,12 @@ def test_config_check_refuses_a_job_that_cannot_fit_naming_the_term_and_a_fix():
     fixed = _check("--memory-gib", "8", "--set", "data.microbatches=16")
     assert fixed.exit_code == 0, fixed.output
     assert "memory: " in fixed.output and "of 8 GiB on a device" in fixed.output
+    # parameters kept gathered a step (19.0 GiB): going back to gathering per microbatch
+    # (16.8 GiB) is the first fix named
+    kept = _check("--memory-gib", "18", "--set", "parallel.param_gather=step")
+    assert kept.exit_code == 2
+    assert "needs 19.0 GiB" in kept.output
+    assert "fix: parallel.param_gather: microbatch" in kept.output
 
 
 def test_config_check_on_a_machine_profile_and_bad_profiles(tmp_path):
