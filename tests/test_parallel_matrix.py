@@ -39,6 +39,7 @@ LAYOUTS = {
     "PP2-1f1b": (2, {"pp": 2, "schedule": "1f1b"}),
     "PP2v2-interleaved": (2, {"pp": 2, "virtual_stages": 2, "schedule": "interleaved_1f1b"}),
     "DP2": (2, {}),
+    "DP2-params-gathered-a-step": (2, {"param_gather": "step"}),
     "TP2xPP2": (4, {"tp": 2, "pp": 2}),
     "TP2xDP2": (4, {"tp": 2, "dp": 2}),
     "PP2xDP2": (4, {"pp": 2, "dp": 2}),

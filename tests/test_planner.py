@@ -44,6 +44,9 @@ LAYOUTS = {
     "PP2 x dp2 looped bfs, full recompute": (DENSE, {"pp": 2, "virtual_stages": 2,
                                                      "schedule": "looped_bfs",
                                                      "activation_checkpoint": "full"}, 2, 4),
+    "FSDP dp4, parameters gathered a step": (DENSE, {"param_gather": "step"}, 1, 2),
+    "PP2 x dp2 1f1b, parameters gathered a step": (DENSE, {"pp": 2, "param_gather": "step"},
+                                                   1, 4),
     "MoE EP2, full recompute": (MOE, {"ep": 2, "activation_checkpoint": "full"}, 2, 1),
     "MoE TP2 x EP2": (MOE, {"tp": 2, "ep": 2}, 2, 1),
 }
@@ -105,7 +108,7 @@ def _plan(model: dict, parallel: dict, microbatch: int, microbatches: int) -> Pl
                       schedule=parallel.get("schedule", "1f1b"), microbatches=microbatches,
                       microbatch_size=microbatch, seq_len=SEQ,
                       recompute=parallel.get("activation_checkpoint", "none"),
-                      precision="fp32")
+                      param_gather=parallel.get("param_gather", "microbatch"), precision="fp32")
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +158,12 @@ def test_config_check_refuses_a_job_that_cannot_fit_naming_the_term_and_a_fix():
     fixed = _check("--memory-gib", "8", "--set", "data.microbatches=16")
     assert fixed.exit_code == 0, fixed.output
     assert "memory: " in fixed.output and "of 8 GiB on a device" in fixed.output
+    # parameters kept gathered a step (19.0 GiB): going back to gathering per microbatch
+    # (16.8 GiB) is the first fix named
+    kept = _check("--memory-gib", "18", "--set", "parallel.param_gather=step")
+    assert kept.exit_code == 2
+    assert "needs 19.0 GiB" in kept.output
+    assert "fix: parallel.param_gather: microbatch" in kept.output
 
 
 def test_config_check_on_a_machine_profile_and_bad_profiles(tmp_path):

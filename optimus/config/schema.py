@@ -96,6 +96,12 @@ class ParallelConfig(Section):
                             "op: every block keeps its matmul and attention outputs and "
                             "recomputes only the element-wise ops")
     ac_every: PositiveInt = Field(2, description="selective: checkpoint every n-th block")
+    param_gather: Literal["microbatch", "step"] = Field(
+        "microbatch", description="microbatch: FSDP2 all-gathers each block's parameters for "
+                                  "every microbatch's forward and again for its backward "
+                                  "(ZeRO-3, the least memory); step: once a step, kept "
+                                  "gathered through the step's microbatches (more memory, "
+                                  "one all-gather a step)")
     device: Literal["auto", "cpu", "cuda", "xpu"] = "auto"
     backend: Literal["auto", "gloo", "nccl", "xccl", "ccl"] = "auto"
 

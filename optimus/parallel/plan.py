@@ -91,6 +91,8 @@ class ParallelModel:
     # Under a pipeline: the pp rank holding each stage, and the pp group (validation's forward).
     stage_owners: list[int] = field(default_factory=list)
     pp_group: dist.ProcessGroup | None = None
+    # parallel.param_gather: step: parameters stay gathered between microbatches.
+    keep_gathered: bool = False
 
     def set_step_tokens(self, tokens: int) -> None:
         """The step's global token count: the loss and any auxiliary loss divide by it."""
@@ -144,7 +146,7 @@ class ParallelModel:
             else:
                 (model,) = self.parts
                 for i, mb in enumerate(microbatches):
-                    set_gradient_sync(model, i == len(microbatches) - 1)
+                    set_gradient_sync(model, i == len(microbatches) - 1, self.keep_gathered)
                     with heartbeat.phase("forward"):
                         logits = model(mb["input_ids"].to(device, non_blocking=True))
                         loss = self.loss_fn(logits, mb["labels"].to(device, non_blocking=True))
@@ -207,6 +209,7 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
     # bf16 is FSDP2's mixed-precision policy; without data parallelism, the same on one rank.
     policy = precision_policy(compute_dtype(job.training.mixed_precision, device))
     recipe, float8_skipped = job.training.float8, []
+    keep_gathered = p.param_gather == "step" and layout.dp > 1
     for part in parts:
         if recipe != "off":  # first: TP and FSDP2 then wrap the Float8Linear layers
             float8_skipped += apply_float8(
@@ -220,7 +223,7 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
             apply_compile(part, job.training.compile_backend)
         if layout.dp > 1 or policy is not None:
             apply_data_parallel(part, mesh["dp"], mesh["edp"] if layout.ep > 1 else None,
-                                policy, reshard=layout.dp > 1)
+                                policy, reshard=layout.dp > 1, keep_gathered=keep_gathered)
         # Only now, sharded, is the model allocated: each rank holds its shards, never the
         # whole model (init_weights gives every shard its part of the one-process values).
         materialize(part, job.seed, device)
@@ -238,4 +241,5 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
         owners = [next(r for r in range(layout.pp) if s in held[r]) for s in range(num_stages)]
     return ParallelModel(parts, schedule, ids, num_stages, loss_fn, layout.tp > 1, moe,
                          mesh["tp"].get_group() if layout.tp > 1 else None, float8_skipped,
-                         owners, pp_group=mesh["pp"].get_group() if layout.pp > 1 else None)
+                         owners, pp_group=mesh["pp"].get_group() if layout.pp > 1 else None,
+                         keep_gathered=keep_gathered)

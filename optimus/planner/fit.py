@@ -26,7 +26,7 @@ def job_layout(job: JobConfig, layout: Layout, precision: str) -> PlanLayout:
                       v=layout.virtual_stages, schedule=p.schedule, microbatches=d.microbatches,
                       microbatch_size=max(1, d.batch_size // (layout.dp * d.microbatches)),
                       seq_len=d.seq_len, recompute=p.activation_checkpoint,
-                      ac_every=p.ac_every, precision=precision)
+                      ac_every=p.ac_every, precision=precision, param_gather=p.param_gather)
 
 
 def job_precision(job: JobConfig, machine_precision: str = "bf16") -> str:
@@ -39,6 +39,9 @@ def job_precision(job: JobConfig, machine_precision: str = "bf16") -> str:
 def fixes(cfg, lay: PlanLayout, capacity: float) -> list[str]:
     """Changes of the job file, one at a time, after which the model says it fits."""
     out = []
+    if lay.param_gather == "step" and lay.dp > 1 and peak_memory(
+            cfg, replace(lay, param_gather="microbatch")).total <= capacity:
+        out.append("parallel.param_gather: microbatch")
     order = ("none", "selective", "op", "full")  # ever less kept
     for mode in order[order.index(lay.recompute) + 1:]:
         if peak_memory(cfg, replace(lay, recompute=mode)).total <= capacity:

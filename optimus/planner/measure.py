@@ -120,3 +120,23 @@ def state_tensors(modules: Iterable[torch.nn.Module],
         for state in optimizer.state.values():
             out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
     return out
+
+
+class Collectives(TorchDispatchMode):
+    """How many times each collective ran, by name ("allgather", "reduce_scatter", "send").
+
+    Every c10d collective (`dist.all_gather_into_tensor` and the like, which FSDP2, DTensor and
+    the pipeline stages call) is an op of the `c10d` namespace, so a dispatch mode sees each
+    call; `_allgather_base_` counts as "allgather". torch's own `CommDebugMode` counts the same
+    ops, but its module tracker fails on the FSDP2-wrapped model (torch 2.13).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional"):
+            name = func.overloadpacket.__name__.strip("_").removesuffix("_base")
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))

@@ -16,8 +16,10 @@ on real gloo ranks (tests/test_planner.py):
   reduce-scattered at once and only the fp32 shard stays.
 - FSDP2 transients: the root unit (embedding, final norm, head) stays gathered through the
   forward; the block in compute and the one prefetched are gathered too. The zero-bubble
-  schedules keep every block gathered from forward to backward (pipeline.py); at dp 1 in bf16
-  the whole model is one unit kept in bf16 (data_parallel.py).
+  schedules keep every block gathered from forward to backward (pipeline.py), and so does
+  `parallel.param_gather: step` through the whole step (data_parallel.py): the rank's whole
+  share of the model in the compute dtype; at dp 1 in bf16 the whole model is one unit kept
+  in bf16.
 - activations: per token per layer (the `_layer_activation` table below), times the tokens of a
   microbatch, times the microbatches each stage holds at the rank's worst moment under its
   schedule (schedules.py, from torch's own action lists); the last stage adds the
@@ -64,6 +66,13 @@ class PlanLayout:
     recompute: str = "none"  # none, full, selective, op
     ac_every: int = 2
     precision: str = "bf16"  # fp32, or bf16 compute with fp32 master weights
+    param_gather: str = "microbatch"  # or "step": FSDP2 parameters kept gathered a whole step
+
+    @property
+    def keeps_gathered(self) -> bool:
+        """Whether the rank's parameters stay gathered from a forward to its backward and
+        across microbatches: `param_gather: step`, or a zero-bubble schedule (pipeline.py)."""
+        return self.param_gather == "step" or (self.pp > 1 and self.schedule in SPLIT_BACKWARD)
 
     @property
     def devices(self) -> int:
@@ -75,7 +84,8 @@ class PlanLayout:
             out += f".ep{self.ep}"
         if self.pp > 1:
             out += f".{self.schedule}" + (f".v{self.v}" if self.v > 1 else "")
-        return out + f".mb{self.microbatch_size}x{self.microbatches}.{self.recompute}"
+        out += f".mb{self.microbatch_size}x{self.microbatches}.{self.recompute}"
+        return out + (".gathered" if self.param_gather == "step" else "")
 
 
 @dataclass(frozen=True)
@@ -254,7 +264,7 @@ def rank_memory(cfg, lay: PlanLayout, pp_rank: int = 0) -> Memory:
         grads = GRAD * sharded
     # Parameters gathered for compute.
     if dp > 1:
-        if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD:
+        if lay.keeps_gathered:
             gathered = c * local  # never resharded between forward and backward
         else:
             big = sorted(blocks, reverse=True)[:2]

@@ -1,14 +1,15 @@
 """Enumerate a job's layouts on N devices, keep those that fit, rank them by tokens/s.
 
-A layout is (tp, pp, virtual stages, schedule, dp, ep, microbatch size, recompute); the global
-batch and the model are the job's. Candidates are those `optimus config check` would accept
+A layout is (tp, pp, virtual stages, schedule, dp, ep, microbatch size, recompute, and whether
+FSDP2 keeps the parameters gathered through the step: `param_gather`); the global batch and
+the model are the job's. Candidates are those `optimus config check` would accept
 (heads, ffn and vocabulary divide by tp, layers fill the stages, the schedule's microbatch
 rules, ep dividing dp and the experts); tensor parallel stays inside a node.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from optimus.config import JobConfig
 from optimus.parallel.schedule_rules import schedule_problem
@@ -70,9 +71,12 @@ def layouts(job: JobConfig, devices: int, machine: Machine, precision: str):
                                 schedule, pp, v, m)):
                             continue
                         for recompute in RECOMPUTE:
-                            yield PlanLayout(dp=dp, tp=tp, pp=pp, ep=ep, v=v, schedule=schedule,
+                            lay = PlanLayout(dp=dp, tp=tp, pp=pp, ep=ep, v=v, schedule=schedule,
                                              microbatches=m, microbatch_size=size, seq_len=seq,
                                              recompute=recompute, precision=precision)
+                            yield lay
+                            if dp > 1 and not lay.keeps_gathered:  # else the same layout
+                                yield replace(lay, param_gather="step")
 
 
 def plan(job: JobConfig, devices: int, machine: Machine, precision: str,
@@ -96,10 +100,13 @@ def parse_layout(text: str, job: JobConfig, precision: str) -> PlanLayout:
     from optimus.config import ConfigError
 
     fields = {"dp": 1, "tp": 1, "pp": 1, "ep": 1, "v": 1, "schedule": "1f1b",
-              "recompute": "none", "microbatch_size": 1, "microbatches": 1}
+              "recompute": "none", "microbatch_size": 1, "microbatches": 1,
+              "param_gather": "microbatch"}
     try:
         for part in text.split("."):
-            if part in RECOMPUTE:
+            if part == "gathered":
+                fields["param_gather"] = "step"
+            elif part in RECOMPUTE:
                 fields["recompute"] = part
             elif part in {s for s, _ in PIPELINES} | {"looped_bfs", "dualpipev"}:
                 fields["schedule"] = part

@@ -6,17 +6,22 @@ Assumptions, all of them here:
   (full: every block's; selective: every other block's; op: element-wise ops only, counted as
   free), at the profile's peak times its `sustained` fraction, times a matmul-shape factor:
   a matmul of M tokens and width K runs at M / (M + 128) x K / (K + 128) of the sustained
-  rate (small microbatches and narrow tensor-parallel shards starve the device).
+  rate (small microbatches and narrow tensor-parallel shards starve the device). Under a
+  pipeline the step waits for the busiest rank: its stages' blocks (the earlier stages take
+  the extra layers) plus the output projection and loss on the rank holding the last stage
+  (`_busiest_rank_flops`); without one, every rank does the same.
 - tensor parallel: per block per microbatch two all-gathers and two reduce-scatters of the
   microbatch's hidden states forward, as many backward (and again forward under recompute),
   on the intra-node link while tp fits a node; not overlapped with compute.
 - pipeline: each microbatch's hidden states cross every stage boundary forward and back, on
   the inter-node link once tp x pp exceeds a node; not overlapped. The bubble is the replay
   of torch's own action list for the schedule (schedules.bubble).
-- data parallel (FSDP2): parameters all-gathered in compute dtype forward and backward (per
-  microbatch, unless the parameters stay gathered: one microbatch, or a zero-bubble
-  schedule), gradients reduce-scattered in fp32 once per step, on the inter-node link;
-  overlapped with compute, so only what exceeds the compute time shows.
+- data parallel (FSDP2): parameters all-gathered in compute dtype for each microbatch's
+  forward and again for its backward (under a pipeline torch's stages hold them from a
+  backward to the next forward: m + 1 a step), or once a step where they stay gathered
+  (`param_gather: step`, or a zero-bubble schedule: PlanLayout.keeps_gathered); gradients
+  reduce-scattered in fp32 once per step, on the inter-node link; overlapped with compute,
+  so only what exceeds the compute time shows.
 - expert parallel: four all-to-alls per MoE layer per microbatch (dispatch and combine,
   forward and backward) of top_k copies of each token, intra-node while tp x ep fits a node.
 - ring collectives: a device sends (n - 1) / n of the buffer; latency per step of the ring.
@@ -28,6 +33,7 @@ from dataclasses import asdict, dataclass
 
 from optimus.models.counts import flops_per_token, matmul_param_count
 from optimus.models.moe import is_moe_layer
+from optimus.parallel.schedule_rules import stage_ids, stage_layers, stage_style
 from optimus.planner.machines import Machine
 from optimus.planner.memory import COMPUTE, GRAD, PlanLayout
 from optimus.planner.schedules import bubble
@@ -75,6 +81,22 @@ def recompute_flops(cfg, lay: PlanLayout) -> float:
     return share * blocks
 
 
+def _busiest_rank_flops(cfg, lay: PlanLayout) -> float:
+    """FLOPs per token (recompute included) of the pipeline rank with the most work: the
+    rank holding the first stage has the most layers, the one holding the last the head."""
+    head = 6 * cfg.dim * cfg.vocab_size
+    total = flops_per_token(cfg, lay.seq_len) + recompute_flops(cfg, lay)
+    if lay.pp == 1:
+        return total
+    per_layer = (total - head) / cfg.n_layers
+    ranges = stage_layers(cfg.n_layers, lay.pp * lay.v)
+    last = lay.pp * lay.v - 1
+    style = stage_style(lay.schedule)
+    return max(sum(len(ranges[s]) * per_layer + (head if s == last else 0)
+                   for s in stage_ids(r, lay.pp, lay.v, style))
+               for r in {0, lay.pp - 1})
+
+
 def step_time(cfg, lay: PlanLayout, machine: Machine, global_batch: int) -> StepTime:
     """Predicted step time of `lay` with `global_batch` sequences a step."""
     c = COMPUTE[lay.precision]
@@ -86,7 +108,7 @@ def step_time(cfg, lay: PlanLayout, machine: Machine, global_batch: int) -> Step
     shape = (tokens_mb / (tokens_mb + SHAPE_KNEE)
              * (cfg.dim / lay.tp) / (cfg.dim / lay.tp + SHAPE_KNEE))
     rate = machine.peak_tflops * 1e12 * machine.sustained * shape
-    compute = m * tokens_mb * hw_flops / (lay.tp * lay.pp) / rate
+    compute = m * tokens_mb * _busiest_rank_flops(cfg, lay) / lay.tp / rate
 
     layers_here = cfg.n_layers / lay.pp
     hidden = tokens_mb * cfg.dim * c
@@ -116,9 +138,9 @@ def step_time(cfg, lay: PlanLayout, machine: Machine, global_batch: int) -> Step
         # this rank's parameters, unsharded: experts split over ep, the rest over tp
         params = ((matmul_param_count(cfg) - experts) / lay.tp + experts / lay.ep) / lay.pp
         dp_link = machine.intra_gbps if lay.devices <= node else machine.inter_gbps
-        kept = m == 1 and lay.pp == 1 or lay.schedule in ("interleaved_zero_bubble",
-                                                          "zbv_zero_bubble", "dualpipev")
-        gathers = 2 * (1 if kept else m)
+        # counted (tests/test_param_gather.py): 2 per microbatch; m + 1 under a pipeline,
+        # whose stages hold the units gathered from a backward to the next forward
+        gathers = 1 if lay.keeps_gathered else (m + 1 if lay.pp > 1 else 2 * m)
         dp = (gathers * _ring(lay.dp, params * c, dp_link, machine.latency_us)
               + _ring(lay.dp, params * GRAD, dp_link, machine.latency_us))
         dp_exposed = max(0.0, dp - compute)
