@@ -446,14 +446,11 @@ def show(table_rows: list[list[str]], head: tuple[str, ...], title: str, markdow
     console.print(table)
 
 
-def show_inputs(i: Inputs, console: Console) -> None:
-    table = Table(title="Inputs (bench/ettr.py Inputs)")
-    for h in ("input", "value", "source"):
-        table.add_column(h)
-    for f in fields(Inputs):
-        table.add_row(f.name, f"{getattr(i, f.name):g}",
-                      ("measured here: " if f.metadata["measured"] else "") + f.metadata["source"])
-    console.print(table)
+def show_inputs(i: Inputs, markdown: bool, console: Console) -> None:
+    show([[f.name, f"{getattr(i, f.name):g}",
+           ("measured here: " if f.metadata["measured"] else "") + f.metadata["source"]]
+          for f in fields(Inputs)], ("input", "value", "source"), "Inputs (bench/ettr.py)",
+         markdown, console)
 
 
 # Variants of the memory-snapshot policy: (label, Inputs changes, MTTF in minutes or None).
@@ -513,7 +510,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.hang_timeout:
         i = replace(i, hang_timeout_s=args.hang_timeout)
     if args.inputs:
-        show_inputs(i, console)
+        show_inputs(i, args.markdown, console)
     c = costs(i, args.ranks, args.ranks_per_node, args.mttf_min)
     for line in describe(c, i, args.ranks, args.ranks_per_node, args.days, args.trials):
         console.print(line, markup=False)
