@@ -111,9 +111,10 @@ def memory_point(plan: dict | None, reports: dict[str, dict], alive: set[str],
     Usable means committed — every rank's shard has a replica on another node, which that node
     checked against the shard's sha256 on receipt (and a node pushes only complete shards), as
     the agents' reports say — and still there: each node slot's shards held whole, as its own
-    or as a replica, by a node that is alive. (Nodes keep their own copy of a point until a
-    newer one is confirmed, so the newest committed point usually has both.) The result: {"step", "generation",
-    "slots": [the alive nodes holding slot i's shards, for each node slot i of the plan]}.
+    or as a replica, by a node that is alive. (Nodes keep their own copy of a point until
+    newer ones are confirmed, so the newest committed point usually has both.) The result:
+    {"step", "generation", "slots": [the alive nodes holding slot i's shards, for each node
+    slot i of the plan]}.
     """
     if not plan or not reports:
         return None, None
