@@ -422,7 +422,7 @@ def _memory_resume(obs: Observed, d: Decision, chosen: list[str],
     if len(chosen) != len(previous):
         return None, (f"the next generation runs on {len(chosen)} nodes, not {len(previous)}: "
                       "a snapshot is only loaded by the layout that took it")
-    free = [n for n in chosen if n not in previous]
+    free = sorted(usable - set(previous))  # every spare, not only those `chosen` took
     nodes, holders = [], {}
     for old, slot in zip(previous, point["slots"], strict=True):
         if old in usable:

@@ -1,6 +1,7 @@
 """Recovery from in-memory snapshots under the whole control plane: a real redis-server, the
 controller, agents (each holding its node's snapshots in shared memory and a buddy's copy) and
-gloo ranks; faults are real SIGKILLs.
+gloo ranks; faults are real SIGKILLs, of a rank, of a node's agent with its ranks, and of a node
+together with the node holding its copy (then the job falls back to disk, saying why).
 """
 
 from __future__ import annotations
@@ -9,11 +10,13 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from cluster import ROOT, metrics, write_job
+from cluster import ROOT, Processes, RedisServer, metrics, wait_for, write_job
 
+from controller.store import Store
 from optimus.data.audit import audit_run
 
 STEPS = 30
@@ -21,49 +24,121 @@ FAULT_STEP = 15
 EVERY = 2
 
 
-def _run(tmp_path: Path, fault: dict, spares: int = 1, **job) -> tuple[Path, str]:
-    run = tmp_path / "run"
-    path = write_job(tmp_path / "job.yaml", run, steps=STEPS, memory_every=EVERY,
-                     faults=[{**fault, "step": FAULT_STEP}], **job)
-    out = subprocess.run([sys.executable, "-m", "controller", "run", str(path), "--nodes", "2",
-                          "--ranks-per-node", "1", "--spares", str(spares)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    return run, out.stdout
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = Processes(tmp_path)
+    yield p
+    p.stop_all()
 
 
 def _events(run: Path, kind: str) -> list[dict]:
-    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()
-            if json.loads(line).get("kind") == kind]
+    rows = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    return [e for e in rows if e.get("kind") == kind]
 
 
-@pytest.mark.parametrize("fault", [{"kind": "kill_rank", "rank": 1},
-                                   {"kind": "kill_node", "node": 1}],
-                         ids=["kill_rank", "kill_node"])
-def test_a_fault_resumes_from_the_memory_snapshot_not_the_disk(fault, tmp_path):
-    run, out = _run(tmp_path, fault)
-    resumes = [m for m in metrics(run) if m.get("event") == "resume"]
-    assert len(resumes) == 1, resumes
-    resume = resumes[0]
-    assert resume["source"] == "memory", (resume, _events(run, "generation"))
-    # The fault's step: a rank kills itself as it starts FAULT_STEP; a node's agent dies at the
-    # first step >= FAULT_STEP its ranks' heartbeats show.
-    died = FAULT_STEP
-    if fault["kind"] == "kill_node":
-        (chaos,) = [e for e in _events(run, "chaos") if "dies at step" in e["message"]]
-        died = int(chaos["message"].rsplit(" ", 1)[1])
-    # Lost: the steps since the last snapshot, and at worst one more interval (the snapshot
-    # taken just before the fault may not have reached the buddy).
-    assert died - 2 * EVERY <= resume["step"] < died, (died, resume)
-    assert resume["step"] % EVERY == 0
-    assert re.search(rf"generation 1 on .* from the memory snapshot of step {resume['step']}",
-                     out), out
+def _resumes(run: Path) -> list[dict]:
+    return [m for m in metrics(run) if m.get("event") == "resume"]
+
+
+def _last_step_before_restart(run: Path) -> int:
+    rows = metrics(run)
+    first_resume = next(i for i, m in enumerate(rows) if m.get("event") == "resume")
+    return max(m["step"] for m in rows[:first_resume] if "loss" in m)
+
+
+def _exactly_once(run: Path) -> None:
     audit = audit_run(run)  # every sample of the run read exactly once, across the restart
     assert audit.ok, audit.problems
     assert (audit.steps, audit.generations, audit.end) == (STEPS, 2, STEPS * 8)
-    # Every shard was found where the plan said: held already by the node that needed it (the
-    # spare is every node's buddy when it registered before generation 0 was planned), or
-    # fetched from the node holding it (the other node's copy, when the buddies were each
-    # other) — never a failed fetch.
-    fetches = [e for e in _events(run, "snapshot") if "fetch" in e["message"]]
-    assert not [e for e in fetches if "could not" in e["message"]], fetches
+
+
+def test_a_killed_rank_resumes_from_the_memory_snapshot(tmp_path):
+    run = tmp_path / "run"
+    job = write_job(tmp_path / "job.yaml", run, steps=STEPS, memory_every=EVERY,
+                    faults=[{"kind": "kill_rank", "rank": 1, "step": FAULT_STEP}])
+    out = subprocess.run([sys.executable, "-m", "controller", "run", str(job), "--nodes", "2",
+                          "--ranks-per-node", "1", "--spares", "1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    (resume,) = _resumes(run)
+    assert resume["source"] == "memory", (resume, _events(run, "generation"))
+    # The rank dies as it starts FAULT_STEP. Lost: the steps since the last snapshot, and at
+    # worst one interval more (the one just before the fault may not have reached the buddy).
+    assert FAULT_STEP - 2 * EVERY <= resume["step"] < FAULT_STEP, resume
+    assert resume["step"] % EVERY == 0
+    assert re.search(rf"generation 1 on .* from the memory snapshot of step {resume['step']}",
+                     out.stdout), out.stdout
+    assert "nothing read from disk" in resume["message"]
+    _exactly_once(run)
+
+
+def _start(tmp_path: Path, redis_server: RedisServer, procs: Processes) -> tuple[Path, Store]:
+    """Four agents register first, then the controller plans generation 0 on two of them: each
+    node's buddy is then a spare (node0 -> node2, node1 -> node3)."""
+    run = tmp_path / "run"
+    job = write_job(tmp_path / "job.yaml", run, steps=STEPS, memory_every=EVERY)
+    store = Store(redis_server.url, "e2e")
+    for i in range(4):
+        procs.start(f"agent{i}", "agent", "--job", "e2e", "--node", f"node{i}", "--redis",
+                    redis_server.url, "--interval", "0.25")
+    wait_for(lambda: len(store.nodes()) == 4, 60, "four agents to register")
+    procs.start("controller", "controller", str(job), "--nodes", "2", "--ranks-per-node", "1",
+                "--redis", redis_server.url, "--exit-when-done")
+    wait_for(lambda: (store.plan() or {}).get("generation") == 0, 60, "generation 0")
+    plan = store.plan()
+    assert plan["nodes"] == ["node0", "node1"]
+    assert {n: b["node"] for n, b in plan["buddies"].items()} == {"node0": "node2",
+                                                                  "node1": "node3"}
+    return run, store
+
+
+def _rank0_step(store: Store) -> int:
+    beat = store.rank_beats("node0").get(0)
+    return beat["step"] if beat else -1
+
+
+def _kill_nodes(store: Store, *nodes: str) -> None:
+    for node in nodes:
+        store.push_command(node, {"kind": "kill_node", "time": time.time(), "by": "test"})
+
+
+def test_a_lost_node_is_replaced_by_its_buddy_which_holds_its_shards(tmp_path, redis_server,
+                                                                     procs):
+    run, store = _start(tmp_path, redis_server, procs)
+    wait_for(lambda: _rank0_step(store) >= FAULT_STEP, 120, f"step {FAULT_STEP}")
+    _kill_nodes(store, "node1")
+    procs.procs["controller"].wait(timeout=180)
+    assert store.job_record()["state"] == "COMPLETED"
+    plan = store.plan()
+    assert plan["nodes"] == ["node0", "node3"]  # the buddy took the lost node's place
+    (resume,) = _resumes(run)
+    assert resume["source"] == "memory"
+    last = _last_step_before_restart(run)  # the last step generation 0 finished
+    assert last - 2 * EVERY < resume["step"] <= last, (last, resume)
+    # node3 loaded node1's shards from its own memory: nothing fetched, nothing read from disk.
+    assert not [e for e in _events(run, "snapshot") if "fetch" in e["message"]]
+    _exactly_once(run)
+
+
+def test_a_node_lost_with_its_buddy_falls_back_to_disk_and_says_why(tmp_path, redis_server,
+                                                                    procs):
+    run, store = _start(tmp_path, redis_server, procs)
+    wait_for(lambda: _rank0_step(store) >= FAULT_STEP, 120, f"step {FAULT_STEP}")
+    _kill_nodes(store, "node3", "node1")  # node1's copy is on node3
+    procs.procs["controller"].wait(timeout=180)
+    assert store.job_record()["state"] == "COMPLETED"
+    (generation,) = [e["message"] for e in _events(run, "generation")
+                     if e["message"].startswith("generation 1 ")]
+    assert re.search(r"from the checkpoint of step 10 \(memory snapshot not used: the memory "
+                     r"snapshot of step \d+ is lost: node node1 and the node holding its copy "
+                     r"\(node3\) are both gone\)", generation), generation
+    (resume,) = _resumes(run)
+    assert resume["source"] == "disk" and resume["step"] == 10
+    _exactly_once(run)
