@@ -514,3 +514,91 @@ def test_a_bad_tile_that_computed_nothing_since_its_last_pass_changes_no_checkpo
                        unhealthy_idle=frozenset({"n1"})), S)
     assert {n for n, _ in d.exclude} == {"n1"} and d.plan["save"] is True
     assert "suspect" not in d.job
+
+
+# --- in-memory snapshots ---------------------------------------------------------------------
+
+def _snap(own=None, held=None) -> dict:
+    return {"addr": "x:1", "own": own or {}, "held": held or {}}
+
+
+P44, P46 = "step_000000044.gen_0000", "step_000000046.gen_0000"
+
+
+def test_buddies_are_spares_while_they_have_room_then_the_next_node():
+    from controller.recovery import buddies
+    addrs = {n: f"host-{n}:7000" for n in ("n0", "n1", "n2", "s0")}
+    assert {k: v["node"] for k, v in buddies(["n0", "n1", "n2"], ["s0"], addrs).items()} == {
+        "n0": "s0", "n1": "s0", "n2": "n0"}  # a spare holds at most two nodes' copies
+    assert buddies(["n0"], ["s0"], addrs)["n0"] == {"node": "s0", "addr": "host-s0:7000"}
+    assert {k: v["node"] for k, v in buddies(["n0", "n1"], [], addrs).items()} == {
+        "n0": "n1", "n1": "n0"}
+    assert buddies(["n0"], [], addrs) == {}  # alone, no copy elsewhere: never usable
+
+
+def test_a_memory_point_is_usable_once_every_shard_has_a_replica_and_a_live_holder():
+    from controller.recovery import memory_point
+    plan = running_plan()  # n0: ranks 0, 1; n1: ranks 2, 3
+    reports = {"n0": _snap(own={P44: [0, 1], P46: [0, 1]}),
+               "n1": _snap(own={P44: [2, 3], P46: [2, 3]}),
+               "n2": _snap(held={P44: [0, 1, 2, 3], P46: [0, 1]})}  # n1's 46 not there yet
+    alive = {"n0", "n1", "n2"}
+    point, why = memory_point(plan, reports, alive, disk_step=40)
+    assert point == {"step": 44, "generation": 0,
+                     "slots": [["n0", "n2"], ["n1", "n2"]]} and why is None
+    assert memory_point(plan, reports, alive, disk_step=45) == (None, (
+        "no snapshot newer than the disk checkpoint is complete on every rank and replicated "
+        "(the newest taken: step 46)"))
+    assert memory_point(plan, reports, alive - {"n0"}, 40)[0]["slots"][0] == ["n2"]
+    assert memory_point(plan, reports, {"n1"}, 40) == (None, (
+        "the memory snapshot of step 44 is lost: node n0 and the node holding its copy (n2) "
+        "are both gone"))
+    assert memory_point(plan, {}, alive, 40) == (None, None)  # snapshots off
+
+
+def test_a_lost_node_is_replaced_by_the_spare_that_holds_its_copy_in_its_slot():
+    job = JobView(state=RESTARTING, generation=0, restarts=1, next_plan_at=NOW)
+    nodes = {"n0": node("n0", excluded="killed", alive=False, generation=0),
+             "n1": node("n1", generation=0), "n2": node("n2"), "n3": node("n3")}
+    nodes = {n: NodeView(**{**v.__dict__, "snapshot_addr": f"host-{n}:7000"})
+             for n, v in nodes.items()}
+    reports = {"n0": _snap(own={P44: [0, 1]}), "n1": _snap(own={P44: [2, 3]}),
+               "n2": _snap(held={P44: [2, 3]}), "n3": _snap(held={P44: [0, 1]})}
+    plan = {**running_plan(), "action": "stop"}
+    d = decide(Observed(now=NOW, job=job, plan=plan, nodes=nodes, latest_step=40,
+                        snapshots=reports), S)
+    assert d.plan["nodes"] == ["n3", "n1"]  # n3 held n0's shards: it takes n0's slot
+    assert d.plan["memory"] == {"step": 44, "generation": 0, "holders": {}}
+    assert d.plan["resume_step"] == 44
+    assert "from the memory snapshot of step 44" in d.plan["reason"]
+    assert {k: v["node"] for k, v in d.plan["buddies"].items()} == {"n3": "n2", "n1": "n2"}
+    # Without n3, the spare n2 takes the slot and fetches n0's shards from n3... which is gone:
+    # n0's copy is lost with it, and the generation starts from disk, saying why.
+    gone = {**nodes, "n3": NodeView(**{**nodes["n3"].__dict__, "alive": False})}
+    d = decide(Observed(now=NOW, job=job, plan=plan, nodes=gone, latest_step=40,
+                        snapshots=reports), S)
+    assert d.plan["nodes"] == ["n1", "n2"] and "memory" not in d.plan
+    assert "from the checkpoint of step 40 (memory snapshot not used: the memory snapshot of " \
+           "step 44 is lost: node n0 and the node holding its copy (n3) are both gone)" in (
+               d.plan["reason"])
+
+
+def test_a_replacement_without_the_copy_fetches_it_and_a_smaller_generation_uses_disk():
+    job = JobView(state=RESTARTING, generation=0, restarts=1, next_plan_at=NOW)
+    nodes = {n: NodeView(n, f"host-{n}", alive=n != "n0", healthy=True,
+                         excluded="killed" if n == "n0" else None,
+                         snapshot_addr=f"host-{n}:7000") for n in ("n0", "n1", "n2")}
+    reports = {"n0": _snap(own={P44: [0, 1]}), "n1": _snap(own={P44: [2, 3]}, held={P44: [0, 1]}),
+               "n2": _snap(held={P44: [2, 3]})}
+    plan = {**running_plan(), "action": "stop"}
+    d = decide(Observed(now=NOW, job=job, plan=plan, nodes=nodes, latest_step=40,
+                        snapshots=reports), S)
+    assert d.plan["nodes"] == ["n2", "n1"]
+    assert d.plan["memory"]["holders"] == {"n2": {"node": "n1", "addr": "host-n1:7000"}}
+    shrinkable = Settings(**{**S.__dict__, "node_counts": (2, 1)})
+    alone = {**nodes, "n2": NodeView("n2", "host-n2", alive=False, healthy=True)}
+    d = decide(Observed(now=NOW, job=job, plan=plan, nodes=alone, latest_step=40,
+                        snapshots=reports), shrinkable)
+    assert d.plan["nodes"] == ["n1"] and "memory" not in d.plan
+    assert "memory snapshot not used: the next generation runs on 1 nodes, not 2" in (
+        d.plan["reason"])
