@@ -15,13 +15,21 @@ agent is restarted first), so every trial has a spare. The reference, measured i
 run, is a first start: the first generation's plan to its first logged step. Targets: decision
 p99 <= 5 s for a dead or frozen rank; fault to next step <= 30 s.
 
-The whole measurement runs once per start mode (`--starts`): `warm`, the default, where each
-agent forks its ranks from a process that imported the trainer once (controller/spawn.py), and
-`cold` (OPTIMUS_WARM_START=0), where every rank is a fresh `python -m optimus train`; the last
-lines give warm / cold for the fault-to-next-step medians.
+The whole measurement runs once per mode (`--modes`), each `<start>-<recovery>`:
+- start `warm`: each agent forks its ranks from a process that imported the trainer once
+  (controller/spawn.py); `cold` (OPTIMUS_WARM_START=0): every rank is a fresh
+  `python -m optimus train`;
+- recovery `memory`: in-memory snapshots (`checkpoint.memory_every`, auto unless
+  `--memory-every`), replicated to a buddy node, the next generation resumes from the newest
+  usable one; `disk`: snapshots off, it resumes from the newest disk checkpoint (every 10 steps).
+Per trial it also records the steps lost (the last step the failed generation logged, minus the
+step the next one resumed from) and where the next generation's state came from. The last lines
+compare every mode's fault-to-next-step medians with the first mode's (the reference:
+`cold-disk`, how Optimus recovered before in-memory snapshots and warm starts).
 
     .venv/bin/python bench/recovery.py [--trials 5] [--faults kill_rank,freeze_rank,kill_node]
-                                       [--starts warm,cold]
+                                       [--modes cold-disk,warm-disk,warm-memory]
+                                       [--memory-every auto]
 
 Settings (printed): heartbeat every 0.5 s, timeout 3 s; a frozen rank's decision cannot come
 sooner than the timeout, so it scales with `supervision.heartbeat_timeout_s` (30 s by default).
@@ -30,6 +38,7 @@ sooner than the timeout, so it scales with `supervision.heartbeat_timeout_s` (30
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -51,14 +60,14 @@ INTERVAL_S, TIMEOUT_S = 0.5, 3.0
 TARGET_DECISION_S, TARGET_NEXT_STEP_S = 5.0, 30.0
 
 
-def bench_job(run_dir: Path) -> dict:
+def bench_job(run_dir: Path, memory_every: int | str = 0) -> dict:
     return {
         "name": "bench-recovery", "seed": 1234, "run_dir": str(run_dir),
         "model": {"vocab_size": 264, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
                   "max_seq_len": 64},
         "optim": {"steps": 1_000_000, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5},
         "data": {"source": "synthetic", "seq_len": 64, "batch_size": 8, "microbatches": 1},
-        "checkpoint": {"interval": 10, "keep_last": 2},
+        "checkpoint": {"interval": 10, "keep_last": 2, "memory_every": memory_every},
         "supervision": {"log_every": 1, "heartbeat_interval_s": INTERVAL_S,
                         "heartbeat_timeout_s": TIMEOUT_S, "restart_backoff_s": 0.0,
                         "restart_backoff_max_s": 0.0, "failure_grace_s": 1.0,
@@ -67,10 +76,10 @@ def bench_job(run_dir: Path) -> dict:
 
 
 class Run:
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, memory_every: int | str):
         self.run_dir = tmp / "run"
         self.job_file = tmp / "job.yaml"
-        self.job_file.write_text(yaml.safe_dump(bench_job(self.run_dir)))
+        self.job_file.write_text(yaml.safe_dump(bench_job(self.run_dir, memory_every)))
         (self.run_dir / "control").mkdir(parents=True)
         self.cluster = LocalCluster(self.run_dir / "control")
         self.url = start_redis(self.cluster)
@@ -89,12 +98,18 @@ class Run:
     def events(self, kind: str) -> list[dict]:
         return [e for _, e in self.store.events(count=100_000) if e["kind"] == kind]
 
-    def steps(self) -> list[tuple[float, int]]:
+    def rows(self) -> list[dict]:
         path = self.run_dir / "metrics.jsonl"
         if not path.exists():
             return []
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return [(r["time"], r["step"]) for r in rows if "loss" in r]
+        rows = []
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):  # a line being written
+                rows.append(json.loads(line))
+        return rows
+
+    def steps(self) -> list[tuple[float, int]]:
+        return [(r["time"], r["step"]) for r in self.rows() if "loss" in r]
 
     def wait(self, predicate, timeout: float, what: str):
         deadline = time.monotonic() + timeout
@@ -134,13 +149,19 @@ class Run:
                         and p, 120, "the next generation")
         nxt = self.wait(lambda: [t for t, _ in self.steps() if t > new["issued"]], 120,
                         "the next generation's first step")[0]
+        rows = self.rows()
+        reached = max(r["step"] for r in rows if "loss" in r and r["time"] < new["issued"])
+        resume = [r for r in rows if r.get("event") == "resume" and r["time"] > new["issued"]]
+        resumed, source = (resume[-1]["step"], resume[-1].get("source", "disk")) if resume \
+            else (0, "scratch")
         # Put the culprit back for the next trial, as after a repair.
         if fault == "kill_node":
             self.cluster.procs[f"agent-{culprit}"].wait(timeout=10)
             self.start_agent(culprit)
         self.store.include(culprit)
         return {"decision": decided - injected, "next_step": nxt - injected,
-                "reason": failure["message"]}
+                "reason": failure["message"], "lost": reached - resumed, "source": source,
+                "resumed": resumed}
 
     def cold_start(self) -> float:
         plan = self.wait(self.running_generation, 120, "generation 0")
@@ -160,28 +181,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--faults", default="kill_rank,freeze_rank,kill_node")
-    parser.add_argument("--starts", default="warm,cold", help="start modes to measure")
+    parser.add_argument("--modes", default="cold-disk,warm-disk,warm-memory",
+                        help="<warm|cold>-<memory|disk>, comma-separated; the first is the "
+                             "reference of the ratios")
+    parser.add_argument("--memory-every", default="auto",
+                        help="checkpoint.memory_every for the memory modes")
     args = parser.parse_args()
     faults = args.faults.split(",")
+    modes = args.modes.split(",")
+    for mode in modes:
+        if mode not in ("warm-memory", "warm-disk", "cold-memory", "cold-disk"):
+            parser.error(f"mode {mode!r}: write <warm|cold>-<memory|disk>, e.g. warm-memory")
+    every = args.memory_every if args.memory_every == "auto" else int(args.memory_every)
     print(f"2 nodes x 1 rank + 1 spare on one machine; heartbeat {INTERVAL_S} s, timeout "
           f"{TIMEOUT_S} s, failure grace 1 s, no backoff; {args.trials} trial(s) per fault",
           flush=True)
     medians: dict[str, dict[str, float]] = {}
-    for mode in args.starts.split(","):
-        os.environ[WARM_ENV] = "0" if mode == "cold" else "1"  # the agents inherit it
-        medians[mode] = measure(mode, args.trials, faults)
-    if {"warm", "cold"} <= medians.keys():
-        print("\nwarm / cold, fault -> next step medians:")
+    for mode in modes:
+        start, recovery = mode.split("-")
+        os.environ[WARM_ENV] = "0" if start == "cold" else "1"  # the agents inherit it
+        medians[mode] = measure(mode, args.trials, faults,
+                                every if recovery == "memory" else 0)
+    reference = modes[0]
+    for mode in modes[1:]:
+        print(f"\n{mode} / {reference}, fault -> next step medians:")
         for fault in faults:
-            warm, cold = medians["warm"][fault], medians["cold"][fault]
-            print(f"  {fault:12s} {warm:.2f} s / {cold:.2f} s = {warm / cold:.2f}x")
+            this, ref = medians[mode][fault], medians[reference][fault]
+            print(f"  {fault:12s} {this:.2f} s / {ref:.2f} s = {this / ref:.2f}x")
 
 
-def measure(mode: str, trials: int, faults: list[str]) -> dict[str, float]:
-    """One whole run with ranks started `mode`; the fault-to-next-step median per fault."""
+def measure(mode: str, trials: int, faults: list[str],
+            memory_every: int | str) -> dict[str, float]:
+    """One whole run in `mode`; the fault-to-next-step median per fault."""
     (REPO / "runs").mkdir(exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-recovery-", dir=REPO / "runs"))
-    run = Run(tmp)
+    run = Run(tmp, memory_every)
     print(f"\n{mode} starts", flush=True)
     try:
         first = run.cold_start()
@@ -193,8 +227,12 @@ def measure(mode: str, trials: int, faults: list[str]) -> dict[str, float]:
                 r = run.trial(fault)
                 results[fault].append(r)
                 print(f"trial {trial + 1} {fault}: decision {r['decision']:.2f} s, next step "
-                      f"{r['next_step']:.2f} s ({r['reason']})", flush=True)
-        print(f"per fault, {mode} starts, seconds from injection (n={trials} each); reference "
+                      f"{r['next_step']:.2f} s, {r['lost']} step(s) lost (resumed from "
+                      f"{r['source']} at step {r['resumed']}) ({r['reason']})", flush=True)
+        every = [m for m in run.rows() if m.get("event") == "snapshot"]
+        if every:
+            print(f"snapshots: {every[0]['message']}")
+        print(f"per fault, {mode}, seconds from injection (n={trials} each); reference "
               f"first start {first:.2f} s")
         for fault, rs in results.items():
             d = [r["decision"] for r in rs]
@@ -206,7 +244,10 @@ def measure(mode: str, trials: int, faults: list[str]) -> dict[str, float]:
                   f"({d_target}); fault -> next step median {statistics.median(n):.2f} p99 "
                   f"{p99(n):.2f} (target <= {TARGET_NEXT_STEP_S:g} s: "
                   f"{'met' if p99(n) <= TARGET_NEXT_STEP_S else 'MISSED'}); "
-                  f"next step / first start {statistics.median(n) / first:.2f}x")
+                  f"next step / first start {statistics.median(n) / first:.2f}x; steps lost "
+                  f"median {statistics.median(r['lost'] for r in rs):g} max "
+                  f"{max(r['lost'] for r in rs)}; resumed from "
+                  f"{', '.join(sorted({r['source'] for r in rs}))}")
         return {fault: statistics.median(r["next_step"] for r in rs)
                 for fault, rs in results.items()}
     finally:
