@@ -3,8 +3,9 @@ first step, on the tiny CPU job under the whole control plane on this machine.
 
 A private redis-server, a controller and 3 agents (2 nodes x 1 rank + 1 spare), started by the
 same code as `optimus run`. For each fault kind, `--trials` times: wait until the generation
-has trained a few steps, inject the fault through `optimus chaos`'s path (Redis -> the agent
-of the node holding rank 1), then read three times from the run itself:
+has trained 13 steps (past a disk checkpoint: they are every 10), inject the fault through
+`optimus chaos`'s path (Redis -> the agent of the node holding rank 1), then read three times
+from the run itself:
 
 - injection: the agent's "chaos" event (written just before it acts);
 - decision: the controller's "failure" event for that generation;
@@ -57,6 +58,7 @@ from controller.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 INTERVAL_S, TIMEOUT_S = 0.5, 3.0
+TRIAL_STEPS = 13  # a fault comes once the generation has logged this many steps
 TARGET_DECISION_S, TARGET_NEXT_STEP_S = 5.0, 30.0
 
 
@@ -132,8 +134,9 @@ class Run:
         plan = self.wait(self.running_generation, 120, "a running generation")
         gen = plan["generation"]
         issued = plan["issued"]
-        self.wait(lambda: sum(t > issued for t, _ in self.steps()) >= 5, 120,
-                  f"five steps of generation {gen}")
+        # 13 steps: past a disk checkpoint (every 10), so that each mode has one to lose to.
+        self.wait(lambda: sum(t > issued for t, _ in self.steps()) >= TRIAL_STEPS, 120,
+                  f"{TRIAL_STEPS} steps of generation {gen}")
         culprit = plan["nodes"][1]  # holds rank 1
         before = len(self.events("failure"))
         self.store.push_command(culprit, {"kind": fault, "rank": 1, "time": time.time()})
