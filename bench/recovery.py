@@ -18,8 +18,9 @@ p99 <= 5 s for a dead or frozen rank; fault to next step <= 30 s.
 
 The whole measurement runs once per mode (`--modes`), each `<start>-<recovery>`:
 - start `warm`: each agent forks its ranks from a process that imported the trainer once
-  (controller/spawn.py); `cold` (OPTIMUS_WARM_START=0): every rank is a fresh
-  `python -m optimus train`;
+  (controller/spawn.py); `standby`: each agent keeps a process per device past its imports
+  (and its device context, on a GPU) that the next generation's rank becomes; `cold`
+  (OPTIMUS_WARM_START=0): every rank is a fresh `python -m optimus train`;
 - recovery `memory`: in-memory snapshots (`checkpoint.memory_every`, auto unless
   `--memory-every`), replicated to a buddy node, the next generation resumes from the newest
   usable one; `disk`: snapshots off, it resumes from the newest disk checkpoint (every 10 steps).
@@ -58,6 +59,7 @@ from controller.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 INTERVAL_S, TIMEOUT_S = 0.5, 3.0
+STARTS = {"warm": "fork", "standby": "standby", "cold": "0"}  # -> OPTIMUS_WARM_START
 TRIAL_STEPS = 13  # a fault comes once the generation has logged this many steps
 TARGET_DECISION_S, TARGET_NEXT_STEP_S = 5.0, 30.0
 
@@ -185,16 +187,18 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--faults", default="kill_rank,freeze_rank,kill_node")
     parser.add_argument("--modes", default="cold-disk,warm-disk,warm-memory",
-                        help="<warm|cold>-<memory|disk>, comma-separated; the first is the "
-                             "reference of the ratios")
+                        help="<warm|standby|cold>-<memory|disk>, comma-separated; the first "
+                             "is the reference of the ratios")
     parser.add_argument("--memory-every", default="auto",
                         help="checkpoint.memory_every for the memory modes")
     args = parser.parse_args()
     faults = args.faults.split(",")
     modes = args.modes.split(",")
     for mode in modes:
-        if mode not in ("warm-memory", "warm-disk", "cold-memory", "cold-disk"):
-            parser.error(f"mode {mode!r}: write <warm|cold>-<memory|disk>, e.g. warm-memory")
+        start, _, recovery = mode.partition("-")
+        if start not in STARTS or recovery not in ("memory", "disk"):
+            parser.error(f"mode {mode!r}: write <{'|'.join(STARTS)}>-<memory|disk>, e.g. "
+                         "warm-memory")
     every = args.memory_every if args.memory_every == "auto" else int(args.memory_every)
     print(f"2 nodes x 1 rank + 1 spare on one machine; heartbeat {INTERVAL_S} s, timeout "
           f"{TIMEOUT_S} s, failure grace 1 s, no backoff; {args.trials} trial(s) per fault",
@@ -202,7 +206,7 @@ def main() -> None:
     medians: dict[str, dict[str, float]] = {}
     for mode in modes:
         start, recovery = mode.split("-")
-        os.environ[WARM_ENV] = "0" if start == "cold" else "1"  # the agents inherit it
+        os.environ[WARM_ENV] = STARTS[start]  # the agents inherit it
         medians[mode] = measure(mode, args.trials, faults,
                                 every if recovery == "memory" else 0)
     reference = modes[0]

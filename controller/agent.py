@@ -57,7 +57,7 @@ from controller.detect import COLLECTIVE_PHASES
 from controller.exit_text import own_lines
 from controller.health_check import health_check
 from controller.snapshots import SnapshotKeeper, default_root, job_secret
-from controller.spawn import Spawner
+from controller.spawn import Spawner, start_mode
 from controller.stacks import Target, collect, find_py_spy
 from controller.store import NodeSummary, Store, StoreUnavailable
 from optimus.files import write_atomic
@@ -128,7 +128,9 @@ class Agent:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(self.socket_path)
         self.sock.setblocking(False)
-        self.spawner = Spawner()  # the warm process imports the trainer meanwhile
+        # The warm process imports the trainer meanwhile (standbys too, once a plan says how
+        # many ranks a node runs: controller/spawn.py).
+        self.spawner = Spawner(mode=start_mode(self.info.get("device_kind")))
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -222,7 +224,17 @@ class Agent:
             self.plan_stamp = tick.plan_stamp
         if self.latest_plan is not None:
             self._follow(self.latest_plan)
+            self._keep_standbys()
         self._check_node_faults()
+
+    def _keep_standbys(self) -> None:
+        """Standby mode: a ready process per local rank of the job's layout for the next
+        generation, on spares and on nodes whose ranks run. A used one is replaced only once
+        every rank here has taken a step: its imports would slow this generation's start."""
+        rpn = self.latest_plan.get("ranks_per_node")
+        live = [p for p in self.procs.values() if p.popen.returncode is None]
+        if rpn and all(self.beats.get(p.local_rank, {}).get("step", 0) >= 1 for p in live):
+            self.spawner.keep_ready(rpn)
 
     def _report_snapshots(self) -> None:
         report = self.snapshots.poll(self.plan, self.generation)

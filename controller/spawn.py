@@ -1,12 +1,19 @@
-"""How the node agent starts its ranks: forked from a warm process, or as a fresh one.
+"""How the node agent starts its ranks: adopted from a standby, forked from a warm process, or
+as a fresh one.
 
 `Spawner.start(argv, env, log)` returns a handle with `pid`, `returncode` and `poll()`, as a
-`subprocess.Popen` has. By default ranks are forked by one `python -m optimus.warm` process per
-agent, which imported the trainer once (see optimus/warm.py: a rank then starts in milliseconds
-instead of seconds of imports). The agent never imports torch itself: the warm process is a
-child it talks to over pipes. When it is off (`OPTIMUS_WARM_START=0`), cannot start, refuses a
-fork or dies, ranks start cold, each as `python -m optimus ...` (subprocess.Popen), exactly as
-before: a warm start is only ever faster, never required.
+`subprocess.Popen` has. OPTIMUS_WARM_START picks how (optimus/warm.py explains both warm kinds):
+- `fork` (the default on a CPU-only node; also `1`): ranks are forked by one
+  `python -m optimus.warm` process per agent, which imported the trainer once: a rank starts in
+  milliseconds instead of seconds of imports;
+- `standby` (the default on a node with GPUs or XPUs, whose runtime context a fork cannot
+  carry): one `python -m optimus.warm --standby N` per device, past its imports with device N's
+  context created, waits for a rank to become; the agent keeps as many as a generation has
+  ranks per node (`keep_ready`), and a used one is replaced once the generation runs;
+- `0`: every rank starts cold, as `python -m optimus ...` (subprocess.Popen).
+The agent never imports torch itself: warm processes are children it talks to over pipes. When
+one cannot start, refuses a fork or dies, the rank starts cold, exactly as before: a warm start
+is only ever faster, never required.
 
 Either way a rank runs in its own session, with the given environment, its output appended to
 its log, and dies with the agent (the warm process dies with the agent, its ranks with it).
@@ -29,6 +36,7 @@ from pathlib import Path
 log = logging.getLogger("optimus.agent")
 
 WARM_ENV = "OPTIMUS_WARM_START"
+MODES = ("fork", "standby", "cold")
 _PR_SET_PDEATHSIG = 1
 WARMING_S = 60.0  # how long a launch waits for the warm process's imports, then starts cold
 _FORK_TIMEOUT_S = 10.0
@@ -58,9 +66,27 @@ class WarmRank:
         return self.returncode
 
 
+def start_mode(device_kind: str | None) -> str:
+    """fork, standby or cold, from OPTIMUS_WARM_START and the node's device kind."""
+    value = os.environ.get(WARM_ENV, "").strip().lower()
+    if value in ("0", "cold", "off", "false"):
+        return "cold"
+    if value in ("fork", "standby"):
+        return value
+    return "standby" if device_kind in ("cuda", "xpu") else "fork"
+
+
 class Spawner:
-    def __init__(self, warm: bool | None = None):
-        self.warm = os.environ.get(WARM_ENV, "1") != "0" if warm is None else warm
+    def __init__(self, warm: bool | None = None, mode: str | None = None):
+        if mode is None:
+            mode = ("fork" if warm else "cold") if warm is not None else start_mode(None)
+        if mode not in MODES:
+            raise ValueError(f"start mode {mode!r}: one of {', '.join(MODES)}")
+        self.mode = mode
+        # The forking warm process: in standby mode too, for ranks no standby is ready for
+        # (the first generation, before a plan said how many ranks a node runs).
+        self.warm = mode != "cold"
+        self._standby: dict[int, subprocess.Popen] = {}  # local rank -> its standby
         self._proc: subprocess.Popen | None = None
         self._pending = b""
         self._inbox: list[dict] = []  # messages read, not yet handled
@@ -74,6 +100,11 @@ class Spawner:
 
     def start(self, argv: list[str], env: dict[str, str], log_path: Path):
         """Start `optimus <argv...>` (argv[0] is the program name) as one rank."""
+        if self.mode == "standby":
+            local_rank = int(env.get("OPTIMUS_LOCAL_RANK", env.get("LOCAL_RANK", "0")))
+            adopted = self._adopt(local_rank, argv, env, log_path)
+            if adopted is not None:
+                return adopted
         if self.warm and self._proc is None:
             self._start_warm()
         if self._proc is not None:
@@ -86,6 +117,46 @@ class Spawner:
                                     stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True,
                                     preexec_fn=die_with_parent)
+
+    def keep_ready(self, count: int) -> None:
+        """Standby mode: have a standby process for each of local ranks 0..count-1 (started
+        now for those missing; their imports run while the agent waits for a plan)."""
+        if self.mode != "standby":
+            return
+        for local_rank in range(count):
+            proc = self._standby.get(local_rank)
+            if proc is not None and proc.poll() is None:
+                continue
+            try:
+                self._standby[local_rank] = subprocess.Popen(
+                    [sys.executable, "-m", "optimus.warm", "--standby", str(local_rank)],
+                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL, start_new_session=True,
+                    preexec_fn=die_with_parent)
+            except OSError as e:
+                log.warning("no standby for local rank %d (%s); it starts cold", local_rank, e)
+                return
+
+    def standbys(self) -> dict[int, int]:
+        """Local rank -> pid of its waiting standby (for status and tests)."""
+        return {r: p.pid for r, p in self._standby.items() if p.poll() is None}
+
+    def _adopt(self, local_rank: int, argv: list[str], env: dict[str, str],
+               log_path: Path) -> subprocess.Popen | None:
+        """Hand the rank to local rank's standby: it becomes the rank (still importing, it
+        becomes it once done: never later than a cold start would)."""
+        proc = self._standby.pop(local_rank, None)
+        if proc is None or proc.poll() is not None:
+            return None
+        request = {"argv": list(argv), "env": dict(env), "log": str(log_path)}
+        try:
+            proc.stdin.write((json.dumps(request) + "\n").encode())
+            proc.stdin.close()
+        except OSError as e:  # it died meanwhile
+            log.warning("standby of local rank %d is gone (%s); the rank starts cold",
+                        local_rank, e)
+            return None
+        return proc
 
     def warming(self) -> bool:
         """Whether the warm process is still importing (for up to WARMING_S): a launch should
@@ -101,9 +172,15 @@ class Spawner:
             self._ended(self._inbox.pop(0))
 
     def close(self) -> None:
-        """Stop the warm process (its ranks die with it; they are reported killed)."""
+        """Stop the warm process (its ranks die with it; they are reported killed) and the
+        standbys."""
         self.warm = False
         self._stop_warm()
+        for proc in self._standby.values():
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+        self._standby.clear()
 
     def _lost(self, why: str) -> None:
         """The warm process failed or died: its ranks died with it. Start another when the

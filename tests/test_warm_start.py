@@ -142,3 +142,36 @@ def test_one_ranks_poll_never_reaps_another(spawner, tmp_path):
     assert _wait(ranks[0]) == 2
     assert ranks[1].returncode is None  # not until its own poll()
     assert _wait(ranks[1]) == 2  # reported all the same
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_standby_process_becomes_the_rank_it_is_handed(tmp_path):
+    """Standby mode (a node with GPUs or XPUs): one process per device waits, imports done and
+    device context made; the next rank of that local rank is that very process."""
+    s = Spawner(mode="standby")
+    try:
+        s.keep_ready(2)
+        waiting = s.standbys()
+        assert sorted(waiting) == [0, 1]
+        s.keep_ready(2)
+        assert s.standbys() == waiting  # ready ones are kept, not restarted
+        job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=6)
+        log = tmp_path / "rank.log"
+        rank = s.start(["optimus", "train", str(job)], {**_env(), "LOCAL_RANK": "0"}, log)
+        assert rank.pid == waiting[0]  # adopted: no process started for it
+        assert os.getpgid(rank.pid) == rank.pid  # its own session, for the agent's signals
+        assert _wait(rank) == 0, log.read_text()[-3000:]
+        assert [m["step"] for m in metrics(tmp_path / "run") if "loss" in m] == [1, 2, 3, 4, 5, 6]
+        assert s.standbys() == {1: waiting[1]}  # the other still waits for its rank
+        s.keep_ready(2)
+        replaced = s.standbys()
+        assert replaced[1] == waiting[1] and replaced[0] not in (waiting[0], waiting[1])
+    finally:
+        s.close()
+    assert not any(_alive(pid) for pid in (*waiting.values(), *replaced.values()))
