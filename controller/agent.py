@@ -56,7 +56,7 @@ from typing import Any
 from controller.detect import COLLECTIVE_PHASES
 from controller.exit_text import own_lines
 from controller.health_check import health_check
-from controller.snapshots import SnapshotKeeper, default_root, job_secret
+from controller.snapshots import SnapshotKeeper, default_root, job_secret, node_folder
 from controller.spawn import Spawner, start_mode
 from controller.stacks import Target, collect, find_py_spy
 from controller.store import NodeSummary, Store, StoreUnavailable
@@ -107,7 +107,8 @@ class Agent:
         self.checked_for: int | None = None  # the generation the last pre-launch check was for
         self.fit_for = True
         # In-memory snapshots: this node's ranks' and the replicas it holds for its peers.
-        self.snapshots = SnapshotKeeper((snapshot_root or default_root()) / store.job / node,
+        self.snapshots = SnapshotKeeper(node_folder(snapshot_root or default_root(),
+                                                    store.job, node),
                                         node, job_secret(store.url, store.job), self.host)
         self.info = {"host": self.host, "pid": os.getpid(),
                      "snapshot_addr": self.snapshots.address, **self._check_health()}

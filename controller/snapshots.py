@@ -2,8 +2,8 @@
 each complete point to the node's buddy, the replicas it holds for other nodes, and the pull a
 replacement node makes before its ranks start.
 
-    /dev/shm/optimus-<uid>/<job>/<node>/own/...    this node's ranks' shards
-                                        held/...   replicas of other nodes' shards
+    /dev/shm/optimus-<uid>/<job>/<node>.<agent pid>/own/...    this node's ranks' shards
+                                                   held/...   replicas of other nodes' shards
 
 (optimus/checkpoint/snapshot_files.py names what lies inside.) The folder is shared memory that
 belongs to the agent, not to a rank: a crashed rank or a restarted generation loses nothing. A
@@ -29,6 +29,7 @@ when all of its files check (renamed in, markers last).
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import hmac
 import json
@@ -67,6 +68,28 @@ def default_root() -> Path:
     """Shared memory when the machine has it (Linux /dev/shm), else the temporary folder."""
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     return base / f"optimus-{os.getuid()}"
+
+
+def node_folder(root: Path, job: str, node: str) -> Path:
+    """This agent's folder, `<root>/<job>/<node>.<agent pid>`: its own, even where several
+    agents share a machine (tests, `optimus run`); the folders of agents of the node that are
+    gone (killed: no chance to clean up) are removed now, as a rebooted node's memory is."""
+    parent = Path(root) / job
+    for old in parent.glob(f"{glob.escape(node)}.*"):
+        pid = old.name.rpartition(".")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return parent / f"{node}.{os.getpid()}"
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def job_secret(redis_url: str, job: str) -> bytes:
