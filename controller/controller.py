@@ -31,6 +31,7 @@ import time
 import uuid
 from pathlib import Path
 
+from controller import recovery
 from controller.checkpoints import CheckpointView
 from controller.decide import (
     ACTIVE,
@@ -56,9 +57,11 @@ log = logging.getLogger("optimus.controller")
 TICK_S = 0.25
 HANG_CANDIDATES = 16  # nodes read in full when a hang is suspected; more: nobody stands out
 STRAGGLER_CHECK_S = 5.0  # how often the compute scores (one entry per node) are read
+SNAPSHOT_CHECK_S = 5.0  # how often the nodes' snapshot reports are read while a job runs
 # Job record fields that change every step: not worth a journal write (and an fsync) each.
 VOLATILE = frozenset({"progress_gen", "progress_step", "progress_at", "progress_moves",
-                      "step_times", "hang_since", "failure_since", "latest_checkpoint"})
+                      "step_times", "hang_since", "failure_since", "latest_checkpoint",
+                      "memory_snapshot"})
 
 
 def node_counts(job: JobConfig, nodes: int, ranks_per_node: int) -> tuple[int, ...]:
@@ -111,6 +114,8 @@ class Controller:
         self._index_key: tuple | None = None
         self._index: dict[str, int] = {}
         self._latest_shown: int | None = None
+        self._snapshots_read = 0.0
+        self._memory_shown: int | None = None
         self.checkpoints = CheckpointView(self.checkpoint_dir, store)
         self.event_log = EventLog(store, Path(job.resolved_run_dir) / "events.jsonl")
 
@@ -316,6 +321,7 @@ class Controller:
         if obs.latest_step != self._latest_shown:  # None (all set aside) deletes it
             d.job["latest_checkpoint"] = obs.latest_step  # for `optimus job status`
             self._latest_shown = obs.latest_step
+        self._record_memory_point(d, obs)
         if d.job:
             self.store.update_job(d.job)
         for kind, message, fields in d.events:  # queued at once: an outage loses none
@@ -324,6 +330,23 @@ class Controller:
         if (set(d.job) - VOLATILE or d.plan is not None or d.exclude or d.operator_exclude
                 or d.include or d.control is not None):
             self._write_journal()
+
+    def _record_memory_point(self, d: Decision, obs: Observed) -> None:
+        """While a generation runs: the step of the newest in-memory snapshot that is usable
+        now (committed: every shard replicated; every node's copy held by a live node), into
+        the job record for `optimus job status` and the exporter. Read every SNAPSHOT_CHECK_S
+        (one entry per node); the plan of a next generation reads them afresh."""
+        plan = obs.plan
+        if not plan or plan.get("action") != "run" or obs.job.state not in ACTIVE:
+            return
+        if time.monotonic() - self._snapshots_read < SNAPSHOT_CHECK_S:
+            return
+        self._snapshots_read = time.monotonic()
+        point, _ = recovery.memory_point(plan, self.store.snapshots(), set(plan["nodes"]), None)
+        step = point["step"] if point and point["generation"] == plan["generation"] else None
+        if step != self._memory_shown:
+            d.job["memory_snapshot"] = step
+            self._memory_shown = step
 
     def _event(self, kind: str, message: str, send: bool = True, **fields) -> None:
         """An event; an operator's request is recorded under the operator's name (`actor`).

@@ -97,6 +97,9 @@ class JobCollector(Collector):
         yield _gauge("optimus_stragglers", "Nodes reported as stragglers now",
                      len(_json(record.get("stragglers"), [])))
         yield from self._checkpoints(now)
+        if record.get("memory_snapshot"):  # the controller's record, kept while a job runs
+            yield _gauge("optimus_memory_snapshot_step", "Step of the newest usable in-memory "
+                         "snapshot", float(record["memory_snapshot"]))
         yield _gauge("optimus_heartbeat_timeout_seconds", "supervision.heartbeat_timeout_s",
                      self.job.supervision.heartbeat_timeout_s)
 

@@ -219,6 +219,9 @@ def _status(store: Store, record: dict[str, str]) -> dict:
         "stragglers": _loads(record.get("stragglers"), []),
         "latest_checkpoint": int(record["latest_checkpoint"])
         if record.get("latest_checkpoint") else None,
+        # The newest in-memory snapshot usable now (the controller reads it every few seconds).
+        "memory_snapshot": int(record["memory_snapshot"])
+        if running and record.get("memory_snapshot") else None,
         # What the ranks of generation `resumed_generation` loaded (rank 0's own report).
         "resumed_generation": int(record["resumed_gen"]) if record.get("resumed_gen") else None,
         "resumed_from": int(record["resumed_step"]) if record.get("resumed_step") else None,

@@ -50,6 +50,7 @@ CONTRACT = {
     "optimus_excluded_nodes",
     "optimus_stragglers",
     "optimus_checkpoint_step",
+    "optimus_memory_snapshot_step",
     "optimus_checkpoint_age_seconds",
     "optimus_checkpoint_duration_seconds",
     "optimus_checkpoint_interval_steps",
