@@ -62,7 +62,24 @@ def train(job: Path, overrides: tuple[str, ...]) -> None:
         run_training(config)
     except (NonFinite, CheckpointFailed) as e:  # the agent reads the exit status (87, 88, 89)
         click.secho(f"error: {e}", fg="red", err=True)
+        _abandon_helpers()
         sys.exit(e.exit_code)
+    except Exception:  # e.g. a peer died mid-collective: said as Python says it, exit 1
+        sys.excepthook(*sys.exc_info())
+        _abandon_helpers()
+        sys.exit(1)
+
+
+def _abandon_helpers() -> None:
+    """A failing rank must exit now, not when its helper processes would let it: at exit
+    Python joins every non-daemonic multiprocessing child, and DCP's checkpoint writer process
+    may be blocked in its own rendezvous with a peer that died (for its process group's whole
+    timeout). Meanwhile the rank sends no heartbeat, and its healthy node would be taken for
+    the culprit. Whatever such a helper was writing is not committed and is cleaned up later."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.kill()
 
 
 @main.group()

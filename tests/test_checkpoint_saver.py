@@ -462,3 +462,43 @@ def test_an_abandoned_save_in_flight_is_never_committed(run_ranks, tmp_path):
     assert step_dir(tmp_path, 1).is_dir() and not is_committed(step_dir(tmp_path, 1))
     Checkpointer(tmp_path, rank=0, world_size=1, mode="thread").close()  # the next job's start
     assert not step_dir(tmp_path, 1).exists()  # removed as partial
+
+
+def test_a_rank_whose_peer_dies_while_its_writer_process_starts_exits_at_once(tmp_path):
+    """DCP's writer process (async_mode: process) starts at a generation's first save and
+    joins a rendezvous of its own. A peer lost just then (its node gone, writer and all) leaves
+    that rendezvous waiting; the surviving rank fails in its next collective and must exit
+    then, not wait at exit for its writer: silent meanwhile, it would be taken for frozen and
+    its healthy node excluded (seen in bench/recovery.py)."""
+    import signal
+    import subprocess
+    import sys
+
+    from cluster import ROOT, free_port, metrics_so_far, wait_for, write_job
+
+    run = tmp_path / "run"
+    job = write_job(tmp_path / "job.yaml", run, steps=200, async_mode="process")
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "OPTIMUS_RANK": str(rank), "OPTIMUS_WORLD_SIZE": "2",
+               "OPTIMUS_LOCAL_RANK": str(rank), "OPTIMUS_LOCAL_WORLD_SIZE": "2",
+               "OPTIMUS_MASTER_ADDR": "127.0.0.1", "OPTIMUS_MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "optimus", "train", str(job)],
+                                      cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        # The save of step 10 starts the writer processes (seconds: a Python with torch each).
+        wait_for(lambda: any(m.get("step", 0) >= 11 for m in metrics_so_far(run)), 120,
+                 "step 11")
+        os.killpg(procs[1].pid, signal.SIGKILL)  # rank 1 and its writer: a lost node
+        killed = time.monotonic()
+        out, _ = procs[0].communicate(timeout=60)
+        assert time.monotonic() - killed < 20, "rank 0 waited for its writer process"
+        assert procs[0].returncode == 1
+        assert b"Connection closed by peer" in out or b"Connection reset" in out, out[-2000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
