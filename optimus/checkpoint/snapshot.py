@@ -29,7 +29,9 @@ rank resumes from disk as before, with the first failing rank's reason.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import time
@@ -54,6 +56,8 @@ DIR_ENV = "OPTIMUS_SNAPSHOT_DIR"  # this node's own/ folder: where ranks write
 RESUME_ENV = "OPTIMUS_SNAPSHOT_RESUME"  # JSON {"step", "generation", "dir"}: what to load
 COST_SHARE = 0.02  # auto: snapshots may take this share of the step time
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class SnapshotCost:
@@ -74,6 +78,8 @@ class Snapshots:
         self.last: SnapshotCost | None = None
         self.taken = 0
         self.skipped = 0
+        self.failed = 0
+        self._last_step = 0
         self._measured: SnapshotCost | None = None  # auto: the first one
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="snapshot-write")
         self._inflight: Future | None = None
@@ -91,7 +97,8 @@ class Snapshots:
 
     def after_step(self, step: int, step_s: float, state: dict) -> str | None:
         """Take a due snapshot of `state` (the training_state dict) after `step`; `step_s` is
-        this step's time. Returns a message for the metrics log when the interval is chosen."""
+        this step's time. Returns a message for the metrics log: the interval chosen, or that a
+        snapshot's write failed."""
         if self.every is None:
             if self._measured is None:
                 self._measured = self._take(step, state, wait=True)
@@ -106,8 +113,23 @@ class Snapshots:
             if self._inflight is not None and not self._inflight.done():
                 self.skipped += 1  # the last is still being written: the next one will do
                 return None
+            failed = self._failure()
             self._take(step, state, wait=False)
+            return failed
         return None
+
+    def _failure(self) -> str | None:
+        """Why the last snapshot's write failed (e.g. shared memory full), once; None if it
+        did not. The next one is tried all the same: a restart uses only complete points."""
+        done, self._inflight = self._inflight, None
+        if done is None or done.exception() is None:
+            return None
+        self.failed += 1
+        message = (f"memory snapshot of step {self._last_step} failed on rank {self.rank}: "
+                f"{type(done.exception()).__name__}: {done.exception()} (folder {self.root}); "
+                "a restart falls back to an older snapshot or to disk")
+        log.warning(message)  # every rank's own log; rank 0's metrics log has it as an event
+        return message
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -125,11 +147,15 @@ class Snapshots:
         staged = stage(state)
         blocked = time.perf_counter() - began
         folder = self.root / point_name(step, self.generation)
+        self._last_step = step
         meta = {"step": step, "generation": self.generation, "rank": self.rank,
                 "layout": self.layout, **state["progress"].meta()}
         self._inflight = self._pool.submit(_write, folder, self.rank, staged, meta)
         self.taken += 1
-        size = self._inflight.result() if wait else 0
+        size = 0
+        if wait:
+            with contextlib.suppress(OSError):  # said by the next after_step (_failure)
+                size = self._inflight.result()
         self.last = SnapshotCost(step, time.perf_counter() - began, blocked, size)
         return self.last
 
