@@ -98,3 +98,14 @@ def test_a_snapshot_of_another_layout_is_refused(tmp_path):
     assert "taken under layout cpu:dp2" in note and "this run is cpu:dp1" in note, note
     assert not _events(tmp_path / "second", "resume")  # nothing on disk either: from scratch
     assert sorted(_losses(tmp_path / "second"))[0] == 1
+
+
+def test_a_snapshot_that_cannot_be_written_is_said_and_training_goes_on(tmp_path):
+    blocked = tmp_path / "shm"
+    blocked.write_text("a file where the agent's folder should be")  # mkdir fails under it
+    job = _job(tmp_path, "first", memory_every=3)
+    train_ranks(job, 1, env={"OPTIMUS_SNAPSHOT_DIR": str(blocked / "own")})
+    failed = [m["message"] for m in _events(tmp_path / "first", "snapshot")]
+    assert failed and failed[0].startswith("memory snapshot of step 3 failed on rank 0: "
+                                           "NotADirectoryError"), failed
+    assert sorted(_losses(tmp_path / "first"))[-1] == STEPS  # training went on to the end
