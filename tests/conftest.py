@@ -11,6 +11,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import multiproc  # noqa: E402
+from cluster import Processes, RedisServer  # noqa: E402
 
 
 def pytest_configure(config):
@@ -24,3 +25,20 @@ def pytest_configure(config):
 def run_ranks():
     """`run_ranks(fn, world_size, *args, timeout=60.0)` -> [fn(rank, world_size, *args), ...]."""
     return multiproc.run_ranks
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A private redis-server on a free port, stopped after the test."""
+    server = RedisServer(tmp_path)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def procs(tmp_path):
+    """`optimus` subcommands started as real processes (`procs.start(name, *args)`), all
+    stopped after the test."""
+    p = Processes(tmp_path)
+    yield p
+    p.stop_all()

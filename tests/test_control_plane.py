@@ -24,7 +24,6 @@ import yaml
 from cluster import (
     ROOT,
     Processes,
-    RedisServer,
     final_loss,
     metrics,
     train_ranks,
@@ -42,20 +41,6 @@ FAULT_STEP = 15
 
 _reference_losses: dict[tuple, float] = {}  # (resume step, moe) -> an unfaulted run's loss
 MOE = {"experts": 4, "top_k": 2, "expert_ffn_dim": 64, "balance": "bias"}
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path)
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Processes(tmp_path)
-    yield p
-    p.stop_all()
 
 
 def reference_loss(tmp_path_factory, faulty_run: Path, resume_step: int,

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cluster import ROOT, RedisServer, metrics, metrics_so_far, wait_for, write_job
+from cluster import ROOT, metrics, metrics_so_far, wait_for, write_job
 
 from controller.store import Store
 from optimus.checkpoint.manifest import committed_steps, read_manifest, step_dir, verify
@@ -21,13 +21,6 @@ from optimus.checkpoint.quarantine import quarantined
 
 STEPS = 24
 HANG = {"hang_timeout_s": 4.0, "hang_step_factor": 5.0}
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path)
-    yield server
-    server.stop()
 
 
 def run(redis_server, job: Path, *, nodes: int = 2, spares: int = 1,

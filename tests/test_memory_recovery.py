@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from cluster import ROOT, Processes, RedisServer, metrics, wait_for, write_job
 
 from controller.store import Store
@@ -22,20 +21,6 @@ from optimus.data.audit import audit_run
 STEPS = 30
 FAULT_STEP = 15
 EVERY = 2
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path)
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Processes(tmp_path)
-    yield p
-    p.stop_all()
 
 
 def _events(run: Path, kind: str) -> list[dict]:

@@ -7,16 +7,9 @@ import sys
 import time
 
 import pytest
-from cluster import ROOT, RedisServer, free_port
+from cluster import ROOT, free_port
 
 from controller.store import NodeSummary, Store, StoreUnavailable, prefix
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path)
-    yield server
-    server.stop()
 
 
 def test_keys_share_one_cluster_slot_tag():
