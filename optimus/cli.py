@@ -64,10 +64,9 @@ def train(job: Path, overrides: tuple[str, ...]) -> None:
         click.secho(f"error: {e}", fg="red", err=True)
         _abandon_helpers()
         sys.exit(e.exit_code)
-    except Exception:  # e.g. a peer died mid-collective: said as Python says it, exit 1
-        sys.excepthook(*sys.exc_info())
+    except Exception:  # a bad job (said in one line, exit 2), a peer died mid-collective...
         _abandon_helpers()
-        sys.exit(1)
+        raise
 
 
 def _abandon_helpers() -> None:

@@ -147,7 +147,7 @@ def test_a_training_process_sends_heartbeats_in_the_protocol(socket_dir, tmp_pat
     assert beats[0]["phase"] == "startup" and beats[-1]["phase"] == "done"
     # What it resumed from (nothing: a fresh run), once it has looked; not before.
     assert beats[0]["resume"] is None
-    assert beats[-1]["resume"] == {"step": None, "quarantined": []}
+    assert beats[-1]["resume"] == {"step": None, "quarantined": [], "source": "disk"}
     assert [b["phase"] for b in beats].count("done") == 1
     assert {"data", "forward", "backward", "grad_sync", "optim", "checkpoint"} <= {
         b["phase"] for b in beats}

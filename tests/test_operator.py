@@ -59,6 +59,7 @@ class Live:
     def __init__(self, tmp: Path):
         self.run = tmp / "run"
         self.job = write_job(tmp / "job.yaml", self.run, name=JOB, steps=10_000,
+                             memory_every=2,  # the controller reports the newest usable one
                              peak_tflops=0.05)  # MFU is exported only with a known peak
         self.port = free_port()
         self.out = tmp / "optimus-run.out"
@@ -199,6 +200,9 @@ def test_checkpoint_now_saves_the_next_step_on_every_rank(live):
 
 
 def test_a_live_scrape_exports_every_metric_the_dashboard_and_alerts_use(live):
+    # The newest usable memory snapshot: read by the controller every 5 s once one is replicated.
+    wait_for(lambda: "optimus_memory_snapshot_step " in live.scrape(), 60,
+             "a memory snapshot in the scrape")
     scrape = live.scrape()
     exported = exported_names(scrape)
     for where, expr in monitoring_expressions().items():
@@ -223,6 +227,9 @@ def test_a_live_scrape_exports_every_metric_the_dashboard_and_alerts_use(live):
     assert status["state"] == "RUNNING" and status["nodes"] == live.store.plan()["nodes"]
     assert len(status["nodes"]) == 2 and status["generation"] == 0
     assert status["step"] >= sample(scrape, "optimus_step")
+    snapshot = sample(scrape, "optimus_memory_snapshot_step")
+    assert snapshot > 0 and snapshot % 2 == 0 and snapshot <= sample(scrape, "optimus_step")
+    assert snapshot <= status["memory_snapshot"] <= status["step"]
 
 
 def test_an_excluded_node_leaves_with_a_checkpoint_and_stays_out_until_included(live):
