@@ -6,8 +6,10 @@ layout changed) every rank falls back to disk together, saying why.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
+import pytest
 import yaml
 from cluster import metrics, train_ranks, write_job
 
@@ -37,10 +39,19 @@ def _events(run: Path, kind: str) -> list[dict]:
     return [m for m in metrics(run) if m.get("event") == kind]
 
 
-def test_a_run_resumed_from_a_snapshot_continues_exactly(tmp_path):
-    own = tmp_path / "shm" / "own"
-    first = _job(tmp_path, "first", memory_every=3)
-    train_ranks(first, 2, env={"OPTIMUS_SNAPSHOT_DIR": str(own), "OPTIMUS_GENERATION": "0"})
+@pytest.fixture(scope="module")
+def first(tmp_path_factory) -> Path:
+    """One two-rank run of 12 steps, snapshots every 3 steps into `shm/own` (as its agent would
+    have them) and a disk checkpoint every 4; the tests copy what they change."""
+    tmp = tmp_path_factory.mktemp("first")
+    job = _job(tmp, "first", memory_every=3, interval=4, keep_last=10)
+    train_ranks(job, 2, env={"OPTIMUS_SNAPSHOT_DIR": str(tmp / "shm" / "own"),
+                             "OPTIMUS_GENERATION": "0"})
+    return tmp
+
+
+def test_a_run_resumed_from_a_snapshot_continues_exactly(first, tmp_path):
+    own = first / "shm" / "own"
     taken = [(step, gen) for step, gen, _ in points(own)]
     assert taken == [(3, 0), (6, 0), (9, 0)]  # every 3 steps, not the last (disk has it)
     shards = complete_shards(own / point_name(9, 0))
@@ -54,30 +65,32 @@ def test_a_run_resumed_from_a_snapshot_continues_exactly(tmp_path):
                                 "OPTIMUS_GENERATION": "1"})
     (resume,) = _events(tmp_path / "second", "resume")
     assert resume["source"] == "memory" and resume["step"] == 9 and resume["data_index"] == 72
-    expected, got = _losses(tmp_path / "first"), _losses(tmp_path / "second")
+    expected, got = _losses(first / "first"), _losses(tmp_path / "second")
     assert sorted(got) == [10, 11, 12]
     for step in got:
         assert abs(got[step] - expected[step]) < 1e-6, (step, got[step], expected[step])
     # Exactly once: steps 10..12 read the samples the first run read there, none other.
-    assert {s: v for s, v in _samples(tmp_path / "first").items() if s > 9} == \
+    assert {s: v for s, v in _samples(first / "first").items() if s > 9} == \
         _samples(tmp_path / "second")
 
 
-def test_a_corrupt_shard_sends_every_rank_to_disk_with_the_reason(tmp_path):
-    own = tmp_path / "shm" / "own"
-    first = _job(tmp_path, "first", memory_every=4, interval=4, keep_last=10)
-    train_ranks(first, 2, env={"OPTIMUS_SNAPSHOT_DIR": str(own), "OPTIMUS_GENERATION": "0"})
-    data, _ = shard_files(own / point_name(8, 0), 1)
+def test_a_corrupt_shard_sends_every_rank_to_disk_with_the_reason(first, tmp_path):
+    own = tmp_path / "own"
+    shutil.copytree(first / "shm" / "own", own)
+    data, _ = shard_files(own / point_name(6, 0), 1)
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
-    # The same run folder: its disk checkpoints (steps 4, 8, 12) are what the ranks fall back to.
-    job = yaml.safe_load(first.read_text())
+    # A copy of the first run's folder: its disk checkpoints (steps 4, 8, 12) are what the
+    # ranks fall back to; two more steps to train from there.
+    shutil.copytree(first / "first", tmp_path / "first")
+    job = yaml.safe_load((first / "first.yaml").read_text())
+    job["run_dir"] = str(tmp_path / "first")
     job["optim"]["steps"] = 14
-    first.write_text(yaml.safe_dump(job))
-    request = {"step": 8, "generation": 0, "dir": str(own / point_name(8, 0))}
-    train_ranks(first, 2, env={"OPTIMUS_SNAPSHOT_RESUME": json.dumps(request),
-                               "OPTIMUS_GENERATION": "1"})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    request = {"step": 6, "generation": 0, "dir": str(own / point_name(6, 0))}
+    train_ranks(tmp_path / "job.yaml", 2, env={"OPTIMUS_SNAPSHOT_RESUME": json.dumps(request),
+                                                "OPTIMUS_GENERATION": "1"})
     notes = [m["message"] for m in _events(tmp_path / "first", "checkpoint")
              if "memory snapshot" in m["message"]]
     assert len(notes) == 1 and "rank 1: " in notes[0], notes
@@ -86,12 +99,9 @@ def test_a_corrupt_shard_sends_every_rank_to_disk_with_the_reason(tmp_path):
     assert resume["source"] == "disk" and resume["step"] == 12
 
 
-def test_a_snapshot_of_another_layout_is_refused(tmp_path):
-    own = tmp_path / "shm" / "own"
-    first = _job(tmp_path, "first", memory_every=5)
-    train_ranks(first, 2, env={"OPTIMUS_SNAPSHOT_DIR": str(own), "OPTIMUS_GENERATION": "0"})
+def test_a_snapshot_of_another_layout_is_refused(first, tmp_path):
     second = _job(tmp_path, "second", memory_every=0)
-    request = {"step": 10, "generation": 0, "dir": str(own / point_name(10, 0))}
+    request = {"step": 9, "generation": 0, "dir": str(first / "shm" / "own" / point_name(9, 0))}
     train_ranks(second, 1, env={"OPTIMUS_SNAPSHOT_RESUME": json.dumps(request)})
     (note,) = [m["message"] for m in _events(tmp_path / "second", "checkpoint")
                if "memory snapshot" in m["message"]]
