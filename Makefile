@@ -56,7 +56,7 @@ helm: venv
 
 test: venv promtool redis-sentinel slurm helm
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -n 2 --dist loadfile
+	$(BIN)/pytest -q
 
 bench: venv
 	$(BIN)/python bench/overhead.py
