@@ -247,12 +247,18 @@ def test_health_checks_on_demand_and_before_each_generation_exclude_bad_tiles(
     assert all(m["saved"] is False and m["checkpoint_step"] is None for m in gen0)
     committed_at = {s: read_manifest(step_dir(ckpts, s))["committed_at"] for s in (10,)}
     assert committed_at[10] <= ok_at
-    (aside,) = quarantined(ckpts)
-    assert (aside["step"], aside["kind"]) == (20, "suspect")
-    assert read_manifest(Path(aside["path"]))["committed_at"] > ok_at
-    assert f"after {victim} last passed its health check" in aside["reason"]
+    # Step 20; and step 30 too when the machine was slow enough for generation 0 to commit it
+    # before the check on demand came back: both were committed after the last passing check.
+    aside = sorted(quarantined(ckpts), key=lambda a: a["step"])
+    assert [a["step"] for a in aside] in ([20], [20, 30]), aside
+    for a in aside:
+        assert a["kind"] == "suspect"
+        assert read_manifest(Path(a["path"]))["committed_at"] > ok_at
+        assert f"after {victim} last passed its health check" in a["reason"]
     generation_1 = events(store, "generation")[1]["message"]
-    assert "from the checkpoint of step 10 (set aside as suspect: step 20)" in generation_1
+    suspects = ", ".join(str(a["step"]) for a in aside)
+    assert f"from the checkpoint of step 10 (set aside as suspect: step {suspects})" in (
+        generation_1)
     assert [e["message"] for e in events(store, "loaded")][-1] == (
         "generation 2 resumed from the checkpoint of step 10")
     assert all(verify(step_dir(ckpts, s)) == [] for s in committed_steps(ckpts))
