@@ -121,9 +121,11 @@ def test_a_node_lost_with_its_buddy_falls_back_to_disk_and_says_why(tmp_path, re
     assert store.job_record()["state"] == "COMPLETED"
     (generation,) = [e["message"] for e in _events(run, "generation")
                      if e["message"].startswith("generation 1 ")]
-    assert re.search(r"from the checkpoint of step 10 \(memory snapshot not used: the memory "
-                     r"snapshot of step \d+ is lost: node node1 and the node holding its copy "
-                     r"\(node3\) are both gone\)", generation), generation
+    found = re.search(r"from the checkpoint of step (\d+) \(memory snapshot not used: the "
+                      r"memory snapshot of step \d+ is lost: node node1 and the node holding its "
+                      r"copy \(node3\) are both gone\)", generation)
+    assert found, generation
+    disk = int(found.group(1))  # 10, or 20 on a machine slow enough to commit it before the kill
     (resume,) = _resumes(run)
-    assert resume["source"] == "disk" and resume["step"] == 10
+    assert resume["source"] == "disk" and resume["step"] == disk and disk % 10 == 0
     _exactly_once(run)
