@@ -110,6 +110,8 @@ class Agent:
         self.snapshots = SnapshotKeeper(node_folder(snapshot_root or default_root(),
                                                     store.job, node),
                                         node, job_secret(store.url, store.job), self.host)
+        self._snapshots_stored = False  # this incarnation has reported once
+        self.failed_saves = 0  # checkpoint saves failed in a row, as this node's ranks last said
         self.info = {"host": self.host, "pid": os.getpid(),
                      "snapshot_addr": self.snapshots.address, **self._check_health()}
         sock_dir = Path(socket_dir or tempfile.gettempdir()) / f"optimus-{os.getuid()}"
@@ -191,7 +193,8 @@ class Agent:
                  else "starting" if self.waiting_port else "idle")
         status = {"generation": -1 if self.generation is None else self.generation,
                   "state": state, "live_ranks": len(live), "host": self.host,
-                  "pids": [p.popen.pid for p in live], "rank_states": self._rank_states(live)}
+                  "pids": [p.popen.pid for p in live], "rank_states": self._rank_states(live),
+                  "failed_saves": self.failed_saves}
         try:
             self._flush_exits()
             tick = self.store.agent_tick(self.node, status, dict(self.beats),
@@ -238,11 +241,13 @@ class Agent:
             self.spawner.keep_ready(rpn)
 
     def _report_snapshots(self) -> None:
-        report = self.snapshots.poll(self.plan, self.generation)
+        report = self.snapshots.poll(self.plan, self.generation,
+                                     (self.latest_plan or {}).get("lineage"))
         if report is None:
             return
         try:
-            self.store.set_snapshots(self.node, report)
+            self.store.set_snapshots(self.node, report, first=not self._snapshots_stored)
+            self._snapshots_stored = True
         except StoreUnavailable as e:
             self.snapshots.unreported()
             self._note_outage(e)
@@ -264,6 +269,8 @@ class Agent:
             return
         if self.generation is not None and (gen != self.generation or action == "stop"):
             self._stop(plan.get("grace_s", 3.0), plan.get("reason", ""), save)
+        if action == "run" and mine and gen == self.generation:
+            self.plan = plan  # the same generation, re-issued: new buddies (a spare arrived)
         if action == "run" and mine and gen != self.generation and not self._live():
             if self.checked_for != gen:
                 self.checked_for = gen
@@ -305,6 +312,8 @@ class Agent:
             self.no_save = False
             self._write_control(self.control)
         self.generation, self.plan = gen, plan
+        carried = plan.get("failed_saves")
+        self.failed_saves = carried if isinstance(carried, int) and carried > 0 else 0
         self.ran_since_ok = True
         self.procs.clear()
         self.beats.clear()
@@ -330,6 +339,7 @@ class Agent:
                    "OPTIMUS_CONTROL_FILE": str(self.control_path),
                    "OPTIMUS_CHAOS_FILE": str(self.chaos_path),
                    "OPTIMUS_AGENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
+                   "OPTIMUS_FAILED_SAVES": str(self.failed_saves),
                    **snapshot_env}
             path = log_dir / f"rank_{rank:05d}.log"
             env["OPTIMUS_STACKS_FILE"] = str(log_dir / f"rank_{rank:05d}.stacks")
@@ -397,7 +407,7 @@ class Agent:
                       "code": code if code >= 0 else None,
                       "signal": -code if code < 0 else None,
                       "by_agent": p.stop_sent is not None, "time": time.time(),
-                      "tail": _tail(p.log_path)}
+                      "tail": _tail(p.log_path), "tail_age": _age(p.log_path)}
             self.unreported.append(record)
             self.beats.pop(p.local_rank, None)
         if self.unreported:
@@ -430,6 +440,8 @@ class Agent:
                 continue  # from a rank of an older generation
             beat["received"] = time.time()
             self.beats[local_rank] = beat
+            if isinstance(beat.get("failed_saves"), int):  # agreed: every rank says the same
+                self.failed_saves = beat["failed_saves"]
             if beat.get("step", 0) != p.sampled_step and beat.get("compute_s", 0) > 0:
                 p.sampled_step = beat["step"]  # one sample per step seen
                 p.compute.append(beat["compute_s"])
@@ -585,7 +597,9 @@ class Agent:
                    for p in self.procs.values()):
                 self._write_chaos([*self.chaos, {
                     "id": len(self.chaos) + 1, "kind": kind, "rank": command["rank"],
-                    "generation": self.generation, "seconds": command.get("seconds", 0.0)}])
+                    "generation": self.generation, "seconds": command.get("seconds", 0.0),
+                    **({"step": command["step"]} if isinstance(command.get("step"), int)
+                       else {})}])
             return
         for p in self.procs.values():
             if p.rank == command.get("rank") and p.popen.returncode is None:
@@ -650,6 +664,14 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def _age(path: Path) -> float | None:
+    """Seconds since the rank last wrote to its log (None: no log)."""
+    try:
+        return max(time.time() - path.stat().st_mtime, 0.0)
+    except OSError:
+        return None
 
 
 def _tail(path: Path, lines: int = TAIL_LINES) -> str:

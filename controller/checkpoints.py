@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from pathlib import Path
 
+from controller.recovery import clock
 from controller.store import Store
 from controller.view import JobView
 from optimus.checkpoint.manifest import CheckpointError, read_manifest, step_dir, verify
@@ -33,6 +33,7 @@ class CheckpointView:
         self.root, self.store = Path(root), store
         self._key: tuple | None = None  # what `resume_point` last checked
         self._seen: tuple = (None, (), None)
+        self.distrust: dict | None = None  # the window as memory points are judged by it
 
     def resume_point(self, job: JobView, steps: list[int]
                      ) -> tuple[int | None, tuple[str, ...], dict[int, str] | None]:
@@ -40,6 +41,8 @@ class CheckpointView:
         check, and why; the steps a bad tile's window makes suspect (None: no window)."""
         window = job.suspect
         since = self._window_start(window) if window else None
+        self.distrust = {"nodes": window["nodes"], "since": since,
+                         "after_step": window.get("resumed_step")} if window else None
         key = (tuple(steps), json.dumps(window, sort_keys=True), since)
         if key == self._key:
             return self._seen
@@ -83,8 +86,8 @@ class CheckpointView:
                 at = None
             if isinstance(at, int | float) and at <= since:
                 break
-            suspect[step] = (f"committed at {_clock(at)}, after {nodes} last passed its health "
-                             f"check at {_clock(since)}")
+            suspect[step] = (f"committed at {clock(at)}, after {nodes} last passed its health "
+                             f"check at {clock(since)}")
         return suspect
 
     def set_aside(self, step: int, why: str, by: str) -> None:
@@ -107,6 +110,3 @@ class CheckpointView:
         return {"step": report.get("step"), "quarantined": aside,
                 "source": report.get("source", "disk")}
 
-
-def _clock(t: float | None) -> str:
-    return "an unknown time" if t is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))

@@ -227,11 +227,15 @@ CHAOS = {  # what each fault does, for the help and the confirmation
               help="For bad-tile: the device index whose health checks go wrong.")
 @click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=None,
               help="For stall-rank: how long the rank sleeps.")
+@click.option("--at-step", type=click.IntRange(min=1), default=None,
+              help="For hang-rank and stall-rank: the step it fires in (default: the first "
+              "step the rank starts after its agent relays it).")
 @redis_option
 @ops.reason_option()
 @ops.yes_option
 def chaos(fault: str, job_name: str, rank: int | None, node: str | None, tile: int,
-          seconds: float | None, redis: str | None, reason: str, yes: bool) -> None:
+          seconds: float | None, at_step: int | None, redis: str | None, reason: str,
+          yes: bool) -> None:
     store = Store(redis_url(redis), job_name)
     plan = store.plan()
     user, host = ops.actor()
@@ -258,6 +262,12 @@ def chaos(fault: str, job_name: str, rank: int | None, node: str | None, tile: i
         target = plan["nodes"][rank // plan["ranks_per_node"]]
     if fault == "stall-rank" and seconds is None:
         raise ConfigError("stall-rank needs --seconds S: how long the rank sleeps in its step")
+    if at_step is not None and fault not in ("hang-rank", "stall-rank"):
+        raise ConfigError(f"--at-step is for hang-rank and stall-rank, not {fault}")
+    now = store.furthest_step() if fault in ("hang-rank", "stall-rank") else None
+    if at_step is not None and now is not None and at_step <= now:
+        raise ConfigError(f"step {at_step} is past: the job is at step {now}; fix: --at-step "
+                          f"{now + 2} or later (or leave it out: the next step)")
     if target not in store.nodes():
         raise ConfigError(f"no node {target!r} in job {job_name}; fix: one of "
                           + ", ".join(sorted(store.nodes())))
@@ -266,9 +276,17 @@ def chaos(fault: str, job_name: str, rank: int | None, node: str | None, tile: i
     command = {"kind": fault.replace("-", "_"), "rank": rank, **sent}
     if fault == "stall-rank":
         command["seconds"] = seconds
+    if at_step is not None:
+        command["step"] = at_step
     store.push_command(target, command)
+    when = ""
+    if fault in ("hang-rank", "stall-rank"):
+        when = (f"; it fires in step {at_step}" if at_step is not None else
+                "; it fires in the first step the rank starts once its agent relays it (the "
+                "job is at step " + ("?" if now is None else str(now)) + "; the agent's next "
+                "tick, then the rank's next step: the rank's log and a chaos event say which)")
     click.echo(f"{fault} sent to the agent of {target}"
-               + (f" (rank {rank})" if rank is not None else ""))
+               + (f" (rank {rank})" if rank is not None else "") + when)
 
 
 @main.command("health-check")

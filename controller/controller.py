@@ -115,6 +115,7 @@ class Controller:
         self._index: dict[str, int] = {}
         self._latest_shown: int | None = None
         self._snapshots_read = 0.0
+        self._agents_seen: int | None = None  # registered agents when spares were last read
         self._memory_shown: int | None = None
         self.checkpoints = CheckpointView(self.checkpoint_dir, store)
         self.event_log = EventLog(store, Path(job.resolved_run_dir) / "events.jsonl")
@@ -200,10 +201,12 @@ class Controller:
                 excluded=excluded.get(name),
                 generation=int(st["generation"]) if st.get("generation") else None,
                 live_ranks=int(st.get("live_ranks", 0)), last_beat=beats.get(name, 0.0),
-                snapshot_addr=node_info.get("snapshot_addr", ""))
+                snapshot_addr=node_info.get("snapshot_addr", ""),
+                failed_saves=_count(st.get("failed_saves")))
         return Observed(now=now, job=job, plan=plan, nodes=nodes, latest_step=latest,
                         skipped=skipped, suspect_steps=suspect, unhealthy=unhealthy,
                         unhealthy_idle=idle, snapshots=self.store.snapshots(),
+                        distrust=self.checkpoints.distrust,
                         excluded=excluded, **operator)
 
     def _unhealthy(self, nodes: list[str]) -> tuple[dict[str, str], frozenset[str]]:
@@ -231,11 +234,16 @@ class Controller:
         stalled_job = (job.progress_at is not None and job.progress_gen == gen and now
                        - job.progress_at > min(self.s.hang_timeout_s, self.s.startup_timeout_s))
         if stalled_job and sweep.max_step is not None:
-            candidates = self.store.behind(sweep.max_step) or self.store.outside_collectives(
-                limit=HANG_CANDIDATES + 1)
+            # Only the plan's members: a lost node's rows may outlive it until the next plan.
+            candidates = [n for n in self.store.behind(sweep.max_step) if n in index] or [
+                n for n in self.store.outside_collectives(limit=HANG_CANDIDATES + 1)
+                if n in index]
             if len(candidates) <= HANG_CANDIDATES:  # more: nobody stands out
                 waiting = len(plan["nodes"]) - len(candidates)
                 suspects.update(self.store.rank_beats_of(candidates))
+        # Only this generation's beats: a node's older ranks said nothing about this one.
+        suspects = {n: {lr: b for lr, b in beats.items() if b.get("generation") == gen}
+                    for n, beats in suspects.items()}
         stacks = self.store.stacks(gen) if job.hang_since is not None else {}
         resumed = self.checkpoints.report(plan) if job.resumed_gen != gen else None
         compute = None
@@ -244,6 +252,7 @@ class Controller:
             compute = self.store.compute_scores()
         agent_beats = {n: None if b is None else self._excused(b)
                        for n, b in sweep.agent_beats.items()}
+        spares = self._spares(plan, excluded, now, compute is not None)
         return Observed(now=now, job=job, plan=plan, nodes={}, exits=exits,
                         overdue=self._overdue(plan, now, sweep.agent_beats),
                         latest_step=latest,
@@ -252,8 +261,25 @@ class Controller:
                         nonfinite=frozenset(sweep.nonfinite),
                         suspects=suspects, waiting_in_collective=waiting, stacks=stacks,
                         compute=compute, excluded=excluded, resumed=resumed,
-                        paused_nodes=sweep.paused_nodes,
+                        paused_nodes=sweep.paused_nodes, spares=spares,
                         **operator)
+
+    def _spares(self, plan: dict, excluded: dict, now: float, due: bool) -> dict | None:
+        """The spares and their snapshot addresses, read when the number of registered agents
+        changed (checked every STRAGGLER_CHECK_S, one ZCARD): a spare that arrives after the
+        plan becomes a buddy (decide._rebuddy). None when not read."""
+        if not due:
+            return None
+        count = self.store.agent_count()
+        if count == self._agents_seen:
+            return None
+        self._agents_seen = count
+        in_plan = set(plan["nodes"])
+        info, beats = self.store.nodes(), self.store.agent_beats()
+        return {n: i["snapshot_addr"] for n, i in sorted(info.items())
+                if n not in in_plan and n not in excluded and i.get("health") == "ok"
+                and isinstance(i.get("snapshot_addr"), str) and i["snapshot_addr"]
+                and n in beats and now - self._excused(beats[n]) <= self.s.agent_timeout_s}
 
     def _overdue(self, plan: dict, now: float,
                  agent_beats: dict[str, float | None]) -> list[Overdue]:
@@ -315,8 +341,11 @@ class Controller:
         for node, command in d.commands:
             self.store.push_command(node, command)
         if d.plan is not None:
-            if d.plan["action"] == "run" and d.plan != obs.plan:
+            new = d.plan["action"] == "run" and (
+                obs.plan is None or d.plan["generation"] != obs.plan["generation"])
+            if new:
                 d.plan["exits_from"] = self.store.last_exit_id()
+                self.store.keep_rows(d.plan["nodes"])
             self.store.set_plan(d.plan)
         if obs.latest_step != self._latest_shown:  # None (all set aside) deletes it
             d.job["latest_checkpoint"] = obs.latest_step  # for `optimus job status`
@@ -342,8 +371,11 @@ class Controller:
         if time.monotonic() - self._snapshots_read < SNAPSHOT_CHECK_S:
             return
         self._snapshots_read = time.monotonic()
-        point, _ = recovery.memory_point(plan, self.store.snapshots(), set(plan["nodes"]), None)
+        reports = self.store.snapshots()
+        point, _ = recovery.memory_point(plan, reports, set(plan["nodes"]), None)
         step = point["step"] if point and point["generation"] == plan["generation"] else None
+        if step is not None:
+            self.store.drop_snapshots(recovery.outlived(reports, step))
         if step != self._memory_shown:
             d.job["memory_snapshot"] = step
             self._memory_shown = step
@@ -448,7 +480,17 @@ def _exit(r: dict) -> Exit:
     return Exit(node=r["node"], rank=int(r["rank"]), generation=int(r["generation"]),
                 code=r.get("code"), signal=r.get("signal"), by_agent=bool(r.get("by_agent")),
                 tail=r.get("tail", ""), time=float(r.get("time", 0.0)),
+                tail_age=_number(r.get("tail_age")),
                 local_rank=int(r.get("local_rank", -1)))
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _count(text: str | None) -> int | None:
+    """A small count an agent wrote (validated: it crossed a boundary)."""
+    return int(text) if isinstance(text, str) and text.isdigit() and len(text) < 7 else None
 
 
 def _read_json(path: Path) -> dict | None:

@@ -57,6 +57,7 @@ from controller.view import (  # noqa: F401 (re-exported: the rules' vocabulary)
     Request,
     Settings,
 )
+from optimus.checkpoint.snapshot_files import extend_lineage
 
 
 def decide(obs: Observed, s: Settings) -> Decision:
@@ -67,7 +68,9 @@ def decide(obs: Observed, s: Settings) -> Decision:
     for node, why in sorted(obs.unhealthy.items()):  # a failed health check, in any state
         if node not in obs.excluded:
             d.exclude.append((node, f"bad tile {why}"))
-    if obs.suspect_steps is not None and (plan is None or not _live(obs, plan)):
+    window = job.suspect or {}
+    if (obs.suspect_steps is not None and not window.get("set_aside")
+            and (plan is None or not _live(obs, plan))):
         recovery.set_aside(obs, d)
     if job.state in TERMINAL:
         if plan is None or plan["action"] != "end":
@@ -116,6 +119,7 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
     operator.pause_transition(obs, d)
     if _leave(obs, s, d):
         return
+    _rebuddy(obs, d)
     found = detect.evidence(obs, s)
     training = job.state == RUNNING and job.desired != "pause"  # no stall or straggler paused
     slow = _stragglers(obs, s, d) if obs.compute is not None and training else {}
@@ -245,6 +249,25 @@ def _leave(obs: Observed, s: Settings, d: Decision) -> bool:
                   "restart_causes": _counted(obs.job, "operator")})
     d.note("restarting", reason)
     return True
+
+
+def _rebuddy(obs: Observed, d: Decision) -> None:
+    """A spare that registered after the plan (the first spare of a job often does) takes the
+    snapshot copies it would have been given: the same generation, re-issued with new buddies
+    (each node's next point goes there)."""
+    plan = obs.plan
+    if obs.spares is None:
+        return
+    buddies = recovery.buddies(plan["nodes"], sorted(obs.spares), obs.spares)
+    if buddies == plan.get("buddies", {}):
+        return
+    before = plan.get("buddies", {})
+    moved = sorted(n for n in plan["nodes"]
+                   if before.get(n, {}).get("node") != buddies.get(n, {}).get("node"))
+    d.plan = {**plan, "buddies": buddies, "issued": obs.now}
+    d.note("buddies", f"generation {plan['generation']}: the spares changed; snapshot copies "
+           "now go " + "; ".join(f"{n} -> {buddies[n]['node'] if n in buddies else 'nowhere'}"
+                                 for n in moved[:8]), generation=plan["generation"])
 
 
 def _counted(job: JobView, cause: str) -> dict:
@@ -400,8 +423,11 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
         "heartbeat_timeout_s": s.heartbeat_timeout_s, "startup_timeout_s": s.startup_timeout_s,
         "reason": reason, "issued": obs.now,
     }
+    d.plan["lineage"] = extend_lineage(_lineage(obs), gen, resume_step)
+    d.plan["failed_saves"] = _failed_saves(obs)
     d.job.update({"state": PAUSING if job.desired == "pause" else RUNNING, "generation": gen,
-                  "reason": reason, "failure_since": None, "next_plan_at": None})
+                  "reason": reason, "failure_since": None, "next_plan_at": None,
+                  "suspect": None})  # the window is acted on: set aside, or judged above
     d.note("generation", reason)
 
 
@@ -413,12 +439,14 @@ def _memory_resume(obs: Observed, d: Decision, chosen: list[str],
     why not, when a snapshot newer than the disk checkpoint exists but cannot be used."""
     plan = obs.plan
     alive = {n for n, v in obs.nodes.items() if v.alive}
-    point, why = recovery.memory_point(plan, obs.snapshots, alive, obs.latest_step)
+    window = obs.job.suspect
+    distrust = obs.distrust or (window and {"nodes": window.get("nodes", []), "since": None,
+                                            "after_step": window.get("resumed_step")})
+    point, why = recovery.memory_point(plan and {**plan, "lineage": _lineage(obs)},
+                                       obs.snapshots, alive, obs.latest_step, distrust)
     if point is None:
         return None, why
-    if d.set_aside or obs.job.suspect:
-        return None, "evidence of wrong arithmetic: no recent state is trusted"
-    previous = plan["nodes"]
+    previous = plan["nodes"]  # from here `why` says which newer point was refused, if one was
     if len(chosen) != len(previous):
         return None, (f"the next generation runs on {len(chosen)} nodes, not {len(previous)}: "
                       "a snapshot is only loaded by the layout that took it")
@@ -435,7 +463,33 @@ def _memory_resume(obs: Observed, d: Decision, chosen: list[str],
             source = slot[0]
             holders[new] = {"node": source, "addr": obs.nodes[source].snapshot_addr}
     return {"step": point["step"], "generation": point["generation"], "holders": holders,
-            "nodes": nodes}, None
+            "nodes": nodes}, why
+
+
+def _lineage(obs: Observed) -> list:
+    """The running plan's lineage (snapshot_files.void), its last entry corrected by what rank
+    0 reported loading when that is older than the plan predicted (a corrupt checkpoint)."""
+    plan, job = obs.plan, obs.job
+    if plan is None:
+        return []
+    lineage = list(plan.get("lineage", []))
+    if (job.resumed_gen == plan["generation"] and job.resumed_step is not None and lineage
+            and lineage[-1][0] == plan["generation"] and job.resumed_step < lineage[-1][1]):
+        lineage = extend_lineage(lineage[:-1], plan["generation"], job.resumed_step)
+    return lineage
+
+
+def _failed_saves(obs: Observed) -> int:
+    """Checkpoint saves failed in a row so far, for the next generation to go on counting
+    (checkpoint.max_failed_saves counts across the generations of a job): as the last
+    generation's nodes last said, else as its plan carried it."""
+    plan = obs.plan
+    if plan is None:
+        return 0
+    said = [v.failed_saves for n in plan["nodes"] if (v := obs.nodes.get(n)) is not None
+            and v.generation == plan["generation"] and v.failed_saves is not None]
+    carried = plan.get("failed_saves")
+    return max(said) if said else carried if isinstance(carried, int) and carried > 0 else 0
 
 
 def names(nodes: list[str], shown: int = 8) -> str:

@@ -134,9 +134,11 @@ def stalled(obs, s) -> bool:
 def hang_culprits(obs) -> list[tuple[str, int, dict]]:
     """(node, local rank, heartbeat) of the ranks that hold the others up: those behind in
     step; else, at the front step, those outside the collective phase while others wait in it.
-    Empty when the heartbeats name nobody."""
-    ranks = [(node, lr, b) for node, beats in sorted(obs.suspects.items())
-             for lr, b in sorted(beats.items())]
+    Empty when the heartbeats name nobody. Only the running generation's members' beats of
+    this generation count: a lost node's last records are never a culprit."""
+    gen, members = obs.plan["generation"], set(obs.plan["nodes"])
+    ranks = [(node, lr, b) for node, beats in sorted(obs.suspects.items()) if node in members
+             for lr, b in sorted(beats.items()) if b.get("generation") == gen]
     if not ranks:
         return []
     front = obs.progress if obs.progress is not None else max(b["step"] for *_, b in ranks)

@@ -33,6 +33,7 @@ _NOISE = re.compile(
     r"^(Current thread|Thread) 0x|^Stack \(most recent call first\)|^Extension modules:|"
     r"^\S+\.py:\d+: \w*Warning:")
 MAX_CHARS = 200
+RECENT_S = 10.0  # a signal's victim's last line is quoted only if it wrote it this recently
 
 
 def own_lines(lines: list[str]) -> list[str]:
@@ -84,9 +85,13 @@ def signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def describe_exit(rank: int, node: str, code: int | None, sig: int | None, tail: str) -> str:
+def describe_exit(rank: int, node: str, code: int | None, sig: int | None, tail: str,
+                  tail_age: float | None = None) -> str:
     """`rank 1 on node3 ended with SIGKILL (9): step 12 | loss ...`, or with `exit code 1:
-    ValueError: ...`."""
+    ValueError: ...`. A rank killed by a signal said nothing about it: its last line is quoted
+    only when it wrote it within RECENT_S of its end (`tail_age`), as where it was; an older
+    one (a save that failed minutes before) would read as the cause."""
     how = signal_name(sig) if sig is not None else f"exit code {code}"
-    last = last_words(tail, by_signal=sig is not None)
+    stale = sig is not None and tail_age is not None and tail_age > RECENT_S
+    last = "" if stale else last_words(tail, by_signal=sig is not None)
     return f"rank {rank} on {node} ended with {how}" + (f": {last}" if last else "")

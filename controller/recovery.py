@@ -3,7 +3,8 @@ pure rules, like decide.py, which calls them.
 
 - `window`: hard evidence that a tile computed wrong (detect.Evidence.wrong_arithmetic) opens
   a window at the moment its node last passed its health check; the job record keeps it
-  (`suspect`) until the checkpoints committed inside it are set aside.
+  (`suspect`) until the next generation is planned. One rule for disk and memory: no state
+  taken inside it is resumed from (`memory_point`'s `distrust`).
 - `set_aside`: once no rank of the failing generation runs, those checkpoints (the controller
   found which: `Observed.suspect_steps`) go to quarantine, before the next plan names one.
 - `loaded`: rank 0's report of what its generation really loaded (it verifies every sha256 and
@@ -17,9 +18,11 @@ pure rules, like decide.py, which calls them.
 
 from __future__ import annotations
 
+import time
+
 from controller.detect import Evidence
 from controller.view import Decision, JobView, Observed
-from optimus.checkpoint.snapshot_files import parse_point
+from optimus.checkpoint.snapshot_files import parse_point, void
 
 
 def window(job: JobView, plan: dict, wrong: list[Evidence]) -> dict:
@@ -45,7 +48,7 @@ def set_aside(obs: Observed, d: Decision) -> None:
     checkpoints it makes suspect (the controller computed which: `obs.suspect_steps`)."""
     suspect = obs.job.suspect or {}
     d.set_aside = sorted((obs.suspect_steps or {}).items())
-    d.job["suspect"] = None
+    d.job["suspect"] = {**suspect, "set_aside": True}  # memory points are judged until the plan
     if d.set_aside:
         steps = [step for step, _ in d.set_aside]
         d.note("quarantine", f"checkpoint(s) of step {', '.join(map(str, steps))} set aside "
@@ -104,52 +107,104 @@ def buddies(chosen: list[str], spares: list[str], addrs: dict[str, str]) -> dict
 
 
 def memory_point(plan: dict | None, reports: dict[str, dict], alive: set[str],
-                 disk_step: int | None) -> tuple[dict | None, str | None]:
+                 disk_step: int | None, distrust: dict | None = None,
+                 ) -> tuple[dict | None, str | None]:
     """The newest in-memory snapshot of `plan`'s generation layout that is usable, or None and
     why not (None, None: there is nothing to say, e.g. no snapshot newer than the disk).
 
-    Usable means committed — every rank's shard has a replica on another node, which that node
-    checked against the shard's sha256 on receipt (and a node pushes only complete shards), as
-    the agents' reports say — and still there: each node slot's shards held whole, as its own
-    or as a replica, by a node that is alive. (Nodes keep their own copy of a point until
-    newer ones are confirmed, so the newest committed point usually has both.) The result:
-    {"step", "generation", "slots": [the alive nodes holding slot i's shards, for each node
-    slot i of the plan]}.
+    Points are tried newest first; usable means:
+    - on the plan's line of generations: not void (snapshot_files.void: a later generation
+      resumed from before it);
+    - committed: every rank's shard has a replica on another node, which that node checked
+      against the shard's sha256 on receipt (and a node pushes only complete shards), as the
+      agents' reports say — a node's earlier incarnation's report (`<node>@<incarnation>`)
+      still proves what it received, though what it held is gone;
+    - trusted: not taken after a tile that computed wrong last passed its health check
+      (`distrust`: {"nodes", "since": that time or None, "after_step": with no passing check
+      on record, the step the failing generation resumed from});
+    - still there: each node slot's shards held whole, as its own or as a replica, by a node
+      that is alive. (Nodes keep their own copy of a point until newer ones are confirmed, so
+      the newest committed point usually has both.)
+    The result: {"step", "generation", "slots": [the alive nodes holding slot i's shards, for
+    each node slot i of the plan]}, with why the newest point newer than it was refused (lost or
+    not trusted; None when none was); or None and why (the newest refused point's reason).
     """
     if not plan or not reports:
         return None, None
     nodes, rpn = plan["nodes"], plan["ranks_per_node"]
+    lineage = plan.get("lineage", [])
     found: set[str] = set()
-    newest = None
+    taken: dict[str, float] = {}  # point -> the earliest time a shard of it was written
     for report in reports.values():
-        found |= set(report.get("own", {}))
+        found |= set(report.get("own", {})) | set(report.get("held", {}))
+        for name, at in (report.get("taken") or {}).items():
+            if isinstance(at, int | float):
+                taken[name] = min(at, taken.get(name, at))
+    why, incomplete = None, None
     for name in sorted((n for n in found if parse_point(n)), key=parse_point, reverse=True):
         step, generation = parse_point(name)
+        if void(step, generation, lineage):
+            continue  # an abandoned line: a later generation resumed from before it
         if disk_step is not None and step < disk_step:
             break  # the disk checkpoint is newer
         own = {n: set(r.get("own", {}).get(name, ())) for n, r in reports.items()}
         held = {n: set(r.get("held", {}).get(name, ())) for n, r in reports.items()}
         slots, lost = [], None
-        committed = True
         for i, node in enumerate(nodes):
             ranks = set(range(i * rpn, (i + 1) * rpn))
             owners = {n for n, have in own.items() if ranks <= have}
             copies = {n for n, have in held.items() if ranks <= have} - {node}
             if not copies:
-                committed = False
+                slots = None
                 break
             holders = sorted((owners | copies) & alive)
             if not holders and lost is None:
+                gone = sorted({c.partition("@")[0] for c in copies})
                 lost = (f"the memory snapshot of step {step} is lost: node {node} and the node "
-                        f"holding its copy ({', '.join(sorted(copies))}) are both gone")
+                        f"holding its copy ({', '.join(gone)}) are both gone")
             slots.append(holders)
-        if not committed:
-            newest = newest or step
+        if slots is None:
+            incomplete = incomplete or step
             continue  # being written or replicated: an older point may be complete
-        if lost:
-            return None, lost
-        return {"step": step, "generation": generation, "slots": slots}, None
-    if newest is not None:
+        problem = lost or _distrusted(step, taken.get(name), distrust)
+        if problem:
+            why = why or problem
+            continue  # an older point may be whole and trusted
+        return {"step": step, "generation": generation, "slots": slots}, why
+    if why:
+        return None, why
+    if incomplete is not None:
         return None, (f"no snapshot newer than the disk checkpoint is complete on every rank "
-                      f"and replicated (the newest taken: step {newest})")
+                      f"and replicated (the newest taken: step {incomplete})")
     return None, None
+
+
+def _distrusted(step: int, taken: float | None, distrust: dict | None) -> str | None:
+    """Why a point computed while a bad tile's window was open is not resumed from."""
+    if not distrust:
+        return None
+    nodes = ", ".join(distrust.get("nodes", [])) or "a node"
+    since = distrust.get("since")
+    if since is not None:
+        if taken is not None and taken <= since:
+            return None
+        return (f"the memory snapshot of step {step} was taken after {nodes} last passed its "
+                f"health check ({clock(since)}): not trusted")
+    floor = distrust.get("after_step")
+    if floor is not None and step <= floor:
+        return None
+    return (f"the memory snapshot of step {step} was computed on {nodes}, which has no passing "
+            "health check on record: not trusted")
+
+
+def clock(t: float | None) -> str:
+    return "an unknown time" if t is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def outlived(reports: dict[str, dict], step: int) -> list[str]:
+    """Earlier incarnations' reports (`<node>@<incarnation>`) that prove nothing a recovery
+    could still want: every point they name is older than `step`, a usable point of the running
+    generation."""
+    return sorted(key for key, report in reports.items() if "@" in key and all(
+        (parse_point(name) or (0, 0))[0] < step
+        for name in [*report.get("own", {}), *report.get("held", {})]))

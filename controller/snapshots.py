@@ -54,6 +54,7 @@ from optimus.checkpoint.snapshot_files import (
     points,
     remove_point,
     shard_files,
+    void,
     write_marker,
 )
 
@@ -102,6 +103,7 @@ def job_secret(redis_url: str, job: str) -> bytes:
 class SnapshotKeeper:
     def __init__(self, root: Path, node: str, secret: bytes, host: str):
         self.root, self.node, self.secret = Path(root), node, secret
+        self.incarnation = f"{os.getpid()}.{secrets.token_hex(3)}"
         shutil.rmtree(self.root, ignore_errors=True)  # a new agent: nothing before it counts
         self.own, self.held = self.root / OWN, self.root / HELD
         self.own.mkdir(parents=True, mode=0o700)
@@ -128,12 +130,14 @@ class SnapshotKeeper:
 
     # --- the agent's tick ----------------------------------------------------------------------
 
-    def poll(self, plan: dict | None, generation: int | None) -> dict | None:
-        """Every tick: drop old points, push the newest complete one of the running generation to
-        the buddy when it is not there yet. Returns the report when it changed since the last."""
+    def poll(self, plan: dict | None, generation: int | None,
+             lineage: list | None = None) -> dict | None:
+        """Every tick: drop void and old points (`lineage`: the latest plan's, see
+        snapshot_files.void), push the newest complete one of the running generation to the
+        buddy when it is not there yet. Returns the report when it changed since the last."""
         resume = _resume_point(plan) if plan and plan.get("generation") == generation else None
-        _retain_own(self.own, set(self.replicated), resume)
-        _retain_held(self.held, resume)
+        _retain_own(self.own, set(self.replicated), resume, lineage or [])
+        _retain_held(self.held, resume, lineage or [])
         if plan and generation is not None and plan.get("generation") == generation \
                 and self.node in plan.get("nodes", []):
             self._replicate(plan)
@@ -149,9 +153,21 @@ class SnapshotKeeper:
         self._reported = None
 
     def report(self) -> dict:
-        return {"addr": self.address,
-                "own": {p.name: sorted(complete_shards(p)) for _, _, p in points(self.own)},
-                "held": {p.name: sorted(complete_shards(p)) for _, _, p in points(self.held)},
+        """What the controller plans with: `own` and `held` (point -> the ranks whose shards are
+        complete), `taken` (point -> when its earliest shard here was written), `replicated`,
+        and the `incarnation` of this agent (a node that comes back under its name is a new
+        one: Store.set_snapshots keeps the old one's report apart)."""
+        own, held, taken = {}, {}, {}
+        for folder, out in ((self.own, own), (self.held, held)):
+            for _, _, path in points(folder):
+                shards = complete_shards(path)
+                out[path.name] = sorted(shards)
+                times = [m["time"] for m in shards.values()
+                         if isinstance(m.get("time"), int | float)]
+                if times:
+                    taken[path.name] = min([*times, taken.get(path.name, min(times))])
+        return {"addr": self.address, "incarnation": self.incarnation, "own": own,
+                "held": held, "taken": taken,
                 "replicated": {p: b for p, b in self.replicated.items()
                                if (self.own / p).is_dir()}}
 
@@ -230,13 +246,26 @@ def _resume_point(plan: dict) -> str | None:
     return point_name(memory["step"], memory["generation"]) if memory else None
 
 
-def _retain_own(folder: Path, replicated: set[str], keep_also: str | None) -> None:
+def _current(folder: Path, lineage: list) -> list[tuple[int, int, Path]]:
+    """The points in `folder` on the plan's line of generations; void ones are removed (a
+    rollback abandoned them: newer by step, they would otherwise pass for the newest)."""
+    found = []
+    for step, gen, path in points(folder):
+        if void(step, gen, lineage):
+            remove_point(path)
+        else:
+            found.append((step, gen, path))
+    return found
+
+
+def _retain_own(folder: Path, replicated: set[str], keep_also: str | None,
+                lineage: list) -> None:
     """This node's points: keep the newest KEEP its buddy confirmed and every newer one (being
     written or replicated), and the point the running generation resumed from; before any is
     confirmed, the newest KEEP. The newest point committed for the whole job (every node's
     shards replicated) may be one behind this node's newest confirmed one: keeping both lets a
     surviving node load its own copy instead of fetching it."""
-    found = points(folder)
+    found = _current(folder, lineage)
     confirmed = [p for *_, p in found if p.name in replicated]
     floor = (confirmed[-KEEP:][0] if confirmed else
              found[-KEEP][2] if len(found) >= KEEP else None)
@@ -247,10 +276,10 @@ def _retain_own(folder: Path, replicated: set[str], keep_also: str | None) -> No
             remove_point(path)
 
 
-def _retain_held(folder: Path, keep_also: str | None) -> None:
+def _retain_held(folder: Path, keep_also: str | None, lineage: list) -> None:
     """Replicas: for every rank, the newest KEEP points that hold its shard (pushers are not in
     step: one node's newest may be another's older), and the resumed-from point."""
-    found = points(folder)
+    found = _current(folder, lineage)
     keep, seen = {keep_also}, {}
     for *_, path in reversed(found):
         for rank in complete_shards(path):

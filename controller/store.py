@@ -347,6 +347,28 @@ class Store:
         else:
             pipe.srem(self.k("nonfinite"), node)
 
+    def keep_rows(self, plan_nodes: list[str]) -> None:
+        """Remove the summary rows of nodes outside a new plan (a lost agent leaves its rows,
+        a rank's beats of a generation it no longer runs): a rule reading the job-wide sets
+        sees only the plan's members. Once per generation, O(nodes with rows)."""
+        keep = set(plan_nodes)
+        sets = ("steps", "minsteps", "outside", "compute", "paused", "oldest", *PEAK_MEMORY)
+
+        def prune():
+            pipe = self.r.pipeline(transaction=False)
+            for key in sets:
+                pipe.zrange(self.k(key), 0, -1)
+            pipe.smembers(self.k("nonfinite"))
+            rows = pipe.execute()
+            pipe = self.r.pipeline(transaction=False)
+            for key, members in zip([*sets, "nonfinite"], rows, strict=True):
+                gone = [m for m in members if m not in keep]
+                if gone:
+                    (pipe.srem if key == "nonfinite" else pipe.zrem)(self.k(key), *gone)
+                    pipe.delete(*[self.k(f"ranks:{m}") for m in gone])
+            pipe.execute()
+        self.call(prune)
+
     def sweep(self, plan_nodes: list[str], ranks_per_node: int = 1) -> Sweep:
         """The controller's per-tick view of a running generation, in one round trip, whatever
         the number of nodes: O(plan nodes) only for the agents' beat times (ZMSCORE)."""
@@ -447,16 +469,45 @@ class Store:
             pipe.execute()
         self.call(write)
 
-    def set_snapshots(self, node: str, report: dict) -> None:
+    def set_snapshots(self, node: str, report: dict, first: bool = False) -> None:
         """What in-memory snapshots the node holds (controller/snapshots.py: its address, its
         own ranks' complete points, the replicas it holds, which points its buddy confirmed).
         Written when it changes; a lost node's last report stays, as the record of what was
-        replicated before it went."""
-        self.call(lambda: self.r.hset(self.k("snapshots"), node, json.dumps(report)))
+        replicated before it went. The `first` report of a new incarnation of the node (its
+        agent restarted) moves the earlier one's to `<node>@<incarnation>`, where it still
+        proves what was replicated to it until the controller has a newer point
+        (`drop_snapshots`)."""
+        key = self.k("snapshots")
+
+        def write():
+            pipe = self.r.pipeline()
+            if first:
+                old = self.r.hget(key, node)
+                was = _incarnation(old)
+                if old and was != report.get("incarnation"):
+                    pipe.hset(key, f"{node}@{was}", old)
+            pipe.hset(key, node, json.dumps(report))
+            pipe.execute()
+        self.call(write)
 
     def snapshots(self) -> dict[str, dict]:
+        """Node (or `<node>@<incarnation>`, an earlier one) -> its report; an unreadable
+        report counts as none."""
         raw = self.call(lambda: self.r.hgetall(self.k("snapshots")))
-        return {n: json.loads(v) for n, v in raw.items()}
+        out = {}
+        for n, v in raw.items():
+            try:
+                report = json.loads(v)
+            except ValueError:
+                continue
+            if isinstance(report, dict):
+                out[n] = report
+        return out
+
+    def drop_snapshots(self, keys: list[str]) -> None:
+        """Forget earlier incarnations' reports the controller no longer needs."""
+        if keys:
+            self.call(lambda: self.r.hdel(self.k("snapshots"), *keys))
 
     def nodes(self) -> dict[str, dict]:
         raw = self.call(lambda: self.r.hgetall(self.k("nodes")))
@@ -467,6 +518,9 @@ class Store:
             return {}
         raw = self.call(lambda: self.r.hmget(self.k("nodes"), nodes))
         return {n: json.loads(v) for n, v in zip(nodes, raw, strict=True) if v}
+
+    def agent_count(self) -> int:
+        return self.call(lambda: self.r.zcard(self.k("agents")))
 
     def agent_beats(self) -> dict[str, float]:
         return dict(self.call(lambda: self.r.zrange(self.k("agents"), 0, -1, withscores=True)))
@@ -591,6 +645,15 @@ class Store:
 def _transient(e: BaseException) -> bool:
     # redis-py's AuthenticationError is a ConnectionError; no retry fixes a wrong password.
     return isinstance(e, TRANSIENT) and not isinstance(e, redis.AuthenticationError)
+
+
+def _incarnation(raw: str | None) -> str:
+    """The incarnation a stored snapshots report names ("earlier": none, or unreadable)."""
+    try:
+        was = json.loads(raw).get("incarnation") if raw else None
+    except (ValueError, AttributeError):
+        was = None
+    return was if isinstance(was, str) and re.fullmatch(r"[\w.-]{1,64}", was) else "earlier"
 
 
 def _text(value: Any) -> str:

@@ -98,8 +98,9 @@ class JobView:
     # What the ranks of generation `resumed_gen` reported loading (None: from scratch).
     resumed_gen: int | None = None
     resumed_step: int | None = None
-    # Evidence of wrong arithmetic not yet acted on: {"nodes", "generation", "evidence",
-    # "resumed_step"}; the checkpoints it makes suspect are set aside before the next plan.
+    # Evidence of wrong arithmetic: {"nodes", "generation", "evidence", "resumed_step",
+    # "set_aside"}; the checkpoints it makes suspect are set aside once no rank of that
+    # generation runs ("set_aside": true), and the window holds until the next plan.
     suspect: dict | None = None
 
 
@@ -115,6 +116,7 @@ class NodeView:
     live_ranks: int = 0
     last_beat: float = 0.0
     snapshot_addr: str = ""  # host:port of its agent's snapshot server
+    failed_saves: int | None = None  # saves failed in a row, as its ranks last said
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ class Exit:
     signal: int | None = None
     by_agent: bool = False  # the agent terminated it (a stop), not a fault
     tail: str = ""
+    tail_age: float | None = None  # seconds between the log's last write and the exit
     time: float = 0.0
     local_rank: int = -1
 
@@ -138,7 +141,8 @@ class Exit:
         return not self.by_agent and (self.code != 0 or self.signal is not None)
 
     def describe(self) -> str:
-        return describe_exit(self.rank, self.node, self.code, self.signal, self.tail)
+        return describe_exit(self.rank, self.node, self.code, self.signal, self.tail,
+                             self.tail_age)
 
 
 @dataclass(frozen=True)
@@ -180,8 +184,15 @@ class Observed:
     control: dict = field(default_factory=dict)  # what agents pass to ranks: pause, checkpoint
     paused_nodes: int = 0  # nodes of the running generation whose ranks all wait paused
     known_nodes: frozenset[str] = frozenset()  # every registered node (read with requests)
-    # Between generations: each node's report of the in-memory snapshots it holds.
+    # Between generations: each node's report of the in-memory snapshots it holds (and the
+    # reports of nodes' earlier incarnations, `<node>@<incarnation>`).
     snapshots: dict[str, dict] = field(default_factory=dict)
+    # A bad tile's window as memory points are judged by it (recovery.memory_point): {"nodes",
+    # "since": when they last passed a health check, or None; "after_step"}.
+    distrust: dict | None = None
+    # While a generation runs, when the registered agents changed: the spares (alive, healthy,
+    # not excluded, outside the plan) -> their snapshot server's address; None: not read.
+    spares: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -115,10 +115,13 @@ class RankFaults:
             if e.get("id") in self._chaos_seen:
                 continue
             self._chaos_seen.add(e.get("id"))
-            self.faults.append(Fault(kind=e["kind"], step=step, rank=self.rank,
+            asked = e.get("step")
+            at = max(step, asked) if isinstance(asked, int) and not isinstance(asked, bool) \
+                else step
+            self.faults.append(Fault(kind=e["kind"], step=at, rank=self.rank,
                                      generation=self.generation,
                                      seconds=float(e.get("seconds") or 0.0)))
-            self._say(f"was sent {e['kind']} by an operator (chaos): it fires in step {step}")
+            self._say(f"was sent {e['kind']} by an operator (chaos): it fires in step {at}")
 
     def _say(self, what: str) -> None:
         print(f"fault injection: rank {self.rank} {what}", file=sys.stderr, flush=True)

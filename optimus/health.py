@@ -8,9 +8,12 @@ ends normally. Version 1 of the datagram, every field always present:
     {"v": 1, "rank": 5, "local_rank": 1, "pid": 4242, "generation": 2, "time": 1.79e9,
      "step": 120, "phase": "backward", "phase_since": 1.79e9, "compute_s": 0.41,
      "wait_s": 0.03, "finite": true, "seq": 57, "resume": null, "metrics": null,
-     "memory": {"allocated_bytes": 61203824640, "reserved_bytes": 66571993088}}
+     "memory": {"allocated_bytes": 61203824640, "reserved_bytes": 66571993088},
+     "failed_saves": 0}
 
 - generation: OPTIMUS_GENERATION (`launch_env().restart_count`); time: time.time() at the send.
+- failed_saves: checkpoint saves failed in a row (agreed; it counts on from OPTIMUS_FAILED_SAVES,
+  which the agent sets from the plan: checkpoint.max_failed_saves counts across generations).
 - step: the step in progress; before the first one, the step the run resumed from (0: none).
 - phase, phase_since: where the rank is, and since when (time.time()). "startup" until the first
   step; then per step "data" (fetching the microbatches), "forward" and "backward" (a pipeline
@@ -126,6 +129,7 @@ class Heartbeat:
         self._resume: dict | None = None  # what this rank resumed from, once it knows
         self._memory: dict | None = None  # this rank's peak memory in its last logged step
         self._validation: dict | None = None  # rank 0's last validation: val_loss, val_step
+        self._failed_saves = 0  # checkpoint saves failed in a row (agreed by all ranks)
         self._step_began = 0.0
         self._waited = 0.0  # in the step in progress
         self._waiting = False  # inside a waiting phase (a nested one adds nothing more)
@@ -174,6 +178,11 @@ class Heartbeat:
         """Rank 0's last validation ({"val_loss", "val_step"}), sent beside its metrics."""
         self._validation = summary
 
+    def saves_failed(self, count: int) -> None:
+        """How many checkpoint saves failed in a row: the agent carries it into the next
+        generation, so that a restart does not reset checkpoint.max_failed_saves's count."""
+        self._failed_saves = count
+
     def nonfinite(self) -> None:
         """This rank's own loss or gradients are NaN/Inf: say so now, not at the next beat."""
         self._finite = False
@@ -212,7 +221,8 @@ class Heartbeat:
                 "phase_since": since, "compute_s": compute_s, "wait_s": wait_s,
                 "finite": self._finite, "seq": self._seq, "resume": self._resume,
                 "metrics": self._metrics if self._validation is None else {
-                    **(self._metrics or {}), **self._validation}, "memory": self._memory}
+                    **(self._metrics or {}), **self._validation}, "memory": self._memory,
+                "failed_saves": self._failed_saves}
         self._seq += 1
         with contextlib.suppress(OSError):  # no agent, agent gone, queue full: try next time
             self._sock.sendto(json.dumps(beat).encode(), self.path)
@@ -270,6 +280,9 @@ class NoHeartbeat:
         pass
 
     def validated(self, summary: dict | None) -> None:
+        pass
+
+    def saves_failed(self, count: int) -> None:
         pass
 
     def nonfinite(self) -> None:

@@ -252,6 +252,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             # after this step; too many failed saves in a row stop them all here.
             with heartbeat.phase("checkpoint"):
                 saves.check_failed_saves(step)
+            heartbeat.saves_failed(saves.failed_in_a_row)  # carried into a next generation
             with heartbeat.phase("sync"):
                 agreed = commands.agree()
             heartbeat.end_step()

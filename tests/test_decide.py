@@ -227,8 +227,10 @@ H = Settings(nodes=2, ranks_per_node=2, heartbeat_interval_s=0.5, heartbeat_time
              straggler_factor=2, flaky_failures=2, flaky_window_s=100, backoff_s=1)
 
 
-def beat(rank: int, step: int, phase: str, since: float = NOW - 20, finite: bool = True):
-    return {"rank": rank, "step": step, "phase": phase, "phase_since": since, "finite": finite}
+def beat(rank: int, step: int, phase: str, since: float = NOW - 20, finite: bool = True,
+         generation: int = 0):
+    return {"rank": rank, "step": step, "phase": phase, "phase_since": since, "finite": finite,
+            "generation": generation}
 
 
 def test_progress_is_tracked_and_step_times_set_the_hang_threshold():

@@ -11,6 +11,7 @@ say what was not saved and save nothing.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 from optimus.checkpoint.manifest import committed_steps
@@ -29,6 +30,20 @@ class RunCheckpoints:
     layout: Layout
     state: dict  # what a save writes: training_state(...)
     progress: Progress  # its step, tokens and data index
+
+    def __post_init__(self) -> None:
+        """Saves that failed in a row in earlier generations of this job count too (the agent
+        passes the count on: a restart does not reset the streak)."""
+        carried = carried_failed_saves()
+        if self.ckpt is not None and carried:
+            self.ckpt.stats.failed_in_a_row = carried
+            self.log.event("checkpoint", f"{carried} checkpoint save(s) failed in a row in "
+                           "earlier generations; they count toward checkpoint.max_failed_saves="
+                           f"{self.job.checkpoint.max_failed_saves}", failed_in_a_row=carried)
+
+    @property
+    def failed_in_a_row(self) -> int:
+        return self.ckpt.stats.failed_in_a_row if self.ckpt is not None else 0
 
     def after_step(self, step: int) -> None:
         """At every step boundary: finish a save in flight, start a due one (the last step's
@@ -152,3 +167,13 @@ class RunCheckpoints:
     def _newest_committed(self) -> str:
         steps = committed_steps(self.ckpt.root)
         return f"the newest committed is step {steps[-1]}" if steps else "none is committed"
+
+
+FAILED_SAVES_ENV = "OPTIMUS_FAILED_SAVES"
+
+
+def carried_failed_saves() -> int:
+    """The streak of failed saves the agent passes on from earlier generations (0: none, or a
+    value that is not a small count)."""
+    text = os.environ.get(FAILED_SAVES_ENV, "")
+    return int(text) if text.isdigit() and len(text) < 7 else 0

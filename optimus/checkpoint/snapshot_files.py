@@ -12,6 +12,12 @@ A point (step, generation) names one snapshot of the whole job; a shard is one r
 it. A shard is complete once its marker exists (the rank renames the data file in first, then
 writes the marker) and the data file has the marker's size; its marker carries the sha256 that
 every copy is checked against (the buddy on receipt, the rank before loading).
+
+Lineage. A point belongs to the line of generations it was taken in. Every plan carries its
+lineage: `[generation, resume step]` for the generations before it and itself (-1: from
+scratch). A generation that resumed from step r abandons every older generation's state past r,
+so a point (s, g) is void once some generation after g resumed from a step below s: it is
+never loaded, and the agents remove it.
 """
 
 from __future__ import annotations
@@ -36,6 +42,24 @@ def parse_point(name: str) -> tuple[int, int] | None:
     """(step, generation) of a point folder's name; None for anything else."""
     m = _POINT.match(name)
     return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+LINEAGE_MAX = 64  # entries a plan carries (older ones void nothing a node still holds)
+
+
+def void(step: int, generation: int, lineage: list) -> bool:
+    """Whether the point (step, generation) lies on a line of generations a later generation
+    abandoned: one after `generation` resumed from a step below `step`."""
+    return any(g > generation and r < step for g, r in lineage)
+
+
+def extend_lineage(lineage: list, generation: int, resume_step: int | None) -> list:
+    """The lineage of a new generation resuming from `resume_step` (None: scratch). An entry
+    that a later one with a lower or equal step covers voids nothing more, so it goes: the list
+    keeps increasing steps, and is bounded."""
+    step = -1 if resume_step is None else resume_step
+    kept = [[g, r] for g, r in lineage if r < step]
+    return [*kept, [generation, step]][-LINEAGE_MAX:]
 
 
 def shard_files(point_dir: Path, rank: int) -> tuple[Path, Path]:
