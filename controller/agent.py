@@ -28,7 +28,7 @@ key it reads every tick) into a small file the ranks stat at every step boundary
 (OPTIMUS_CONTROL_FILE), rewritten atomically when the word changes (a plan that stops a
 generation with `"save": false`, on evidence of wrong arithmetic, adds `"save": false` to it
 before the SIGTERM: the ranks then stop without a checkpoint); and an operator's
-`chaos hang-rank|stall-rank` into another (OPTIMUS_CHAOS_FILE, see optimus/faults.py).
+`chaos hang-rank|stall-rank|nan-rank` into another (OPTIMUS_CHAOS_FILE, see optimus/faults.py).
 
 A hang's stacks (the controller's `dump_stacks` command) are collected on a thread of their own,
 so the agent goes on reaping and relaying meanwhile: SIGUSR1, then py-spy from outside for a
@@ -592,7 +592,7 @@ class Agent:
                     by=by, reason=command.get("reason", ""))
         if kind == "kill_node":
             self._die()
-        if kind in ("hang_rank", "stall_rank"):  # the rank fires it in its next step
+        if kind in ("hang_rank", "stall_rank", "nan_rank"):  # the rank fires it in a step
             if any(p.rank == command.get("rank") and p.popen.returncode is None
                    for p in self.procs.values()):
                 self._write_chaos([*self.chaos, {

@@ -211,6 +211,8 @@ CHAOS = {  # what each fault does, for the help and the confirmation
     "hang-rank": "the rank blocks in its next step (a hung device sync); its peers wait in a "
                  "collective",
     "stall-rank": "the rank sleeps --seconds in its next step, outside any collective",
+    "nan-rank": "the rank's loss and gradients turn NaN from its next step on (a tile "
+                "computing wrong: nothing since its node's last passing check is trusted)",
     "kill-node": "SIGKILL to the node's agent and its ranks (a lost node)",
     "bad-tile": "the node's tile --tile computes wrong (its next health check fails)",
 }
@@ -221,15 +223,15 @@ CHAOS = {  # what each fault does, for the help and the confirmation
 @click.argument("fault", type=click.Choice(list(CHAOS)))
 @ops.job_option
 @click.option("--rank", type=click.IntRange(min=0),
-              help="For kill-rank, freeze-rank, hang-rank and stall-rank.")
+              help="For kill-rank, freeze-rank, hang-rank, stall-rank and nan-rank.")
 @click.option("--node", help="For kill-node and bad-tile: the node's name.")
 @click.option("--tile", type=click.IntRange(min=0), default=0, show_default=True,
               help="For bad-tile: the device index whose health checks go wrong.")
 @click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=None,
               help="For stall-rank: how long the rank sleeps.")
 @click.option("--at-step", type=click.IntRange(min=1), default=None,
-              help="For hang-rank and stall-rank: the step it fires in (default: the first "
-              "step the rank starts after its agent relays it).")
+              help="For hang-rank, stall-rank and nan-rank: the step it fires in (default: "
+              "the first step the rank starts after its agent relays it).")
 @redis_option
 @ops.reason_option()
 @ops.yes_option
@@ -262,9 +264,10 @@ def chaos(fault: str, job_name: str, rank: int | None, node: str | None, tile: i
         target = plan["nodes"][rank // plan["ranks_per_node"]]
     if fault == "stall-rank" and seconds is None:
         raise ConfigError("stall-rank needs --seconds S: how long the rank sleeps in its step")
-    if at_step is not None and fault not in ("hang-rank", "stall-rank"):
-        raise ConfigError(f"--at-step is for hang-rank and stall-rank, not {fault}")
-    now = store.furthest_step() if fault in ("hang-rank", "stall-rank") else None
+    in_step = fault in ("hang-rank", "stall-rank", "nan-rank")  # the rank fires them itself
+    if at_step is not None and not in_step:
+        raise ConfigError(f"--at-step is for hang-rank, stall-rank and nan-rank, not {fault}")
+    now = store.furthest_step() if in_step else None
     if at_step is not None and now is not None and at_step <= now:
         raise ConfigError(f"step {at_step} is past: the job is at step {now}; fix: --at-step "
                           f"{now + 2} or later (or leave it out: the next step)")
@@ -280,7 +283,7 @@ def chaos(fault: str, job_name: str, rank: int | None, node: str | None, tile: i
         command["step"] = at_step
     store.push_command(target, command)
     when = ""
-    if fault in ("hang-rank", "stall-rank"):
+    if in_step:
         when = (f"; it fires in step {at_step}" if at_step is not None else
                 "; it fires in the first step the rank starts once its agent relays it (the "
                 "job is at step " + ("?" if now is None else str(now)) + "; the agent's next "

@@ -17,7 +17,7 @@ Each fires only in its `generation`. Whole-node faults (`kill_node`) are carried
 node's agent, not here.
 
 Faults come from the job file (`fault_injection.faults`) or, while the job runs, from an
-operator (`optimus chaos hang-rank|stall-rank`): the agent appends those to a small JSON file
+operator (`optimus chaos hang-rank|stall-rank|nan-rank`): the agent appends those to a small JSON file
 of its node, $OPTIMUS_CHAOS_FILE ({"faults": [{"id": 1, "kind": "hang_rank", "rank": 3,
 "generation": 2, "seconds": 0.0}]}, replaced atomically), which each rank stats at the start of
 every step; a new entry for this rank and generation fires in that step.
@@ -38,7 +38,7 @@ from optimus.config import FaultInjectionConfig
 from optimus.config.schema import Fault
 
 CHAOS_ENV = "OPTIMUS_CHAOS_FILE"
-CHAOS_KINDS = ("hang_rank", "stall_rank")  # what an operator may send through the file
+CHAOS_KINDS = ("hang_rank", "stall_rank", "nan_rank")  # what an operator may send through the file
 
 
 class RankFaults:

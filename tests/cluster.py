@@ -88,7 +88,7 @@ class Processes:
 def write_job(path: Path, run_dir: Path, *, name: str = "e2e", steps: int = 30,
               faults: list[dict] | None = None, async_mode: str = "thread",
               moe: dict | None = None, ep: int = 1, memory_every: int | str = 0,
-              **supervision) -> Path:
+              batch_size: int = 8, **supervision) -> Path:
     """A tiny job that trains in ~0.2 s a step on two ranks, checkpoints every 10 steps and
     keeps them all (a test compares against any of them); `moe` makes it a mixture of
     experts, `ep` shards them. In-memory snapshots are off unless `memory_every` says (the
@@ -99,7 +99,8 @@ def write_job(path: Path, run_dir: Path, *, name: str = "e2e", steps: int = 30,
                   "max_seq_len": 64, **({"moe": moe} if moe else {})},
         "parallel": {"ep": ep},
         "optim": {"steps": steps, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5},
-        "data": {"source": "synthetic", "seq_len": 64, "batch_size": 8, "microbatches": 1},
+        "data": {"source": "synthetic", "seq_len": 64, "batch_size": batch_size,
+                 "microbatches": 1},
         "checkpoint": {"interval": 10, "keep_last": 100, "async_mode": async_mode,
                        "memory_every": memory_every},
         "supervision": {"log_every": 1, "heartbeat_interval_s": 0.25,
