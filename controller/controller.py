@@ -265,9 +265,9 @@ class Controller:
                         **operator)
 
     def _spares(self, plan: dict, excluded: dict, now: float, due: bool) -> dict | None:
-        """The spares and their snapshot addresses, read when the number of registered agents
-        changed (checked every STRAGGLER_CHECK_S, one ZCARD): a spare that arrives after the
-        plan becomes a buddy (decide._rebuddy). None when not read."""
+        """The snapshot addresses of the plan's nodes and of the spares, read when the number
+        of registered agents changed (checked every STRAGGLER_CHECK_S, one ZCARD): a spare that
+        arrives after the plan becomes a buddy (decide._rebuddy). None when not read."""
         if not due:
             return None
         count = self.store.agent_count()
@@ -277,9 +277,10 @@ class Controller:
         in_plan = set(plan["nodes"])
         info, beats = self.store.nodes(), self.store.agent_beats()
         return {n: i["snapshot_addr"] for n, i in sorted(info.items())
-                if n not in in_plan and n not in excluded and i.get("health") == "ok"
-                and isinstance(i.get("snapshot_addr"), str) and i["snapshot_addr"]
-                and n in beats and now - self._excused(beats[n]) <= self.s.agent_timeout_s}
+                if isinstance(i.get("snapshot_addr"), str) and i["snapshot_addr"]
+                and (n in in_plan or (
+                    n not in excluded and i.get("health") == "ok" and n in beats
+                    and now - self._excused(beats[n]) <= self.s.agent_timeout_s))}
 
     def _overdue(self, plan: dict, now: float,
                  agent_beats: dict[str, float | None]) -> list[Overdue]:

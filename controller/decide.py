@@ -258,7 +258,8 @@ def _rebuddy(obs: Observed, d: Decision) -> None:
     plan = obs.plan
     if obs.spares is None:
         return
-    buddies = recovery.buddies(plan["nodes"], sorted(obs.spares), obs.spares)
+    spares = sorted(set(obs.spares) - set(plan["nodes"]))
+    buddies = recovery.buddies(plan["nodes"], spares, obs.spares)
     if buddies == plan.get("buddies", {}):
         return
     before = plan.get("buddies", {})

@@ -190,8 +190,9 @@ class Observed:
     # A bad tile's window as memory points are judged by it (recovery.memory_point): {"nodes",
     # "since": when they last passed a health check, or None; "after_step"}.
     distrust: dict | None = None
-    # While a generation runs, when the registered agents changed: the spares (alive, healthy,
-    # not excluded, outside the plan) -> their snapshot server's address; None: not read.
+    # While a generation runs, when the registered agents changed: the plan's nodes and the
+    # spares (alive, healthy, not excluded, outside the plan) -> their snapshot server's
+    # address; None: not read.
     spares: dict[str, str] | None = None
 
 

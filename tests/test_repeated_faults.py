@@ -261,6 +261,10 @@ def test_a_spare_that_arrives_late_becomes_a_buddy():
     assert "n0 -> s0; n1 -> s0" in d.events[0][1]
     assert decide(running(plan=d.plan, spares={"s0": "hs:1"}), S).plan is None  # settled
     assert decide(running(plan=plan, spares=None), S).plan is None  # not read this tick
+    members = {"n0": "h0:1", "n1": "h1:1"}  # the plan's own nodes come with their addresses
+    assert decide(running(plan=plan, spares=members), S).plan is None  # no spare: no change
+    d = decide(running(plan=plan, spares={**members, "s0": "hs:1"}), S)
+    assert d.plan["buddies"]["n1"] == {"node": "s0", "addr": "hs:1"}
 
 
 def test_the_failed_saves_streak_carries_into_the_next_generation():
