@@ -115,7 +115,10 @@ class Controller:
         self._index: dict[str, int] = {}
         self._latest_shown: int | None = None
         self._snapshots_read = 0.0
-        self._agents_seen: int | None = None  # registered agents when spares were last read
+        # (registrations, excluded, unhealthy) when the spares were last read: any change, a
+        # node registering, back under its name, included again or healthy again, reads them.
+        self._agents_seen: tuple | None = None
+        self._unhealthy_seen: frozenset = frozenset()
         self._memory_shown: int | None = None
         self.checkpoints = CheckpointView(self.checkpoint_dir, store)
         self.event_log = EventLog(store, Path(job.resolved_run_dir) / "events.jsonl")
@@ -223,6 +226,7 @@ class Controller:
         gen = plan["generation"]
         sweep = self.store.sweep(plan["nodes"], plan["ranks_per_node"])
         unhealthy, idle = self._unhealthy(sweep.unhealthy)
+        self._unhealthy_seen = frozenset(sweep.unhealthy)
         exits = [_exit(r) for _, r in self.store.exits(plan.get("exits_from", "0"))
                  if r.get("generation") == gen]
         if sum(e.ok for e in exits) >= plan["world_size"]:  # read after the exits, which
@@ -265,15 +269,16 @@ class Controller:
                         **operator)
 
     def _spares(self, plan: dict, excluded: dict, now: float, due: bool) -> dict | None:
-        """The snapshot addresses of the plan's nodes and of the spares, read when the number
-        of registered agents changed (checked every STRAGGLER_CHECK_S, one ZCARD): a spare that
-        arrives after the plan becomes a buddy (decide._rebuddy). None when not read."""
+        """The snapshot addresses of the plan's nodes and of the spares, read when an agent
+        registered, or the exclusions or the unhealthy nodes changed (checked every
+        STRAGGLER_CHECK_S, one GET): a spare that arrives after the plan becomes a buddy
+        (decide._rebuddy). None when not read."""
         if not due:
             return None
-        count = self.store.agent_count()
-        if count == self._agents_seen:
+        seen = (self.store.registrations(), frozenset(excluded), self._unhealthy_seen)
+        if seen == self._agents_seen:
             return None
-        self._agents_seen = count
+        self._agents_seen = seen
         in_plan = set(plan["nodes"])
         info, beats = self.store.nodes(), self.store.agent_beats()
         return {n: i["snapshot_addr"] for n, i in sorted(info.items())

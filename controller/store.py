@@ -283,6 +283,7 @@ class Store:
             pipe = self.r.pipeline()
             self._node_record(pipe, node, info)
             pipe.zadd(self.k("agents"), {node: time.time()})
+            pipe.incr(self.k("registrations"))  # an agent back under its own name counts too
             pipe.execute()
         self.call(write)
 
@@ -519,8 +520,12 @@ class Store:
         raw = self.call(lambda: self.r.hmget(self.k("nodes"), nodes))
         return {n: json.loads(v) for n, v in zip(nodes, raw, strict=True) if v}
 
-    def agent_count(self) -> int:
-        return self.call(lambda: self.r.zcard(self.k("agents")))
+    def registrations(self) -> int:
+        """How many times agents registered (a new node, one back under its own name, or one
+        registering again after Redis lost its record): the controller re-reads spares when it
+        changes."""
+        raw = self.call(lambda: self.r.get(self.k("registrations")))
+        return int(raw) if isinstance(raw, str) and raw.isdigit() else 0
 
     def agent_beats(self) -> dict[str, float]:
         return dict(self.call(lambda: self.r.zrange(self.k("agents"), 0, -1, withscores=True)))

@@ -248,6 +248,15 @@ def test_a_new_plan_removes_the_summary_rows_of_nodes_outside_it(redis_server):
     assert store.rank_beats("n3") == {} and store.rank_beats("n0") == {0: {"step": 25}}
 
 
+def test_every_registration_counts_a_node_back_under_its_own_name_too(redis_server):
+    store = Store(redis_server.url, "regs")
+    assert store.registrations() == 0
+    store.register_node("n0", {"health": "ok"})
+    store.register_node("n1", {"health": "ok"})
+    store.register_node("n0", {"health": "ok"})  # the same name again: the agents set is
+    assert store.registrations() == 3 and len(store.agent_beats()) == 2  # unchanged
+
+
 # --- smaller ones ---------------------------------------------------------------------------
 
 def test_a_spare_that_arrives_late_becomes_a_buddy():
