@@ -296,6 +296,34 @@ def test_failed_saves_in_a_row_stop_training_and_keep_the_last_commit(tmp_path):
         subprocess.run(["umount", str(disk)], check=False)
 
 
+def test_a_streak_of_failed_saves_carried_from_an_earlier_generation_counts(tmp_path):
+    """Under the controller a restart hands the streak on (OPTIMUS_FAILED_SAVES, from the plan):
+    one failure carried plus the first failure here reach max_failed_saves=2 at once."""
+    disk = tmp_path / "disk"
+    if not _small_filesystem(disk, "1m"):  # no checkpoint (2.9 MB) fits
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        raw = job(tmp_path / "run", optim={"steps": 40},
+                  checkpoint={"dir": str(disk / "ckpt"), "interval": 2, "keep_last": 1,
+                              "max_failed_saves": 2})
+        proc = _run_train(raw, tmp_path, env={**os.environ, "OPTIMUS_FAILED_SAVES": "1"})
+        assert proc.returncode == 89, proc.stderr[-2000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        stopped = re.fullmatch(
+            r"error: (\d) checkpoint saves failed in a row \(checkpoint.max_failed_saves=2\)"
+            r": stopped after step (\d+), none is committed; the last: checkpoint of step "
+            r"(\d+): write failed .*No space left on device", last)
+        assert stopped, last
+        count, at, last_failed = map(int, stopped.groups())
+        assert count == last_failed // 2 + 1 and last_failed <= at < 8, last  # the carried one
+        lines = map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+        carried = [m for m in lines if m.get("event") == "checkpoint"
+                   and m.get("failed_in_a_row") == 1 and "earlier" in m["message"]]
+        assert carried, "no event says that the streak was carried"
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
 def test_the_last_step_is_committed_when_steps_is_not_a_multiple_of_interval(run_ranks,
                                                                            tmp_path):
     raw = job(tmp_path, optim={"steps": 7}, checkpoint={"interval": 3, "on_overlap": "wait"})
