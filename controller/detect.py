@@ -1,7 +1,8 @@
 """What went wrong in a running generation, and whose fault it is: pure functions over a snapshot.
 
-`decide._watch` calls `evidence(obs, s)` for everything that names a node, then `hang(obs, s)`
-when nothing else explains a stall, and `stragglers(obs, s)`. Each piece of evidence says how
+`decide._watch` calls `evidence(obs, s)` for everything that names a node, then
+`hang_culprits(obs)` when nothing else explains a stall (past `stall_threshold`), and
+`straggling(obs, s)`. Each piece of evidence says how
 sure it is about its node:
 
 - hard: the node itself is broken (a bad tile, a lost node). It is excluded at once.
@@ -123,12 +124,6 @@ def stall_threshold(job, s) -> float:
     """A hang: no rank has moved past its step for max(T, k x the median step time)."""
     median = statistics.median(job.step_times) if job.step_times else 0.0
     return max(s.hang_timeout_s, s.hang_step_factor * median)
-
-
-def stalled(obs, s) -> bool:
-    job = obs.job
-    return (job.progress_at is not None
-            and obs.now - job.progress_at > stall_threshold(job, s))
 
 
 def hang_culprits(obs) -> list[tuple[str, int, dict]]:
