@@ -87,6 +87,9 @@ def decide(obs: Observed, s: Settings) -> Decision:
                           "reason": f"stop asked by {who}: ranks save and exit"})
             d.note("stopping", f"stop asked by {who}: generation {plan['generation']} saves a "
                    "checkpoint and exits")
+        elif plan is not None and _live(obs, plan):  # a failed generation still draining
+            _finish(d, obs, s, STOPPED, f"stopped by {who} while generation "
+                    f"{plan['generation']} was stopping")
         else:
             _finish(d, obs, s, STOPPED, f"stopped by {who} before any rank ran")
         return d
@@ -511,8 +514,11 @@ def _finish(d: Decision, obs: Observed, s: Settings, state: str, reason: str,
 
 def _with_action(plan: dict | None, action: str, grace_s: float, reason: str,
                  now: float, save: bool = True) -> dict:
-    """The plan with a new action; `save` False: the ranks it stops save nothing."""
+    """The plan with a new action; `save` False: the ranks it stops save nothing. A generation
+    once told not to save (wrong arithmetic) is never told to save again: an operator's stop
+    or the job's end while its ranks drain must not commit the suspect state."""
     base = plan or {"generation": -1, "nodes": [], "world_size": 0}
+    save = save and base.get("save") is not False
     return {**base, "action": action, "grace_s": grace_s, "reason": reason, "issued": now,
             "save": save}
 
