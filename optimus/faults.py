@@ -17,10 +17,11 @@ Each fires only in its `generation`. Whole-node faults (`kill_node`) are carried
 node's agent, not here.
 
 Faults come from the job file (`fault_injection.faults`) or, while the job runs, from an
-operator (`optimus chaos hang-rank|stall-rank|nan-rank`): the agent appends those to a small JSON file
-of its node, $OPTIMUS_CHAOS_FILE ({"faults": [{"id": 1, "kind": "hang_rank", "rank": 3,
-"generation": 2, "seconds": 0.0}]}, replaced atomically), which each rank stats at the start of
-every step; a new entry for this rank and generation fires in that step.
+operator (`optimus chaos hang-rank|stall-rank|nan-rank`): the agent appends those to a small
+JSON file of its node, $OPTIMUS_CHAOS_FILE ({"faults": [{"id": 1, "kind": "hang_rank", "rank":
+3, "generation": 2, "seconds": 0.0, "step": 57}]}, replaced atomically), which each rank stats
+at the start of every step; a new entry for this rank and generation fires in that step, or in
+its `step` when that is later (`--at-step`).
 """
 
 from __future__ import annotations
