@@ -31,18 +31,16 @@ import time
 import uuid
 from pathlib import Path
 
-from controller import recovery
+from controller import records, recovery
 from controller.checkpoints import CheckpointView
 from controller.decide import (
     ACTIVE,
     TERMINAL,
     Decision,
-    Exit,
     JobView,
     NodeView,
     Observed,
     Overdue,
-    Request,
     Settings,
     decide,
 )
@@ -170,14 +168,14 @@ class Controller:
         if not record.get("state"):  # none, or a retried write landed in a Redis that restarted
             record = self._rebuild()
         now = time.time()
-        job = _job_view(record)
+        job = records.job_view(record)
         if job.progress_at is not None:
             job = dataclasses.replace(job, progress_at=self._excused(job.progress_at))
         plan = self.store.plan()
         entries, raw, control = self.store.operator_view(job.requests_seen)
         excluded = {n: e["reason"] for n, e in entries.items()}
         draining = frozenset(n for n, e in entries.items() if e.get("mode") == "drain")
-        requests = [_request(i, r) for i, r in raw]
+        requests = [records.request(i, r) for i, r in raw]
         operator = {"requests": requests, "control": control, "draining": draining,
                     "known_nodes": frozenset(self.store.nodes()) if requests else frozenset()}
         steps = committed_steps(self.checkpoint_dir)
@@ -205,7 +203,7 @@ class Controller:
                 generation=int(st["generation"]) if st.get("generation") else None,
                 live_ranks=int(st.get("live_ranks", 0)), last_beat=beats.get(name, 0.0),
                 snapshot_addr=node_info.get("snapshot_addr", ""),
-                failed_saves=_count(st.get("failed_saves")))
+                failed_saves=records.count(st.get("failed_saves")))
         return Observed(now=now, job=job, plan=plan, nodes=nodes, latest_step=latest,
                         skipped=skipped, suspect_steps=suspect, unhealthy=unhealthy,
                         unhealthy_idle=idle, snapshots=self.store.snapshots(),
@@ -216,7 +214,7 @@ class Controller:
         """Nodes whose last health check failed: why; and those of them on which no rank ran
         since their last passing check (their bad tile computed nothing of this job since)."""
         info = self.store.node_info(nodes)
-        return ({n: _health(i) for n, i in info.items()},
+        return ({n: records.health(i) for n, i in info.items()},
                 frozenset(n for n, i in info.items() if i.get("ran_since_ok") is False))
 
     def _observe_running(self, now: float, job: JobView, plan: dict, excluded: dict,
@@ -227,7 +225,7 @@ class Controller:
         sweep = self.store.sweep(plan["nodes"], plan["ranks_per_node"])
         unhealthy, idle = self._unhealthy(sweep.unhealthy)
         self._unhealthy_seen = frozenset(sweep.unhealthy)
-        exits = [_exit(r) for _, r in self.store.exits(plan.get("exits_from", "0"))
+        exits = [records.exit_record(r) for _, r in self.store.exits(plan.get("exits_from", "0"))
                  if r.get("generation") == gen]
         if sum(e.ok for e in exits) >= plan["world_size"]:  # read after the exits, which
             steps = committed_steps(self.checkpoint_dir)  # follow the final commit
@@ -445,58 +443,6 @@ class Controller:
                     f"{self.journal} (state {record.get('state')}, generation "
                     f"{record.get('generation')}) and {len(reporting)} agent(s) reporting")
         return self.store.job_record()
-
-
-def _job_view(r: dict[str, str]) -> JobView:
-    def number(key: str) -> float | None:
-        return float(r[key]) if r.get(key) else None
-
-    def loaded(key: str, default):
-        return json.loads(r[key]) if r.get(key) else default
-    return JobView(state=r.get("state", "PENDING"), reason=r.get("reason", ""),
-                   generation=int(r.get("generation", -1)), restarts=int(r.get("restarts", 0)),
-                   desired=r.get("desired") or None, desired_by=r.get("desired_by", ""),
-                   desired_reason=r.get("desired_reason", ""),
-                   requests_seen=r.get("requests_seen", "0"),
-                   restart_causes=loaded("restart_causes", {}),
-                   failure_since=number("failure_since"), next_plan_at=number("next_plan_at"),
-                   progress_gen=int(r["progress_gen"]) if r.get("progress_gen") else None,
-                   progress_step=int(r.get("progress_step", -1)),
-                   progress_at=number("progress_at"),
-                   progress_moves=int(r.get("progress_moves", 0)),
-                   step_times=tuple(loaded("step_times", [])), hang_since=number("hang_since"),
-                   failures=loaded("failures", {}), stragglers=tuple(loaded("stragglers", [])),
-                   resumed_gen=int(r["resumed_gen"]) if r.get("resumed_gen") else None,
-                   resumed_step=int(r["resumed_step"]) if r.get("resumed_step") else None,
-                   suspect=loaded("suspect", None))
-
-
-def _request(rid: str, r: dict[str, str]) -> Request:
-    return Request(id=rid, action=r.get("action", ""), actor=r.get("actor", "?"),
-                   host=r.get("host", ""), reason=r.get("reason", ""),
-                   time=float(r.get("time") or 0.0), node=r.get("node", ""),
-                   checkpoint=r.get("checkpoint") == "1")
-
-
-def _health(info: dict) -> str:
-    return info.get("health_detail") or f"{info.get('health', 'unknown')}"
-
-
-def _exit(r: dict) -> Exit:
-    return Exit(node=r["node"], rank=int(r["rank"]), generation=int(r["generation"]),
-                code=r.get("code"), signal=r.get("signal"), by_agent=bool(r.get("by_agent")),
-                tail=r.get("tail", ""), time=float(r.get("time", 0.0)),
-                tail_age=_number(r.get("tail_age")),
-                local_rank=int(r.get("local_rank", -1)))
-
-
-def _number(value) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def _count(text: str | None) -> int | None:
-    """A small count an agent wrote (validated: it crossed a boundary)."""
-    return int(text) if isinstance(text, str) and text.isdigit() and len(text) < 7 else None
 
 
 def _read_json(path: Path) -> dict | None:

@@ -393,7 +393,7 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
         return
 
     chosen = chosen[:fits[0]]
-    memory, not_used = _memory_resume(obs, d, chosen, usable)
+    memory, not_used = recovery.memory_resume(obs, chosen, usable)
     if memory is not None:
         chosen = memory.pop("nodes")
     gen = max(job.generation, plan["generation"] if plan else -1) + 1
@@ -427,73 +427,12 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
         "heartbeat_timeout_s": s.heartbeat_timeout_s, "startup_timeout_s": s.startup_timeout_s,
         "reason": reason, "issued": obs.now,
     }
-    d.plan["lineage"] = extend_lineage(_lineage(obs), gen, resume_step)
-    d.plan["failed_saves"] = _failed_saves(obs)
+    d.plan["lineage"] = extend_lineage(recovery.lineage(obs), gen, resume_step)
+    d.plan["failed_saves"] = recovery.failed_saves(obs)
     d.job.update({"state": PAUSING if job.desired == "pause" else RUNNING, "generation": gen,
                   "reason": reason, "failure_since": None, "next_plan_at": None,
                   "suspect": None})  # the window is acted on: set aside, or judged above
     d.note("generation", reason)
-
-
-def _memory_resume(obs: Observed, d: Decision, chosen: list[str],
-                   usable: set[str]) -> tuple[dict | None, str | None]:
-    """The plan's `memory` entry when the next generation resumes from an in-memory snapshot
-    (recovery.memory_point), with the nodes it runs on ("nodes": survivors keep their slots, a
-    replacement takes a lost node's slot, preferring the node that holds its copy); or None and
-    why not, when a snapshot newer than the disk checkpoint exists but cannot be used."""
-    plan = obs.plan
-    alive = {n for n, v in obs.nodes.items() if v.alive}
-    window = obs.job.suspect
-    distrust = obs.distrust or (window and {"nodes": window.get("nodes", []), "since": None,
-                                            "after_step": window.get("resumed_step")})
-    point, why = recovery.memory_point(plan and {**plan, "lineage": _lineage(obs)},
-                                       obs.snapshots, alive, obs.latest_step, distrust)
-    if point is None:
-        return None, why
-    previous = plan["nodes"]  # from here `why` says which newer point was refused, if one was
-    if len(chosen) != len(previous):
-        return None, (f"the next generation runs on {len(chosen)} nodes, not {len(previous)}: "
-                      "a snapshot is only loaded by the layout that took it")
-    free = sorted(usable - set(previous))  # every spare, not only those `chosen` took
-    nodes, holders = [], {}
-    for old, slot in zip(previous, point["slots"], strict=True):
-        if old in usable:
-            new = old
-        else:
-            new = next((n for n in slot if n in free), free[0])
-            free.remove(new)
-        nodes.append(new)
-        if new not in slot:  # its shards come from a node that holds them
-            source = slot[0]
-            holders[new] = {"node": source, "addr": obs.nodes[source].snapshot_addr}
-    return {"step": point["step"], "generation": point["generation"], "holders": holders,
-            "nodes": nodes}, why
-
-
-def _lineage(obs: Observed) -> list:
-    """The running plan's lineage (snapshot_files.void), its last entry corrected by what rank
-    0 reported loading when that is older than the plan predicted (a corrupt checkpoint)."""
-    plan, job = obs.plan, obs.job
-    if plan is None:
-        return []
-    lineage = list(plan.get("lineage", []))
-    if (job.resumed_gen == plan["generation"] and job.resumed_step is not None and lineage
-            and lineage[-1][0] == plan["generation"] and job.resumed_step < lineage[-1][1]):
-        lineage = extend_lineage(lineage[:-1], plan["generation"], job.resumed_step)
-    return lineage
-
-
-def _failed_saves(obs: Observed) -> int:
-    """Checkpoint saves failed in a row so far, for the next generation to go on counting
-    (checkpoint.max_failed_saves counts across the generations of a job): as the last
-    generation's nodes last said, else as its plan carried it."""
-    plan = obs.plan
-    if plan is None:
-        return 0
-    said = [v.failed_saves for n in plan["nodes"] if (v := obs.nodes.get(n)) is not None
-            and v.generation == plan["generation"] and v.failed_saves is not None]
-    carried = plan.get("failed_saves")
-    return max(said) if said else carried if isinstance(carried, int) and carried > 0 else 0
 
 
 def names(nodes: list[str], shown: int = 8) -> str:

@@ -13,7 +13,11 @@ pure rules, like decide.py, which calls them.
 - `memory_point`, `buddies`: the newest in-memory snapshot a next generation can resume from
   (every shard and its replica committed, and still held by a live node), and who holds each
   node's copy (controller/snapshots.py keeps them on the agents). The plan takes it over the
-  disk checkpoint when it is at least as new and the layout stays the same.
+  disk checkpoint when it is at least as new and the layout stays the same; `memory_resume`
+  maps the point onto the next generation's nodes (survivors keep their slots, a replacement
+  takes a lost node's, preferring the one holding its copy).
+- `lineage`, `failed_saves`: what the next plan carries on from the last one (which snapshot
+  points a rollback voided; the streak of failed checkpoint saves).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import time
 
 from controller.detect import Evidence
 from controller.view import Decision, JobView, Observed
-from optimus.checkpoint.snapshot_files import parse_point, void
+from optimus.checkpoint.snapshot_files import extend_lineage, parse_point, void
 
 
 def window(job: JobView, plan: dict, wrong: list[Evidence]) -> dict:
@@ -208,3 +212,64 @@ def outlived(reports: dict[str, dict], step: int) -> list[str]:
     return sorted(key for key, report in reports.items() if "@" in key and all(
         (parse_point(name) or (0, 0))[0] < step
         for name in [*report.get("own", {}), *report.get("held", {})]))
+
+
+def memory_resume(obs: Observed, chosen: list[str],
+                  usable: set[str]) -> tuple[dict | None, str | None]:
+    """The plan's `memory` entry when the next generation resumes from an in-memory snapshot
+    (memory_point), with the nodes it runs on ("nodes": survivors keep their slots, a
+    replacement takes a lost node's slot, preferring the node that holds its copy); or None and
+    why not, when a snapshot newer than the disk checkpoint exists but cannot be used."""
+    plan = obs.plan
+    alive = {n for n, v in obs.nodes.items() if v.alive}
+    window = obs.job.suspect
+    distrust = obs.distrust or (window and {"nodes": window.get("nodes", []), "since": None,
+                                            "after_step": window.get("resumed_step")})
+    point, why = memory_point(plan and {**plan, "lineage": lineage(obs)},
+                              obs.snapshots, alive, obs.latest_step, distrust)
+    if point is None:
+        return None, why
+    previous = plan["nodes"]  # from here `why` says which newer point was refused, if one was
+    if len(chosen) != len(previous):
+        return None, (f"the next generation runs on {len(chosen)} nodes, not {len(previous)}: "
+                      "a snapshot is only loaded by the layout that took it")
+    free = sorted(usable - set(previous))  # every spare, not only those `chosen` took
+    nodes, holders = [], {}
+    for old, slot in zip(previous, point["slots"], strict=True):
+        if old in usable:
+            new = old
+        else:
+            new = next((n for n in slot if n in free), free[0])
+            free.remove(new)
+        nodes.append(new)
+        if new not in slot:  # its shards come from a node that holds them
+            source = slot[0]
+            holders[new] = {"node": source, "addr": obs.nodes[source].snapshot_addr}
+    return {"step": point["step"], "generation": point["generation"], "holders": holders,
+            "nodes": nodes}, why
+
+
+def lineage(obs: Observed) -> list:
+    """The running plan's lineage (snapshot_files.void), its last entry corrected by what rank
+    0 reported loading when that is older than the plan predicted (a corrupt checkpoint)."""
+    plan, job = obs.plan, obs.job
+    if plan is None:
+        return []
+    line = list(plan.get("lineage", []))
+    if (job.resumed_gen == plan["generation"] and job.resumed_step is not None and line
+            and line[-1][0] == plan["generation"] and job.resumed_step < line[-1][1]):
+        line = extend_lineage(line[:-1], plan["generation"], job.resumed_step)
+    return line
+
+
+def failed_saves(obs: Observed) -> int:
+    """Checkpoint saves failed in a row so far, for the next generation to go on counting
+    (checkpoint.max_failed_saves counts across the generations of a job): as the last
+    generation's nodes last said, else as its plan carried it."""
+    plan = obs.plan
+    if plan is None:
+        return 0
+    said = [v.failed_saves for n in plan["nodes"] if (v := obs.nodes.get(n)) is not None
+            and v.generation == plan["generation"] and v.failed_saves is not None]
+    carried = plan.get("failed_saves")
+    return max(said) if said else carried if isinstance(carried, int) and carried > 0 else 0
