@@ -362,11 +362,14 @@ class Store:
             pipe.smembers(self.k("nonfinite"))
             rows = pipe.execute()
             pipe = self.r.pipeline(transaction=False)
+            outside: set[str] = set()
             for key, members in zip([*sets, "nonfinite"], rows, strict=True):
                 gone = [m for m in members if m not in keep]
                 if gone:
                     (pipe.srem if key == "nonfinite" else pipe.zrem)(self.k(key), *gone)
-                    pipe.delete(*[self.k(f"ranks:{m}") for m in gone])
+                    outside.update(gone)
+            if outside:  # each node's rank heartbeats once, not once per set it was in
+                pipe.delete(*[self.k(f"ranks:{m}") for m in sorted(outside)])
             pipe.execute()
         self.call(prune)
 
