@@ -124,7 +124,8 @@ def export_hf(step_path: Path | str, out: Path | str, *, max_shard_bytes: int = 
     tmp = out.with_name(f".tmp.{out.name}.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    try:
+    try:  # the tokenizer first: data that is gone fails the export before the weights
+        eos_id, notes = tokenizer_files(manifest, cfg, step_path, tmp)
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                  for i in range(len(shards))]
         weight_map = {}
@@ -134,7 +135,6 @@ def export_hf(step_path: Path | str, out: Path | str, *, max_shard_bytes: int = 
         index = {"metadata": {"total_size": sum(s.nbytes for s in shards)},
                  "weight_map": dict(sorted(weight_map.items()))}
         _write_json(tmp / INDEX, index)
-        eos_id, notes = tokenizer_files(manifest, cfg, tmp)
         _write_json(tmp / "config.json", hf_config(cfg, family, dtype, eos_id))
         if eos_id is not None:
             _write_json(tmp / "generation_config.json", {"eos_token_id": eos_id})
