@@ -36,6 +36,13 @@ class StepMetrics:
     memory: dict | None = None
 
 
+def logs_step(step: int, every: int, last: int) -> bool:
+    """Whether rank 0 logs `step`'s metrics: every step up to `every` (the loss falls fastest
+    at the start, and step 1 shows where it started), then every `every`-th step, and the
+    last step of the run."""
+    return step <= every or step % every == 0 or step == last
+
+
 def sample_fingerprint(start: int, batch_size: int, sample_ids: Iterable,
                        reader: tuple[int, int]) -> dict:
     """One step's samples, for `optimus data audit`: the global sample-index range the whole
@@ -52,22 +59,21 @@ def sample_fingerprint(start: int, batch_size: int, sample_ids: Iterable,
 class MetricsLog:
     """Rank 0's record of training: one JSON object per step in `path`, and a progress display.
 
-    A logged step's line holds its metrics; a step between logged ones (`log_every` > 1) gets a
+    A logged step's line (`logs_step`) holds its metrics; a step between logged ones gets a
     line with only "step" and "data" (its samples' fingerprint). Every generation of a run
     appends to the same file.
 
-    On a terminal it draws a bar; elsewhere (torchrun, CI, an agent's log) it prints one line
-    every `log_every` steps.
+    On a terminal it draws a bar; elsewhere (torchrun, CI, an agent's log) it prints a line
+    per logged step.
     """
 
     def __init__(self, path: Path | None, total_steps: int, flops_per_token: int,
-                 peak_flops_per_device: float | None, world_size: int, log_every: int = 1,
+                 peak_flops_per_device: float | None, world_size: int,
                  enabled: bool = True):
         self.enabled = enabled
         self.flops_per_token = flops_per_token
         self.peak = peak_flops_per_device
         self.world_size = world_size
-        self.log_every = log_every
         self.history: list[StepMetrics] = []
         self._file = None
         self._progress = None
@@ -102,7 +108,7 @@ class MetricsLog:
                   f" | {m.step_time_s * 1e3:.0f} ms{mfu}")
         if self._progress is not None:
             self._progress.update(self._task, completed=m.step, status=status)
-        elif m.step % self.log_every == 0:
+        else:
             print(f"step {m.step:>6} | {status}", flush=True)
 
     def samples(self, step: int, data: dict | None) -> None:

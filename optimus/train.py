@@ -38,7 +38,7 @@ from optimus.health import (
     register_stack_dumps,
     start_heartbeat,
 )
-from optimus.metrics import MetricsLog, StepMetrics, peak_flops, sample_fingerprint
+from optimus.metrics import MetricsLog, StepMetrics, logs_step, peak_flops, sample_fingerprint
 from optimus.models import flops_per_token
 from optimus.optim import build_optimizer, lr_at, set_lr
 from optimus.parallel.compile import CompileLog
@@ -108,7 +108,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             Path(job.resolved_run_dir) / "metrics.jsonl", total_steps=job.optim.steps,
             flops_per_token=flops_per_token(job.model, job.data.seq_len),
             peak_flops_per_device=peak_flops(device_name(device), job.supervision.peak_tflops),
-            world_size=env.world_size, log_every=job.supervision.log_every,
+            world_size=env.world_size,
             enabled=env.rank == 0 and not quiet)
         result = TrainResult(losses=[], metrics=log.history)
         compiles = CompileLog(log) if job.training.compile else None
@@ -218,7 +218,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             if keep_sample_ids:
                 result.sample_ids.append([int(s) for mb in microbatches for s in mb["sample_ids"]])
 
-            if step % job.supervision.log_every == 0 or step == job.optim.steps:
+            if logs_step(step, job.supervision.log_every, job.optim.steps):
                 own_memory = peak_memory(device)
                 with heartbeat.phase("grad_sync"):
                     for group in (pp_group, dp_group):  # only last stages hold losses

@@ -1,14 +1,19 @@
 """`optimus data audit`: synthetic metrics histories (a clean run, legitimate repeats after
-restarts, gaps, overlaps, a changed data order), then the CLI on a file."""
+restarts, gaps, overlaps, a changed data order), the CLI on a file, and a mixture's realised
+shares against the mixture's own order. (A real mixture run's shares: tests/test_report.py.)"""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 
+import pytest
 from click.testing import CliRunner
 
 from optimus.cli import main
-from optimus.data.audit import audit
+from optimus.data import Mixture, TokenShards, prepare
+from optimus.data.audit import _source_counts, audit
+from optimus.data.mixture import BLOCK, quotas
 from optimus.metrics import sample_fingerprint
 
 B = 8  # samples per step
@@ -123,3 +128,64 @@ def test_the_cli_exits_2_on_a_problem_and_prints_json(tmp_path):
         "gap: samples [24, 40) were skipped between step 3 and step 4"]
     missing = CliRunner().invoke(main, ["data", "audit", str(tmp_path / "nope")])
     assert missing.exit_code == 2 and "does not exist" in missing.output
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> list[TokenShards]:
+    tmp = tmp_path_factory.mktemp("sources")
+    for name, n_tokens in (("web", 2001), ("code", 801)):
+        (tmp / f"{name}.txt").write_text("".join(chr(97 + i % 26) for i in range(n_tokens)))
+        prepare([tmp / f"{name}.txt"], tmp / name)
+    return [TokenShards(tmp / "web"), TokenShards(tmp / "code")]
+
+
+def test_source_counts_follow_the_mixture_s_order_across_blocks(sources):
+    data = Mixture(sources, [0.7, 0.3]).windows(8, seed=3)
+    # a piece of block 0, most of block 1 (counted by its complement), a sliver of block 3
+    spans = [(BLOCK - 50, 2 * BLOCK - 9000), (3 * BLOCK + 5, 3 * BLOCK + 9)]
+    found = Counter(data.locate(g)[0] for a, b in spans for g in range(a, b))
+    assert _source_counts(spans, quotas([0.7, 0.3]), BLOCK, 3) == [found[0], found[1]]
+    whole = _source_counts([(2 * BLOCK, 3 * BLOCK), (3 * BLOCK, 4 * BLOCK)], [7, 9], 16, 3)
+    assert whole == [7 * 2 * BLOCK // 16, 9 * 2 * BLOCK // 16]  # whole blocks: their quotas
+
+
+def _mixture_event(sources, weights) -> dict:
+    q = quotas(weights)
+    return {"event": "mixture", "message": "m", "block": BLOCK, "sources": [
+        {"path": str(s.path), "weight": w, "share": n / BLOCK, "quota": n}
+        for s, w, n in zip(sources, weights, q, strict=True)]}
+
+
+def test_a_mixture_s_shares_count_each_step_under_its_own_mixture(sources):
+    # 0.7/0.3 for steps 1..6; a resume from step 4 under 0.5/0.5 trains 5..8 again
+    lines = [_mixture_event(sources, [0.7, 0.3]), *[step(s) for s in range(1, 7)],
+             resume(4), _mixture_event(sources, [0.5, 0.5]), *[step(s) for s in range(5, 9)]]
+    first = Mixture(sources, [0.7, 0.3]).windows(8, seed=3)
+    then = Mixture(sources, [0.5, 0.5]).windows(8, seed=3)
+    read = Counter([first.locate(g)[0] for g in range(4 * B)]
+                   + [then.locate(g)[0] for g in range(4 * B, 8 * B)])
+    result = audit(lines, seed=3)
+    assert result.ok, result.problems
+    assert [(m["weight"], m["share"], m["samples"], m["realised"]) for m in result.mixture] == [
+        (0.5, 0.5, read[0], read[0] / 64), (0.5, 0.5, read[1], read[1] / 64)]
+    assert result.notes[0].startswith("the mixture changed during the run")
+
+    unseeded = audit(lines)  # the run dir said no seed
+    assert [m["samples"] for m in unseeded.mixture] == [None, None]
+    assert "needs the run's seed" in unseeded.notes[-1]
+
+
+def test_the_audit_prints_a_mixture_s_shares_as_a_table(sources):
+    lines = [_mixture_event(sources, [0.7, 0.3]), *[step(s) for s in range(1, 4)]]
+    result = audit(lines, seed=3)
+    n = [m["samples"] for m in result.mixture]
+    web, code = (str(s.path) for s in sources)
+    width = max(len(web), len(code))
+    assert result.lines() == [
+        "ok: steps 1..3 read samples [0, 24) exactly once; 1 generation(s), 0 step(s) trained "
+        "again after a restart",
+        f"{'source':<{width}}  weight   share  samples read  realised share",
+        f"{web:<{width}}     0.7  0.7000  {n[0]:>12}  {n[0] / 24:>14.4f}",
+        f"{code:<{width}}     0.3  0.3000  {n[1]:>12}  {n[1] / 24:>14.4f}"]
+    assert sum(n) == 24
+    assert audit([step(1)]).mixture == []  # one source: no table

@@ -1,6 +1,8 @@
 """`optimus report`: the run report of the demo job under the real control plane (a fault with
 its culprit excluded, a restart on the spare, an operator's pause), the events mirrored into
-the run dir, and the report of a plain run's metrics file with what a crash and restarts leave.
+the run dir, the report of a plain run's metrics file with what a crash and restarts leave,
+and a real run on a mixture of two sources (the first steps logged, checkpoints and validations
+on the timeline, each source's realised share).
 """
 
 from __future__ import annotations
@@ -22,10 +24,14 @@ from PIL import Image
 from controller.event_log import EventLog
 from controller.store import Store
 from optimus.cli import main
-from optimus.report import read_run
+from optimus.config import validate_job
+from optimus.data import Mixture, TokenShards, prepare
+from optimus.metrics import logs_step
+from optimus.report import build_report, read_run
 from optimus.report.facts import facts
-from optimus.report.figures import draw_all, loss_figure
-from optimus.report.timeline import lost_to_restarts, marks
+from optimus.report.figures import draw_all, first_save_note, loss_figure
+from optimus.report.runlog import Run, Save
+from optimus.report.timeline import lost_to_restarts, marks, progress_marks
 
 STEPS, FAULT_STEP = 14, 7  # checkpoints every 5 steps: generation 1 resumes from step 5
 
@@ -100,6 +106,8 @@ def test_the_demo_job_s_report_shows_its_fault_exclusion_restart_and_pause(tmp_p
     assert [m.label for m in shown if m.kind == "generation"] == ["gen 0", "gen 1"]
     (pause,) = [m for m in shown if m.kind == "pause"]
     assert fault[0].time < pause.time < pause.end < loaded.end
+    # generation 0 committed step 5 and died at 7; generation 1 committed 10, and 14 at the end
+    assert [m.step for m in progress_marks(loaded) if m.kind == "checkpoint"] == [5, 10, 14]
 
     # The loss curve: each step's value from the generation that trained it last.
     logged = [m for m in metrics(run) if "loss" in m]
@@ -159,6 +167,8 @@ def test_a_plain_run_s_metrics_file_with_restarts_and_a_crash(tmp_path):
     assert len(run.segments) == 3
     # 101 -> 106 (step 2 reached again), then 110 -> 117 (step 4 again)
     assert lost_to_restarts(run) == pytest.approx(5.0 + 7.0)
+    assert [(m.kind, m.step, m.time) for m in progress_marks(run)] == [
+        ("checkpoint", 2, 106.0), ("validation", 2, 106.5), ("validation", 4, 117.5)]
     found = {(m.kind, m.label) for m in marks(run)}
     assert found == {("generation", "restart 1"), ("generation", "restart 2"),
                      ("pause", "paused"), ("save_failed", "save failed (step 4)")}
@@ -168,7 +178,12 @@ def test_a_plain_run_s_metrics_file_with_restarts_and_a_crash(tmp_path):
 
     figures = {f.file: f for f in draw_all(run, tmp_path / "figures")}
     assert figures["loss.png"].series["validation loss"] == ([200, 400], [4.5, 3.7])
-    assert figures["timeline.png"].series["step"][1] == [1, 2, 1, 2, 3, 4, 3, 4, 5]
+    timeline = figures["timeline.png"]
+    assert timeline.series["step"][1] == [1, 2, 1, 2, 3, 4, 3, 4, 5, 6]  # every step line
+    assert "Each colour is one start of training" in timeline.caption  # three of them
+    # tokens/s is 200 + step; its mean over up to 9 logged steps, within each start
+    assert timeline.series["tokens/s, rolling mean"][1] == pytest.approx(
+        [201.5, 201.5, 202.5, 202.5, 202.5, 202.5, 204.0, 204.0, 204.0])
     table = dict(facts(run))
     assert table["generations"] == "3" and table["steps"] == "5"  # no config: no total
     assert table["validation loss, final / best"] == "3.7000 / 3.7000 (perplexity 40.40)"
@@ -239,3 +254,107 @@ def test_without_matplotlib_the_command_names_the_extra(tmp_path, monkeypatch):
     assert result.exit_code == 2
     assert result.output == ("error: optimus report: matplotlib is not installed — fix: pip "
                              "install 'optimus[report]'\n")
+
+
+def test_the_first_steps_are_all_logged_then_every_nth_and_the_last():
+    assert [s for s in range(1, 48) if logs_step(s, 10, 47)] == [
+        *range(1, 11), 20, 30, 40, 47]
+    assert [s for s in range(1, 6) if logs_step(s, 1, 5)] == [1, 2, 3, 4, 5]
+    assert [s for s in range(1, 4) if logs_step(s, 10, 3)] == [1, 2, 3]
+
+
+def test_a_slow_first_save_is_explained_from_the_data(tmp_path):
+    run = Run(run_dir=tmp_path, config={"checkpoint": {"async_mode": "process"}},
+              saves=[Save(50 * i, 0.0, w, 0.01) for i, w in enumerate([5.8, 0.9, 1.1, 0.8], 1)])
+    assert first_save_note(run) == (
+        "First save 5.8 s against a median of 0.9 s for the others: it includes starting DCP's "
+        "writer process (a Python with torch, per rank), which the saves after it reuse.")
+    run.config = {"checkpoint": {"async_mode": "thread"}}  # no writer process to start
+    assert first_save_note(run) == "First save 5.8 s against a median of 0.9 s for the others."
+    run.saves[0].write_s = 1.7  # under twice the others': nothing to explain
+    assert first_save_note(run) == ""
+
+
+SEQ, WEIGHTS, MIX_STEPS, BATCH = 8, [0.7, 0.3], 12, 8
+
+
+def _mixture_run(rank: int, world_size: int, raw: dict) -> list[list[int]]:
+    from optimus.train import train
+
+    return train(validate_job(raw, world=world_size), keep_sample_ids=True).sample_ids
+
+
+def test_a_mixture_run_s_report_shows_its_first_steps_marks_and_realised_shares(
+        run_ranks, tmp_path):
+    folders = []
+    for name, n_tokens in (("web", 3001), ("code", 1201)):
+        text = tmp_path / f"{name}.txt"
+        text.write_text("".join(chr(97 + i % 26) for i in range(n_tokens - 1)))
+        prepare([text], tmp_path / name)
+        folders.append(tmp_path / name)
+    run = tmp_path / "run"
+    raw = {"name": "mix", "run_dir": str(run), "seed": 11,
+           "model": {"vocab_size": 257, "dim": 32, "n_layers": 1, "n_heads": 2,
+                     "max_seq_len": SEQ},
+           "optim": {"steps": MIX_STEPS, "warmup_steps": 1},
+           "data": {"source": "shards", "seq_len": SEQ, "batch_size": BATCH,
+                    "sources": [{"path": str(f), "weight": w}
+                                for f, w in zip(folders, WEIGHTS, strict=True)]},
+           "eval": {"every": 6, "batches": 1, "path": str(folders[1])},
+           "supervision": {"log_every": 5},
+           "parallel": {"device": "cpu"},
+           "checkpoint": {"interval": 4, "async_mode": "sync"}}
+    (read,) = run_ranks(_mixture_run, 1, raw, timeout=180)
+
+    rows = metrics(run)
+    assert [m["step"] for m in rows if "loss" in m] == [1, 2, 3, 4, 5, 10, 12]
+    page = build_report(run)
+    loaded = read_run(run)
+    figures = {f.file: f for f in draw_all(loaded, tmp_path / "figures")}
+    timeline = figures["timeline.png"]
+    assert "Each colour" not in timeline.caption  # one start of training: one colour
+    ended = {m["step"]: m["time"] for m in rows if "step" in m and "event" not in m}
+    evals = {m["step"]: m["time"] for m in rows if m.get("event") == "eval"}
+    shown = [(m.kind, m.step, m.time) for m in timeline.marks if m.step is not None]
+    assert sorted(shown, key=lambda m: (m[1], m[0])) == [
+        ("checkpoint", 4, ended[4]), ("validation", 6, evals[6]), ("checkpoint", 8, ended[8]),
+        ("checkpoint", 12, ended[12]), ("validation", 12, evals[12])]
+    html = page.read_text()
+    assert html.count("<h2>Timeline") == 1 and "<h2>Events</h2>" in html
+
+    # The realised shares, counted independently: each id the loader gave, to its source.
+    data = Mixture([TokenShards(f) for f in folders], WEIGHTS).windows(SEQ, 11)
+    counts = [0, 0]
+    for ids in read:
+        for i in ids:
+            counts[data.source_of(i)] += 1
+    assert sum(counts) == MIX_STEPS * BATCH and 0 < counts[1] < counts[0]
+    shares = [n / sum(counts) for n in counts]
+    out = CliRunner().invoke(main, ["data", "audit", str(run), "-o", "json"])
+    assert out.exit_code == 0, out.output
+    audited = json.loads(out.output)["mixture"]
+    assert [(m["source"], m["weight"], m["samples"]) for m in audited] == [
+        (str(f), w, n) for f, w, n in zip(folders, WEIGHTS, counts, strict=True)]
+    assert [m["realised"] for m in audited] == pytest.approx(shares)
+    assert "<h2>Data mixture</h2>" in html
+    for f, n, share in zip(folders, counts, shares, strict=True):
+        assert (f"<tr><td>{f}</td><td>{WEIGHTS[folders.index(f)]:g}</td>"
+                f"<td>{audited[folders.index(f)]['share']:.4f}</td><td>{n:,}</td>"
+                f"<td>{share:.4f}</td></tr>") in html
+
+
+def test_a_long_run_s_progress_line_is_thinned_keeping_each_start_s_last_step(
+        tmp_path, monkeypatch):
+    # the module read_run reads TRACE from (a test above imports the package's modules afresh)
+    monkeypatch.setattr(sys.modules[read_run.__module__], "TRACE", 100)
+    lines = [{"time": float(s), "step": s, "data": {}} for s in range(1, 601)]
+    lines += [{"time": 1000.0 + s, "step": s, "data": {}} for s in range(500, 1001)]
+    lines[0].update(_step(1, 1.0, 5.0))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    trace = read_run(tmp_path).trace
+    assert len(trace) < 100
+    assert trace[0] == (1.0, 1, 0) and trace[-1] == (2000.0, 1000, 1)
+    assert (600.0, 600, 0) in trace  # where the first start stopped, before the restart
+    for segment in (0, 1):
+        steps = [s for _, s, k in trace if k == segment]
+        assert steps == sorted(steps) and len(steps) > 20  # evenly spread over both

@@ -18,13 +18,22 @@ The audit then checks that
 - a step trained again after a restart, over the same indices and the same slice, read the same
   samples (else the data order changed under the run: seed, data, sequence length).
 
-Pure Python: it reads the file and nothing else, so it runs anywhere (no torch, no data).
+For a mixture run (`data.sources`) it also counts how many of those samples each source gave,
+beside the share its weight asks for. The file does not hold the ids themselves (only their
+hash), but it holds what decides them: each step's index range, and the mixture (its sources and
+quotas) in the `mixture` event each start of training logs. With the run's seed (from the
+checkpoint manifest or the job file, as `optimus report` reads them) the source of every index
+is known without the data (`mixture.py`).
+
+It reads the file and nothing else (no data, and no torch unless the run is a mixture), so it
+runs anywhere.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,6 +53,9 @@ class Audit:
     repeated: int = 0  # steps trained again after a restart (the earlier ones superseded)
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # A mixture run's sources: {"source", "weight", "share" (what the weights ask for),
+    # "samples" and "realised" (what the steps that count read; None without the seed)}
+    mixture: list[dict] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -52,17 +64,47 @@ class Audit:
     def as_dict(self) -> dict:
         return {**asdict(self), "ok": self.ok}
 
+    def lines(self) -> list[str]:
+        """The audit as `optimus data audit` prints it: notes, problems, the verdict, and a
+        mixture's shares as a table."""
+        out = [f"note: {n}" for n in self.notes] + [f"problem: {p}" for p in self.problems]
+        if self.steps:
+            out.append(f"{'ok' if self.ok else 'NOT ok'}: steps {self.first_step}.."
+                       f"{self.last_step} read samples [{self.start}, {self.end}) "
+                       f"{'exactly once' if self.ok else 'with the problems above'}; "
+                       f"{self.generations} generation(s), {self.repeated} step(s) trained "
+                       "again after a restart")
+        if self.mixture:
+            rows = [("source", "weight", "share", "samples read", "realised share")]
+            rows += [(m["source"], _form(m["weight"], "{:g}"), _form(m["share"], "{:.4f}"),
+                      _form(m["samples"], "{:,}"), _form(m["realised"], "{:.4f}"))
+                     for m in self.mixture]
+            widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+            out += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                              for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+                    for r in rows]
+        return out
 
-def audit_run(run_dir: Path | str) -> Audit:
-    """Audit `<run_dir>/metrics.jsonl` (or a metrics file given directly)."""
+
+def _form(value, form: str) -> str:
+    return "-" if value is None else form.format(value)
+
+
+def audit_run(run_dir: Path | str, seed: int | None = None) -> Audit:
+    """Audit `<run_dir>/metrics.jsonl` (or a metrics file given directly). `seed`: the run's,
+    for a mixture's realised shares; by default the run dir's configuration says."""
     path = Path(run_dir)
     if path.is_dir():
         path = path / "metrics.jsonl"
     if not path.is_file():
         raise DataError(f"{path} does not exist: give a run directory (the job's run_dir) "
                         "or its metrics.jsonl")
+    if seed is None:
+        from optimus.report.runlog import job_config  # reads JSON and YAML only
+
+        seed = (job_config(path.parent) or {}).get("seed")
     with open(path) as f:
-        return audit(_lines(f, path))
+        return audit(_lines(f, path), seed)
 
 
 def _lines(f, path: Path) -> Iterator[dict]:
@@ -78,9 +120,11 @@ def _lines(f, path: Path) -> Iterator[dict]:
             yield line
 
 
-def audit(lines: Iterable[dict]) -> Audit:
-    """Audit metrics.jsonl lines, in file order."""
+def audit(lines: Iterable[dict], seed: int | None = None) -> Audit:
+    """Audit metrics.jsonl lines, in file order; `seed`: the run's (a mixture's shares)."""
     result = Audit()
+    mixtures: list[dict] = []  # each start of training's `mixture` event
+    mixture_of: dict[int, int] = {}  # step -> the mixture it was trained under
     kept: dict[int, dict] = {}  # step -> fingerprint, of the generation that last trained it
     seen: dict[int, list[dict]] = {}  # every fingerprint of each step, superseded ones too
     no_data: list[int] = []  # steps that count but carry no fingerprint
@@ -117,6 +161,10 @@ def audit(lines: Iterable[dict]) -> Audit:
                     + ("skips" if index > kept[c]["end"] else "repeats") + " samples")
             roll_back(c)
             continue
+        if event == "mixture":
+            if _is_mixture(line):
+                mixtures.append(line)
+            continue
         if event is not None or not isinstance(line.get("step"), int):
             continue
         step = line["step"]
@@ -131,8 +179,12 @@ def audit(lines: Iterable[dict]) -> Audit:
             continue
         kept[step] = data
         seen.setdefault(step, []).append(data)
+        if mixtures:
+            mixture_of[step] = len(mixtures) - 1
 
     _check(result, kept, seen, no_data)
+    if mixtures:
+        _shares(result, mixtures, {s: mixture_of.get(s) for s in kept}, kept, seed)
     return result
 
 
@@ -186,3 +238,105 @@ def _check(result: Audit, kept: dict[int, dict], seen: dict[int, list[dict]],
                     f"indices [{final['start']}, {final['end']}): the data order changed under "
                     "the run (seed, data or sequence length)")
                 break
+
+
+def _shares(result: Audit, mixtures: list[dict], under: dict[int, int | None],
+            kept: dict[int, dict], seed: int | None) -> None:
+    """Each source's share of the samples: asked for by the newest mixture's weights, and
+    realised by the steps that count, each under the mixture it was trained with."""
+    rows: dict[str, dict] = {}
+    for m in mixtures:  # every source any start of training named; the newest weights win
+        for src in m["sources"]:
+            rows[src["path"]] = {"source": src["path"], "weight": src.get("weight"),
+                                 "share": src.get("share"), "samples": None, "realised": None}
+    result.mixture = list(rows.values())
+    if len({json.dumps([[s["path"], s["quota"]] for s in m["sources"]])
+            for m in mixtures}) > 1:
+        result.notes.append("the mixture changed during the run (a resume with other sources "
+                            "or weights): the shares asked for are the newest mixture's; the "
+                            "realised ones count each step under the mixture it was trained with")
+    if None in under.values():
+        result.notes.append("steps trained before the first mixture event in metrics.jsonl "
+                            "are not in the realised shares")
+    if seed is None:
+        result.notes.append("the realised share of each source needs the run's seed, which "
+                            "no checkpoint manifest or job file of the run dir says: pass the "
+                            "run dir where its checkpoints are")
+        return
+    counts = dict.fromkeys(rows, 0)
+    for i, m in enumerate(mixtures):
+        spans = [(kept[s]["start"], kept[s]["end"]) for s, j in under.items() if j == i]
+        if not spans:
+            continue
+        quotas = [src["quota"] for src in m["sources"]]
+        per_source = _source_counts(spans, quotas, int(m.get("block") or sum(quotas)), seed)
+        for src, n in zip(m["sources"], per_source, strict=True):
+            counts[src["path"]] += n
+    total = sum(counts.values())
+    for row in result.mixture:
+        row["samples"] = counts[row["source"]]
+        row["realised"] = counts[row["source"]] / total if total else None
+
+
+def _is_mixture(event: dict) -> bool:
+    """A `mixture` event that says each source's path and quota per block."""
+    sources = event.get("sources")
+    return (isinstance(sources, list) and bool(sources) and all(
+        isinstance(s, dict) and isinstance(s.get("path"), str)
+        and isinstance(s.get("quota"), int) and s["quota"] > 0 for s in sources)
+        and isinstance(event.get("block", 0), int))
+
+
+def _source_counts(spans: list[tuple[int, int]], quotas: list[int], block: int,
+                   seed: int) -> list[int]:
+    """How many samples each source gave to the global indices in `spans` ([start, end)).
+    A whole block holds every source's quota exactly (its slots are a permutation of them);
+    in a block's piece the slots are counted one by one, or those outside it when fewer."""
+    count = _block_counter(quotas, block, seed)
+    total = [0] * len(quotas)
+    for start, end in _merged(spans):
+        g = start
+        while g < end:
+            b, first = divmod(g, block)
+            last = min(end - b * block, block)
+            if 2 * (last - first) <= block:
+                found = count(b, range(first, last))
+            else:
+                outside = count(b, [*range(first), *range(last, block)])
+                found = [q - n for q, n in zip(quotas, outside, strict=True)]
+            total = [t + n for t, n in zip(total, found, strict=True)]
+            g = b * block + last
+    return total
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Spans that follow each other joined (an overlap stays apart: read twice, counted
+    twice)."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if out and out[-1][1] == start:
+            out[-1] = (out[-1][0], end)
+        else:
+            out.append((start, end))
+    return out
+
+
+def _block_counter(quotas: list[int], block: int,
+                   seed: int) -> Callable[[int, Iterable[int]], list[int]]:
+    """Per source, how many of the positions in block b it owns: `MixtureDataset.locate`'s rule
+    (the block's keyed permutation onto the quota ranges), repeated here because building a
+    MixtureDataset needs the data folders; tests/test_data_audit.py checks the two agree."""
+    from optimus.data.loader import _MASK64, FeistelPermutation, _mix64  # imports torch
+    from optimus.data.mixture import _BLOCK_SALT
+
+    starts = [sum(quotas[:s]) for s in range(len(quotas) + 1)]
+
+    def count(b: int, positions: Iterable[int]) -> list[int]:
+        key = _mix64(_mix64(seed ^ _BLOCK_SALT) ^ (b * 0x9E3779B97F4A7C15 & _MASK64))
+        perm = FeistelPermutation(block, key)
+        found = [0] * len(quotas)
+        for p in positions:
+            found[bisect.bisect_right(starts, perm(p)) - 1] += 1
+        return found
+
+    return count

@@ -37,8 +37,8 @@ def facts(run: Run) -> list[tuple[str, str]]:
         ("train loss, final / best", _final_best([s.loss for s in run.steps])),
         ("validation loss, final / best", _final_best([e.loss for e in run.evals])
          + _perplexity(run)),
-        ("tokens/s, mean", _mean([s.tokens_per_s for s in run.steps], "{:,.0f}")),
-        ("MFU, mean", _mean([s.mfu for s in run.steps], "{:.1%}",
+        ("tokens/s, mean", _mean(_per_step(run, "tokens_per_s"), "{:,.0f}")),
+        ("MFU, mean", _mean(_per_step(run, "mfu"), "{:.1%}",
                             NONE + " (no peak FLOP/s known for the device)")),
         ("generations", str(_generations(run))),
         ("faults", f"{len(failures)}" + (": " + "; ".join(culprit(e.fields) for e in failures)
@@ -130,9 +130,19 @@ def _perplexity(run: Run) -> str:
     return f" (perplexity {last.perplexity:,.2f})" if last and last.perplexity else ""
 
 
-def _mean(values: list, form: str, missing: str = NONE) -> str:
-    values = [v for v in values if v is not None]
-    return form.format(statistics.fmean(values)) if values else missing
+def _per_step(run: Run, name: str) -> list[tuple[float, int]]:
+    """Each logged value with the steps it stands for (those since the step logged before
+    it): the first steps, all logged, weigh no more than the later ones, logged one in N."""
+    before = [0] + [s.step for s in run.steps[:-1]]
+    return [(getattr(s, name), s.step - b) for s, b in zip(run.steps, before, strict=True)]
+
+
+def _mean(values: list[tuple[float | None, int]], form: str, missing: str = NONE) -> str:
+    """The mean of (value, weight) pairs that have a value."""
+    values = [(v, w) for v, w in values if v is not None]
+    if not values:
+        return missing
+    return form.format(statistics.fmean([v for v, _ in values], [w for _, w in values]))
 
 
 def _duration(seconds: float) -> str:

@@ -7,6 +7,7 @@ Each `*_figure` function draws one PNG into `out` and returns a `Figure` that sa
 from __future__ import annotations
 
 import re
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,14 +17,15 @@ import matplotlib
 matplotlib.use("Agg")  # headless: before pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
-from matplotlib.ticker import EngFormatter, MaxNLocator  # noqa: E402
+from matplotlib.ticker import EngFormatter, FuncFormatter, MaxNLocator, NullFormatter  # noqa: E402
 
 from optimus.report.runlog import Run  # noqa: E402
-from optimus.report.timeline import STYLE, Mark, marks  # noqa: E402
+from optimus.report.timeline import STYLE, Mark, marks, progress_marks  # noqa: E402
 
 DPI = 110
 MAX_POINTS = 10_000  # per line drawn
 MAX_BARS = 40  # checkpoint saves drawn as bars; more, as points
+ROLLING = 9  # logged steps in the throughput's rolling mean
 WIDE = (11, 5.6)
 HALF = (11, 3.6)
 SEGMENT_COLOURS = ("#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf")
@@ -56,29 +58,42 @@ def _clock(run: Run) -> tuple[float, float, str]:
 
 
 def timeline_figure(run: Run, out: Path) -> Figure:
-    """Progress and throughput against the wall clock, with the control plane's marks."""
+    """Progress and throughput against the wall clock, with the control plane's marks, and
+    the checkpoints and validations on the progress line."""
     origin, unit, xlabel = _clock(run)
     x = lambda t: (t - origin) / unit
     fig, (progress, speed) = plt.subplots(2, 1, figsize=WIDE, sharex=True,
                                           gridspec_kw={"height_ratios": [3, 2]})
+    segments = sorted({segment for _, _, segment in run.trace})
     figure = Figure("timeline.png", "Timeline: progress, throughput and the control plane",
-                    "Each colour is one start of training (a generation); after a restart the "
-                    "steps since the checkpoint it resumed from are trained again.")
+                    f"Throughput: each logged step (thin), and its mean over {ROLLING} logged "
+                    "steps (thick).")
+    if len(segments) > 1:
+        figure.caption += (" Each colour is one start of training (a generation); after a "
+                           "restart the steps since the checkpoint it resumed from are trained "
+                           "again.")
     has_mfu = any(s.mfu is not None for s in run.logged)
     mfu_axis = speed.twinx() if has_mfu else None
-    drawn = []
-    for segment in sorted({s.segment for s in run.logged}):
+    drawn, smooth = [], []
+    for segment in segments:
+        colour = SEGMENT_COLOURS[segment % len(SEGMENT_COLOURS)]
+        points = [(t, step) for t, step, k in run.trace if k == segment]
+        progress.plot([x(t) for t, _ in points], [step for _, step in points], "-",
+                      color=colour, lw=1.4)
         rows = _thin([s for s in run.logged if s.segment == segment])
         drawn += rows
-        colour = SEGMENT_COLOURS[segment % len(SEGMENT_COLOURS)]
         times = [x(s.time) for s in rows]
-        progress.plot(times, [s.step for s in rows], ".-", color=colour, ms=3, lw=1.2)
-        speed.plot(times, [s.tokens_per_s for s in rows], ".", color=colour, ms=3)
+        rate = [s.tokens_per_s for s in rows]
+        mean = _rolling(rate)
+        smooth += mean
+        speed.plot(times, rate, "-", color=colour, lw=0.7, alpha=0.45)
+        speed.plot(times, mean, "-", color=colour, lw=2)
         if mfu_axis is not None:
             mfu_axis.plot(times, [100 * s.mfu if s.mfu is not None else None for s in rows],
-                          "-", color=colour, lw=0.8, alpha=0.6)
-    figure.series["step"] = ([s.time for s in drawn], [s.step for s in drawn])
+                          ":", color=colour, lw=1, alpha=0.8)
+    figure.series["step"] = ([t for t, _, _ in run.trace], [step for _, step, _ in run.trace])
     figure.series["tokens/s"] = ([s.time for s in drawn], [s.tokens_per_s for s in drawn])
+    figure.series["tokens/s, rolling mean"] = ([s.time for s in drawn], smooth)
     progress.set_ylabel("step")
     progress.yaxis.set_major_locator(MaxNLocator(integer=True))
     progress.yaxis.set_major_formatter(EngFormatter())
@@ -86,24 +101,62 @@ def timeline_figure(run: Run, out: Path) -> Figure:
     speed.yaxis.set_major_formatter(EngFormatter())
     speed.set_ylim(bottom=0)  # a dip reads as large as it is
     if mfu_axis is not None:
-        mfu_axis.set_ylabel("MFU % (lines)")
+        mfu_axis.set_ylabel("MFU % (dotted)")
         top = max(100 * s.mfu for s in run.logged if s.mfu is not None)
         mfu_axis.set_ylim(0, 1.15 * top if top > 0 else 1)
     speed.set_xlabel(xlabel)
-    figure.marks = marks(run)
+    moments, at_steps = marks(run), progress_marks(run)
+    figure.marks = sorted(moments + at_steps, key=lambda m: m.time)
     for ax in (progress, speed):
-        _mark_lines(ax, figure.marks, x)
+        _mark_lines(ax, moments, x)
         ax.grid(alpha=0.3)
+    for kind in ("checkpoint", "validation"):
+        on = [m for m in at_steps if m.kind == kind]
+        progress.plot([x(m.time) for m in on], [m.step for m in on], STYLE[kind][1],
+                      color=STYLE[kind][0], ms=6, ls="none", zorder=3)
     kinds = sorted({m.kind for m in figure.marks}, key=list(STYLE).index)
     if kinds:
-        handles = [Line2D([], [], color=STYLE[k][0], ls=STYLE[k][1], lw=1.5 if k != "pause"
-                          else 6, alpha=1 if k != "pause" else 0.25) for k in kinds]
-        fig.legend(handles, [k.replace("_", " ") for k in kinds], loc="lower center",
-                   ncol=len(kinds), frameon=False, fontsize=8)
+        fig.legend([_handle(k) for k in kinds], [_LEGEND.get(k, k.replace("_", " "))
+                                                 for k in kinds],
+                   loc="lower center", ncol=len(kinds), frameon=False, fontsize=8.5)
     fig.tight_layout(rect=(0, 0.05 if kinds else 0, 1, 1))
-    _mark_labels(progress, figure.marks, x)  # once the layout is final: they avoid each other
+    rows = _mark_labels(progress, moments, x)  # once the layout is final: they avoid each other
+    _headroom(progress, rows, max((step for _, step, _ in run.trace), default=0))
     _save(fig, out / figure.file)
     return figure
+
+
+_LEGEND = {"checkpoint": "checkpoint committed", "validation": "validation"}
+
+
+def _handle(kind: str) -> Line2D:
+    colour, style = STYLE[kind]
+    if kind in ("checkpoint", "validation"):
+        return Line2D([], [], color=colour, marker=style, ls="none", ms=6)
+    if kind == "pause":
+        return Line2D([], [], color=colour, lw=6, alpha=0.25)
+    return Line2D([], [], color=colour, ls=style, lw=1.5)
+
+
+def _rolling(values: list, window: int = ROLLING) -> list:
+    """Each value's centred mean over `window` values (fewer at the ends; gaps skipped)."""
+    half = window // 2
+    out = []
+    for i in range(len(values)):
+        near = [v for v in values[max(0, i - half):i + half + 1] if v is not None]
+        out.append(sum(near) / len(near) if near else None)
+    return out
+
+
+def _headroom(ax, rows: int, top: float) -> None:
+    """Raise the axis' top so that the labels' rows sit above the data, not on it."""
+    if not rows:
+        return
+    height = ax.get_window_extent().height * 72 / ax.figure.dpi  # in points
+    taken = min((8 + 11 * rows) / height, 0.6)  # the rows' share of the axis
+    lo = ax.get_ylim()[0]
+    if top > lo:
+        ax.set_ylim(lo, lo + (top - lo) / (1 - taken - 0.02))
 
 
 def _mark_lines(ax, found: list[Mark], x) -> None:
@@ -116,9 +169,9 @@ def _mark_lines(ax, found: list[Mark], x) -> None:
             ax.axvline(x(m.time), color=colour, ls=style, lw=1.1, alpha=0.9)
 
 
-def _mark_labels(ax, found: list[Mark], x) -> None:
+def _mark_labels(ax, found: list[Mark], x) -> int:
     """Each mark's label at the top of `ax`, in the highest row where it overlaps no label
-    placed before it."""
+    placed before it; how many rows that took."""
     lo, hi = ax.get_xlim()
     renderer = ax.figure.canvas.get_renderer()
     rows: list[list] = []  # per row, the display boxes of the labels in it
@@ -138,6 +191,7 @@ def _mark_labels(ax, found: list[Mark], x) -> None:
         if row == len(rows):
             rows.append([])
         rows[row].append(box)
+    return len(rows)
 
 
 def loss_figure(run: Run, out: Path) -> Figure:
@@ -201,9 +255,9 @@ def checkpoint_figure(run: Run, out: Path) -> Figure | None:
     figure = Figure("checkpoints.png", "Checkpoint saves",
                     "Per save committed during training: the time from the save's start to "
                     "rank 0's files written (the write runs beside training), and how long it "
-                    "held training up (staging into host memory). A save at a stop or at the "
-                    "last step is committed after the last logged step: it has no bar. "
-                    "Crosses: saves that failed.")
+                    "held training up (staging into host memory); a log scale, so that both "
+                    "read. A save at a stop or at the last step is committed after the last "
+                    "logged step: it has no bar. Crosses: saves that failed.")
     steps = [s.step for s in run.saves]
     write = [s.write_s or 0.0 for s in run.saves]
     blocked = [s.blocked_s or 0.0 for s in run.saves]
@@ -211,21 +265,27 @@ def checkpoint_figure(run: Run, out: Path) -> Figure | None:
     every = sorted({*steps, *(s for s in failed_at if s is not None)})
     gaps = [b - a for a, b in zip(every, every[1:], strict=False)]
     width = 0.35 * (min(gaps) if gaps else 1)
+    ax.set_yscale("log")
     if len(steps) <= MAX_BARS:
-        ax.bar([s - width / 2 for s in steps], write, width=width, color="#1f77b4",
-               label="write (s)")
-        ax.bar([s + width / 2 for s in steps], blocked, width=width, color="#ff7f0e",
-               label="training blocked (s)")
+        for shift, values, colour, name in ((-1, write, "#1f77b4", "write"),
+                                            (1, blocked, "#ff7f0e", "training blocked")):
+            bars = ax.bar([s + shift * width / 2 for s in steps], values, width=width,
+                          color=colour, label=name)
+            labels = [_seconds(v) for v in values]
+            if shift < 0 and first_save_note(run):
+                labels[0] += "\nfirst save"
+            ax.bar_label(bars, labels=labels, fontsize=7.5, padding=1)
     else:  # hundreds of bars read as a comb: points instead
-        ax.plot(steps, write, ".-", color="#1f77b4", ms=3, lw=0.8, label="write (s)")
-        ax.plot(steps, blocked, ".-", color="#ff7f0e", ms=3, lw=0.8,
-                label="training blocked (s)")
+        ax.plot(steps, write, ".-", color="#1f77b4", ms=3, lw=0.8, label="write")
+        ax.plot(steps, blocked, ".-", color="#ff7f0e", ms=3, lw=0.8, label="training blocked")
     figure.series["write s"] = (steps, write)
     figure.series["blocked s"] = (steps, blocked)
+    if first_save_note(run):
+        figure.caption += " " + first_save_note(run)
     if failed:
         at = [s for s in failed_at if s is not None]
         ax.plot(at, [0] * len(at), "x", color=STYLE["save_failed"][0], ms=10, mew=2,
-                label="failed", clip_on=False)
+                label="failed", clip_on=False, transform=ax.get_xaxis_transform())
         figure.marks = failed
     if len(every) <= 12:  # a tick under each save
         ax.set_xticks(every)
@@ -233,13 +293,41 @@ def checkpoint_figure(run: Run, out: Path) -> Figure | None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.xaxis.set_major_formatter(EngFormatter())
     ax.set_xlabel("checkpoint of step")
-    ax.set_ylabel("seconds")
-    ax.set_ylim(bottom=0)
+    ax.set_ylabel("seconds (log scale)")
+    positive = [v for v in write + blocked if v > 0]
+    if positive:  # room above the tallest bar for its label
+        ax.set_ylim(min(positive) / 2, max(positive) * 4)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 0.5, not 5 x 10^-1
+    narrow = positive and max(positive) / min(positive) < 5  # under two decades shown
+    ax.yaxis.set_minor_formatter(FuncFormatter(_minor_tick) if narrow else NullFormatter())
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(loc="lower left", bbox_to_anchor=(0, 1), ncol=3, frameon=False, fontsize=8)
+    ax.legend(loc="lower left", bbox_to_anchor=(0, 1), ncol=3, frameon=False, fontsize=10)
     fig.tight_layout()
     _save(fig, out / figure.file)
     return figure
+
+
+def first_save_note(run: Run) -> str:
+    """Why the first save took longer than the others, when it took over twice their median:
+    the one-time set-up the saves after it reuse."""
+    write = [s.write_s for s in run.saves if s.write_s]
+    if len(write) < 2 or write[0] <= 2 * statistics.median(write[1:]):
+        return ""
+    note = (f"First save {write[0]:.1f} s against a median of "
+            f"{statistics.median(write[1:]):.1f} s for the others")
+    if ((run.config or {}).get("checkpoint") or {}).get("async_mode") == "process":
+        return note + (": it includes starting DCP's writer process (a Python with torch, "
+                       "per rank), which the saves after it reuse.")
+    return note + "."
+
+
+def _minor_tick(value: float, _) -> str:
+    """A log axis' minor tick labelled at 2, 3 and 5 times a power of ten only."""
+    return f"{value:g}" if f"{value:.0e}"[0] in "235" else ""
+
+
+def _seconds(value: float) -> str:
+    return "" if value <= 0 else f"{value:.2f}" if value < 10 else f"{value:.0f}"
 
 
 def _step_in(label: str) -> int | None:

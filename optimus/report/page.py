@@ -6,6 +6,7 @@ import time
 from html import escape
 from pathlib import Path
 
+from optimus.data.audit import audit_run
 from optimus.report.facts import facts
 from optimus.report.figures import Figure, draw_all
 from optimus.report.runlog import Run, read_run
@@ -33,11 +34,19 @@ def build_report(run_dir: Path | str, out: Path | str | None = None) -> Path:
     out = Path(out) if out is not None else run.run_dir / "report"
     figures = draw_all(run, out)
     page = out / "index.html"
-    page.write_text(render(run, figures))
+    page.write_text(render(run, figures, mixture_shares(run)))
     return page
 
 
-def render(run: Run, figures: list[Figure]) -> str:
+def mixture_shares(run: Run) -> list[dict]:
+    """A mixture run's sources, with the share each was asked for and the share it gave, as
+    `optimus data audit` counts them; [] for a run of one source."""
+    if not any(e.kind == "mixture" for e in run.rank_events):
+        return []
+    return audit_run(run.run_dir, (run.config or {}).get("seed")).mixture
+
+
+def render(run: Run, figures: list[Figure], mixture: list[dict] | None = None) -> str:
     facts_rows = facts(run)
     name = dict(facts_rows)["job"]
     parts = [
@@ -54,9 +63,33 @@ def render(run: Run, figures: list[Figure]) -> str:
         parts += [f"<h2>{escape(figure.title)}</h2>",
                   f"<img src='{escape(figure.file)}' alt='{escape(figure.title)}'>",
                   f"<p class='caption'>{escape(figure.caption)}</p>"]
+    parts += _mixture_table(mixture or [])
     parts += _events_table(run)
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
+
+
+def _mixture_table(mixture: list[dict]) -> list[str]:
+    if not mixture:
+        return []
+    known = all(m["realised"] is not None for m in mixture)
+    rows = [f"<tr><td>{escape(m['source'])}</td><td>{_form(m['weight'], '{:g}')}</td>"
+            f"<td>{_form(m['share'], '{:.4f}')}</td><td>{_form(m['samples'], '{:,}')}</td>"
+            f"<td>{_form(m['realised'], '{:.4f}')}</td></tr>" for m in mixture]
+    return ["<h2>Data mixture</h2>", "<table><tr><th>source</th><th>weight</th><th>share "
+            "asked</th><th>samples read</th><th>realised share</th></tr>", *rows, "</table>",
+            f"<p class='caption'>{escape(_MIXTURE if known else _NO_SEED)}</p>"]
+
+
+_MIXTURE = ("Share asked: the weight's share of the samples (its slots in every block of the "
+            "mixture's order). Realised: the samples the steps that count read from each "
+            "source, counted from their global indices as `optimus data audit` does.")
+_NO_SEED = ("The realised shares need the run's seed, which no checkpoint manifest or job file "
+            "of the run dir says.")
+
+
+def _form(value, form: str) -> str:
+    return "—" if value is None else escape(form.format(value))
 
 
 def _events_table(run: Run) -> list[str]:
@@ -64,7 +97,7 @@ def _events_table(run: Run) -> list[str]:
     where = ("the control plane's events (events.jsonl)" if run.control
              else "rank 0's events (metrics.jsonl; this run has no events.jsonl)")
     if not found:
-        return ["<h2>Timeline</h2>", f"<p>Nothing happened worth a mark, from {where}: no "
+        return ["<h2>Events</h2>", f"<p>Nothing happened worth a mark, from {where}: no "
                 "restart, fault, exclusion, pause or failed save.</p>"]
     start = run.start or found[0].time
     rows = []
@@ -74,8 +107,8 @@ def _events_table(run: Run) -> list[str]:
         rows.append(f"<tr><td class='time'>{when} (+{m.time - start:.1f} s)</td>"
                     f"<td class='kind'>{escape(m.kind.replace('_', ' '))}</td>"
                     f"<td>{escape(m.label + span)}: {escape(m.detail)}</td></tr>")
-    return ["<h2>Timeline</h2>",
-            f"<p class='caption'>The marks on the timeline figure, from {where}; every event "
+    return ["<h2>Events</h2>",
+            f"<p class='caption'>The marks across the timeline figure, from {where}; every event "
             "is in events.jsonl (<code>optimus events</code> while the job runs).</p>",
             "<table>", *rows, "</table>"]
 

@@ -27,6 +27,9 @@ from optimus.checkpoint.manifest import committed_steps, read_manifest, step_dir
 from optimus.config import ConfigError, load_job
 from optimus.data.errors import DataError
 
+RECENT = 4096  # steps whose times are kept while reading: a commit follows its step closely
+TRACE = 20_000  # points of the progress line (a figure shows no more)
+
 
 @dataclass
 class Step:
@@ -56,9 +59,10 @@ class Save:
     """A committed checkpoint, as the step line after its commit tells it."""
 
     step: int
-    time: float
+    time: float  # of the step line that first counted the commit
     write_s: float | None  # from save() to rank 0's files written
     blocked_s: float | None  # how long the save held up training
+    began: float | None = None  # when its step ended, so the save began (the step's line)
 
 
 @dataclass
@@ -74,6 +78,9 @@ class Event:
 class Run:
     run_dir: Path
     logged: list[Step] = field(default_factory=list)  # every logged step line, file order
+    # (time, step, segment) of every step line, logged or not, in file order; evenly thinned
+    # to under TRACE points on a long run, each segment's last line kept
+    trace: list[tuple[float, int, int]] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)  # the steps that count, by step
     evals: list[Eval] = field(default_factory=list)  # the validations that count, by step
     saves: list[Save] = field(default_factory=list)
@@ -121,6 +128,15 @@ def read_run(run_dir: Path | str) -> Run:
     return run
 
 
+def job_config(run_dir: Path | str) -> dict | None:
+    """The run's resolved job configuration, where the run dir says it (`optimus data audit`
+    needs a mixture run's seed)."""
+    run = Run(run_dir=Path(run_dir))
+    run.journal = _json_file(run.run_dir / "controller.json") or {}
+    _read_config(run)
+    return run.config
+
+
 def _json_lines(run: Run, path: Path) -> Iterator[dict]:
     """The file's JSON objects, one by one (a long run's file need not fit in memory)."""
     if not path.is_file():
@@ -145,6 +161,12 @@ def _read_metrics(run: Run, rows: Iterable[dict]) -> None:
     evals: dict[int, Eval] = {}
     last_step = None
     committed_before = 0  # this segment's saves_committed so far
+    ended: dict[int, float] = {}  # the recent steps' times, to place a save at its step
+    # The progress line: (line number, point) of every stride-th step line, and of each
+    # segment's last line, kept apart so that thinning never drops one
+    lines, stride, point = 0, 1, None
+    trace: list[tuple[int, tuple]] = []
+    ends: list[tuple[int, tuple]] = []
 
     def roll_back(after: int) -> None:  # a restart: steps after `after` were not kept
         for table in (counted, evals):
@@ -179,9 +201,21 @@ def _read_metrics(run: Run, rows: Iterable[dict]) -> None:
             run.segments.append(when)
             committed_before = 0
         last_step = step
+        segment = len(run.segments) - 1
+        if point is not None and point[2] != segment:
+            ends.append((lines - 1, point))  # where the restarted segment stopped
+        point, lines = (when, step, segment), lines + 1
+        if (lines - 1) % stride == 0:
+            trace.append((lines - 1, point))
+            if len(trace) >= TRACE:
+                trace, stride = trace[::2], 2 * stride
+        ended.pop(step, None)
+        ended[step] = when
+        if len(ended) > RECENT:
+            del ended[next(iter(ended))]
         if _number(row.get("loss")) is None:
             continue  # a step between logged ones: only its samples' fingerprint
-        line = Step(step, when, len(run.segments) - 1, float(row["loss"]),
+        line = Step(step, when, segment, float(row["loss"]),
                     _int(row.get("tokens")) or 0, _number(row.get("grad_norm")),
                     _number(row.get("lr")), _number(row.get("tokens_per_s")),
                     _number(row.get("mfu")), row.get("checkpoint") or None)
@@ -191,9 +225,12 @@ def _read_metrics(run: Run, rows: Iterable[dict]) -> None:
         if int(ckpt.get("saves_committed") or 0) > committed_before:
             committed_before = int(ckpt["saves_committed"])
             if ckpt.get("last_commit_step") is not None:
-                run.saves.append(Save(int(ckpt["last_commit_step"]), when,
-                                      _number(ckpt.get("last_write_s")),
-                                      _number(ckpt.get("last_blocked_s"))))
+                saved = int(ckpt["last_commit_step"])
+                run.saves.append(Save(saved, when, _number(ckpt.get("last_write_s")),
+                                      _number(ckpt.get("last_blocked_s")), ended.get(saved)))
+    if point is not None:
+        ends.append((lines - 1, point))
+    run.trace = [p for _, p in sorted(dict(trace + ends).items())]
     run.steps = [counted[s] for s in sorted(counted)]
     run.evals = [evals[s] for s in sorted(evals)]
 

@@ -4,6 +4,9 @@ Each mark is a moment (a generation planned, a fault with its culprit, an exclus
 save, a failover) or a span (a pause), with a short label for the figure. The control plane's
 events (`events.jsonl`) are the source where the run has them; a plain `optimus train` run has
 only rank 0's events, from which restarts and pauses are still told.
+
+Checkpoint commits and validations happen every few hundred steps all run long: they are marks
+at a step (`progress_marks`), drawn on the progress line rather than across the figure.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ STYLE = {
     "straggler": ("#9333ea", ":"),
     "failover": ("#0d9488", "-."),
     "end": ("#111827", "-"),
+    "checkpoint": ("#059669", "v"),  # marks at a step: colour, marker
+    "validation": ("#d62728", "D"),
 }
 TERMINAL = {"completed": "completed", "failed": "FAILED", "stopped": "stopped"}
 
@@ -35,6 +40,7 @@ class Mark:
     label: str
     end: float | None = None  # a span's end (a pause); None: a moment
     detail: str = ""  # the event's whole message, for the page's table
+    step: int | None = None  # a mark at a step: the step it belongs to
 
 
 def marks(run: Run) -> list[Mark]:
@@ -45,6 +51,24 @@ def marks(run: Run) -> list[Mark]:
     found += [Mark(e.time, "save_failed", "save failed" + _step_of(e.message), detail=e.message)
               for e in run.rank_events if failed_save(e)]
     return sorted(found, key=lambda m: m.time)
+
+
+def progress_marks(run: Run) -> list[Mark]:
+    """The checkpoints committed, each when its step ended (the save began), and the
+    validations that count, in time order."""
+    found = {s.step: Mark(s.began or s.time, "checkpoint", f"checkpoint of step {s.step}",
+                          step=s.step) for s in run.saves}
+    for e in run.rank_events:  # a save at a stop: committed before the stop event
+        if e.kind == "stopped" and isinstance(e.fields.get("checkpoint_step"), int):
+            step = e.fields["checkpoint_step"]
+            found[step] = Mark(e.time, "checkpoint", f"checkpoint of step {step}", step=step)
+    last = run.steps[-1] if run.steps else None
+    if last is not None and last.step in run.committed and last.step not in found:
+        found[last.step] = Mark(last.time, "checkpoint", f"checkpoint of step {last.step}",
+                                step=last.step)  # the last step's save, on disk
+    checks = [Mark(e.time, "validation", f"validation at step {e.step}: {e.loss:.4f}",
+                   step=e.step) for e in run.evals]
+    return sorted([*found.values(), *checks], key=lambda m: m.time)
 
 
 def failed_save(e: Event) -> bool:
