@@ -12,7 +12,10 @@ BIN    := $(VENV)/bin
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/python -c "import torch, sys; sys.exit('a CUDA build of torch was installed; remove .venv and install torch==2.13.0 (CPU)' if torch.version.cuda else 0)"
+# Checked before the dev extras, whose torch-dependent packages could pull another torch build.
+# numpy is not installed yet, so torch warns that it cannot load its NumPy bridge: harmless
+# here, and only that warning is silenced.
+	$(BIN)/python -W "ignore:Failed to initialize NumPy:UserWarning" -c "import torch, sys; sys.exit('a CUDA build of torch was installed; remove .venv and install torch==2.13.0 (CPU)' if torch.version.cuda else 0)"
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 

@@ -4,7 +4,8 @@
 
 Starts a private redis-server on a free port (unless REDIS_URL is set), a controller and
 N + S agents (`node0`, `node1`, ...), each a process of its own in its own session, with logs in
-`<run_dir>/control/`. Then it follows the job: events as they happen, and the step rank 0 is at.
+`<run_dir>/control/`. Then it follows the job (controller/console.py): events, validation
+losses and checkpoint commits as they happen, and the step rank 0 is at.
 Ctrl-C asks for a stop (the ranks agree on a step, save a checkpoint and exit; the controller
 marks the job STOPPED); a second Ctrl-C kills everything at once. Exit status: 0 when the job
 COMPLETED or was STOPPED, 1 when it FAILED or the control plane broke.
@@ -13,7 +14,6 @@ COMPLETED or was STOPPED, 1 when it FAILED or the control plane broke.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -24,6 +24,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from controller.console import Follow
 from controller.decide import FAILED, TERMINAL
 from controller.spawn import die_with_parent
 from controller.store import Store, StoreUnavailable
@@ -110,6 +111,7 @@ def run_local(job: JobConfig, job_file: str, overrides: list[str], *, nodes: int
         store.ping()
         _refuse_a_live_job(store, url)
         store.reset()
+        follow = Follow(console, store, job)  # before any rank appends to the metrics file
         py = [sys.executable, "-m", "controller"]
         sets = [a for o in overrides for a in ("--set", o)]
         cluster.start("controller", [*py, "controller", job_file, "--nodes", str(nodes),
@@ -125,7 +127,7 @@ def run_local(job: JobConfig, job_file: str, overrides: list[str], *, nodes: int
                       f"{run_dir / 'logs'}"
                       + (f"; metrics on port {job.monitoring.metrics_port}"
                          if job.monitoring.metrics_port else ""))
-        state = _follow(console, store, cluster, job, interrupted)
+        state = _follow(follow, cluster, job, interrupted)
     except KeyboardInterrupt:
         console.print("second Ctrl-C: killing every process now")
         state = None
@@ -163,44 +165,30 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
-def _follow(console: Console, store: Store, cluster: LocalCluster, job: JobConfig,
+def _follow(follow: Follow, cluster: LocalCluster, job: JobConfig,
             interrupted: list) -> str | None:
-    """Print events and progress until the job ends; its final state."""
-    last_event, asked_stop, step_shown, shown_at = "-", False, None, 0.0
+    """Say what happens until the job ends (controller/console.py); its final state."""
+    asked_stop = False
     controller = cluster.procs["controller"]
     while True:
         if interrupted and not asked_stop:
             asked_stop = True
-            console.print("Ctrl-C: stopping; the ranks save a checkpoint first (Ctrl-C again "
-                          "to kill everything)")
-            store.request("stop", "optimus run (Ctrl-C)", socket.gethostname(), "interrupted")
-        try:
-            for event_id, e in store.events(after=last_event):
-                last_event = event_id
-                stamp = time.strftime("%H:%M:%S", time.localtime(float(e["time"])))
-                console.print(f"{stamp} [{e['actor']}] {e['kind']}: {e['message']}", markup=False,
-                              soft_wrap=True)
-            record = store.job_record()
-            step = _rank0_step(store)
-        except StoreUnavailable as e:
-            console.print(f"Redis unavailable: {e}")
-            record, step = {}, None
-        now = time.monotonic()
-        if step is not None and step != step_shown and now - shown_at >= 5:
-            loss = _last_loss(Path(job.resolved_run_dir) / "metrics.jsonl")
-            console.print(f"  {record.get('state', '?')}: generation "
-                          f"{record.get('generation', '?')}, step {step}/{job.optim.steps}"
-                          + (f", loss {loss[1]:.4f} at step {loss[0]}" if loss else "")
-                          + f", restarts {record.get('restarts', 0)}")
-            step_shown, shown_at = step, now
-        state = record.get("state")
+            follow.console.print("Ctrl-C: stopping; the ranks save a checkpoint first (Ctrl-C "
+                                 "again to kill everything)")
+            follow.store.request("stop", "optimus run (Ctrl-C)", socket.gethostname(),
+                                 "interrupted")
+        record = follow.poll()
         if controller.poll() is not None:
+            record = follow.poll(progress=False) or record  # what it wrote before it exited
+            state = record.get("state")
             if state in TERMINAL:
-                console.print(f"job {state}: {record.get('reason', '')}")
                 _wait_agents(cluster, job.supervision.stop_grace_s)
+                follow.drain()
+                follow.console.print(f"job {state}: {record.get('reason', '')}")
                 return state
-            console.print(f"the controller exited ({controller.returncode}) with the job "
-                          f"{state}; see {cluster.control_dir / 'controller.log'}")
+            follow.drain()
+            follow.console.print(f"the controller exited ({controller.returncode}) with the "
+                                 f"job {state}; see {cluster.control_dir / 'controller.log'}")
             return None
         time.sleep(POLL_S)
 
@@ -214,31 +202,6 @@ def _refuse_a_live_job(store: Store, url: str) -> None:
         raise ConfigError(f"job {store.job} is {state} in Redis at {url} with agents beating "
                           f"({', '.join(sorted(recent))}); fix: stop it first, or give this "
                           "run another `name`")
-
-
-def _last_loss(path: Path) -> tuple[int, float] | None:
-    """(step, loss) of the last step rank 0 logged, from the end of its metrics file."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(f.tell() - 8192, 0))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        with contextlib.suppress(ValueError):
-            row = json.loads(line)
-            if isinstance(row, dict) and "loss" in row:
-                return row["step"], row["loss"]
-    return None
-
-
-def _rank0_step(store: Store) -> int | None:
-    plan = store.plan()
-    if not plan or not plan.get("nodes"):
-        return None
-    beat = store.rank_beats(plan["nodes"][0]).get(0)
-    return beat.get("step") if beat and beat.get("generation") == plan["generation"] else None
 
 
 def _wait_agents(cluster: LocalCluster, grace_s: float) -> None:
