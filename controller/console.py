@@ -28,6 +28,8 @@ from optimus.config import JobConfig
 PROGRESS_S = 5.0  # at most one progress line this often
 MAX_READ = 1 << 20  # bytes of the metrics file read per poll; the rest waits for the next
 MAX_LINE = 1 << 20  # a longer "line" is not one of rank 0's rows: dropped
+# Rank 0's event rows said as they are: failed, skipped or refused saves and resumes.
+SAID = ("checkpoint", "quarantine")
 # The controller's events that end the job: the closing line says the same.
 ENDED = {state.lower() for state in TERMINAL}
 
@@ -84,6 +86,7 @@ class Follow:
         self.loss: tuple[int, float] | None = None  # rank 0's latest logged (step, loss)
         self.commit: int | None = None  # the last committed step said, in this generation
         self.step_shown, self.shown_at = None, -math.inf
+        self.outage = False  # Redis was unreachable at the last poll
 
     def poll(self, progress: bool = True) -> dict:
         """New events and rows, said in order, then perhaps a progress line; the job record."""
@@ -92,8 +95,13 @@ class Follow:
             record, plan = self.store.job_record(), self.store.plan()
             step = _rank0_step(self.store, plan)
         except StoreUnavailable as e:
-            self.console.print(f"Redis unavailable: {e}")
+            if not self.outage:  # said once an outage, not every poll
+                self.console.print(f"Redis unavailable: {e}")
+            self.outage = True
             return {}
+        if self.outage:
+            self.console.print("Redis is back")
+        self.outage = False
         self.record, self.last_event = record, after  # all read: an outage midway loses none
         waits_from = _time(plan.get("issued")) if plan and plan.get("action") == "run" else None
         for _, kind, item in heapq.merge(
@@ -159,6 +167,8 @@ class Follow:
             elif row.get("event") == "eval":
                 self.console.print(f"  validation loss {float(row['val_loss']):.4f} at step "
                                    f"{int(row['step'])}")
+            elif row.get("event") in SAID:  # a failed or skipped save, a checkpoint set aside
+                self.console.print(f"  {row['event']}: {row['message']}")
 
     def _progress(self, plan: dict | None, step: int | None) -> None:
         """Rank 0's step (its heartbeat's, or the latest logged, whichever is further) and

@@ -138,6 +138,14 @@ def test_a_restart_is_said_in_order_with_its_rollback(redis_server, tmp_path, mo
                       "  checkpoint step 20 committed (written in 0.2 s)",
                       "  generation 1, step 21/40, loss 1.9000 at step 21, restarts 1"]
 
+    # A failed save is said as rank 0 wrote it; a snapshot note is not the console's.
+    with open(path, "a") as f:
+        for kind, message in (("checkpoint", "save of step 30 failed: disk full"),
+                              ("snapshot", "every 2 steps")):
+            f.write(json.dumps({"time": time.time(), "event": kind, "message": message}) + "\n")
+    follow.poll()
+    assert said() == ["  checkpoint: save of step 30 failed: disk full"]
+
     # The controller's end of the job is left to `optimus run`'s closing line.
     store.update_job({"state": "COMPLETED"})
     store.event("controller", "completed", "all 1 ranks of generation 1 finished at step 40")
