@@ -20,6 +20,12 @@ only the job's agents can push or pull. Replies carry an HMAC of the same challe
 every file is checked against its marker's sha256 on receipt; a replica lands in `held/` only
 when all of its files check (renamed in, markers last).
 
+Concurrency. Transfers run on the server's threads and the keeper's pool while the agent's tick
+runs retention, and one point may arrive twice at once (a retried push, two pushers). Each
+receive streams into a private folder; its install into `held/`, retention, and the opening of
+a point's files to serve it take the keeper's `lock`, so retention never sees a point half
+installed. Files are opened before they are sent: what retention removes meanwhile is still read.
+
 - push (`{"op": "push", "point", "files": [marker, ...]}` + the files' bytes): the buddy stores
   them under held/<point>/ and answers {"ok": true}; the pusher reports the point replicated.
 - pull (`{"op": "pull", "point", "ranks"}`): the holder answers with the markers, then the
@@ -47,15 +53,16 @@ from pathlib import Path
 from optimus.checkpoint.snapshot_files import (
     HELD,
     OWN,
-    check_shard,
+    check_open,
     complete_shards,
+    install_shards,
+    open_shard,
     parse_point,
     point_name,
     points,
     remove_point,
     shard_files,
     void,
-    write_marker,
 )
 
 log = logging.getLogger("optimus.agent")
@@ -108,6 +115,7 @@ class SnapshotKeeper:
         self.own, self.held = self.root / OWN, self.root / HELD
         self.own.mkdir(parents=True, mode=0o700)
         self.held.mkdir(mode=0o700)
+        self.lock = threading.Lock()  # the folder's layout: see "Concurrency" at the top
         self._server = _Server(("0.0.0.0", 0), _Handler)
         self._server.keeper = self
         self.address = f"{host}:{self._server.server_address[1]}"
@@ -136,8 +144,9 @@ class SnapshotKeeper:
         snapshot_files.void), push the newest complete one of the running generation to the
         buddy when it is not there yet. Returns the report when it changed since the last."""
         resume = _resume_point(plan) if plan and plan.get("generation") == generation else None
-        _retain_own(self.own, set(self.replicated), resume, lineage or [])
-        _retain_held(self.held, resume, lineage or [])
+        with self.lock:
+            _retain_own(self.own, set(self.replicated), resume, lineage or [])
+            _retain_held(self.held, resume, lineage or [])
         if plan and generation is not None and plan.get("generation") == generation \
                 and self.node in plan.get("nodes", []):
             self._replicate(plan)
@@ -221,7 +230,7 @@ class SnapshotKeeper:
         if self._fetch_key != key:
             self._fetch_key = key
             self._fetch = self._pool.submit(pull, holder["addr"], self.secret, self.held / name,
-                                            sorted(mine))
+                                            sorted(mine), self.lock)
         if not self._fetch.done():
             return "waiting", None
         with contextlib.suppress(Exception):
@@ -295,38 +304,40 @@ def _retain_held(folder: Path, keep_also: str | None, lineage: list) -> None:
 
 def push(addr: str, secret: bytes, point_dir: Path, ranks: list[int]) -> None:
     """Send these ranks' shards of a point to the agent at `addr`; raises unless it confirms."""
-    markers = []
-    for rank in ranks:
-        meta, problem = check_shard(point_dir, rank)
-        if problem:
-            raise ValueError(problem)
-        markers.append(meta)
-    with _connect(addr) as (sock, f, challenge):
-        _send_request(sock, secret, challenge, {"op": "push", "point": point_dir.name,
-                                                "files": markers})
-        for meta in markers:
-            data, _ = shard_files(point_dir, meta["rank"])
-            with open(data, "rb") as src:
-                sock.sendfile(src)
-        reply = _read_reply(f, secret, challenge)
+    with contextlib.ExitStack() as files:
+        shards = []
+        for rank in ranks:
+            meta, f = open_shard(point_dir, rank)
+            files.enter_context(f)
+            if problem := check_open(meta, f):
+                raise ValueError(problem)
+            shards.append((meta, f))
+        with _connect(addr) as (sock, rf, challenge):
+            _send_request(sock, secret, challenge, {"op": "push", "point": point_dir.name,
+                                                    "files": [m for m, _ in shards]})
+            for _, f in shards:
+                sock.sendfile(f)
+            reply = _read_reply(rf, secret, challenge)
     if not reply.get("ok"):
         raise ValueError(f"the buddy refused the snapshot: {reply.get('error')}")
 
 
-def pull(addr: str, secret: bytes, point_dir: Path, ranks: list[int]) -> None:
-    """Fetch these ranks' shards of a point from the agent at `addr` into `point_dir`."""
+def pull(addr: str, secret: bytes, point_dir: Path, ranks: list[int],
+         lock: threading.Lock) -> None:
+    """Fetch these ranks' shards of a point from the agent at `addr` into `point_dir`
+    (installed under `lock`, its keeper's)."""
     with _connect(addr) as (sock, f, challenge):
         _send_request(sock, secret, challenge, {"op": "pull", "point": point_dir.name,
                                                 "ranks": ranks})
         reply = _read_reply(f, secret, challenge)
         if not reply.get("ok"):
             raise ValueError(f"{addr} cannot serve {point_dir.name}: {reply.get('error')}")
-        _receive(f, point_dir, reply["files"])
+        _receive(f, point_dir, reply["files"], lock)
 
 
-def _receive(f, point_dir: Path, markers: list[dict]) -> None:
-    """Files as announced by `markers`, each checked against its sha256, into `point_dir`;
-    the markers go in only once every file checks."""
+def _receive(f, point_dir: Path, markers: list[dict], lock: threading.Lock) -> None:
+    """Files as announced by `markers`, each checked against its sha256, into a folder of this
+    transfer's own; then, under `lock`, into `point_dir`, markers last."""
     incoming = point_dir.parent / f".incoming-{secrets.token_hex(6)}"
     incoming.mkdir(parents=True)
     try:
@@ -344,11 +355,8 @@ def _receive(f, point_dir: Path, markers: list[dict]) -> None:
                     left -= len(chunk)
             if digest.hexdigest() != meta["sha256"]:
                 raise ValueError(f"rank {meta['rank']}'s shard arrived with a wrong sha256")
-        point_dir.mkdir(parents=True, exist_ok=True)
-        for meta in markers:
-            data, _ = shard_files(incoming, int(meta["rank"]))
-            os.replace(data, shard_files(point_dir, int(meta["rank"]))[0])
-            write_marker(point_dir, int(meta["rank"]), meta)
+        with lock:
+            install_shards(incoming, point_dir, markers)
     finally:
         shutil.rmtree(incoming, ignore_errors=True)
 
@@ -404,7 +412,7 @@ class _Handler(socketserver.StreamRequestHandler):
             if parse_point(point) is None:
                 raise ValueError(f"{point!r} is not a snapshot point")
             if request["op"] == "push":
-                _receive(self.rfile, keeper.held / point, request["files"])
+                _receive(self.rfile, keeper.held / point, request["files"], keeper.lock)
                 self._reply(keeper, challenge, {"ok": True})
             elif request["op"] == "pull":
                 self._serve(keeper, challenge, point, request["ranks"])
@@ -416,23 +424,32 @@ class _Handler(socketserver.StreamRequestHandler):
 
     def _serve(self, keeper: SnapshotKeeper, challenge: bytes, point: str,
                ranks: list[int]) -> None:
-        markers, sources = [], []
-        for rank in ranks:
-            for folder in (keeper.own / point, keeper.held / point):
-                meta, problem = check_shard(folder, int(rank))
-                if meta is not None:
-                    markers.append(meta)
-                    sources.append(shard_files(folder, int(rank))[0])
-                    break
-            else:
-                raise ValueError(f"{keeper.node} holds no good shard of rank {rank} at {point}")
-        self._reply(keeper, challenge, {"ok": True, "files": markers})
-        for path in sources:
-            with open(path, "rb") as src:
-                self.request.sendfile(src)
+        with contextlib.ExitStack() as files:
+            with keeper.lock:  # open now: retention may remove the point while it is sent
+                found = [(int(r), [_opened(files, folder / point, int(r))
+                                   for folder in (keeper.own, keeper.held)]) for r in ranks]
+            shards = []
+            for rank, candidates in found:
+                good = next((c for c in candidates if c and not check_open(*c)), None)
+                if good is None:
+                    raise ValueError(f"{keeper.node} holds no good shard of rank {rank} at "
+                                     f"{point}")
+                shards.append(good)
+            self._reply(keeper, challenge, {"ok": True, "files": [m for m, _ in shards]})
+            for _, f in shards:
+                self.request.sendfile(f)
 
     def _reply(self, keeper: SnapshotKeeper, challenge: bytes, reply: dict) -> None:
         line = json.dumps(reply).encode()
         self.wfile.write(line + b"\n" + _mac(keeper.secret, challenge, b"reply" + line).encode()
                          + b"\n")
         self.wfile.flush()
+
+
+def _opened(files: contextlib.ExitStack, point_dir: Path, rank: int) -> tuple | None:
+    """The shard's (marker, open data file), closed with `files`; None where there is none."""
+    try:
+        meta, f = open_shard(point_dir, rank)
+    except ValueError:
+        return None
+    return meta, files.enter_context(f)

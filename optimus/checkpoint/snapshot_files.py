@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import BinaryIO
 
 _POINT = re.compile(r"^step_(\d+)\.gen_(\d+)$")
 _MARKER = re.compile(r"^rank_(\d+)\.json$")
@@ -86,17 +87,18 @@ def complete_shards(point_dir: Path) -> dict[int, dict]:
         return out
     for name in names:
         m = _MARKER.match(name)
-        if not m:
-            continue
-        rank = int(m.group(1))
-        data, marker = shard_files(point_dir, rank)
-        try:
-            meta = json.loads(marker.read_text())
-            if data.stat().st_size == meta["bytes"]:
-                out[rank] = meta
-        except (OSError, ValueError, KeyError):
-            continue  # being replaced, or not one of ours
+        if m and (meta := _complete(point_dir, int(m.group(1)))) is not None:
+            out[int(m.group(1))] = meta
     return out
+
+
+def _complete(point_dir: Path, rank: int) -> dict | None:
+    data, marker = shard_files(point_dir, rank)
+    try:
+        meta = json.loads(marker.read_text())
+        return meta if data.stat().st_size == meta["bytes"] else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # being replaced, or not one of ours
 
 
 def sha256_file(path: Path) -> str:
@@ -106,23 +108,44 @@ def sha256_file(path: Path) -> str:
 
 def check_shard(point_dir: Path, rank: int) -> tuple[dict | None, str | None]:
     """The shard's marker after checking its bytes against it, or (None, what is wrong)."""
+    try:
+        meta, f = open_shard(point_dir, rank)
+    except ValueError as e:
+        return None, str(e)
+    with f:
+        problem = check_open(meta, f)
+    return (None, problem) if problem else (meta, None)
+
+
+def open_shard(point_dir: Path, rank: int) -> tuple[dict, BinaryIO]:
+    """The shard's marker and its data file open for reading, not yet checked (check_open):
+    what is read through the handle stays there even if the point is removed meanwhile.
+    Raises ValueError saying what is missing."""
     data, marker = shard_files(point_dir, rank)
     try:
         meta = json.loads(marker.read_text())
     except FileNotFoundError:
-        return None, f"no shard of rank {rank} in {point_dir}"
+        raise ValueError(f"no shard of rank {rank} in {point_dir}") from None
     except (OSError, ValueError) as e:
-        return None, f"the marker of rank {rank} in {point_dir} is unreadable: {e}"
+        raise ValueError(f"the marker of rank {rank} in {point_dir} is unreadable: {e}") from None
     try:
-        size = data.stat().st_size
+        return meta, open(data, "rb")
     except FileNotFoundError:
-        return None, f"{data} is missing"
+        raise ValueError(f"{data} is missing") from None
+
+
+def check_open(meta: dict, f: BinaryIO) -> str | None:
+    """What is wrong with an open shard's bytes against its marker (size, sha256), or None;
+    leaves the file at its start."""
+    size = os.fstat(f.fileno()).st_size
     if size != meta.get("bytes"):
-        return None, f"{data} has {size} bytes, its marker says {meta.get('bytes')}"
-    digest = sha256_file(data)
+        return f"{f.name} has {size} bytes, its marker says {meta.get('bytes')}"
+    f.seek(0)
+    digest = hashlib.file_digest(f, "sha256").hexdigest()
+    f.seek(0)
     if digest != meta.get("sha256"):
-        return None, f"{data} fails its sha256 check"
-    return meta, None
+        return f"{f.name} fails its sha256 check"
+    return None
 
 
 def write_marker(point_dir: Path, rank: int, meta: dict) -> None:
@@ -131,6 +154,24 @@ def write_marker(point_dir: Path, rank: int, meta: dict) -> None:
     tmp = marker.with_name(f".{marker.name}.tmp")
     tmp.write_text(json.dumps(meta))
     os.replace(tmp, marker)
+
+
+def install_shards(incoming: Path, point_dir: Path, markers: list[dict]) -> None:
+    """Move received and checked data files from a private folder into `point_dir`, each
+    before its marker. A shard already there with the same sha256 stays as it is (a second
+    push of a point changes nothing); one with other bytes loses its marker first, so that no
+    reader pairs the old marker with the new bytes. The caller holds the lock its folder's
+    retention takes: between the folder's creation and its markers, the point looks empty."""
+    point_dir.mkdir(parents=True, exist_ok=True)
+    for meta in markers:
+        rank = int(meta["rank"])
+        data, marker = shard_files(point_dir, rank)
+        there = _complete(point_dir, rank)
+        if there is not None and there.get("sha256") == meta["sha256"]:
+            continue
+        marker.unlink(missing_ok=True)
+        os.replace(shard_files(incoming, rank)[0], data)
+        write_marker(point_dir, rank, meta)
 
 
 def remove_point(point_dir: Path) -> None:

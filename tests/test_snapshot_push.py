@@ -1,0 +1,173 @@
+"""Buddy replication under concurrency: real SnapshotKeeper servers over TCP on localhost.
+Several pushes of one point at once (a retried push, two pushers) and pushes while the
+receiver's retention runs must each be confirmed, never fail on a file that vanished, and leave
+the held copy complete and byte-identical to the source.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from controller.snapshots import KEEP, SnapshotKeeper, job_secret, pull, push
+from optimus.checkpoint.snapshot_files import (
+    check_shard,
+    point_name,
+    points,
+    sha256_file,
+    shard_files,
+    write_marker,
+)
+
+SECRET = job_secret("redis://127.0.0.1:1", "push-test")
+RANKS = [0, 1, 2, 3]
+PUSHERS = 6
+ROUNDS = 8
+
+
+@pytest.fixture
+def keeper(tmp_path):
+    """`keeper(node)`: a SnapshotKeeper serving on localhost, closed after the test."""
+    made = []
+
+    def make(node: str) -> SnapshotKeeper:
+        made.append(SnapshotKeeper(tmp_path / node, node, SECRET, "127.0.0.1"))
+        return made[-1]
+    yield make
+    for k in made:
+        k.close()
+
+
+def _take(own: Path, step: int, ranks: list[int], size: int = 192 << 10) -> Path:
+    """A point as ranks write it: each data file in place, then its marker."""
+    point = own / point_name(step, 0)
+    point.mkdir(parents=True, exist_ok=True)
+    for rank in ranks:
+        data, _ = shard_files(point, rank)
+        data.write_bytes(os.urandom(size))
+        write_marker(point, rank, {"rank": rank, "step": step, "bytes": size,
+                                   "sha256": sha256_file(data), "time": float(step)})
+    return point
+
+
+def _push_at_once(addr: str, point: Path, parts: list[list[int]]) -> list[str | None]:
+    """One push of the point per entry of `parts` (the ranks it sends), all released together:
+    None for each confirmed, else its error."""
+    start = threading.Barrier(len(parts))
+
+    def one(ranks):
+        start.wait()
+        try:
+            push(addr, SECRET, point, ranks)
+        except Exception as e:  # noqa: BLE001 - the outcome is what the test asserts on
+            return f"{type(e).__name__}: {e}"
+        return None
+    with ThreadPoolExecutor(len(parts)) as pool:
+        return list(pool.map(one, parts))
+
+
+@contextlib.contextmanager
+def _retaining(keeper: SnapshotKeeper):
+    """The keeper's tick (retention, its report) running over and over meanwhile."""
+    stop = threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            keeper.poll(None, None)
+    thread = threading.Thread(target=tick)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _assert_identical(source: Path, copy: Path, ranks: list[int]) -> None:
+    for rank in ranks:
+        meta, problem = check_shard(copy, rank)
+        assert problem is None, problem
+        data, _ = shard_files(copy, rank)
+        assert meta == check_shard(source, rank)[0]
+        assert data.read_bytes() == shard_files(source, rank)[0].read_bytes()
+    leftovers = [n for n in os.listdir(copy) if n.startswith(".")]
+    assert leftovers == []  # no half-written marker or data file stays behind
+
+
+def test_concurrent_pushes_of_one_point_are_all_confirmed_and_leave_one_exact_copy(keeper):
+    a, b = keeper("a"), keeper("b")
+    for step in range(1, ROUNDS + 1):
+        source = _take(a.own, step, RANKS)
+        assert _push_at_once(b.address, source, [RANKS] * PUSHERS) == [None] * PUSHERS
+        _assert_identical(source, b.held / source.name, RANKS)
+    # Nothing private to a receive is left in held/: only point folders.
+    assert sorted(os.listdir(b.held)) == [point_name(s, 0) for s in range(1, ROUNDS + 1)]
+
+
+def test_pushes_while_the_receiver_retains_are_confirmed_and_retention_still_decides(keeper):
+    a, b = keeper("a"), keeper("b")
+    with _retaining(b):
+        for step in range(1, ROUNDS + 1):
+            # Two pushers of the point, each with half of its ranks, each part pushed twice.
+            source = _take(a.own, step, RANKS)
+            parts = [RANKS[:2], RANKS[2:]] * (PUSHERS // 2)
+            assert _push_at_once(b.address, source, parts) == [None] * len(parts)
+            # The newest point holds every rank: retention keeps it whole.
+            _assert_identical(source, b.held / source.name, RANKS)
+    b.poll(None, None)
+    assert [p.name for *_, p in points(b.held)] == \
+        [point_name(s, 0) for s in range(ROUNDS - KEEP + 1, ROUNDS + 1)]
+
+
+def test_a_second_push_of_a_held_point_changes_nothing(keeper):
+    a, b = keeper("a"), keeper("b")
+    source = _take(a.own, 5, RANKS)
+    push(b.address, SECRET, source, RANKS)
+    held = b.held / source.name
+    before = {n: os.stat(held / n).st_ino for n in os.listdir(held)}
+    push(b.address, SECRET, source, RANKS)
+    assert {n: os.stat(held / n).st_ino for n in os.listdir(held)} == before
+    _assert_identical(source, held, RANKS)
+
+
+def test_the_agents_tick_replicates_each_newest_point_while_the_buddy_retains(keeper):
+    """The path the agents take: A's poll pushes its newest complete point of the running
+    generation to B; B's poll runs retention meanwhile."""
+    a, b = keeper("a"), keeper("b")
+    plan = {"generation": 0, "nodes": ["a", "b"], "ranks_per_node": 2,
+            "buddies": {"a": {"node": "b", "addr": b.address}}}
+    with _retaining(b):
+        for step in range(1, ROUNDS + 1):
+            source = _take(a.own, step, [0, 1])
+            while source.name not in a.replicated and source.name not in a.failed:
+                a.poll(plan, 0)
+                time.sleep(0.005)
+            assert a.failed == {}
+            assert a.replicated[source.name] == "b"
+            _assert_identical(source, b.held / source.name, [0, 1])
+
+
+def test_a_pull_while_the_holder_retains_gets_the_exact_point(keeper):
+    a, b, c = keeper("a"), keeper("b"), keeper("c")
+    with _retaining(b), _retaining(c):
+        for step in range(1, ROUNDS + 1):
+            source = _take(a.own, step, RANKS)
+            push(b.address, SECRET, source, RANKS)
+            pull(b.address, SECRET, c.held / source.name, RANKS, c.lock)
+            _assert_identical(source, c.held / source.name, RANKS)
+
+
+def test_a_shard_that_fails_its_checksum_is_refused_with_the_reason(keeper):
+    a, b = keeper("a"), keeper("b")
+    source = _take(a.own, 3, [0])
+    data, _ = shard_files(source, 0)
+    data.write_bytes(b"\0" * data.stat().st_size)  # same size, other bytes
+    with pytest.raises(ValueError, match="fails its sha256 check"):
+        push(b.address, SECRET, source, [0])
+    assert points(b.held) == []
