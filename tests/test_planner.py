@@ -221,9 +221,8 @@ def test_step_time_of_one_device_is_its_flops_at_the_sustained_rate():
     assert 1.2 < full.compute / t.compute < 4 / 3
 
 
-def test_plan_1t_on_3072_devices_in_under_10_s():
-    import time
-
+def test_plan_1t_on_3072_devices():
+    """The largest search the papers ask for (its time: bench/planner_papers.py)."""
     from optimus.planner.machines import get_machine
     from optimus.planner.search import plan
 
@@ -232,9 +231,7 @@ def test_plan_1t_on_3072_devices_in_under_10_s():
                         "model": {"vocab_size": 51200, "dim": 25600, "n_layers": 128,
                                   "n_heads": 160, "ffn_dim": 102400, "max_seq_len": 2048},
                         "data": {"seq_len": 2048, "batch_size": 3072}})
-    started = time.perf_counter()
     fits, seen = plan(job, 3072, get_machine("a100-hdr"), "bf16")
-    assert time.perf_counter() - started < 10
     assert seen > 1000 and fits
     speeds = [c.time.tokens_per_s_per_device for c in fits]
     assert speeds == sorted(speeds, reverse=True)

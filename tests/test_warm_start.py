@@ -123,9 +123,8 @@ def test_with_warm_starts_off_ranks_start_cold(tmp_path, monkeypatch):
     assert isinstance(rank, subprocess.Popen)
     assert rank.wait(timeout=120) == 2
     assert "no such job file" in (tmp_path / "cold.log").read_text()
-    started = time.monotonic()
-    s.close()
-    assert time.monotonic() - started < 5
+    s.close()  # nothing warm to stop
+    assert not s.warming()
 
 
 def test_one_ranks_poll_never_reaps_another(spawner, tmp_path):
