@@ -170,5 +170,26 @@ def test_missing_tokenizer_or_source_fails_the_export_in_one_line(relative_proje
     assert "Traceback" not in result.output and result.output.count("\n") == 1
     assert (f"error: data.sources[1].path is data/code: {project}/data/code holds no prepared "
             f"data") in result.output
-    assert f"read from {project}, as training read it" in result.output
+    assert f"read from {project}, as training read it: the folder it ran in" in result.output
     assert not out.exists() and not list(tmp_path.glob(".tmp*"))
+
+
+def test_with_an_absolute_checkpoint_dir_the_recorded_training_folder_is_used(
+        relative_project, tmp_path, monkeypatch, transformers):
+    """Training wrote its checkpoints to an absolute checkpoint.dir outside its folder: the
+    folder it ran in is not in the checkpoint's path, so the manifest's `workdir` says it."""
+    checkpoints = tmp_path / "store" / "ckpt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARS)}
+    done = subprocess.run([sys.executable, "-m", "optimus", "train", "job.yaml", "--set",
+                           f"checkpoint.dir={checkpoints}", "--set", "run_dir=runs/abs"],
+                          cwd=relative_project, env={**env, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    _decoy(tmp_path / "elsewhere")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    out = tmp_path / "hf"
+    result = _export(checkpoints, out)
+    assert result.exit_code == 0, result.output
+    tok_file = relative_project / "tok" / "tokenizer.json"
+    assert (out / "tokenizer.json").read_bytes() == tok_file.read_bytes()
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == HF_EOS

@@ -80,7 +80,7 @@ def tokenizer_files(manifest: dict, cfg, step_path: Path,
         return cfg.vocab_size - 1, [
             "no tokenizer: the run trained on synthetic tokens (data.source: synthetic); the "
             f"end-of-document id is {cfg.vocab_size - 1}"]
-    shards, base = trained_on(config, cfg.vocab_size, step_path)
+    shards, base = trained_on(config, cfg.vocab_size, step_path, manifest.get("workdir"))
     eos_id = shards[0].eos_id
     try:
         import tokenizers  # noqa: F401  (writing and reading a tokenizer.json need it)
@@ -97,11 +97,11 @@ def tokenizer_files(manifest: dict, cfg, step_path: Path,
     return eos_id, []
 
 
-def trained_on(config: dict, vocab_size: int,
-               step_path: Path) -> tuple[list[TokenShards], Path | None]:
+def trained_on(config: dict, vocab_size: int, step_path: Path,
+               workdir: str | None = None) -> tuple[list[TokenShards], Path | None]:
     """The prepared folders a run trained on, opened as training opened them; and the folder
     training ran in (None: unknown, relative paths are read from this process's)."""
-    data, base = config.get("data", {}), training_folder(config, step_path)
+    data, base = config.get("data", {}), training_folder(config, step_path, workdir)
     given = [("data.path", data["path"], None)] if data.get("path") else [
         (f"data.sources[{i}].path", s.get("path"), s.get("weight"))
         for i, s in enumerate(data.get("sources") or [])]
@@ -125,22 +125,25 @@ def trained_on(config: dict, vocab_size: int,
     return getattr(source, "sources", [source]), base
 
 
-def training_folder(config: dict, step_path: Path) -> Path | None:
+def training_folder(config: dict, step_path: Path, workdir: str | None = None) -> Path | None:
     """The folder training ran in, where the job's relative paths start; None when the
     checkpoint cannot tell. Training wrote this checkpoint into its `checkpoint.dir`, read
     from that same folder: when the dir is relative, stripping it from the checkpoint's place
-    gives the folder (also when the whole run folder was moved since)."""
+    gives the folder (also when the whole run folder was moved since). Otherwise the folder
+    the manifest recorded (`workdir`), while it still exists."""
+    recorded = Path(workdir) if isinstance(workdir, str) and Path(workdir).is_absolute() \
+        and Path(workdir).is_dir() else None
     try:
         root = Path(os.path.normpath(JobConfig.model_validate(config).resolved_checkpoint_dir))
     except (ValueError, KeyError, IndexError):  # an older config; a `{...}` it cannot fill
-        return None
+        return recorded
     parts = () if str(root) == "." else root.parts
     if root.is_absolute() or ".." in parts:
-        return None
+        return recorded
     for here in (Path(os.path.abspath(step_path.parent)), step_path.parent.resolve()):
         if len(parts) < len(here.parts) and here.parts[len(here.parts) - len(parts):] == parts:
             return Path(*here.parts[:len(here.parts) - len(parts)])
-    return None
+    return recorded
 
 
 def _gone(key: str, given: str, here: Path, base: Path | None) -> str:
@@ -149,9 +152,8 @@ def _gone(key: str, given: str, here: Path, base: Path | None) -> str:
     if Path(given).is_absolute():
         return f"{what}; put the prepared folder back at {here} and export again"
     if base is not None:
-        return (f"{what} (read from {base}, as training read it: the folder that holds the "
-                f"job's relative checkpoint.dir); put the prepared folder back at {here} and "
-                "export again")
+        return (f"{what} (read from {base}, as training read it: the folder it ran in); put "
+                f"the prepared folder back at {here} and export again")
     return (f"{what} (a relative path, read from this command's folder: the checkpoint is not "
             "under the relative checkpoint.dir training wrote it to, so the folder training "
             "ran in is unknown); run the export from the folder training ran in")

@@ -153,7 +153,8 @@ class RunCheckpoints:
         job, layout = self.job, self.layout
         return {**self.progress.meta(), "layout": asdict(layout),
                 "config": job.model_dump(mode="json"), "config_hash": job_hash(job),
-                "world_size": layout.world_size}
+                "world_size": layout.world_size,
+                "workdir": os.getcwd()}  # where the job's relative paths start (the export's)
 
     def _failed(self) -> None:
         self.log.event("checkpoint", self.ckpt.last_error, **self.ckpt.stats.as_dict())
