@@ -102,4 +102,4 @@ gpu-wheels:
 	@ls .whl; du -sh .whl
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs hf .pytest_cache

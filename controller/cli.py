@@ -18,17 +18,25 @@ import click
 
 import optimus.cli as core
 from controller import ops  # noqa: F401 (adds `optimus job`, `optimus node`, `optimus events`)
+from controller.connect import NothingListens, fail_if_refused
 from controller.schedulers import pbs, slurm
 from controller.store import Store, StoreUnavailable, redis_url
 from optimus.config import ConfigError, check_job, load_job
 
-core.USER_ERRORS = (*core.USER_ERRORS, StoreUnavailable)
+core.USER_ERRORS = (*core.USER_ERRORS, StoreUnavailable, NothingListens)
 main = core.main
 
 redis_option = click.option(
     "--redis", "redis", metavar="URL", default=None,
     help="redis:// or rediss:// URL (user:password@ for ACLs); default $REDIS_URL, else "
          "redis://127.0.0.1:6379/0.")
+
+
+def _operator_store(redis: str | None, job_name: str) -> Store:
+    """The store for a one-shot command: one that fails at once where nothing listens."""
+    url = redis_url(redis)
+    fail_if_refused(url)
+    return Store(url, job_name)
 
 
 def _logging(verbose: bool = True) -> None:
@@ -238,7 +246,7 @@ CHAOS = {  # what each fault does, for the help and the confirmation
 def chaos(fault: str, job_name: str, rank: int | None, node: str | None, tile: int,
           seconds: float | None, at_step: int | None, redis: str | None, reason: str,
           yes: bool) -> None:
-    store = Store(redis_url(redis), job_name)
+    store = _operator_store(redis, job_name)
     plan = store.plan()
     user, host = ops.actor()
     sent = {"time": time.time(), "by": f"{user}@{host}", "reason": reason}
@@ -298,7 +306,7 @@ def chaos(fault: str, job_name: str, rank: int | None, node: str | None, tile: i
 @redis_option
 def health_check_command(job_name: str, nodes: tuple[str, ...], redis: str | None) -> None:
     """Run the deterministic tile check on nodes now; a node that fails is excluded."""
-    store = Store(redis_url(redis), job_name)
+    store = _operator_store(redis, job_name)
     targets = list(nodes) or sorted(store.nodes())
     for node in targets:
         _known_node(store, job_name, node)

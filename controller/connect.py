@@ -16,6 +16,7 @@ to the sentinels: sentinels with their own password take it from `?sentinel_pass
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -25,6 +26,10 @@ from redis.sentinel import Sentinel
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 SENTINEL_ONLY = ("sentinel_username", "sentinel_password")  # query keys for the sentinels
 DEFAULT_SENTINEL_PORT = 26379
+
+
+class NothingListens(Exception):
+    """The server a Redis URL names refused the connection: nothing listens there."""
 
 
 @dataclass
@@ -108,3 +113,38 @@ def _ca(url: str, options: dict[str, str]) -> dict[str, str]:
         return {"ssl_ca_certs": options["ssl_ca_certs"]} if "ssl_ca_certs" in options else {}
     ca = os.environ.get("REDIS_CA_FILE")
     return {"ssl_ca_certs": ca} if ca else {}
+
+
+def refused(e: BaseException | None) -> bool:
+    """Whether `e`, or an exception it was raised from, is a refused connection."""
+    while e is not None:
+        if isinstance(e, ConnectionRefusedError):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def fail_if_refused(url: str, timeout_s: float = 2.0) -> None:
+    """Raise NothingListens at once if the server of a one-server URL refuses a connection.
+
+    For an operator's one-shot command: a refusal is immediate and no retry mends it soon,
+    while the store's retries (for a server restarting or failing over) would keep the
+    operator waiting for seconds. Any other failure is left to the store, which retries it
+    and names it. A sentinel URL is left alone: one sentinel refusing is what they ride out."""
+    if is_sentinel(url):
+        return
+    try:
+        client = connect(url, timeout_s)
+    except ValueError:
+        return  # malformed: the store says how
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        if refused(e):
+            shown = re.sub(r"//[^@/]*@", "//", url)  # no credentials in messages
+            raise NothingListens(
+                f"nothing listens at {shown} (connection refused); fix: give --redis (or "
+                "$REDIS_URL) the URL the controller uses (`optimus run` prints it), or start "
+                "that Redis") from None
+    finally:
+        client.close()

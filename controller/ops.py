@@ -29,6 +29,7 @@ from rich.table import Table
 
 import optimus.cli as core
 from controller import operator
+from controller.connect import fail_if_refused
 from controller.store import Store, StoreUnavailable, redis_url, safe_url
 from controller.view import PAUSED, RUNNING, STOPPED, TERMINAL
 from optimus.files import human_bytes
@@ -82,6 +83,7 @@ def _console() -> Console:
 
 def _store(redis: str | None, job_name: str) -> tuple[Store, dict[str, str]]:
     url = redis_url(redis)
+    fail_if_refused(url)  # nothing listens: say so now, not after the store's retries
     store = Store(url, job_name)
     record = store.job_record()
     if not record.get("state"):

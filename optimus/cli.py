@@ -15,7 +15,7 @@ import yaml
 
 from optimus import __version__
 from optimus.checkpoint import CheckpointError
-from optimus.checkpoint.commands import checkpoint
+from optimus.checkpoint.commands import checkpoint, where_options
 from optimus.config import ConfigError, check_job, load_job
 from optimus.data.errors import DataError
 from optimus.runtime.launch import LaunchError
@@ -86,13 +86,27 @@ def config() -> None:
     """Inspect and validate job files."""
 
 
+def least_world(cfg) -> int:
+    """The fewest ranks the job's layout runs on: dp x tp x pp, where dp: -1 (whatever the
+    world leaves) takes the least that holds ep, whose ranks experts borrow from dp."""
+    p = cfg.parallel
+    return (p.dp if p.dp > 0 else p.ep) * p.tp * p.pp
+
+
+world_option = click.option(
+    "--world", type=click.IntRange(min=1),
+    help="Number of ranks [default: the fewest the job's layout runs on].")
+
+
 @config.command("show")
 @job_argument
 @set_option
-@click.option("--world", type=click.IntRange(min=1), help="Also resolve the layout for N ranks.")
+@world_option
 @click.option("-o", "--output", type=click.Choice(["yaml", "json"]), default="yaml")
 def config_show(job: Path, overrides: tuple[str, ...], world: int | None, output: str) -> None:
-    """Print JOB's resolved configuration, defaults and overrides included."""
+    """Print JOB's resolved configuration, defaults and overrides included; with --world,
+    parallel.dp as that world resolves it (without, as the file says: -1 is whatever the
+    world leaves)."""
     cfg = load_job(job, list(overrides), world=world)
     resolved = cfg.model_dump(mode="json")
     if world is not None:
@@ -107,17 +121,19 @@ def config_show(job: Path, overrides: tuple[str, ...], world: int | None, output
 @config.command("check")
 @job_argument
 @set_option
-@click.option("--world", type=click.IntRange(min=1), required=True, help="Number of ranks.")
+@world_option
 @click.option("--machine", help="A machine profile (optimus plan's table): refuse a job whose "
               "ranks would not fit its device memory.")
 @click.option("--machines", type=click.Path(path_type=Path),
               help="A YAML file of more machine profiles.")
 @click.option("--memory-gib", type=click.FloatRange(min=0, min_open=True),
               help="Refuse a job whose ranks need more than this (overrides the profile's).")
-def config_check(job: Path, overrides: tuple[str, ...], world: int, machine: str | None,
+def config_check(job: Path, overrides: tuple[str, ...], world: int | None, machine: str | None,
                  machines: Path | None, memory_gib: float | None) -> None:
     """Validate JOB and its layout for a world of N ranks (and its memory on a device)."""
     cfg = load_job(job, list(overrides))
+    which = "" if world else " (the fewest its layout runs on; --world N checks another)"
+    world = world or least_world(cfg)
     layout = check_job(cfg, world=world, source=str(job))
     if machine or memory_gib:
         from optimus.planner.fit import check_fits, job_precision
@@ -130,7 +146,8 @@ def config_check(job: Path, overrides: tuple[str, ...], world: int, machine: str
             cfg, profile.precision if profile else "bf16"), source=str(job))
     d = cfg.data
     per_rank = d.batch_size // (layout.dp * d.microbatches)
-    click.echo(f"ok: {job} on {world} ranks: dp={layout.dp} tp={layout.tp} pp={layout.pp} "
+    ranks = f"{world} rank" + ("s" if world > 1 else "")
+    click.echo(f"ok: {job} on {ranks}{which}: dp={layout.dp} tp={layout.tp} pp={layout.pp} "
                f"ep={layout.ep} virtual_stages={layout.virtual_stages}; {d.microbatches} "
                f"microbatch(es) of {per_rank} sequence(s) per dp replica per step")
     if d.sources:  # the shares as weights ask; the run's start-up event has the realised ones
@@ -149,7 +166,8 @@ def config_check(job: Path, overrides: tuple[str, ...], world: int, machine: str
 @set_option
 @click.option("--devices", type=click.IntRange(min=1), required=True,
               help="Devices (ranks) to plan for.")
-@click.option("--machine", required=True, help="Machine profile, e.g. a100-hdr, h100-ndr.")
+@click.option("--machine", help="Machine profile, e.g. a100-hdr, h100-ndr [default: the "
+              "profile of the job's parallel.device; h100-ndr for auto (docs/planner.md)].")
 @click.option("--machines", type=click.Path(path_type=Path),
               help="A YAML file of more machine profiles.")
 @click.option("--memory-gib", type=click.FloatRange(min=0, min_open=True),
@@ -158,7 +176,7 @@ def config_check(job: Path, overrides: tuple[str, ...], world: int, machine: str
 @click.option("--explain", "explain_layout", metavar="LAYOUT",
               help="Show every term of one layout, named as the table names it.")
 @click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table")
-def plan(job: Path, overrides: tuple[str, ...], devices: int, machine: str,
+def plan(job: Path, overrides: tuple[str, ...], devices: int, machine: str | None,
          machines: Path | None, memory_gib: float | None, top: int,
          explain_layout: str | None, output: str) -> None:
     """Rank JOB's layouts on N devices by predicted tokens/s, dropping those that do not fit."""
@@ -166,12 +184,16 @@ def plan(job: Path, overrides: tuple[str, ...], devices: int, machine: str,
 
     from optimus.planner import report, search
     from optimus.planner.fit import job_precision
-    from optimus.planner.machines import get_machine
+    from optimus.planner.machines import default_machine, get_machine
     from optimus.planner.memory import shape_of
     from optimus.planner.steptime import step_time
 
     cfg = load_job(job, list(overrides))
-    profile = get_machine(machine, machines)
+    chosen = machine or default_machine(cfg.parallel.device)
+    if not machine:  # on stderr: -o json stays one document
+        click.echo(f"machine: {chosen} (for parallel.device: {cfg.parallel.device}; --machine "
+                   "picks another)", err=True)
+    profile = get_machine(chosen, machines)
     precision = job_precision(cfg, profile.precision)
     capacity = memory_gib or profile.memory_gib
     if explain_layout:
@@ -186,7 +208,7 @@ def plan(job: Path, overrides: tuple[str, ...], devices: int, machine: str,
         return
     fits, seen = search.plan(cfg, devices, profile, precision, capacity)
     if output == "json":
-        click.echo(json.dumps({"devices": devices, "machine": machine, "considered": seen,
+        click.echo(json.dumps({"devices": devices, "machine": profile.name, "considered": seen,
                                "fit": len(fits), "layouts": [report.as_dict(c)
                                                              for c in fits[:top]]}, indent=2))
         return
@@ -259,35 +281,26 @@ def data_audit(run_dir: Path, output: str) -> None:
     """Check that the run read every sample exactly once, across its restarts; exit 2 if not.
 
     Reads RUN_DIR/metrics.jsonl: each step's sample-index range and ids' hash, as every
-    generation appended them (a restart's steps supersede the ones it rolled back)."""
+    generation appended them (a restart's steps supersede the ones it rolled back). For a
+    mixture, also the share of the samples read from each source beside its weight's."""
     from optimus.data.audit import audit_run
 
     result = audit_run(run_dir)
     if output == "json":
         click.echo(json.dumps(result.as_dict(), indent=2))
     else:
-        for note in result.notes:
-            click.echo(f"note: {note}")
-        for problem in result.problems:
-            click.echo(f"problem: {problem}")
-        if result.steps:
-            click.echo(f"{'ok' if result.ok else 'NOT ok'}: steps {result.first_step}.."
-                       f"{result.last_step} read samples [{result.start}, {result.end}) "
-                       f"{'exactly once' if result.ok else 'with the problems above'}; "
-                       f"{result.generations} generation(s), {result.repeated} step(s) "
-                       "trained again after a restart")
+        for line in result.lines():
+            click.echo(line)
     if not result.ok:
         sys.exit(EXIT_USER_ERROR)
 
 
 @main.command("eval")
-@click.argument("step", metavar="CHECKPOINT")
+@click.argument("step", metavar="[CHECKPOINT]", required=False, default="latest")
 @click.option("--data", type=click.Path(path_type=Path),
               help="Prepared held-out tokens (e.g. the holdout/ folder of `optimus data "
                    "prepare --holdout`); omit for a synthetic-data job's held-out stream.")
-@click.option("--dir", "root", type=click.Path(path_type=Path),
-              help="The checkpoint directory CHECKPOINT (a step number or `latest`) is in.")
-@click.option("--job", type=click.Path(path_type=Path), help="A job file: its checkpoint.dir.")
+@where_options
 @click.option("--batches", type=click.IntRange(min=1), default=4, show_default=True,
               help="Global batches of data.batch_size sequences of data.seq_len tokens.")
 @set_option
@@ -297,10 +310,11 @@ def evaluate_command(step: str, data: Path | None, root: Path | None, job: Path 
                      batches: int, overrides: tuple[str, ...], output: str) -> None:
     """Validation loss and perplexity of a committed checkpoint, on any layout.
 
-    CHECKPOINT is a step folder, a checkpoint directory (its latest), or a step number /
-    `latest` with --dir or --job. One process by default; under torchrun (or srun, mpiexec)
-    each rank runs it, data parallel over all of them, or the layout --set parallel.tp=2
-    --set parallel.pp=2 ... asks for. The model and data shapes are the checkpoint's own."""
+    CHECKPOINT is a step number or `latest` (the default) in --dir, in --job's checkpoint.dir
+    or in the one run under ./runs, or the path of a step folder. One process by default;
+    under torchrun (or srun, mpiexec) each rank runs it, data parallel over all of them, or
+    the layout --set parallel.tp=2 --set parallel.pp=2 ... asks for. The model and data shapes
+    are the checkpoint's own."""
     from optimus.checkpoint.commands import resolve_step
     from optimus.evaluate import evaluate_checkpoint  # torch loads only here
 

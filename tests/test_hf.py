@@ -278,7 +278,9 @@ def test_a_config_json_that_does_not_match_the_job_is_refused(runs, tmp_path):
         load_hf(exported, ModelConfig.model_validate(MODEL), [])
 
 
-def test_export_refuses_a_non_empty_out_and_a_step_without_its_directory(runs, tmp_path):
+def test_export_refuses_a_non_empty_out_and_a_step_without_its_directory(runs, tmp_path,
+                                                                         monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no ./runs here: a bare STEP has no default directory
     _, step, _ = runs["qwen"]
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("mine")

@@ -2,8 +2,12 @@
 
 list, inspect and verify never load torch; export (hf_export.py) loads it when it runs.
 
-Each command takes a checkpoint root (the job's `checkpoint.dir`) or one `step_<n>` folder in it.
-A path that is not there raises CheckpointError, which the top-level CLI prints as one line.
+Every command (and `optimus eval`) finds its checkpoints the same way: `--dir DIR` (a job's
+`checkpoint.dir`), or `--job JOB_FILE` (that job's checkpoint.dir, resolved as training resolves
+it), or, with neither, the one run under ./runs that has checkpoints (`locate`). A STEP is a step
+number or `latest` in that directory; the older form, a path (a checkpoint directory or one
+`step_<n>` folder in it) in place of STEP, still works. A path that is not there raises
+CheckpointError, which the top-level CLI prints as one line.
 Checkpoints set aside (`<root>/quarantine/`, quarantine.py) are listed as "quarantined" with
 their reason; `verify` names them but does not count them as damage (they are out of use).
 """
@@ -38,7 +42,20 @@ from optimus.files import human_bytes
 EXIT_PROBLEMS = 2
 _output = click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table",
                        show_default=True)
-_path_argument = click.argument("path", metavar="DIR_OR_STEP_DIR", type=click.Path(path_type=Path))
+RUNS = Path("runs")  # where a job's run_dir goes by default (runs/{name}), under the cwd
+
+
+def where_options(command):
+    """--dir and --job, which every command that reads checkpoints takes."""
+    command = click.option("--job", type=click.Path(path_type=Path),
+                           help="A job file: its checkpoint.dir.")(command)
+    return click.option("--dir", "root", type=click.Path(path_type=Path),
+                        help="The checkpoint directory (a job's checkpoint.dir); default: the "
+                             "one run under ./runs with checkpoints.")(command)
+
+
+def _step_argument(default: str | None):
+    return click.argument("step", metavar="[STEP]", required=False, default=default)
 
 
 def _is_step_dir(path: Path) -> bool:
@@ -54,6 +71,53 @@ def _resolve(path: Path) -> tuple[Path, bool]:
     if not path.is_dir():
         raise CheckpointError(f"{path} is a file: give a checkpoint directory or a step_<n> folder")
     return path, _is_step_dir(path)
+
+
+def checkpoint_root(root: Path | None, job: Path | None) -> Path:
+    """The checkpoint directory: --dir, else --job's checkpoint.dir, else the only
+    ./runs/*/checkpoints there is (said on stderr, so that -o json stays clean)."""
+    if root is not None and job is not None:
+        raise CheckpointError("give --dir or --job, not both")
+    if root is not None:
+        return root
+    if job is not None:
+        from optimus.config import load_job
+
+        return Path(load_job(job).resolved_checkpoint_dir)  # relative to the cwd, as training
+    found = sorted(p for p in RUNS.glob("*/checkpoints") if p.is_dir())
+    if len(found) == 1:
+        click.echo(f"checkpoints: {found[0]} (the only run under ./{RUNS}; --dir or --job "
+                   "picks another)", err=True)
+        return found[0]
+    which = (f"./{RUNS} holds {len(found)} runs with checkpoints ("
+             + ", ".join(map(str, found)) + ")" if found
+             else f"./{RUNS} holds no run with checkpoints")
+    raise CheckpointError(f"which checkpoints? {which}: give --dir CHECKPOINT_DIR or --job "
+                          "JOB_FILE")
+
+
+def locate(step: str | None, root: Path | None, job: Path | None) -> tuple[Path, bool]:
+    """(path, whether it is one step folder rather than a root) that STEP names: a number or
+    `latest` in the checkpoint directory, None for the directory itself, or a path."""
+    if step is not None and not (step == "latest" or step.isdigit()):
+        if root is not None or job is not None:
+            raise CheckpointError(f"{step} is a path: give it alone, or a step number (or "
+                                  "`latest`) with --dir / --job")
+        return _resolve(Path(step))
+    path, _ = _resolve(checkpoint_root(root, job))
+    if step is None:
+        return path, False
+    if step == "latest":
+        latest = latest_committed(path)
+        if latest is None:
+            raise CheckpointError(f"{path} holds no committed checkpoint")
+        return latest, True
+    found = step_dir(path, int(step))
+    if not found.is_dir():
+        steps = ", ".join(map(str, committed_steps(path))) or "none"
+        raise CheckpointError(f"{path} has no checkpoint of step {int(step)} "
+                              f"(committed: {steps})")
+    return found, True
 
 
 def _step_dirs(root: Path) -> list[Path]:
@@ -113,15 +177,19 @@ def _aside_line(r: dict) -> str:
 
 @click.group()
 def checkpoint() -> None:
-    """List, inspect and verify checkpoints."""
+    """List, inspect, verify and export checkpoints."""
 
 
 @checkpoint.command("list")
-@click.argument("path", metavar="DIR", type=click.Path(path_type=Path))
+@click.argument("path", metavar="[DIR]", required=False)
+@where_options
 @_output
-def list_checkpoints(path: Path, output: str) -> None:
-    """Every step folder in DIR: committed, partial or quarantined; tokens, layout, size, age."""
-    path, single = _resolve(path)
+def list_checkpoints(path: str | None, root: Path | None, job: Path | None, output: str) -> None:
+    """Every step folder of the checkpoint directory: committed, partial or quarantined;
+    tokens, layout, size, age. (DIR in place of --dir: the older form.)"""
+    if path is not None and (root is not None or job is not None):
+        raise CheckpointError(f"give the directory once: {path}, or --dir / --job")
+    path, single = locate(None, root, job) if path is None else _resolve(Path(path))
     now = time.time()
     rows = [_row(p, now) for p in ([path] if single else _step_dirs(path))]
     if not single:
@@ -147,11 +215,12 @@ def list_checkpoints(path: Path, output: str) -> None:
 
 
 @checkpoint.command("inspect")
-@_path_argument
+@_step_argument("latest")
+@where_options
 @_output
-def inspect_checkpoint(path: Path, output: str) -> None:
-    """The manifest of one checkpoint (of a root: its latest committed one)."""
-    path, single = _resolve(path)
+def inspect_checkpoint(step: str, root: Path | None, job: Path | None, output: str) -> None:
+    """The manifest of checkpoint STEP (a step number, or `latest`: the default)."""
+    path, single = locate(step, root, job)
     if not single:
         latest = latest_committed(path)
         if latest is None:
@@ -187,11 +256,14 @@ def inspect_checkpoint(path: Path, output: str) -> None:
 
 
 @checkpoint.command("verify")
-@_path_argument
+@_step_argument(None)
+@where_options
 @click.option("--sizes-only", is_flag=True, help="Compare sizes only; skip the sha256 pass.")
-def verify_checkpoints(path: Path, sizes_only: bool) -> None:
-    """Check every file against its manifest; exit 2 with one line per problem."""
-    path, single = _resolve(path)
+def verify_checkpoints(step: str | None, root: Path | None, job: Path | None,
+                       sizes_only: bool) -> None:
+    """Check every file of checkpoint STEP (default: of every committed one) against its
+    manifest; exit 2 with one line per problem."""
+    path, single = locate(step, root, job)
     targets = [path] if single else [step_dir(path, s) for s in committed_steps(path)]
     aside = [] if single else _quarantined_rows(path, time.time())
     for r in aside:
@@ -227,39 +299,19 @@ def _size(text: str) -> int:
 
 
 def resolve_step(step: str, root: Path | None, job: Path | None, what: str = "export") -> Path:
-    """The committed step folder STEP names: a number or `latest` in --dir / the job's
-    checkpoint.dir, or a path (a step folder, or a root: its latest)."""
-    if step == "latest" or step.isdigit():
-        if (root is None) == (job is None):
-            raise CheckpointError(f"STEP {step} needs the checkpoint directory it is in: give "
-                                  "--dir CHECKPOINT_DIR or --job JOB_FILE (one of them)")
-        if job is not None:
-            from optimus.config import load_job
-
-            root = Path(load_job(job).resolved_checkpoint_dir)
-        root, _ = _resolve(root)
-        if step != "latest":
-            path = step_dir(root, int(step))
-            if not path.is_dir():
-                steps = ", ".join(map(str, committed_steps(root))) or "none"
-                raise CheckpointError(f"{root} has no checkpoint of step {int(step)} "
-                                      f"(committed: {steps})")
-            return path
-    else:
-        root, single = _resolve(Path(step))
-        if single:
-            return root
-    latest = latest_committed(root)
+    """The committed step folder STEP names (of a checkpoint directory: its latest)."""
+    path, single = locate(step, root, job)
+    if single:
+        return path
+    latest = latest_committed(path)
     if latest is None:
-        raise CheckpointError(f"{root} holds no committed checkpoint: nothing to {what}")
+        raise CheckpointError(f"{path} holds no committed checkpoint: nothing to {what}")
     return latest
 
 
 @checkpoint.command("export")
-@click.argument("step", metavar="STEP")
-@click.option("--dir", "root", type=click.Path(path_type=Path),
-              help="The checkpoint directory (a job's checkpoint.dir) STEP is in.")
-@click.option("--job", type=click.Path(path_type=Path), help="A job file: its checkpoint.dir.")
+@_step_argument("latest")
+@where_options
 @click.option("--format", "fmt", type=click.Choice(["hf"]), required=True,
               help="hf: a Hugging Face Transformers model folder.")
 @click.option("--out", type=click.Path(path_type=Path), required=True,
@@ -272,8 +324,8 @@ def export_checkpoint(step: str, root: Path | None, job: Path | None, fmt: str, 
                       max_shard: str, dtype: str, overwrite: bool) -> None:
     """Write checkpoint STEP as a model other tools load (Hugging Face Transformers).
 
-    STEP is a step number or `latest`, in --dir or in the job's checkpoint.dir, or the path of
-    one step_<n> folder (or of a checkpoint directory: its latest). Tensors are read and
+    STEP is a step number or `latest` (the default), in --dir or in the job's checkpoint.dir.
+    Tensors are read and
     written one at a time, so a model larger than this machine's memory exports too.
     """
     from optimus.checkpoint.hf_export import export_hf  # torch loads only here

@@ -16,6 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from optimus.config import ConfigError
 
 BUILT_IN = Path(__file__).with_name("machines.yaml")
+# The profile `optimus plan` uses without --machine: the one of the job's parallel.device, and
+# for `auto` (the device is found only where the job runs) the commonest training machine.
+DEVICE_PROFILES = {"cpu": "cpu", "cuda": "h100-ndr", "xpu": "max1550-aurora"}
+DEFAULT_PROFILE = "h100-ndr"
 Positive = Annotated[float, Field(gt=0)]
 
 
@@ -63,6 +67,11 @@ def _read(path: Path) -> dict[str, Machine]:
             raise ConfigError(str(path), f"profile {name}: {where} {first['msg']}".strip(),
                               "see optimus/planner/machines.yaml for every field") from None
     return out
+
+
+def default_machine(device: str) -> str:
+    """The profile name for a job's parallel.device when no --machine is given."""
+    return DEVICE_PROFILES.get(device, DEFAULT_PROFILE)
 
 
 def get_machine(name: str, extra: str | Path | None = None) -> Machine:
