@@ -10,6 +10,8 @@ boundary all ranks agree (optimus/health.py), so all act after the same step.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import os
 import time
@@ -262,6 +264,15 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                 result.stopped_at = step
                 break
 
+        # Leaving, in this order, so that nothing this rank started outlives its turn (a warm
+        # rank ends in os._exit, a cold one in the interpreter's finalization: a helper still
+        # running at either ends the rank with a traceback or an abort, not exit status 0):
+        # 1. the last save lands, then the checkpointer stops its commit thread and DCP's
+        #    writer process (saves.finish -> Checkpointer.close); 2. the snapshot writer thread
+        #    finishes its write; 3. the metrics log closes; 4. all ranks meet, so that none tears
+        #    gloo down while a peer is still in a collective; 5. the heartbeat thread stops after
+        #    its last beat, "done". Then, on every path (`finally`): the heartbeat, the signal
+        #    handlers, the process groups, whose C++ objects are freed at the interpreter's exit.
         with heartbeat.phase("checkpoint"):  # the last step is saved, or this says why
             saves.finish(progress.step, final=first <= progress.step == job.optim.steps)
             if snapshots is not None:
@@ -279,6 +290,12 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         commands.close()
         if owns_group:
             destroy_distributed()
+            # The groups live on in the device mesh, which sits in a reference cycle: freed only
+            # by the cyclic collector, which may first run during the interpreter's finalization,
+            # when gloo's worker threads can no longer take the GIL ("terminate called without
+            # an active exception"). Collect them at exit, while the interpreter is whole.
+            atexit.unregister(gc.collect)  # once per process, however many runs
+            atexit.register(gc.collect)
 
 
 def _checkpointer(job: JobConfig, env, heartbeat) -> Checkpointer | None:

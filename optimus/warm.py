@@ -189,6 +189,9 @@ def _run_as_rank(request: dict, optimus_main) -> None:
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
+        # Not a return into the warm process's loop: this process must end here. Exit handlers
+        # and finalization do not run, so nothing is left for them: the trainer stopped what
+        # it started, in its exit order (the end of optimus/train.py's train()).
         os._exit(code)
 
 

@@ -34,10 +34,10 @@ Where PyTorch (2.13) falls short, and what is done here:
   in a separate process per rank, off this process's GIL. Its limits, worked around:
   * it spawns a daemon child, which a daemonic process may not have (multiprocessing forbids
     it): ranks started as daemons, like the test harness's, fall back to THREAD (`mode_note`);
-  * the child unpickles every DTensor's DeviceMesh and warns once per tensor that its process
-    groups do not exist there (thousands of lines per save): TORCH_LOGS=-distributed is set
-    while that child starts, unless the user set TORCH_LOGS. Its own INFO lines remain: torch
-    configures the child's root logger itself;
+  * the child logs every request at INFO, and warns once per DTensor that its mesh's process
+    groups do not exist there (thousands of lines per save); torch offers no way to stop the
+    child, which then dies with a traceback when its rank exits: writer_process.py quiets it,
+    and `close()` stops it (the rank's exit order is in optimus/train.py);
   * the first save also pays for the child's start (seconds: a Python with torch per rank).
 - THREAD mode runs DCP's collectives on a background thread. On the default group they would
   interleave with the training loop's collectives in a different order on each rank (deadlock),
@@ -72,6 +72,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from optimus.checkpoint import writer_process
 from optimus.checkpoint.manifest import (
     CheckpointError,
     apply_retention,
@@ -165,8 +166,6 @@ class Checkpointer:
         self._stager: DefaultStager | None = None
         self._inflight: _Save | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-commit")
-        self._restore_env: Callable[[], None] | None = None
-        self._quieted = False  # TORCH_LOGS was handled for DCP's writer process
 
         distributed = dist.is_available() and dist.is_initialized()
         if distributed and dist.get_world_size() != world_size:
@@ -186,6 +185,7 @@ class Checkpointer:
             self.mode, self.mode_note = "thread", (
                 "this rank is a daemonic process, which may not start DCP's writer process")
         if self.mode == "process":
+            writer_process.install()
             # Stage straight into shared memory, reused from save to save, which the writer
             # process reads in place; without it DCP copies the state, pickles it through a
             # pipe, and the writer copies it again (0.15 s of a 0.8 s save of 310 MB here).
@@ -223,11 +223,6 @@ class Checkpointer:
         if self._agree([exists])[0]:
             return "exists"
 
-        if self.mode == "process" and not self._quieted:
-            self._quieted = True
-            if "TORCH_LOGS" not in os.environ:  # see the top of this file
-                os.environ["TORCH_LOGS"] = "-distributed"
-                self._restore_env = lambda: os.environ.pop("TORCH_LOGS", None)
         future = self._start(path, state)
         save = _Save(step, path, {**meta, "step": step}, began, future)
         future.add_done_callback(lambda _: setattr(save, "written", time.perf_counter()))
@@ -305,9 +300,14 @@ class Checkpointer:
             log.warning("checkpoint of step %d abandoned, not committed", save.step)
 
     def close(self) -> None:
-        """Finish the save in flight and stop the commit thread."""
+        """Finish the save in flight, then stop, in this order, the commit thread and DCP's
+        writer process (PROCESS mode: the rank's one, whichever checkpointer started it), and
+        free the shared staging memory that process read. Nothing of the checkpointer runs
+        after it; call it before the process group is destroyed."""
         self.wait()
         self._pool.shutdown(wait=True)
+        if self.mode == "process":
+            writer_process.stop()
         if self._stager is not None:
             self._stager.close()
             self._stager = None
@@ -350,9 +350,6 @@ class Checkpointer:
         self._inflight = None
         if save.written is not None:
             self.stats.last_write_s = save.written - save.started
-        if self._restore_env is not None:  # DCP's writer process has started by now
-            self._restore_env()
-            self._restore_env = None
         for note in save.events:
             log.warning(note)
         if committed:

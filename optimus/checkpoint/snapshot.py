@@ -132,6 +132,8 @@ class Snapshots:
         return message
 
     def close(self) -> None:
+        """Let the snapshot being written finish, then stop the writer thread (the trainer's
+        exit order: optimus/train.py)."""
         self._pool.shutdown(wait=True)
 
     def _agree_interval(self, cost: SnapshotCost, step_s: float) -> int:
