@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from optimus.config import ConfigError, validate_job
-from optimus.data.loader import SampleOrder
+from optimus.data.order import SampleOrder
 from optimus.data.synthetic import SyntheticCorpus
 from optimus.evaluate import held_out_source
 from optimus.models import build_model

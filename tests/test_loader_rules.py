@@ -15,16 +15,9 @@ import pytest
 import torch
 
 from optimus.data import DataError, SyntheticCorpus, TokenShards, prepare
-from optimus.data.loader import (
-    FeistelPermutation,
-    MicrobatchSampler,
-    SampleOrder,
-    WindowDataset,
-    _mix64,
-    build_loader,
-    build_source,
-)
+from optimus.data.loader import MicrobatchSampler, WindowDataset, build_loader, build_source
 from optimus.data.mixture import Mixture
+from optimus.data.order import FeistelPermutation, SampleOrder, _mix64, block_permutation
 
 SEQ = 8
 
@@ -90,6 +83,18 @@ def test_the_permutation_reads_its_key_modulo_2_to_the_64():
     assert [FeistelPermutation(17, 12345 + 2**64)(i) for i in range(17)] == ref
     minus_one = [FeistelPermutation(17, -1)(i) for i in range(17)]
     assert minus_one == [FeistelPermutation(17, 2**64 - 1)(i) for i in range(17)] != ref
+
+
+@pytest.mark.parametrize(("seed", "block", "order"), [
+    (0, 0, [11, 3, 1, 2, 4, 7, 6, 5, 0, 8, 10, 9]),
+    (0, 1, [5, 2, 1, 3, 8, 0, 10, 7, 4, 9, 6, 11]),
+    (1234, 7, [1, 10, 4, 9, 11, 6, 0, 7, 2, 3, 5, 8]),
+    (2**63 + 5, 2**40, [8, 5, 0, 9, 1, 2, 7, 10, 4, 6, 3, 11]),
+])
+def test_a_mixture_blocks_permutation_is_pinned(seed, block, order):
+    """Which source each slot of a mixture's block reads (seed and block number both key it)."""
+    perm = block_permutation(seed, block, 12)
+    assert [perm(i) for i in range(12)] == order
 
 
 def test_the_permutation_needs_one_element():

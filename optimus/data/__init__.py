@@ -9,7 +9,7 @@ from optimus.data.prepare import prepare
 from optimus.lazy import lazy_names
 
 _WHERE = {
-    "FeistelPermutation": "loader", "MicrobatchSampler": "loader", "SampleOrder": "loader",
+    "FeistelPermutation": "order", "MicrobatchSampler": "loader", "SampleOrder": "order",
     "WindowDataset": "loader", "build_loader": "loader", "build_source": "loader",
     "Mixture": "mixture", "TokenShards": "shards", "SyntheticCorpus": "synthetic",
     "ByteTokenizer": "tokenizer", "HFTokenizer": "tokenizer", "load_tokenizer": "tokenizer",

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from optimus.data.errors import DataError
+from optimus.data.order import block_permutation
 
 __all__ = ["Audit", "audit", "audit_run"]
 
@@ -324,16 +325,12 @@ def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def _block_counter(quotas: list[int], block: int,
                    seed: int) -> Callable[[int, Iterable[int]], list[int]]:
     """Per source, how many of the positions in block b it owns: `MixtureDataset.locate`'s rule
-    (the block's keyed permutation onto the quota ranges), repeated here because building a
-    MixtureDataset needs the data folders; tests/test_data_audit.py checks the two agree."""
-    from optimus.data.loader import _MASK64, FeistelPermutation, _mix64  # imports torch
-    from optimus.data.mixture import _BLOCK_SALT
-
+    (the block's keyed permutation onto the quota ranges, `block_permutation`), without the
+    data folders a MixtureDataset needs; tests/test_data_audit.py checks the two agree."""
     starts = [sum(quotas[:s]) for s in range(len(quotas) + 1)]
 
     def count(b: int, positions: Iterable[int]) -> list[int]:
-        key = _mix64(_mix64(seed ^ _BLOCK_SALT) ^ (b * 0x9E3779B97F4A7C15 & _MASK64))
-        perm = FeistelPermutation(block, key)
+        perm = block_permutation(seed, b, block)
         found = [0] * len(quotas)
         for p in positions:
             found[bisect.bisect_right(starts, perm(p)) - 1] += 1

@@ -26,11 +26,11 @@ import torch
 from torch.utils.data import Dataset
 
 from optimus.data.errors import DataError
-from optimus.data.loader import _MASK64, FeistelPermutation, SampleOrder, _mix64
+from optimus.data.order import SampleOrder, _mix64, block_permutation
 from optimus.data.shards import TokenShards
 
 BLOCK = 1 << 16  # slots per block: weights resolve to 1 / 65536
-_SOURCE_SALT, _BLOCK_SALT = 0x50_C0DE_5EED, 0xB10C_5EED
+_SOURCE_SALT = 0x50_C0DE_5EED
 
 
 def quotas(weights: list[float], block: int = BLOCK) -> list[int]:
@@ -107,8 +107,7 @@ class MixtureDataset(Dataset):
             raise IndexError(f"global sample index must be >= 0, got {g}")
         b, p = divmod(g, BLOCK)
         if b != self._block:
-            key = _mix64(_mix64(self.seed ^ _BLOCK_SALT) ^ (b * 0x9E3779B97F4A7C15 & _MASK64))
-            self._block, self._perm = b, FeistelPermutation(BLOCK, key)
+            self._block, self._perm = b, block_permutation(self.seed, b, BLOCK)
         i = self._perm(p)
         s = bisect.bisect_right(self.starts, i) - 1
         return s, b * self.mixture.quotas[s] + i - self.starts[s]
