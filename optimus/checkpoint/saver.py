@@ -348,8 +348,9 @@ class Checkpointer:
 
     def _conclude(self, save: _Save, committed: bool) -> str:
         self._inflight = None
-        if save.written is not None:
-            self.stats.last_write_s = save.written - save.started
+        if save.future.done():  # its done-callback may not have run yet when wait() woke
+            written = save.written if save.written is not None else time.perf_counter()
+            self.stats.last_write_s = written - save.started
         for note in save.events:
             log.warning(note)
         if committed:
