@@ -78,13 +78,14 @@ import hiredis
 import redis
 from prometheus_client import CollectorRegistry, generate_latest
 
-import controller.store as store_module
-from controller.controller import TICK_S, Controller, settings_for
-from controller.decide import Settings
-from controller.decide import names as decide_names
+import controller.store.store as store_module
+from controller.cli.run import LocalCluster, start_redis
+from controller.control.controller import TICK_S, Controller, settings_for
+from controller.control.decide import Settings
+from controller.control.decide import names as decide_names
 from controller.exporter import JobCollector
-from controller.run import LocalCluster, start_redis
-from controller.store import NodeSummary, Store, prefix
+from controller.store.store import Store, prefix
+from controller.store.summaries import NodeSummary
 from optimus.config import validate_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -525,7 +526,7 @@ class Size:
         """3: one rank stops stepping, heartbeats fresh; the stall to the event naming it."""
         res, c = self.res, self.control
         if not self.hang_rule:
-            res.stall_how = "not available: controller/decide.py has no hang rule yet"
+            res.stall_how = "not available: controller/control/decide.py has no hang rule yet"
             return
         settle = time.monotonic()
         while time.monotonic() - settle < SETTLE_S:

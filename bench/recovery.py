@@ -18,7 +18,7 @@ p99 <= 5 s for a dead or frozen rank; fault to next step <= 30 s.
 
 The whole measurement runs once per mode (`--modes`), each `<start>-<recovery>`:
 - start `warm`: each agent forks its ranks from a process that imported the trainer once
-  (controller/spawn.py); `standby`: each agent keeps a process per device past its imports
+  (controller/node/spawn.py); `standby`: each agent keeps a process per device past its imports
   (and its device context, on a GPU) that the next generation's rank becomes; `cold`
   (OPTIMUS_WARM_START=0): every rank is a fresh `python -m optimus train`;
 - recovery `memory`: in-memory snapshots (`checkpoint.memory_every`, auto unless
@@ -53,9 +53,9 @@ from pathlib import Path
 
 import yaml
 
-from controller.run import LocalCluster, start_redis
-from controller.spawn import WARM_ENV
-from controller.store import Store
+from controller.cli.run import LocalCluster, start_redis
+from controller.node.spawn import WARM_ENV
+from controller.store.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 INTERVAL_S, TIMEOUT_S = 0.5, 3.0

@@ -1,5 +1,5 @@
 """`python -m controller ...`: the control plane's commands (the same as `optimus ...`)."""
 
-from controller.cli import main
+from controller.cli.main import main
 
 main()

@@ -22,9 +22,9 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from controller.detect import CAUSES
-from controller.store import Store, StoreUnavailable
-from controller.view import STATES
+from controller.control.detect import CAUSES
+from controller.control.view import STATES
+from controller.store.store import Store, StoreUnavailable
 from optimus.checkpoint.manifest import CheckpointError, committed_steps, read_manifest, step_dir
 from optimus.config import JobConfig
 

@@ -29,7 +29,7 @@ ends normally. Version 1 of the datagram, every field always present:
   at exit). A collective phase lasts exactly as long as its call: the rank then goes back to
   the phase it was in (inside "checkpoint", or "startup"), so a rank outside every collective
   never reads as waiting in one. The controller names the rank outside them, or behind in
-  step, as a hang's culprit (controller/detect.py repeats the tuple). The other phases last
+  step, as a hang's culprit (controller/control/detect.py repeats the tuple). The other phases last
   until the next is entered. "paused" is not one: a paused job is not checked for hangs.
 - compute_s, wait_s: the last completed step's host wall-clock time split in two (0.0 before the
   first). wait_s is the time spent in "data", the collective phases and "checkpoint" (the
@@ -423,7 +423,7 @@ class Commands:
         self.requested |= Command.STOP
 
 
-# Exit statuses the agent reports and the controller reads (controller/decide.py).
+# Exit statuses the agent reports and the controller reads (controller/control/decide.py).
 EXIT_BAD_TILE = 87  # this rank's own loss or gradients were NaN/Inf: its tile is suspect
 EXIT_NONFINITE_ELSEWHERE = 88  # the reduced gradients were NaN/Inf, this rank's own were not
 EXIT_CHECKPOINT_FAILED = 89  # the final step's save failed, or max_failed_saves in a row did

@@ -25,7 +25,7 @@ trainer initialises none.
 
 Standby (`--standby N`): a fork cannot carry a CUDA or XPU context, and creating one costs a
 rank seconds on every start. So on a node with accelerators the agent keeps one standby process
-per device instead (controller/spawn.py): a fresh interpreter that imports the trainer, makes
+per device instead (controller/node/spawn.py): a fresh interpreter that imports the trainer, makes
 device N current and creates its runtime context, then waits. The next generation adopts it:
 the agent writes the rank's request ({"argv", "env", "log"}) as one line on its stdin and the
 process becomes that rank, as a fork does (its own session from the start, its output to the

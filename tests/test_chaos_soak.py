@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from cluster import ROOT, Processes, metrics, train_ranks, wait_for, write_job
 
-from controller.recovery import memory_point
-from controller.store import Store
+from controller.control.recovery import memory_point
+from controller.store.store import Store
 from optimus.data.audit import audit_run
 
 STEPS = 160

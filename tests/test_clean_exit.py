@@ -21,7 +21,7 @@ import yaml
 from cluster import ROOT, metrics, wait_for, write_job
 from multiproc import free_port
 
-from controller.spawn import Spawner
+from controller.node.spawn import Spawner
 from optimus.checkpoint.manifest import committed_steps
 
 STEPS = 8

@@ -31,7 +31,7 @@ from cluster import (
     write_job,
 )
 
-from controller.store import Store
+from controller.store.store import Store
 from optimus.checkpoint.manifest import committed_steps, step_dir, verify
 from optimus.checkpoint.quarantine import quarantined
 from optimus.data.audit import audit_run

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from controller.decide import (
+from controller.control.decide import (
     COMPLETED,
     FAILED,
     RESTARTING,
@@ -299,7 +299,7 @@ def test_every_collective_phase_counts_as_waiting_so_a_hang_during_a_save_names_
 
 
 def test_the_rank_and_controller_agree_on_which_phases_are_collectives():
-    from controller.detect import COLLECTIVE_PHASES
+    from controller.control.detect import COLLECTIVE_PHASES
     from optimus.health import COLLECTIVE_PHASES as RANK_SIDE
     from optimus.health import PHASES
 
@@ -420,7 +420,7 @@ def test_a_rank_stopped_by_failed_saves_waits_briefly_for_rank_0_then_fails_anyw
 
 
 def test_the_controller_reads_the_exit_statuses_the_ranks_use():
-    from controller import detect
+    from controller.control import detect
     from optimus import health  # loads torch: the controller's copy must not drift from it
 
     assert (detect.EXIT_BAD_TILE, detect.EXIT_NONFINITE_ELSEWHERE,
@@ -528,7 +528,7 @@ P44, P46 = "step_000000044.gen_0000", "step_000000046.gen_0000"
 
 
 def test_buddies_are_spares_while_they_have_room_then_the_next_node():
-    from controller.recovery import buddies
+    from controller.control.recovery import buddies
     addrs = {n: f"host-{n}:7000" for n in ("n0", "n1", "n2", "s0")}
     assert {k: v["node"] for k, v in buddies(["n0", "n1", "n2"], ["s0"], addrs).items()} == {
         "n0": "s0", "n1": "s0", "n2": "n0"}  # a spare holds at most two nodes' copies
@@ -539,7 +539,7 @@ def test_buddies_are_spares_while_they_have_room_then_the_next_node():
 
 
 def test_a_memory_point_is_usable_once_every_shard_has_a_replica_and_a_live_holder():
-    from controller.recovery import memory_point
+    from controller.control.recovery import memory_point
     plan = running_plan()  # n0: ranks 0, 1; n1: ranks 2, 3
     reports = {"n0": _snap(own={P44: [0, 1], P46: [0, 1]}),
                "n1": _snap(own={P44: [2, 3], P46: [2, 3]}),

@@ -17,7 +17,7 @@ import json
 
 from test_decide import NOW, H, S, beat, busy, node, running, running_plan
 
-from controller.decide import (
+from controller.control.decide import (
     RESTARTING,
     RUNNING,
     WAITING,

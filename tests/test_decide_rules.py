@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from test_decide import NOW, SAVES, H, S, busy, node, running, running_plan
 
-from controller.decide import (
+from controller.control.decide import (
     FAILED,
     RESTARTING,
     RUNNING,

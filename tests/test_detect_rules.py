@@ -1,6 +1,6 @@
-"""controller/detect.py, rule by rule: what each exit status and last line says about a rank,
-which evidence a snapshot holds (bad tiles, lost nodes at the timeout and one past it, frozen
-ranks of the plan only), the hang threshold and which rank a hang blames (only this
+"""controller/control/detect.py, rule by rule: what each exit status and last line says about a
+rank, which evidence a snapshot holds (bad tiles, lost nodes at the timeout and one past it,
+frozen ranks of the plan only), the hang threshold and which rank a hang blames (only this
 generation's plan members count), stragglers against the median of the others, and the flaky
 node's window, each pinned at its boundary.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 
-from controller.detect import (
+from controller.control.detect import (
     COLLATERAL,
     HARD,
     SOFT,
@@ -23,7 +23,7 @@ from controller.detect import (
     stall_threshold,
     straggling,
 )
-from controller.view import Exit, JobView, Observed, Overdue, Settings
+from controller.control.view import Exit, JobView, Observed, Overdue, Settings
 
 NOW = 1000.0
 # agent_silence_s = 2 x 0.5 = 1.0 s; agent_timeout_s = 5 s.

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from cluster import ROOT, metrics, metrics_so_far, wait_for, write_job
 
-from controller.store import Store
+from controller.store.store import Store
 from optimus.checkpoint.manifest import committed_steps, read_manifest, step_dir, verify
 from optimus.checkpoint.quarantine import quarantined
 

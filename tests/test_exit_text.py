@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from controller.agent import _tail
-from controller.detect import SOFT, exit_evidence
-from controller.exit_text import describe_exit, last_words, own_lines, signal_name
-from controller.view import Exit
+from controller.control.detect import SOFT, exit_evidence
+from controller.control.view import Exit
+from controller.node.exit_text import describe_exit, last_words, own_lines, signal_name
+from controller.node.ranks import tail
 
 STEPS = """\
 step     47 | loss 0.8745 | gnorm 0.606 | 32,722 tok/s | 16 ms
@@ -145,9 +145,9 @@ def test_a_killed_rank_whose_writer_broke_its_pipe_is_no_collateral(tmp_path):
     taken for a rank that lost its peers."""
     log = tmp_path / "rank_00001.log"
     log.write_text(f"{STEPS}\n{WRITER_BROKEN_PIPE}\n")
-    tail = _tail(log)
-    assert tail == STEPS
-    killed = Exit("n0", 1, 0, code=None, signal=9, tail=tail, local_rank=1)
+    kept = tail(log)
+    assert kept == STEPS
+    killed = Exit("n0", 1, 0, code=None, signal=9, tail=kept, local_rank=1)
     evidence = exit_evidence(killed)
     assert evidence.kind == SOFT and evidence.what == f"rank 1 on n0 ended with SIGKILL (9): " \
         f"{LAST_STEP}"

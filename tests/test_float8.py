@@ -199,7 +199,7 @@ def test_missing_torchao_refuses_the_job_before_training(tmp_path):
     script = textwrap.dedent(f"""
         import sys
         sys.modules["torchao"] = None
-        from controller.agent import job_problem_here
+        from controller.node.checks import job_problem_here
         print("agent:", job_problem_here({str(job)!r}, []))
         from optimus.cli import main
         main(["train", {str(job)!r}], prog_name="optimus")
@@ -230,16 +230,17 @@ def test_an_agent_that_cannot_run_the_job_asks_to_stop_it(monkeypatch):
     `check_float8_here`'s, tested above): no launch, a stop request with the reason."""
     from types import SimpleNamespace
 
-    import controller.agent as agent
+    import controller.node.agent as agent
+    import controller.node.checks as checks
 
     why = "job.yaml: training.float8: tensorwise cannot run here: ..."
-    monkeypatch.setattr(agent, "job_problem_here", lambda job_file, overrides: why)
+    monkeypatch.setattr(checks, "job_problem_here", lambda job_file, overrides: why)
     node = SimpleNamespace(node="node0", host="h", store=_Store(), checked_for=3)
     node._event = lambda kind, message, **f: agent.Agent._event(node, kind, message, **f)
     assert agent.Agent._can_run(node, {"generation": 3, "job_file": "job.yaml"}) is False
     assert node.store.requests == [("stop", "agent:node0", why)]
     assert node.store.events == [("refused", f"node0 refuses generation 3: {why}")]
-    monkeypatch.setattr(agent, "job_problem_here", lambda job_file, overrides: None)
+    monkeypatch.setattr(checks, "job_problem_here", lambda job_file, overrides: None)
     assert agent.Agent._can_run(node, {"generation": 4, "job_file": "job.yaml"}) is True
 
 

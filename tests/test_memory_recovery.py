@@ -15,7 +15,7 @@ from pathlib import Path
 
 from cluster import ROOT, Processes, RedisServer, metrics, wait_for, write_job
 
-from controller.store import Store
+from controller.store.store import Store
 from optimus.data.audit import audit_run
 
 STEPS = 30

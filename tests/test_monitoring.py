@@ -298,7 +298,7 @@ def test_a_scrape_without_redis_still_names_the_job():
     from prometheus_client import CollectorRegistry, generate_latest
 
     from controller.exporter import JobCollector
-    from controller.store import StoreUnavailable
+    from controller.store.store import StoreUnavailable
 
     class NoRedis:
         def __getattr__(self, name):

@@ -35,7 +35,7 @@ from cluster import (
 )
 from promql import exported_names, metric_names, monitoring_expressions
 
-from controller.store import Store
+from controller.store.store import Store
 from optimus.checkpoint.manifest import committed_steps
 from optimus.checkpoint.quarantine import quarantined
 from optimus.files import human_bytes
@@ -418,7 +418,7 @@ def test_without_redis_the_exporter_answers_with_up_0_and_the_job_name(tmp_path)
 
 
 def test_resubmit_starts_an_ended_job_again_and_nothing_else(tmp_path):
-    from controller.cli import _resubmit
+    from controller.cli.main import _resubmit
     from optimus.config import load_job
 
     server = RedisServer(tmp_path)
@@ -442,7 +442,7 @@ def test_resubmit_starts_an_ended_job_again_and_nothing_else(tmp_path):
 
 
 def test_the_operator_commands_start_without_torch():
-    code = "import sys, controller.cli; sys.exit('torch' in sys.modules)"
+    code = "import sys, controller.cli.main; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from test_decide import NOW, S, busy, node, running, running_plan
 
-from controller.decide import (
+from controller.control.decide import (
     PAUSED,
     PAUSING,
     RESTARTING,
@@ -18,7 +18,7 @@ from controller.decide import (
     Settings,
     decide,
 )
-from controller.operator import refusal
+from controller.control.operator import refusal
 
 
 def ask(action: str, n: int = 1, **fields) -> Request:
@@ -55,7 +55,7 @@ def test_a_paused_job_never_looks_hung_or_slow_and_resume_restarts_the_stall_clo
 
 def test_a_failure_while_paused_still_restarts_and_the_next_generation_starts_pausing():
     job = busy(state=PAUSED, desired="pause", desired_by="ana@desk")
-    from controller.decide import Exit
+    from controller.control.decide import Exit
 
     d = decide(running(job=job, exits=[Exit("n1", 2, 0, code=None, signal=9)]), S)
     assert d.job["state"] == RESTARTING and d.job["restart_causes"] == {"rank_exit": 1}

@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 from cluster import ROOT, free_port, write_job
 
-from controller.cli import main
+from controller.cli.main import main
 from controller.schedulers.pbs import SCRIPT
 from optimus.runtime import LaunchError, cpu_binding
 

@@ -44,7 +44,7 @@ import click
 import pytest
 import yaml
 
-from controller.cli import main
+from controller.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the venv's bin/: optimus, torchrun

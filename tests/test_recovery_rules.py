@@ -1,15 +1,15 @@
-"""controller/recovery.py, rule by rule: the window wrong arithmetic opens (whose evidence, which
-resume step), what is set aside and the event that says so, the `loaded` event for each way a
-generation can start, who holds each node's snapshot copy, and `memory_point`: which point it
-takes newest first (skipping void, incomplete, lost and distrusted ones), the disk step as its
-floor, the slots it returns and the reason it gives; then the distrust window's edges and which
-earlier incarnations' reports a usable point outlives.
+"""controller/control/recovery.py, rule by rule: the window wrong arithmetic opens (whose
+evidence, which resume step), what is set aside and the event that says so, the `loaded` event
+for each way a generation can start, who holds each node's snapshot copy, and `memory_point`:
+which point it takes newest first (skipping void, incomplete, lost and distrusted ones), the disk
+step as its floor, the slots it returns and the reason it gives; then the distrust window's edges
+and which earlier incarnations' reports a usable point outlives.
 """
 
 from __future__ import annotations
 
-from controller.detect import HARD, Evidence
-from controller.recovery import (
+from controller.control.detect import HARD, Evidence
+from controller.control.recovery import (
     _distrusted,
     buddies,
     clock,
@@ -20,7 +20,7 @@ from controller.recovery import (
     set_aside,
     window,
 )
-from controller.view import Decision, JobView, Observed
+from controller.control.view import Decision, JobView, Observed
 from optimus.checkpoint.snapshot_files import point_name
 
 NOW = 1000.0

@@ -11,12 +11,13 @@ from pathlib import Path
 
 from test_decide import NOW, S, beat, busy, node, running, running_plan
 
-from controller.decide import RESTARTING, RUNNING, JobView, NodeView, Observed, decide
-from controller.detect import hang_culprits
-from controller.exit_text import describe_exit
-from controller.recovery import memory_point, outlived
-from controller.snapshots import _retain_held, _retain_own
-from controller.store import NodeSummary, Store
+from controller.control.decide import RESTARTING, RUNNING, JobView, NodeView, Observed, decide
+from controller.control.detect import hang_culprits
+from controller.control.recovery import memory_point, outlived
+from controller.node.exit_text import describe_exit
+from controller.node.snapshots import _retain_held, _retain_own, _scan
+from controller.store.store import Store
+from controller.store.summaries import NodeSummary
 from optimus.checkpoint.snapshot_files import (
     extend_lineage,
     point_name,
@@ -114,15 +115,15 @@ def test_an_agent_removes_void_points_and_keeps_the_new_lines_being_written(tmp_
         _point(own, step, 1)
         _point(held, step, 1, ranks=(1,))
     lineage = [[0, -1], [1, 40]]
-    _retain_own(own, {_p(50, 0), _p(55, 0)}, None, lineage)
-    _retain_held(held, None, lineage)
+    _retain_own(_scan(own), {_p(50, 0), _p(55, 0)}, None, lineage)
+    _retain_held(_scan(held), None, lineage)
     assert [(s, g) for s, g, _ in points(own)] == [(45, 1), (50, 1)]
     assert [(s, g) for s, g, _ in points(held)] == [(45, 1), (50, 1)]
     # Today's rule without the lineage: the old 55 and 50 are the newest two confirmed, and the
     # new line's 45, still being written, goes.
     _point(own, 55, 0)
     _point(own, 50, 0)
-    _retain_own(own, {_p(50, 0), _p(55, 0)}, None, [])
+    _retain_own(_scan(own), {_p(50, 0), _p(55, 0)}, None, [])
     assert (45, 1) not in [(s, g) for s, g, _ in points(own)]
 
 

@@ -21,8 +21,8 @@ from click.testing import CliRunner
 from cluster import ROOT, RedisServer, metrics, wait_for, write_job
 from PIL import Image
 
-from controller.event_log import EventLog
-from controller.store import Store
+from controller.control.event_log import EventLog
+from controller.store.store import Store
 from optimus.cli import main
 from optimus.config import validate_job
 from optimus.data import Mixture, TokenShards, prepare

@@ -1,4 +1,4 @@
-"""The console of `optimus run` (controller/console.py): one line per thing that happened, in
+"""The console of `optimus run` (controller/cli/console.py): one line per thing that happened, in
 order. A real run with validation and checkpoints, checked line by line against the metrics rank
 0 wrote; a restart's rollback, replayed through a real Redis; and the incremental reader of the
 metrics file, on a partial last line and on a file truncated or replaced under it."""
@@ -18,9 +18,9 @@ import yaml
 from cluster import ROOT, metrics, write_job
 from rich.console import Console
 
-from controller import console as console_module
-from controller.console import Follow, MetricsTail
-from controller.store import Store
+from controller.cli import console as console_module
+from controller.cli.console import Follow, MetricsTail
+from controller.store.store import Store
 from optimus.checkpoint.manifest import committed_steps
 from optimus.config import load_job
 

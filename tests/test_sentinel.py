@@ -25,8 +25,8 @@ from cluster import (
     write_job,
 )
 
-from controller.connect import parse_sentinel_url
-from controller.store import Store, StoreUnavailable, prefix, safe_url
+from controller.store.connect import parse_sentinel_url
+from controller.store.store import Store, StoreUnavailable, prefix, safe_url
 
 STEPS, KILL_AT = 60, 12
 HEARTBEAT_TIMEOUT_S = 3.0  # write_job's: agents silent longer than this are judged lost

@@ -29,7 +29,7 @@ import pytest
 from click.testing import CliRunner
 from cluster import ROOT, free_port, wait_for, write_job
 
-from controller.cli import main
+from controller.cli.main import main
 from controller.schedulers.slurm import time_limit_s
 from optimus.checkpoint.manifest import committed_steps
 
@@ -340,8 +340,8 @@ def test_a_new_allocation_takes_a_job_left_running_as_a_new_submission(tmp_path)
     with a plan whose agents are gone: resubmitted, exclusions kept; COMPLETED stays."""
     from cluster import RedisServer
 
-    from controller.cli import _resubmit
-    from controller.store import Store
+    from controller.cli.main import _resubmit
+    from controller.store.store import Store
     from optimus.config import load_job
 
     server = RedisServer(tmp_path)

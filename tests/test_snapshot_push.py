@@ -10,12 +10,14 @@ import contextlib
 import os
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from controller.snapshots import KEEP, SnapshotKeeper, job_secret, pull, push
+from controller.node.snapshots import KEEP, SnapshotKeeper, job_secret, pull, push
+from optimus.checkpoint import snapshot_files
 from optimus.checkpoint.snapshot_files import (
     check_shard,
     point_name,
@@ -171,3 +173,57 @@ def test_a_shard_that_fails_its_checksum_is_refused_with_the_reason(keeper):
     with pytest.raises(ValueError, match="fails its sha256 check"):
         push(b.address, SECRET, source, [0])
     assert points(b.held) == []
+
+
+def test_a_poll_reads_each_marker_at_most_once_and_between_ticks_only_unsent_points(
+        keeper, monkeypatch):
+    """At 12 ranks a node the agent polls every 50 ms: a poll on the tick (retention, the
+    report) reads each shard marker once; one between ticks, only the markers of points not
+    sent yet; one that finds a push ended reports at once."""
+    reads = Counter()
+    real = snapshot_files._complete
+
+    def counted(point_dir, rank):
+        if point_dir.is_relative_to(a.root):  # not b's, receiving the push
+            reads[(point_dir.name, point_dir.parent.name, rank)] += 1
+        return real(point_dir, rank)
+    monkeypatch.setattr(snapshot_files, "_complete", counted)
+
+    def poll(full: bool) -> dict | None:
+        reads.clear()
+        return a.poll(plan, 0, [], full=full)
+
+    a, b = keeper("a"), keeper("b")
+    plan = {"generation": 0, "nodes": ["a", "b"], "ranks_per_node": 2,
+            "buddies": {"a": {"node": "b", "addr": b.address}}}
+    for step in (1, 2, 3):
+        _take(a.own, step, [0, 1], size=1024)
+        _take(a.held, step, [2, 3], size=1024)
+    markers = {(point_name(s, 0), folder, r) for s in (1, 2, 3)
+               for folder, ranks in (("own", (0, 1)), ("held", (2, 3))) for r in ranks}
+
+    report = poll(full=True)  # the tick: step 1 goes in both folders, step 3 goes to b
+    assert dict(reads) == {m: 1 for m in markers}
+    kept = [point_name(2, 0), point_name(3, 0)]
+    assert sorted(report["own"]) == kept and sorted(report["held"]) == kept
+    assert report["own"][kept[1]] == [0, 1] and report["held"][kept[1]] == [2, 3]
+    assert report["replicated"] == {}
+    assert [p.name for *_, p in points(a.own)] == kept
+
+    deadline = time.monotonic() + 30
+    while (report := poll(full=False)) is None:  # the push runs: nothing is read meanwhile
+        assert not reads
+        assert time.monotonic() < deadline, "the push did not end"
+        time.sleep(0.005)
+    assert report["replicated"] == {kept[1]: "b"}  # reported as soon as b has it
+    assert max(reads.values()) == 1
+    assert poll(full=False) is None and not reads  # all sent: nothing to read
+
+    _take(a.own, 4, [0], size=1024)  # being written: rank 1's shard is not there yet
+    assert poll(full=False) is None
+    assert dict(reads) == {(point_name(4, 0), "own", 0): 1}
+    _take(a.own, 4, [1], size=1024)
+    assert poll(full=False) is None  # complete: its push starts
+    assert dict(reads) == {(point_name(4, 0), "own", r): 1 for r in (0, 1)}
+    assert poll(full=True) is not None  # the tick reports it, each marker read once
+    assert max(reads.values()) == 1

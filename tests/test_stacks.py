@@ -1,4 +1,4 @@
-"""A hung rank's stack, collected by its agent (controller/stacks.py) from real processes with
+"""A hung rank's stack, collected by its agent (controller/node/stacks.py) from real processes with
 real signals: asked with SIGUSR1; read from outside with py-spy when the rank does not answer;
 asked again when py-spy is absent or fails; and, when nothing works, a text that says why."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.stacks import Target, collect, find_py_spy
+from controller.node.stacks import Target, collect, find_py_spy
 
 # A rank blocked in C (a lock that is never released, as in a device sync that never returns).
 # "answers": faulthandler on SIGUSR1, as optimus.health registers it. "deaf": SIGUSR1 ignored,

@@ -7,9 +7,10 @@ import sys
 import time
 
 import pytest
-from cluster import ROOT, free_port
+from cluster import ROOT, free_port, wait_for
 
-from controller.store import NodeSummary, Store, StoreUnavailable, prefix
+from controller.store.store import Store, StoreUnavailable, prefix
+from controller.store.summaries import NodeSummary
 
 
 def test_keys_share_one_cluster_slot_tag():
@@ -111,13 +112,16 @@ def test_cli_names_an_unreachable_redis_and_a_wrong_password_in_one_line(tmp_pat
                           "--rank", "0", "--redis", f"redis://127.0.0.1:{port}/0"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.startswith(f"error: Redis at redis://127.0.0.1:{port}/0 did not answer")
+    assert out.stderr.startswith(f"error: nothing listens at redis://127.0.0.1:{port}/0 "
+                                 "(connection refused)")
 
     server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
                                "--save", "", "--requirepass", "secret"],
                               stdout=subprocess.DEVNULL)
     try:
-        time.sleep(0.5)
+        wait_for(lambda: subprocess.run(["redis-cli", "-p", str(port), "ping"],
+                                        capture_output=True, text=True).stdout.strip()
+                 in ("PONG", "NOAUTH Authentication required."), 30, "redis-server up")
         out = subprocess.run([sys.executable, "-m", "controller", "chaos", "kill-rank", "--job",
                               "j", "--rank", "0", "--redis",
                               f"redis://default:wrong@127.0.0.1:{port}/0"], cwd=ROOT,

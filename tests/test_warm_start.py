@@ -18,7 +18,7 @@ import pytest
 from cluster import metrics, wait_for, write_job
 from multiproc import free_port
 
-from controller.spawn import Spawner, WarmRank
+from controller.node.spawn import Spawner, WarmRank
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ its shard of what a disk checkpoint holds (its model and optimizer shards, the p
 with the data position, its RNG states) into that folder (snapshot_files.py says how it lies);
 the agent replicates each complete point to a buddy node, and the controller resumes a next
 generation from the newest point every shard and replica of which is complete (controller/
-snapshots.py, controller/recovery.py).
+snapshots.py, controller/control/recovery.py).
 
 Why not DCP (as disk checkpoints use): a DCP save is one global checkpoint, its metadata written
 by one coordinator and its load a collective that reshards. A snapshot is only ever loaded by the

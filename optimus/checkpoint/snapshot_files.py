@@ -1,7 +1,7 @@
 """How in-memory snapshots lie in a node's snapshot folder: names, markers and checksums.
 
 Shared by the ranks that write them (optimus/checkpoint/snapshot.py) and the node agent that
-keeps, replicates and serves them (controller/snapshots.py). No torch here: the agent does not
+keeps, replicates and serves them (controller/node/snapshots.py). No torch here: the agent does not
 import it.
 
     <node folder>/own/step_000000120.gen_0003/rank_00004.pt     this node's ranks' shards

@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from controller.view import (
+from controller.control.view import (
     ACTIVE,
     PAUSED,
     PAUSING,

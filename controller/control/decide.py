@@ -4,11 +4,11 @@
 this generation's rank exits, overdue heartbeats, the latest committed checkpoint) and returns a
 `Decision`: fields of the job record to write, a new plan, nodes to exclude, events to record.
 Nothing here touches Redis, a clock or a process, so every rule is unit-tested on its own
-(tests/test_decide.py); `controller/controller.py` observes and applies.
+(tests/test_decide.py); `controller/control/controller.py` observes and applies.
 
 Job states: PENDING -> RUNNING <-> PAUSING -> PAUSED, (RESTARTING -> RUNNING)*, then COMPLETED |
 FAILED | STOPPED, with WAITING while too few healthy nodes are left for the layout and STOPPING
-while an operator's stop drains the ranks. Operators' requests (controller/operator.py) are
+while an operator's stop drains the ranks. Operators' requests (controller/control/operator.py) are
 taken first, each tick. A plan's `action` tells agents what to do with its generation: "run",
 "stop" (terminate the ranks) or "end" (terminate them and exit: the job is over); a stop or end
 with `"save": false` tells the ranks to save nothing.
@@ -33,9 +33,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from controller import detect, operator, recovery
-from controller.detect import COLLATERAL, HARD, Evidence
-from controller.view import (  # noqa: F401 (re-exported: the rules' vocabulary)
+from controller.control import detect, operator, recovery
+from controller.control.detect import COLLATERAL, HARD, Evidence
+from controller.control.view import (  # noqa: F401 (re-exported: the rules' vocabulary)
     ACTIVE,
     COMPLETED,
     FAILED,

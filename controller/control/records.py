@@ -1,4 +1,4 @@
-"""Redis records read back into the rules' views (controller/view.py).
+"""Redis records read back into the rules' views (controller/control/view.py).
 
 The job record is the controller's own; requests come from operators, exits and status from
 agents: what those write is checked where a rule does arithmetic on it (`number`, `count`: a
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from controller.view import Exit, JobView, Request
+from controller.control.view import Exit, JobView, Request
 
 
 def job_view(r: dict[str, str]) -> JobView:

@@ -12,7 +12,7 @@ pure rules, like decide.py, which calls them.
   `loaded` event.
 - `memory_point`, `buddies`: the newest in-memory snapshot a next generation can resume from
   (every shard and its replica committed, and still held by a live node), and who holds each
-  node's copy (controller/snapshots.py keeps them on the agents). The plan takes it over the
+  node's copy (controller/node/snapshots.py keeps them on the agents). The plan takes it over the
   disk checkpoint when it is at least as new and the layout stays the same; `memory_resume`
   maps the point onto the next generation's nodes (survivors keep their slots, a replacement
   takes a lost node's, preferring the one holding its copy).
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import time
 
-from controller.detect import Evidence
-from controller.view import Decision, JobView, Observed
+from controller.control.detect import Evidence
+from controller.control.view import Decision, JobView, Observed
 from optimus.checkpoint.snapshot_files import extend_lineage, parse_point, void
 
 

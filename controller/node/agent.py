@@ -5,9 +5,10 @@
 It registers the node (host, devices, health check), then loops:
 - every `interval` s, one pipelined round trip (`Store.agent_tick`): its own beat and status,
   its ranks' latest heartbeats and the node's heartbeat deadline; back come the plan and any
-  chaos commands;
+  chaos commands; then the in-memory snapshots' retention and report (snapshots.py);
 - every 50 ms, `waitpid` on its ranks (an exit is reported at once, with its code, signal and
-  the last lines of its own output) and a drain of the ranks' heartbeat datagrams.
+  the last lines of its own output), a drain of the ranks' heartbeat datagrams, and the push of
+  a new complete snapshot point to the buddy.
 
 Plans are desired state: the agent runs the ranks of a "run" plan that names its node, stops
 (SIGTERM, then SIGKILL after the plan's grace) ranks of a generation that is over or told to
@@ -17,7 +18,7 @@ ranks keep training and the agent re-registers when Redis is back.
 Ranks run `optimus train JOB` in their own session, with the normalised environment
 (OPTIMUS_*), output to `<log_dir>/gen_<g>/rank_<r>.log`, and PR_SET_PDEATHSIG so they die with
 the agent (a lost node takes its ranks with it, as a real one does). They are forked from a
-warm process that imported the trainer once (controller/spawn.py, optimus/warm.py), so a
+warm process that imported the trainer once (controller/node/spawn.py, optimus/warm.py), so a
 generation starts without seconds of imports per rank.
 
 The heartbeat protocol (rank -> agent) is one JSON datagram per interval on a Unix datagram
@@ -30,9 +31,8 @@ generation with `"save": false`, on evidence of wrong arithmetic, adds `"save": 
 before the SIGTERM: the ranks then stop without a checkpoint); and an operator's
 `chaos hang-rank|stall-rank|nan-rank` into another (OPTIMUS_CHAOS_FILE, see optimus/faults.py).
 
-A hang's stacks (the controller's `dump_stacks` command) are collected on a thread of their own,
-so the agent goes on reaping and relaying meanwhile: SIGUSR1, then py-spy from outside for a
-rank that does not answer, then SIGUSR1 again (controller/stacks.py).
+Beside this module: the commands it takes (commands.py: stacks, faults), its node's checks
+(checks.py) and what it sums up of its ranks (ranks.py).
 """
 
 from __future__ import annotations
@@ -44,48 +44,26 @@ import logging
 import os
 import signal
 import socket
-import statistics
 import tempfile
 import threading
 import time
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections import deque
 from pathlib import Path
-from typing import Any
 
-from controller.detect import COLLECTIVE_PHASES
-from controller.exit_text import own_lines
-from controller.health_check import health_check
-from controller.snapshots import SnapshotKeeper, default_root, job_secret, node_folder
-from controller.spawn import Spawner, start_mode
-from controller.stacks import Target, collect, find_py_spy
-from controller.store import NodeSummary, Store, StoreUnavailable
+from controller.node.checks import Checks
+from controller.node.commands import Commands, signal_group
+from controller.node.ranks import RankProcess, deadline, log_age, rank_states, summary, tail
+from controller.node.snapshots import SnapshotKeeper, default_root, job_secret, node_folder
+from controller.node.spawn import Spawner, start_mode
+from controller.store.store import Store, StoreUnavailable
 from optimus.files import write_atomic
 
 log = logging.getLogger("optimus.agent")
 
 POLL_S = 0.05
-TAIL_LINES = 20
-# A rank's state for the ranks-by-state count, from its heartbeat's phase.
-RANK_STATES = {"startup": "startup", "checkpoint": "checkpoint", "checkpoint_sync": "checkpoint",
-               "paused": "paused", "done": "done"}  # any other phase: a step, "training"
 
 
-@dataclass
-class RankProcess:
-    rank: int
-    local_rank: int
-    popen: Any  # subprocess.Popen or spawn.WarmRank: pid, returncode, poll()
-    log_path: Path
-    started: float
-    stop_sent: float | None = None  # when the agent sent SIGTERM
-    kill_sent: bool = False
-    stacks_path: Path | None = None
-    compute: deque = field(default_factory=lambda: deque(maxlen=20))  # per sampled step
-    sampled_step: int = -1
-
-
-class Agent:
+class Agent(Commands, Checks):
     def __init__(self, store: Store, node: str, *, interval_s: float = 1.0,
                  host: str | None = None, socket_dir: str | None = None,
                  snapshot_root: Path | None = None):
@@ -132,7 +110,7 @@ class Agent:
         self.sock.bind(self.socket_path)
         self.sock.setblocking(False)
         # The warm process imports the trainer meanwhile (standbys too, once a plan says how
-        # many ranks a node runs: controller/spawn.py).
+        # many ranks a node runs: controller/node/spawn.py).
         self.spawner = Spawner(mode=start_mode(self.info.get("device_kind")))
 
     # --- the loop ------------------------------------------------------------------------------
@@ -145,12 +123,15 @@ class Agent:
                 self._reap()
                 self._drain_heartbeats()
                 now = time.monotonic()
-                if now >= next_tick:  # a fixed cadence: late ticks do not push the next
+                tick = now >= next_tick
+                if tick:  # a fixed cadence: late ticks do not push the next
                     next_tick = max(next_tick + self.interval_s, now - self.interval_s / 2)
                     self._tick()
                 self._escalate()
-                if not self.redis_down:  # a new point goes to the buddy, and is reported, at once
-                    self._report_snapshots()
+                # A new point goes to the buddy at once, and is reported once it is there;
+                # retention and the report run with the tick.
+                if not self.redis_down:
+                    self._report_snapshots(full=tick)
                 time.sleep(POLL_S)
             self._flush_exits()
             with contextlib.suppress(StoreUnavailable):
@@ -193,13 +174,13 @@ class Agent:
                  else "starting" if self.waiting_port else "idle")
         status = {"generation": -1 if self.generation is None else self.generation,
                   "state": state, "live_ranks": len(live), "host": self.host,
-                  "pids": [p.popen.pid for p in live], "rank_states": self._rank_states(live),
+                  "pids": [p.popen.pid for p in live], "rank_states": rank_states(live, self.beats),
                   "failed_saves": self.failed_saves}
         try:
             self._flush_exits()
             tick = self.store.agent_tick(self.node, status, dict(self.beats),
-                                         self._deadline(live), self.reset_ranks,
-                                         self._summary(live))
+                                         deadline(live, self.beats, self.plan),
+                                         self.reset_ranks, summary(live, self.beats))
         except StoreUnavailable as e:
             self._note_outage(e)
             return
@@ -240,9 +221,9 @@ class Agent:
         if rpn and all(self.beats.get(p.local_rank, {}).get("step", 0) >= 1 for p in live):
             self.spawner.keep_ready(rpn)
 
-    def _report_snapshots(self) -> None:
+    def _report_snapshots(self, full: bool) -> None:
         report = self.snapshots.poll(self.plan, self.generation,
-                                     (self.latest_plan or {}).get("lineage"))
+                                     (self.latest_plan or {}).get("lineage"), full=full)
         if report is None:
             return
         try:
@@ -393,7 +374,7 @@ class Agent:
             if (p.popen.returncode is None and p.stop_sent is not None and not p.kill_sent
                     and now >= p.stop_sent):
                 p.kill_sent = True
-                _signal_group(p.popen, signal.SIGKILL)
+                signal_group(p.popen, signal.SIGKILL)
 
     # --- ranks ---------------------------------------------------------------------------------
 
@@ -407,7 +388,7 @@ class Agent:
                       "code": code if code >= 0 else None,
                       "signal": -code if code < 0 else None,
                       "by_agent": p.stop_sent is not None, "time": time.time(),
-                      "tail": _tail(p.log_path), "tail_age": _age(p.log_path)}
+                      "tail": tail(p.log_path), "tail_age": log_age(p.log_path)}
             self.unreported.append(record)
             self.beats.pop(p.local_rank, None)
         if self.unreported:
@@ -446,47 +427,6 @@ class Agent:
                 p.sampled_step = beat["step"]  # one sample per step seen
                 p.compute.append(beat["compute_s"])
 
-    def _deadline(self, live: list[RankProcess]) -> float | None:
-        """When this node's earliest rank heartbeat falls overdue (None: no rank to watch)."""
-        if not self.plan:
-            return None
-        timeout = self.plan.get("heartbeat_timeout_s", 30.0)
-        startup = self.plan.get("startup_timeout_s", 300.0)
-        deadlines = []
-        for p in live:
-            if p.stop_sent is not None:
-                continue
-            beat = self.beats.get(p.local_rank)
-            deadlines.append(beat["time"] + timeout if beat else p.started + startup)
-        return min(deadlines) if deadlines else None
-
-    def _summary(self, live: list[RankProcess]) -> NodeSummary | None:
-        """This node's ranks in a few numbers, for the job-wide sorted sets."""
-        beats = [self.beats[p.local_rank] for p in live
-                 if p.stop_sent is None and p.local_rank in self.beats]
-        if not beats:
-            return None
-        full = [p.compute for p in live if len(p.compute) >= max(p.compute.maxlen // 2, 1)]
-        memory = [b["memory"] for b in beats if b.get("memory")]
-        return NodeSummary(
-            max_step=max(b["step"] for b in beats), min_step=min(b["step"] for b in beats),
-            outside=sum(b["phase"] not in COLLECTIVE_PHASES for b in beats),
-            nonfinite=not all(b.get("finite", True) for b in beats),
-            compute_s=max(statistics.median(c) for c in full) if full else None,
-            paused=sum(b["phase"] == "paused" for b in beats),
-            oldest_beat=min(b["time"] for b in beats),
-            peak_allocated=max((m["allocated_bytes"] for m in memory), default=None),
-            peak_reserved=max((m["reserved_bytes"] for m in memory), default=None))
-
-    def _rank_states(self, live: list[RankProcess]) -> dict[str, int]:
-        """How many of this node's live ranks are in each state (for the exporter)."""
-        states = Counter()
-        for p in live:
-            beat = self.beats.get(p.local_rank)
-            states["stopping" if p.stop_sent is not None else
-                   RANK_STATES.get(beat["phase"], "training") if beat else "startup"] += 1
-        return dict(states)
-
     def _write_control(self, control: dict) -> None:
         """The control word for this node's ranks, replaced atomically (they stat it), with
         "save": false while this generation stops without a checkpoint."""
@@ -494,136 +434,6 @@ class Agent:
         word = {**control, "save": False} if self.no_save else control
         write_atomic(self.control_path, json.dumps(word).encode(),
                      self.control_path.with_suffix(".tmp"))
-
-    def _write_chaos(self, faults: list[dict]) -> None:
-        """Operators' rank faults for this node's ranks, replaced atomically (they stat it)."""
-        self.chaos = list(faults)
-        write_atomic(self.chaos_path, json.dumps({"faults": self.chaos}).encode(),
-                     self.chaos_path.with_suffix(".chaos-tmp"))
-
-    # --- health --------------------------------------------------------------------------------
-
-    def _check_health(self) -> dict:
-        """The check, and whether ranks ran here since the last one that passed: a tile found
-        bad that computed nothing since then put nothing wrong into any checkpoint."""
-        result = health_check(self.node, corrupt=self.corrupt_tiles)
-        ran = self.ran_since_ok or self._live()
-        self.ran_since_ok = self._live() if result["health"] == "ok" else ran
-        return {**result, "ran_since_ok": ran}
-
-    def _healthy_for(self, generation: int) -> bool:
-        """The deterministic check, before every generation this node takes part in."""
-        self.info = {**self.info, **self._check_health()}
-        try:
-            self.store.set_health(self.node, self.info)
-        except StoreUnavailable as e:
-            self._note_outage(e)
-        if self.info["health"] != "ok":
-            self._event("health", f"{self.node} fails its health check before generation "
-                        f"{generation}: bad tile {self.info['health_detail']}")
-            return False
-        return True
-
-    def _can_run(self, plan: dict) -> bool:
-        """Whether this node can run the job as the ranks will read it. A job asking for
-        float8 where torchao is missing or the device has no float8 matmuls is the job's fault,
-        not the node's (its nodes are all of one kind): no rank starts, and the agent asks the
-        controller to stop the job, with the reason, instead of excluding itself."""
-        problem = job_problem_here(plan["job_file"], plan.get("overrides", []))
-        if problem is None:
-            return True
-        self._event("refused", f"{self.node} refuses generation {plan['generation']}: "
-                    f"{problem}")
-        try:
-            self.store.request("stop", f"agent:{self.node}", self.host, reason=problem)
-        except StoreUnavailable as e:
-            self._note_outage(e)
-            self.checked_for = None  # ask again on the next tick
-        return False
-
-    # --- commands: stacks, health checks, faults -----------------------------------------------
-
-    def _command(self, command: dict) -> None:
-        kind = command.get("kind")
-        if kind == "dump_stacks":
-            self._dump_stacks(command)
-        elif kind == "health_check":
-            self.info = {**self.info, **self._check_health()}
-            with contextlib.suppress(StoreUnavailable):
-                self.store.set_health(self.node, self.info)
-            self._event("health", f"health check on demand: {self.node} "
-                        + ("ok" if self.info["health"] == "ok"
-                           else f"bad tile {self.info['health_detail']}"))
-        elif kind == "bad_tile":
-            self.corrupt_tiles.add(int(command.get("tile", 0)))
-            self._event("chaos", f"chaos on {self.node}: tile {command.get('tile', 0)} now "
-                        "computes wrong results (seen by the next health check)",
-                        fault="bad_tile")
-        else:
-            self._chaos(command)
-
-    def _dump_stacks(self, command: dict) -> None:
-        """The asked ranks' stacks, gathered on a thread (a rank that does not answer SIGUSR1
-        takes seconds: the agent goes on meanwhile), then put in the store."""
-        targets = [Target(p.rank, p.popen.pid, p.stacks_path) for p in self.procs.values()
-                   if p.local_rank in command.get("local_ranks", [])
-                   and p.popen.returncode is None and p.stacks_path is not None]
-        generation = command.get("generation", self.generation or 0)
-        if targets:
-            threading.Thread(target=self._collect_stacks, args=(targets, generation),
-                             name="stacks", daemon=True).start()
-
-    def _collect_stacks(self, targets: list[Target], generation: int) -> None:
-        with self._stacks_lock:  # one collection at a time: they share the stacks files
-            stacks, notes = collect(targets, py_spy=find_py_spy())
-        for rank, note in sorted(notes.items()):
-            self._event("stacks", f"stack of rank {rank} on {self.node}: {note}", rank=rank)
-        with contextlib.suppress(StoreUnavailable):
-            self.store.put_stacks(generation, stacks)
-
-    def _chaos(self, command: dict) -> None:
-        kind = command.get("kind")
-        by = command.get("by", "")
-        why = f" (by {by}" + (f": {command['reason']}" if command.get("reason") else "") + ")"
-        self._event("chaos", f"chaos on {self.node}: {kind} "
-                    f"{command.get('rank', '') if kind != 'kill_node' else ''}".rstrip()
-                    + (why if by else ""),
-                    fault=kind, rank=command.get("rank", ""), sent=command.get("time", ""),
-                    by=by, reason=command.get("reason", ""))
-        if kind == "kill_node":
-            self._die()
-        if kind in ("hang_rank", "stall_rank", "nan_rank"):  # the rank fires it in a step
-            if any(p.rank == command.get("rank") and p.popen.returncode is None
-                   for p in self.procs.values()):
-                self._write_chaos([*self.chaos, {
-                    "id": len(self.chaos) + 1, "kind": kind, "rank": command["rank"],
-                    "generation": self.generation, "seconds": command.get("seconds", 0.0),
-                    **({"step": command["step"]} if isinstance(command.get("step"), int)
-                       else {})}])
-            return
-        for p in self.procs.values():
-            if p.rank == command.get("rank") and p.popen.returncode is None:
-                sig = signal.SIGKILL if kind == "kill_rank" else signal.SIGSTOP
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.popen.pid, sig)
-
-    def _check_node_faults(self) -> None:
-        if not self.plan or self.generation is None:
-            return
-        node_rank = self.plan["nodes"].index(self.node) if self.node in self.plan["nodes"] else -1
-        step = max((b.get("step", 0) for b in self.beats.values()), default=0)
-        for fault in self.plan.get("node_faults", []):
-            if (fault["generation"] == self.generation and fault["node"] == node_rank
-                    and step >= fault["step"]):
-                self._event("chaos", f"fault injection: node {self.node} (node rank "
-                            f"{node_rank}) dies at step {step}", fault="kill_node")
-                self._die()
-
-    def _die(self) -> None:
-        """A node lost: the ranks and the agent, at once, with no goodbye."""
-        for p in self.procs.values():
-            _signal_group(p.popen, signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
 
     def _event(self, kind: str, message: str, **fields) -> None:
         log.info(message)
@@ -633,53 +443,7 @@ class Agent:
             self._note_outage(e)
 
 
-def job_problem_here(job_file: str, overrides: list[str]) -> str | None:
-    """Why this machine cannot run the job file (with its overrides) at all, or None.
-
-    Reading the job is cheap (no torch); only a job that asks for float8 has the device
-    asked, which imports torch into the agent once (seconds, within its heartbeat timeout)."""
-    from optimus.config import ConfigError, load_job
-
-    try:
-        job = load_job(job_file, list(overrides))
-    except ConfigError:
-        return None  # each rank names that problem in its log, as it always has
-    if job.training.float8 == "off":
-        return None
-    from optimus.parallel.float8 import check_float8_here
-
-    try:
-        check_float8_here(job, source=job_file)
-    except ConfigError as e:
-        return str(e)
-    return None
-
-
-def _signal_group(popen: Any, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(popen.pid, sig)
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
-
-
-def _age(path: Path) -> float | None:
-    """Seconds since the rank last wrote to its log (None: no log)."""
-    try:
-        return max(time.time() - path.stat().st_mtime, 0.0)
-    except OSError:
-        return None
-
-
-def _tail(path: Path, lines: int = TAIL_LINES) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(f.tell() - 16384, 0))
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-    return "\n".join(own_lines(text.splitlines())[-lines:])  # not the checkpoint writer's

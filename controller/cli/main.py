@@ -17,10 +17,10 @@ from pathlib import Path
 import click
 
 import optimus.cli as core
-from controller import ops  # noqa: F401 (adds `optimus job`, `optimus node`, `optimus events`)
-from controller.connect import NothingListens, fail_if_refused
+from controller.cli import ops  # noqa: F401 (adds `optimus job`, `optimus node`, `optimus events`)
 from controller.schedulers import pbs, slurm
-from controller.store import Store, StoreUnavailable, redis_url
+from controller.store.connect import NothingListens, fail_if_refused
+from controller.store.store import Store, StoreUnavailable, redis_url
 from optimus.config import ConfigError, check_job, load_job
 
 core.USER_ERRORS = (*core.USER_ERRORS, StoreUnavailable, NothingListens)
@@ -62,7 +62,7 @@ def _terminate_on_sigterm() -> None:
 def run(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node: int, spares: int,
         lease_s: float) -> None:
     """Run JOB on this machine under the full control plane: Redis, a controller, agents."""
-    from controller.run import run_local
+    from controller.cli.run import run_local
     from optimus.parallel.float8 import check_float8_here
 
     config = load_job(job, list(overrides))
@@ -106,7 +106,7 @@ def controller(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node
     """Supervise JOB: plan generations, detect failures, restart without the culprit.
 
     Run two for high availability: one leads, the other takes over if it dies."""
-    from controller.controller import Controller, settings_for
+    from controller.control.controller import Controller, settings_for
 
     _logging()
     config = load_job(job, list(overrides))
@@ -144,7 +144,7 @@ def _resubmit(store: Store, config, allocation: str | None = None) -> None:
     In a new allocation (`allocation`, e.g. a Slurm requeue) no agent of the old one is left,
     so a job still RUNNING in Redis (or in the journal, if Redis lost it) is stale: its plan
     names nodes that are gone, which the controller would otherwise blame and exclude."""
-    from controller.decide import COMPLETED, FAILED, STOPPED
+    from controller.control.decide import COMPLETED, FAILED, STOPPED
 
     journal_path = Path(config.resolved_run_dir) / "controller.json"
     journal = _read_journal(journal_path) if allocation else {}
@@ -198,7 +198,7 @@ submit.add_command(pbs.command)
               show_default=True, help="Seconds between round trips to Redis.")
 def agent(job_name: str, node: str, redis: str | None, interval_s: float) -> None:
     """Run the node agent: register, start and stop ranks, relay heartbeats."""
-    from controller.agent import Agent
+    from controller.node.agent import Agent
 
     _logging()
     # Retries last one interval: the agent must get back to reaping its ranks.

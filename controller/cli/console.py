@@ -21,8 +21,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from controller.decide import RUNNING, TERMINAL
-from controller.store import Store, StoreUnavailable
+from controller.control.decide import RUNNING, TERMINAL
+from controller.store.store import Store, StoreUnavailable
 from optimus.config import JobConfig
 
 PROGRESS_S = 5.0  # at most one progress line this often

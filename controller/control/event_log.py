@@ -20,7 +20,7 @@ import logging
 import os
 from pathlib import Path
 
-from controller.store import Store
+from controller.store.store import Store
 
 log = logging.getLogger("optimus.controller")
 

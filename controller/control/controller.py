@@ -10,13 +10,13 @@ leader dies, one takes over within a lease period and carries on from the store,
 where all the state is. The ranks notice nothing: only a new plan would touch them.
 
 Which checkpoint the next generation starts from is the ranks' to decide; the controller
-predicts it for the plan and reports what they loaded (controller/checkpoints.py).
+predicts it for the plan and reports what they loaded (controller/control/checkpoints.py).
 
 Besides Redis, the leader keeps a journal, `<run_dir>/controller.json` (the job record, the plan
 and the exclusions, written atomically on every change). If Redis comes back empty, the journal
 and the agents' reports (each agent re-registers and says which generation it runs) rebuild the
 state; the checkpoints were never in Redis. It also mirrors the job's events stream into
-`<run_dir>/events.jsonl` (controller/event_log.py), the history `optimus report` draws.
+`<run_dir>/events.jsonl` (controller/control/event_log.py), the history `optimus report` draws.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import time
 import uuid
 from pathlib import Path
 
-from controller import records, recovery
-from controller.checkpoints import CheckpointView
-from controller.decide import (
+from controller.control import records, recovery
+from controller.control.checkpoints import CheckpointView
+from controller.control.decide import (
     ACTIVE,
     TERMINAL,
     Decision,
@@ -44,8 +44,8 @@ from controller.decide import (
     Settings,
     decide,
 )
-from controller.event_log import EventLog
-from controller.store import Store, StoreUnavailable
+from controller.control.event_log import EventLog
+from controller.store.store import Store, StoreUnavailable
 from optimus.checkpoint.manifest import committed_steps
 from optimus.config import ConfigError, JobConfig, check_job
 from optimus.files import write_atomic

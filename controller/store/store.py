@@ -1,4 +1,5 @@
-"""The whole Redis schema of a job, in one place (documented in docs/redis-schema.md).
+"""The whole Redis schema of a job, in one package (documented in docs/redis-schema.md): the
+`Store` here, with the nodes' summary rows (summaries.py) and reports (reports.py) mixed in.
 
 Every key lives under `optimus:{<job>}:` (the braces are a Redis Cluster hash tag: one job, one
 slot). Redis is the only state the control plane shares; the controller keeps none of its own.
@@ -34,7 +35,9 @@ from tenacity import (
     wait_exponential,
 )
 
-from controller.connect import connect, is_sentinel
+from controller.store.connect import connect, is_sentinel
+from controller.store.reports import Reports
+from controller.store.summaries import NodeSummary, Summaries
 
 T = TypeVar("T")
 
@@ -44,7 +47,6 @@ ALONE_S = 30.0  # how long a primary found without a replica is not waited on ag
 UNSENT_MAX = 10_000  # events kept in a process while Redis is unreachable (the oldest go)
 REQUESTS_MAXLEN = 1_000
 EXITS_MAXLEN = 200_000  # > one generation's ranks at 131k ranks
-PEAK_MEMORY = ("peak_allocated", "peak_reserved")  # sorted sets: node -> bytes
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
 # Renew the lease only if we still hold it; take it if it is free. 1: held, 0: someone else.
@@ -72,7 +74,7 @@ class StoreUnavailable(Exception):
 
 def redis_url(explicit: str | None = None) -> str:
     """`explicit`, else $REDIS_URL, else the local default (redis://, rediss:// or
-    redis+sentinel://, with user:password@ for ACLs: controller/connect.py)."""
+    redis+sentinel://, with user:password@ for ACLs: controller/store/connect.py)."""
     return explicit or os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0"
 
 
@@ -90,34 +92,10 @@ class AgentTick:
     control: dict | None = None  # what the ranks are asked: {"pause": bool, "checkpoint": n}
 
 
-@dataclass
-class NodeSummary:
-    """One node's ranks in a few numbers, for the job-wide sorted sets."""
-
-    max_step: int
-    min_step: int
-    outside: int  # ranks not in a collective phase
-    nonfinite: bool  # a rank reported NaN/Inf of its own
-    compute_s: float | None  # the slowest rank's median compute time over the window
-    paused: int = 0  # ranks waiting paused
-    oldest_beat: float | None = None  # time of the oldest rank heartbeat (None: none yet)
-    # The largest peak memory of its ranks' last logged steps, bytes (None: none logged yet)
-    peak_allocated: int | None = None
-    peak_reserved: int | None = None
-
-
-@dataclass
-class Sweep:
-    agent_beats: dict[str, float | None]  # plan node -> its agent's last beat (None: never)
-    max_step: int | None  # the furthest step any rank is at
-    min_step: int | None
-    nonfinite: list[str]
-    unhealthy: list[str]
-    paused_nodes: int = 0  # nodes with at least `ranks_per_node` ranks paused
-
-
-class Store:
-    """One job's keys. All methods raise `StoreUnavailable` once retries are spent."""
+class Store(Summaries, Reports):
+    """One job's keys. All methods raise `StoreUnavailable` once retries are spent. The
+    nodes' summary rows (summaries.py) and their snapshot and stack reports (reports.py) are
+    methods of it too."""
 
     def __init__(self, url: str, job: str, *, timeout_s: float = 2.0, retry_s: float = 5.0):
         self.url, self.job, self.p = url, job, prefix(job)
@@ -248,8 +226,8 @@ class Store:
 
     def request(self, action: str, actor: str, host: str, reason: str = "",
                 **fields: Any) -> str:
-        """An operator's request (controller/operator.py), for the leading controller to take;
-        its stream id, which the controller's answering event carries."""
+        """An operator's request (controller/control/operator.py), for the leading controller
+        to take; its stream id, which the controller's answering event carries."""
         entry = {"action": action, "actor": actor, "host": host, "reason": reason,
                  "time": f"{time.time():.3f}", **{k: _text(v) for k, v in fields.items()}}
         return self.call(lambda: self.r.xadd(self.k("requests"), entry,
@@ -324,112 +302,6 @@ class Store:
         return AgentTick(stamp, [json.loads(c) for c in commands or []], bool(registered),
                          json.loads(control) if control else None)
 
-    def _summary(self, pipe, node: str, summary: NodeSummary | None) -> None:
-        """The node's row in each job-wide sorted set, so that every sweep is one range query."""
-        if summary is None:
-            for key in ("steps", "minsteps", "outside", "compute", "paused", "oldest",
-                        *PEAK_MEMORY):
-                pipe.zrem(self.k(key), node)
-            pipe.srem(self.k("nonfinite"), node)
-            return
-        pipe.zadd(self.k("steps"), {node: summary.max_step})
-        pipe.zadd(self.k("paused"), {node: summary.paused})
-        pipe.zadd(self.k("minsteps"), {node: summary.min_step})
-        pipe.zadd(self.k("outside"), {node: summary.outside})
-        for key, value in (("oldest", summary.oldest_beat), ("compute", summary.compute_s),
-                           ("peak_allocated", summary.peak_allocated),
-                           ("peak_reserved", summary.peak_reserved)):
-            if value is None:
-                pipe.zrem(self.k(key), node)
-            else:
-                pipe.zadd(self.k(key), {node: value})
-        if summary.nonfinite:
-            pipe.sadd(self.k("nonfinite"), node)
-        else:
-            pipe.srem(self.k("nonfinite"), node)
-
-    def keep_rows(self, plan_nodes: list[str]) -> None:
-        """Remove the summary rows of nodes outside a new plan (a lost agent leaves its rows,
-        a rank's beats of a generation it no longer runs): a rule reading the job-wide sets
-        sees only the plan's members. Once per generation, O(nodes with rows)."""
-        keep = set(plan_nodes)
-        sets = ("steps", "minsteps", "outside", "compute", "paused", "oldest", *PEAK_MEMORY)
-
-        def prune():
-            pipe = self.r.pipeline(transaction=False)
-            for key in sets:
-                pipe.zrange(self.k(key), 0, -1)
-            pipe.smembers(self.k("nonfinite"))
-            rows = pipe.execute()
-            pipe = self.r.pipeline(transaction=False)
-            outside: set[str] = set()
-            for key, members in zip([*sets, "nonfinite"], rows, strict=True):
-                gone = [m for m in members if m not in keep]
-                if gone:
-                    (pipe.srem if key == "nonfinite" else pipe.zrem)(self.k(key), *gone)
-                    outside.update(gone)
-            if outside:  # each node's rank heartbeats once, not once per set it was in
-                pipe.delete(*[self.k(f"ranks:{m}") for m in sorted(outside)])
-            pipe.execute()
-        self.call(prune)
-
-    def sweep(self, plan_nodes: list[str], ranks_per_node: int = 1) -> Sweep:
-        """The controller's per-tick view of a running generation, in one round trip, whatever
-        the number of nodes: O(plan nodes) only for the agents' beat times (ZMSCORE)."""
-        def read():
-            pipe = self.r.pipeline(transaction=False)
-            pipe.zmscore(self.k("agents"), plan_nodes) if plan_nodes else pipe.echo("")
-            pipe.zrevrange(self.k("steps"), 0, 0, withscores=True)
-            pipe.zrange(self.k("minsteps"), 0, 0, withscores=True)
-            pipe.smembers(self.k("nonfinite"))
-            pipe.smembers(self.k("unhealthy"))
-            pipe.zcount(self.k("paused"), ranks_per_node, "+inf")
-            return pipe.execute()
-        beats, top, bottom, nonfinite, unhealthy, paused = self.call(read)
-        return Sweep(
-            agent_beats=dict(zip(plan_nodes, beats or [], strict=False)),
-            max_step=int(top[0][1]) if top else None,
-            min_step=int(bottom[0][1]) if bottom else None,
-            nonfinite=sorted(nonfinite), unhealthy=sorted(unhealthy), paused_nodes=paused)
-
-    def behind(self, below_step: int) -> list[str]:
-        """Nodes with a rank at a step below `below_step`."""
-        return self.call(lambda: self.r.zrangebyscore(self.k("minsteps"), "-inf",
-                                                      f"({below_step}"))
-
-    def outside_collectives(self, limit: int) -> list[str]:
-        """Up to `limit` nodes with a rank outside the collective phase."""
-        return self.call(lambda: self.r.zrangebyscore(self.k("outside"), 1, "+inf", start=0,
-                                                      num=limit))
-
-    def oldest_beats(self) -> dict[str, float]:
-        """Node -> the time of its oldest rank heartbeat, for nodes running ranks."""
-        return dict(self.call(lambda: self.r.zrange(self.k("oldest"), 0, -1, withscores=True)))
-
-    def node_steps(self) -> dict[str, float]:
-        """Node -> the furthest step of its ranks, for nodes running ranks."""
-        return dict(self.call(lambda: self.r.zrange(self.k("steps"), 0, -1, withscores=True)))
-
-    def peak_memory(self) -> dict | None:
-        """The largest peak allocated and reserved memory of any running rank (its last logged
-        step), and the node it runs on: {"allocated_bytes", "allocated_node", "reserved_bytes",
-        "reserved_node"}; None before a rank has logged a step. One round trip."""
-        def read():
-            pipe = self.r.pipeline(transaction=False)
-            for key in PEAK_MEMORY:
-                pipe.zrevrange(self.k(key), 0, 0, withscores=True)
-            return pipe.execute()
-        tops = self.call(read)
-        if not all(tops):
-            return None
-        (allocated_node, allocated), (reserved_node, reserved) = (top[0] for top in tops)
-        return {"allocated_bytes": int(allocated), "allocated_node": allocated_node,
-                "reserved_bytes": int(reserved), "reserved_node": reserved_node}
-
-    def furthest_step(self) -> int | None:
-        top = self.call(lambda: self.r.zrevrange(self.k("steps"), 0, 0, withscores=True))
-        return int(top[0][1]) if top else None
-
     def agent_field(self, nodes: list[str], name: str) -> dict[str, str]:
         """One field of several agents' status, in one round trip."""
         def read():
@@ -439,9 +311,6 @@ class Store:
             return pipe.execute()
         return {n: v for n, v in zip(nodes, self.call(read), strict=True) if v is not None}
 
-    def compute_scores(self) -> dict[str, float]:
-        return dict(self.call(lambda: self.r.zrange(self.k("compute"), 0, -1, withscores=True)))
-
     def set_health(self, node: str, info: dict) -> None:
         """An agent's health check result: the node record, and the `unhealthy` set."""
         def write():
@@ -449,19 +318,6 @@ class Store:
             self._node_record(pipe, node, info)
             pipe.execute()
         self.call(write)
-
-    def put_stacks(self, generation: int, stacks: dict[int, str]) -> None:
-        def write():
-            pipe = self.r.pipeline()
-            pipe.hset(self.k(f"stacks:{generation}"),
-                      mapping={str(r): text for r, text in stacks.items()})
-            pipe.expire(self.k(f"stacks:{generation}"), 86_400)
-            pipe.execute()
-        self.call(write)
-
-    def stacks(self, generation: int) -> dict[int, str]:
-        raw = self.call(lambda: self.r.hgetall(self.k(f"stacks:{generation}")))
-        return {int(r): t for r, t in raw.items()}
 
     def leave(self, node: str) -> None:
         """An agent going away cleanly: forget its beats (the node record stays, marked)."""
@@ -472,46 +328,6 @@ class Store:
             pipe.hset(self.k(f"agent:{node}"), "state", "gone")
             pipe.execute()
         self.call(write)
-
-    def set_snapshots(self, node: str, report: dict, first: bool = False) -> None:
-        """What in-memory snapshots the node holds (controller/snapshots.py: its address, its
-        own ranks' complete points, the replicas it holds, which points its buddy confirmed).
-        Written when it changes; a lost node's last report stays, as the record of what was
-        replicated before it went. The `first` report of a new incarnation of the node (its
-        agent restarted) moves the earlier one's to `<node>@<incarnation>`, where it still
-        proves what was replicated to it until the controller has a newer point
-        (`drop_snapshots`)."""
-        key = self.k("snapshots")
-
-        def write():
-            pipe = self.r.pipeline()
-            if first:
-                old = self.r.hget(key, node)
-                was = _incarnation(old)
-                if old and was != report.get("incarnation"):
-                    pipe.hset(key, f"{node}@{was}", old)
-            pipe.hset(key, node, json.dumps(report))
-            pipe.execute()
-        self.call(write)
-
-    def snapshots(self) -> dict[str, dict]:
-        """Node (or `<node>@<incarnation>`, an earlier one) -> its report; an unreadable
-        report counts as none."""
-        raw = self.call(lambda: self.r.hgetall(self.k("snapshots")))
-        out = {}
-        for n, v in raw.items():
-            try:
-                report = json.loads(v)
-            except ValueError:
-                continue
-            if isinstance(report, dict):
-                out[n] = report
-        return out
-
-    def drop_snapshots(self, keys: list[str]) -> None:
-        """Forget earlier incarnations' reports the controller no longer needs."""
-        if keys:
-            self.call(lambda: self.r.hdel(self.k("snapshots"), *keys))
 
     def nodes(self) -> dict[str, dict]:
         raw = self.call(lambda: self.r.hgetall(self.k("nodes")))
@@ -653,15 +469,6 @@ class Store:
 def _transient(e: BaseException) -> bool:
     # redis-py's AuthenticationError is a ConnectionError; no retry fixes a wrong password.
     return isinstance(e, TRANSIENT) and not isinstance(e, redis.AuthenticationError)
-
-
-def _incarnation(raw: str | None) -> str:
-    """The incarnation a stored snapshots report names ("earlier": none, or unreadable)."""
-    try:
-        was = json.loads(raw).get("incarnation") if raw else None
-    except (ValueError, AttributeError):
-        was = None
-    return was if isinstance(was, str) and re.fullmatch(r"[\w.-]{1,64}", was) else "earlier"
 
 
 def _text(value: Any) -> str:

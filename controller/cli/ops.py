@@ -5,11 +5,11 @@
     optimus events --job NAME           (follows, like tail -f; --no-follow prints and exits)
 
 Every action is a request in the job's Redis stream, taken by the leading controller at its next
-tick (controller/operator.py says what each does). The command checks first that the request can
-be carried out (the same rule the controller applies), asks for confirmation on a terminal
-(--yes skips it), sends it, and waits for the controller's answering event: it prints that
-event and exits 0, or exits non-zero with one line saying why the request was refused. --wait
-waits on for the effect (PAUSED, RUNNING again, STOPPED, a generation without the node).
+tick (controller/control/operator.py says what each does). The command checks first that the
+request can be carried out (the same rule the controller applies), asks for confirmation on a
+terminal (--yes skips it), sends it, and waits for the controller's answering event: it prints
+that event and exits 0, or exits non-zero with one line saying why the request was refused.
+--wait waits on for the effect (PAUSED, RUNNING again, STOPPED, a generation without the node).
 Every command that changes something (these, and `optimus chaos`) takes --yes and --reason, so
 scripts pass the same options to all of them.
 Every output has `-o table` (rich, for people) and `-o json` (for scripts).
@@ -28,10 +28,10 @@ from rich.console import Console
 from rich.table import Table
 
 import optimus.cli as core
-from controller import operator
-from controller.connect import fail_if_refused
-from controller.store import Store, StoreUnavailable, redis_url, safe_url
-from controller.view import PAUSED, RUNNING, STOPPED, TERMINAL
+from controller.control import operator
+from controller.control.view import PAUSED, RUNNING, STOPPED, TERMINAL
+from controller.store.connect import fail_if_refused
+from controller.store.store import Store, StoreUnavailable, redis_url, safe_url
 from optimus.files import human_bytes
 
 ACK_TIMEOUT_S = 15.0  # a leading controller answers within a tick or two

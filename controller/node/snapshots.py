@@ -67,6 +67,9 @@ from optimus.checkpoint.snapshot_files import (
 
 log = logging.getLogger("optimus.agent")
 
+# A point folder, as a poll reads it: (step, generation, path, its complete shards: rank -> marker)
+Point = tuple[int, int, Path, dict[int, dict]]
+
 KEEP = 2  # complete points kept per folder (and the one the running generation resumed from)
 TIMEOUT_S = 60.0  # per socket operation
 _CHUNK = 1 << 20
@@ -138,19 +141,28 @@ class SnapshotKeeper:
 
     # --- the agent's tick ----------------------------------------------------------------------
 
-    def poll(self, plan: dict | None, generation: int | None,
-             lineage: list | None = None) -> dict | None:
-        """Every tick: drop void and old points (`lineage`: the latest plan's, see
-        snapshot_files.void), push the newest complete one of the running generation to the
-        buddy when it is not there yet. Returns the report when it changed since the last."""
-        resume = _resume_point(plan) if plan and plan.get("generation") == generation else None
-        with self.lock:
-            _retain_own(self.own, set(self.replicated), resume, lineage or [])
-            _retain_held(self.held, resume, lineage or [])
-        if plan and generation is not None and plan.get("generation") == generation \
-                and self.node in plan.get("nodes", []):
-            self._replicate(plan)
-        report = self.report()
+    def poll(self, plan: dict | None, generation: int | None, lineage: list | None = None,
+             *, full: bool = True) -> dict | None:
+        """Every 50 ms: push the newest complete point of the running generation to the buddy
+        when it is not there yet. With `full` (the agent's tick), and at once when a push has
+        ended, also drop void and old points (`lineage`: the latest plan's, see
+        snapshot_files.void) and return the report when it changed since the last. A poll reads
+        each shard marker at most once; one that is not full, only those of unsent points."""
+        running = (plan is not None and generation is not None
+                   and plan.get("generation") == generation and self.node in plan.get("nodes", []))
+        full = (running and self._push_ended(plan)) or full
+        own = held = None
+        if full:
+            resume = _resume_point(plan) if plan and plan.get("generation") == generation \
+                else None
+            with self.lock:
+                own = _retain_own(_scan(self.own), set(self.replicated), resume, lineage or [])
+                held = _retain_held(_scan(self.held), resume, lineage or [])
+        if running:
+            self._replicate(plan, own)
+        if not full:
+            return None
+        report = self._report(own, held)
         text = json.dumps(report, sort_keys=True)
         if text == self._reported:
             return None
@@ -161,15 +173,14 @@ class SnapshotKeeper:
         """The last report did not reach the store: send it again next time."""
         self._reported = None
 
-    def report(self) -> dict:
+    def _report(self, own_points: list[Point], held_points: list[Point]) -> dict:
         """What the controller plans with: `own` and `held` (point -> the ranks whose shards are
         complete), `taken` (point -> when its earliest shard here was written), `replicated`,
         and the `incarnation` of this agent (a node that comes back under its name is a new
         one: Store.set_snapshots keeps the old one's report apart)."""
         own, held, taken = {}, {}, {}
-        for folder, out in ((self.own, own), (self.held, held)):
-            for _, _, path in points(folder):
-                shards = complete_shards(path)
+        for found, out in ((own_points, own), (held_points, held)):
+            for _, _, path, shards in found:
                 out[path.name] = sorted(shards)
                 times = [m["time"] for m in shards.values()
                          if isinstance(m.get("time"), int | float)]
@@ -180,32 +191,38 @@ class SnapshotKeeper:
                 "replicated": {p: b for p, b in self.replicated.items()
                                if (self.own / p).is_dir()}}
 
-    def _replicate(self, plan: dict) -> None:
-        if self._push is not None:
-            if not self._push.done():
-                return
-            point, buddy = self._pushing, plan["buddies"].get(self.node, {}).get("node")
-            try:
-                self._push.result()
-                self.replicated[point] = buddy
-                self.failed.pop(point, None)
-            except (OSError, ValueError) as e:
-                self.failed[point] = str(e)
-                log.warning("snapshot %s not replicated to %s: %s", point, buddy, e)
-            self._push = self._pushing = None
+    def _push_ended(self, plan: dict) -> bool:
+        """Whether the running push has ended (its outcome is then noted)."""
+        if self._push is None or not self._push.done():
+            return False
+        point, buddy = self._pushing, plan["buddies"].get(self.node, {}).get("node")
+        try:
+            self._push.result()
+            self.replicated[point] = buddy
+            self.failed.pop(point, None)
+        except (OSError, ValueError) as e:
+            self.failed[point] = str(e)
+            log.warning("snapshot %s not replicated to %s: %s", point, buddy, e)
+        self._push = self._pushing = None
+        return True
+
+    def _replicate(self, plan: dict, scanned: list[Point] | None) -> None:
+        """Push the newest complete point of the plan's generation unless it went already;
+        `scanned`: this poll's own points with their shards, else markers are read here."""
         buddy = plan.get("buddies", {}).get(self.node)
-        if not buddy:
+        if self._push is not None or not buddy:
             return
         mine = set(_node_ranks(plan, self.node))
-        for _, gen, path in reversed(points(self.own)):
+        found = scanned if scanned is not None else [(*p, None) for p in points(self.own)]
+        for _, gen, path, shards in reversed(found):
             if gen != plan["generation"]:
                 continue
-            if not mine <= set(complete_shards(path)):
+            if path.name in self.replicated or path.name in self.failed:
+                return  # the newest complete point went already (only complete ones go)
+            if not mine <= set(complete_shards(path) if shards is None else shards):
                 continue  # still being written
-            if path.name not in self.replicated and path.name not in self.failed:
-                self._pushing = path.name
-                self._push = self._pool.submit(push, buddy["addr"], self.secret, path,
-                                               sorted(mine))
+            self._pushing = path.name
+            self._push = self._pool.submit(push, buddy["addr"], self.secret, path, sorted(mine))
             return  # only the newest complete point is worth sending
 
     # --- a generation's start ------------------------------------------------------------------
@@ -255,49 +272,62 @@ def _resume_point(plan: dict) -> str | None:
     return point_name(memory["step"], memory["generation"]) if memory else None
 
 
-def _current(folder: Path, lineage: list) -> list[tuple[int, int, Path]]:
-    """The points in `folder` on the plan's line of generations; void ones are removed (a
-    rollback abandoned them: newer by step, they would otherwise pass for the newest)."""
-    found = []
-    for step, gen, path in points(folder):
-        if void(step, gen, lineage):
-            remove_point(path)
+def _scan(folder: Path) -> list[Point]:
+    """The points in `folder`, oldest step first, each with its complete shards (rank ->
+    marker): every marker read once."""
+    return [(step, gen, path, complete_shards(path)) for step, gen, path in points(folder)]
+
+
+def _current(found: list[Point], lineage: list) -> list[Point]:
+    """The points on the plan's line of generations; void ones are removed (a rollback
+    abandoned them: newer by step, they would otherwise pass for the newest)."""
+    kept = []
+    for point in found:
+        if void(point[0], point[1], lineage):
+            remove_point(point[2])
         else:
-            found.append((step, gen, path))
-    return found
+            kept.append(point)
+    return kept
 
 
-def _retain_own(folder: Path, replicated: set[str], keep_also: str | None,
-                lineage: list) -> None:
+def _retain_own(found: list[Point], replicated: set[str], keep_also: str | None,
+                lineage: list) -> list[Point]:
     """This node's points: keep the newest KEEP its buddy confirmed and every newer one (being
     written or replicated), and the point the running generation resumed from; before any is
     confirmed, the newest KEEP. The newest point committed for the whole job (every node's
     shards replicated) may be one behind this node's newest confirmed one: keeping both lets a
-    surviving node load its own copy instead of fetching it."""
-    found = _current(folder, lineage)
-    confirmed = [p for *_, p in found if p.name in replicated]
+    surviving node load its own copy instead of fetching it. Returns the points kept."""
+    found = _current(found, lineage)
+    confirmed = [path for _, _, path, _ in found if path.name in replicated]
     floor = (confirmed[-KEEP:][0] if confirmed else
              found[-KEEP][2] if len(found) >= KEEP else None)
     if floor is None:
-        return
-    for *_, path in found:
+        return found
+    kept = []
+    for point in found:
+        path = point[2]
         if parse_point(path.name) < parse_point(floor.name) and path.name != keep_also:
             remove_point(path)
+        else:
+            kept.append(point)
+    return kept
 
 
-def _retain_held(folder: Path, keep_also: str | None, lineage: list) -> None:
+def _retain_held(found: list[Point], keep_also: str | None, lineage: list) -> list[Point]:
     """Replicas: for every rank, the newest KEEP points that hold its shard (pushers are not in
-    step: one node's newest may be another's older), and the resumed-from point."""
-    found = _current(folder, lineage)
+    step: one node's newest may be another's older), and the resumed-from point. Returns the
+    points kept."""
+    found = _current(found, lineage)
     keep, seen = {keep_also}, {}
-    for *_, path in reversed(found):
-        for rank in complete_shards(path):
+    for _, _, path, shards in reversed(found):
+        for rank in shards:
             if seen.get(rank, 0) < KEEP:
                 seen[rank] = seen.get(rank, 0) + 1
                 keep.add(path.name)
-    for *_, path in found:
+    for _, _, path, _ in found:
         if path.name not in keep:
             remove_point(path)
+    return [point for point in found if point[2].name in keep]
 
 
 # --- transfers -------------------------------------------------------------------------------

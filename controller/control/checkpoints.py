@@ -21,9 +21,9 @@ import contextlib
 import json
 from pathlib import Path
 
-from controller.recovery import clock
-from controller.store import Store
-from controller.view import JobView
+from controller.control.recovery import clock
+from controller.control.view import JobView
+from controller.store.store import Store
 from optimus.checkpoint.manifest import CheckpointError, read_manifest, step_dir, verify
 from optimus.checkpoint.quarantine import quarantine, quarantined
 

@@ -1,7 +1,7 @@
 """What the controller sees and decides, as plain values: the job states, its settings, one
 snapshot of observations (`Observed`) and one `Decision`. Shared by the pure rules
-(`controller/decide.py`, `controller/operator.py`) and the code that observes and applies them
-(`controller/controller.py`); nothing here touches Redis, a clock or a process.
+(`decide.py`, `operator.py`, beside it in `controller/control/`) and the code that observes and
+applies them (`controller.py`); nothing here touches Redis, a clock or a process.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.exit_text import describe_exit
+from controller.node.exit_text import describe_exit
 
 RUNNING, RESTARTING, PENDING, WAITING, STOPPING = (
     "RUNNING", "RESTARTING", "PENDING", "WAITING", "STOPPING")
@@ -41,7 +41,8 @@ class Settings:
     flaky_failures: int = 1
     flaky_window_s: float = 3600.0
     # For the agents' stacks of a hang, before deciding anyway (they are usually in within a
-    # second; a rank that does not answer SIGUSR1 costs its agent up to ~6 s: controller/stacks)
+    # second; a rank that does not answer SIGUSR1 costs its agent up to ~6 s:
+    # controller/node/stacks.py)
     stack_wait_s: float = 8.0
     # With checkpointing on, the step whose commit COMPLETED requires (optim.steps); else None.
     final_step: int | None = None

@@ -4,7 +4,7 @@
 
 Starts a private redis-server on a free port (unless REDIS_URL is set), a controller and
 N + S agents (`node0`, `node1`, ...), each a process of its own in its own session, with logs in
-`<run_dir>/control/`. Then it follows the job (controller/console.py): events, validation
+`<run_dir>/control/`. Then it follows the job (controller/cli/console.py): events, validation
 losses and checkpoint commits as they happen, and the step rank 0 is at.
 Ctrl-C asks for a stop (the ranks agree on a step, save a checkpoint and exit; the controller
 marks the job STOPPED); a second Ctrl-C kills everything at once. Exit status: 0 when the job
@@ -24,10 +24,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from controller.console import Follow
-from controller.decide import FAILED, TERMINAL
-from controller.spawn import die_with_parent
-from controller.store import Store, StoreUnavailable
+from controller.cli.console import Follow
+from controller.control.decide import FAILED, TERMINAL
+from controller.node.spawn import die_with_parent
+from controller.store.store import Store, StoreUnavailable
 from optimus.checkpoint.manifest import committed_steps
 from optimus.config import ConfigError, JobConfig
 from optimus.data.errors import DataError
@@ -167,7 +167,7 @@ def _shown(path: Path) -> str:
 
 def _follow(follow: Follow, cluster: LocalCluster, job: JobConfig,
             interrupted: list) -> str | None:
-    """Say what happens until the job ends (controller/console.py); its final state."""
+    """Say what happens until the job ends (controller/cli/console.py); its final state."""
     asked_stop = False
     controller = cluster.procs["controller"]
     while True:

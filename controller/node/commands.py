@@ -1,0 +1,117 @@
+"""The commands an agent takes from its tick (`Store.push_command`): a hang's stacks, a health
+check on demand, and operators' and tests' faults (`optimus chaos`, the plan's node faults).
+
+A hang's stacks (the controller's `dump_stacks` command) are collected on a thread of their own,
+so the agent goes on reaping and relaying meanwhile: SIGUSR1, then py-spy from outside for a
+rank that does not answer, then SIGUSR1 again (controller/node/stacks.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+from typing import Any
+
+from controller.node.stacks import Target, collect, find_py_spy
+from controller.store.store import StoreUnavailable
+from optimus.files import write_atomic
+
+
+class Commands:
+    """The agent's command handling (mixed into `Agent`: uses its ranks, store and events)."""
+
+    def _command(self, command: dict) -> None:
+        kind = command.get("kind")
+        if kind == "dump_stacks":
+            self._dump_stacks(command)
+        elif kind == "health_check":
+            self.info = {**self.info, **self._check_health()}
+            with contextlib.suppress(StoreUnavailable):
+                self.store.set_health(self.node, self.info)
+            self._event("health", f"health check on demand: {self.node} "
+                        + ("ok" if self.info["health"] == "ok"
+                           else f"bad tile {self.info['health_detail']}"))
+        elif kind == "bad_tile":
+            self.corrupt_tiles.add(int(command.get("tile", 0)))
+            self._event("chaos", f"chaos on {self.node}: tile {command.get('tile', 0)} now "
+                        "computes wrong results (seen by the next health check)",
+                        fault="bad_tile")
+        else:
+            self._chaos(command)
+
+    def _dump_stacks(self, command: dict) -> None:
+        """The asked ranks' stacks, gathered on a thread (a rank that does not answer SIGUSR1
+        takes seconds: the agent goes on meanwhile), then put in the store."""
+        targets = [Target(p.rank, p.popen.pid, p.stacks_path) for p in self.procs.values()
+                   if p.local_rank in command.get("local_ranks", [])
+                   and p.popen.returncode is None and p.stacks_path is not None]
+        generation = command.get("generation", self.generation or 0)
+        if targets:
+            threading.Thread(target=self._collect_stacks, args=(targets, generation),
+                             name="stacks", daemon=True).start()
+
+    def _collect_stacks(self, targets: list[Target], generation: int) -> None:
+        with self._stacks_lock:  # one collection at a time: they share the stacks files
+            stacks, notes = collect(targets, py_spy=find_py_spy())
+        for rank, note in sorted(notes.items()):
+            self._event("stacks", f"stack of rank {rank} on {self.node}: {note}", rank=rank)
+        with contextlib.suppress(StoreUnavailable):
+            self.store.put_stacks(generation, stacks)
+
+    def _chaos(self, command: dict) -> None:
+        kind = command.get("kind")
+        by = command.get("by", "")
+        why = f" (by {by}" + (f": {command['reason']}" if command.get("reason") else "") + ")"
+        self._event("chaos", f"chaos on {self.node}: {kind} "
+                    f"{command.get('rank', '') if kind != 'kill_node' else ''}".rstrip()
+                    + (why if by else ""),
+                    fault=kind, rank=command.get("rank", ""), sent=command.get("time", ""),
+                    by=by, reason=command.get("reason", ""))
+        if kind == "kill_node":
+            self._die()
+        if kind in ("hang_rank", "stall_rank", "nan_rank"):  # the rank fires it in a step
+            if any(p.rank == command.get("rank") and p.popen.returncode is None
+                   for p in self.procs.values()):
+                self._write_chaos([*self.chaos, {
+                    "id": len(self.chaos) + 1, "kind": kind, "rank": command["rank"],
+                    "generation": self.generation, "seconds": command.get("seconds", 0.0),
+                    **({"step": command["step"]} if isinstance(command.get("step"), int)
+                       else {})}])
+            return
+        for p in self.procs.values():
+            if p.rank == command.get("rank") and p.popen.returncode is None:
+                sig = signal.SIGKILL if kind == "kill_rank" else signal.SIGSTOP
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.popen.pid, sig)
+
+    def _check_node_faults(self) -> None:
+        if not self.plan or self.generation is None:
+            return
+        node_rank = self.plan["nodes"].index(self.node) if self.node in self.plan["nodes"] else -1
+        step = max((b.get("step", 0) for b in self.beats.values()), default=0)
+        for fault in self.plan.get("node_faults", []):
+            if (fault["generation"] == self.generation and fault["node"] == node_rank
+                    and step >= fault["step"]):
+                self._event("chaos", f"fault injection: node {self.node} (node rank "
+                            f"{node_rank}) dies at step {step}", fault="kill_node")
+                self._die()
+
+    def _die(self) -> None:
+        """A node lost: the ranks and the agent, at once, with no goodbye."""
+        for p in self.procs.values():
+            signal_group(p.popen, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _write_chaos(self, faults: list[dict]) -> None:
+        """Operators' rank faults for this node's ranks, replaced atomically (they stat it)."""
+        self.chaos = list(faults)
+        write_atomic(self.chaos_path, json.dumps({"faults": self.chaos}).encode(),
+                     self.chaos_path.with_suffix(".chaos-tmp"))
+
+
+def signal_group(popen: Any, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(popen.pid, sig)

@@ -1,0 +1,98 @@
+"""This node's ranks as its agent sees them: their processes, their heartbeats summed up for the
+store (the heartbeat deadline, the node's summary, ranks by state), and the last words of one
+that exited (the tail of its log)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from controller.control.detect import COLLECTIVE_PHASES
+from controller.node.exit_text import own_lines
+from controller.store.summaries import NodeSummary
+
+TAIL_LINES = 20
+# A rank's state for the ranks-by-state count, from its heartbeat's phase.
+RANK_STATES = {"startup": "startup", "checkpoint": "checkpoint", "checkpoint_sync": "checkpoint",
+               "paused": "paused", "done": "done"}  # any other phase: a step, "training"
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    local_rank: int
+    popen: Any  # subprocess.Popen or spawn.WarmRank: pid, returncode, poll()
+    log_path: Path
+    started: float
+    stop_sent: float | None = None  # when the agent sent SIGTERM
+    kill_sent: bool = False
+    stacks_path: Path | None = None
+    compute: deque = field(default_factory=lambda: deque(maxlen=20))  # per sampled step
+    sampled_step: int = -1
+
+
+def deadline(live: list[RankProcess], beats: dict[int, dict], plan: dict | None) -> float | None:
+    """When this node's earliest rank heartbeat falls overdue (None: no rank to watch)."""
+    if not plan:
+        return None
+    timeout = plan.get("heartbeat_timeout_s", 30.0)
+    startup = plan.get("startup_timeout_s", 300.0)
+    deadlines = []
+    for p in live:
+        if p.stop_sent is not None:
+            continue
+        beat = beats.get(p.local_rank)
+        deadlines.append(beat["time"] + timeout if beat else p.started + startup)
+    return min(deadlines) if deadlines else None
+
+
+def summary(live: list[RankProcess], beats: dict[int, dict]) -> NodeSummary | None:
+    """This node's ranks in a few numbers, for the job-wide sorted sets."""
+    seen = [beats[p.local_rank] for p in live if p.stop_sent is None and p.local_rank in beats]
+    if not seen:
+        return None
+    full = [p.compute for p in live if len(p.compute) >= max(p.compute.maxlen // 2, 1)]
+    memory = [b["memory"] for b in seen if b.get("memory")]
+    return NodeSummary(
+        max_step=max(b["step"] for b in seen), min_step=min(b["step"] for b in seen),
+        outside=sum(b["phase"] not in COLLECTIVE_PHASES for b in seen),
+        nonfinite=not all(b.get("finite", True) for b in seen),
+        compute_s=max(statistics.median(c) for c in full) if full else None,
+        paused=sum(b["phase"] == "paused" for b in seen),
+        oldest_beat=min(b["time"] for b in seen),
+        peak_allocated=max((m["allocated_bytes"] for m in memory), default=None),
+        peak_reserved=max((m["reserved_bytes"] for m in memory), default=None))
+
+
+def rank_states(live: list[RankProcess], beats: dict[int, dict]) -> dict[str, int]:
+    """How many of this node's live ranks are in each state (for the exporter)."""
+    states = Counter()
+    for p in live:
+        beat = beats.get(p.local_rank)
+        states["stopping" if p.stop_sent is not None else
+               RANK_STATES.get(beat["phase"], "training") if beat else "startup"] += 1
+    return dict(states)
+
+
+def log_age(path: Path) -> float | None:
+    """Seconds since the rank last wrote to its log (None: no log)."""
+    try:
+        return max(time.time() - path.stat().st_mtime, 0.0)
+    except OSError:
+        return None
+
+
+def tail(path: Path, lines: int = TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(f.tell() - 16384, 0))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(own_lines(text.splitlines())[-lines:])  # not the checkpoint writer's

@@ -1,0 +1,2 @@
+"""The job's Redis keys, read and written by every side through `Store`, and the connection to
+Redis (a URL, Sentinel, TLS)."""
