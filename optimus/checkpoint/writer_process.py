@@ -30,12 +30,17 @@ import logging
 import os
 
 import torch
-import torch.distributed.checkpoint._async_process_executor as _executor
+
+try:  # private names: another torch (a GPU image's) may lack them; then DCP's writer is as is
+    import torch.distributed.checkpoint._async_process_executor as _executor
+
+    _TORCH_WRITER = _executor._AsyncCheckpointProcess
+except (ImportError, AttributeError):
+    _executor, _TORCH_WRITER = None, object
 
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 60.0  # the writer finishes no save after TERMINATE: it only tears its group down
-_TORCH_WRITER = _executor._AsyncCheckpointProcess
 
 
 def _quiet_loop(pg_init_info, parent_conn) -> None:
@@ -59,7 +64,8 @@ class QuietWriterProcess(_TORCH_WRITER):
 
 def install() -> None:
     """Make DCP spawn its writer process as `QuietWriterProcess` (idempotent)."""
-    _executor._AsyncCheckpointProcess = QuietWriterProcess
+    if _executor is not None:
+        _executor._AsyncCheckpointProcess = QuietWriterProcess
 
 
 def stop() -> None:
@@ -67,7 +73,9 @@ def stop() -> None:
 
     Call it with no save in flight (the writer answers TERMINATE only between requests). A
     writer that does not exit within STOP_TIMEOUT_S is killed."""
-    writer, _executor._CHECKPOINT_PROCESS = _executor._CHECKPOINT_PROCESS, None
+    if _executor is None:
+        return
+    writer, _executor._CHECKPOINT_PROCESS = getattr(_executor, "_CHECKPOINT_PROCESS", None), None
     if writer is None:
         return
     process = writer._save_process
