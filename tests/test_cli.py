@@ -178,7 +178,7 @@ def test_an_operator_command_fails_at_once_where_nothing_listens(tmp_path):
             proc = subprocess.run([sys.executable, "-m", "controller", *args, "--redis", url],
                                   capture_output=True, text=True, timeout=60)
             assert proc.returncode == 2 and proc.stdout == ""
-            assert proc.stderr == (f"error: nothing listens at redis://127.0.0.1:"
+            assert proc.stderr == (f"error: nothing listens at redis://op:***@127.0.0.1:"
                                    f"{s.getsockname()[1]}/0 (connection refused); fix: give "
                                    "--redis (or $REDIS_URL) the URL the controller uses "
                                    "(`optimus run` prints it), or start that Redis\n")

@@ -124,6 +124,17 @@ def refused(e: BaseException | None) -> bool:
     return False
 
 
+def safe_url(url: str) -> str:
+    """The URL without its passwords (the data servers' and the sentinels'), for messages."""
+    url = re.sub(r"(sentinel_password=)[^&]*", r"\1***", url)
+    if "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    creds, host = rest.rsplit("@", 1)
+    user = creds.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if user else f"{scheme}://***@{host}"
+
+
 def fail_if_refused(url: str, timeout_s: float = 2.0) -> None:
     """Raise NothingListens at once if the server of a one-server URL refuses a connection.
 
@@ -141,9 +152,8 @@ def fail_if_refused(url: str, timeout_s: float = 2.0) -> None:
         client.ping()
     except redis.RedisError as e:
         if refused(e):
-            shown = re.sub(r"//[^@/]*@", "//", url)  # no credentials in messages
             raise NothingListens(
-                f"nothing listens at {shown} (connection refused); fix: give --redis (or "
+                f"nothing listens at {safe_url(url)} (connection refused); fix: give --redis (or "
                 "$REDIS_URL) the URL the controller uses (`optimus run` prints it), or start "
                 "that Redis") from None
     finally:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 import time
 from collections import deque
@@ -35,7 +34,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from controller.store.connect import connect, is_sentinel
+from controller.store.connect import connect, is_sentinel, safe_url
 from controller.store.reports import Reports
 from controller.store.summaries import NodeSummary, Summaries
 
@@ -481,12 +480,3 @@ def _text(value: Any) -> str:
     return json.dumps(value)
 
 
-def safe_url(url: str) -> str:
-    """The URL without its passwords (the data servers' and the sentinels'), for messages."""
-    url = re.sub(r"(sentinel_password=)[^&]*", r"\1***", url)
-    if "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    creds, host = rest.rsplit("@", 1)
-    user = creds.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}" if user else f"{scheme}://***@{host}"
