@@ -1,0 +1,196 @@
+"""What of bench/gpu.sh can run on this machine's torch and GPU, asked before anything runs.
+
+    python bench/gpu_check.py DIR
+
+The GPU machines' image carries its own torch (2.11 when this was written), not the 2.13 the
+project pins. Rather than trust a version table, each piece a part needs is tried here, on the
+device, in a few seconds: the imports of the training path, the names it takes from torch
+(some private, some newer than 2.11), a float8 matmul, a compiled kernel, the grouped GEMM,
+DCP's async stager and writer process, the memory tracker. It prints one line per part (or
+mfu mode) that cannot run and why, then one line per fallback taken, and writes for gpu.sh:
+
+    DIR/mfu_modes.txt     the runnable modes of bench/mfu.py, comma-separated (empty: none)
+    DIR/skip_parts.txt    one part name a line: the parts gpu.sh leaves out
+    DIR/check.json        every probe's outcome, for gpu-results.json
+
+It always exits 0 once it has written these: a part that cannot run is a finding, not a crash.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+PINNED = "2.13"
+PARTS = ("mfu", "moe", "checkpoint", "planner_memory")
+
+# The names the training path takes from torch that are private or recent: (module, attribute,
+# the parts that cannot run without it). A public name torch has had since 2.4 is not listed;
+# tests/test_gpu_check.py asserts every listed name is found in torch 2.13.
+NAMES = [
+    ("torch.distributed.fsdp", "fully_shard", PARTS),
+    ("torch.distributed.fsdp", "MixedPrecisionPolicy", PARTS),
+    ("torch.distributed.tensor", "distribute_module", PARTS),
+    ("torch.nn.utils", "get_total_norm", PARTS),
+    ("torch.nn.utils", "clip_grads_with_norm_", PARTS),
+    ("torch.accelerator", "current_accelerator", PARTS),
+    ("torch.utils.checkpoint", "create_selective_checkpoint_contexts", ("mfu",)),
+    ("torch.distributed.checkpoint.state_dict_saver", "AsyncCheckpointerType", ("checkpoint",)),
+    ("torch.distributed.checkpoint.staging", "DefaultStager", ("checkpoint",)),
+    ("torch.distributed.checkpoint.staging", "StagingOptions", ("checkpoint",)),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo", ("checkpoint",)),
+    ("torch.distributed._tools.mem_tracker", "MemTracker", ("planner_memory",)),
+    ("torch.distributed.pipelining.schedules", "OVERLAP_F_B", ()),  # pipelines: not on 1 GPU
+]
+
+
+def tail(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().splitlines()
+    return text[-1][:200] if text else type(e).__name__
+
+
+def missing_names() -> dict[str, str]:
+    """'module.attr' -> why, for each listed name this torch lacks."""
+    gone = {}
+    for module, attr, _ in NAMES:
+        try:
+            if not hasattr(importlib.import_module(module), attr):
+                gone[f"{module}.{attr}"] = "absent"
+        except Exception as e:  # noqa: BLE001 - any import failure is the finding
+            gone[f"{module}.{attr}"] = tail(e)
+    return gone
+
+
+def probe_float8() -> str | None:
+    """None if a float8 matmul runs here, else why not."""
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        return f"float8 needs compute capability 8.9+ (this GPU is {major}.{minor})"
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"torchao.float8 does not import: {tail(e)}"
+    try:
+        a = torch.randn(16, 32, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(16, 32, device="cuda").to(torch.float8_e4m3fn).t()  # column-major
+        one = torch.ones((), device="cuda")
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        return f"torch._scaled_mm fails: {tail(e)}"
+    return None
+
+
+def probe_compile() -> str | None:
+    """None if torch.compile builds and runs a kernel on the GPU (Inductor + Triton)."""
+    try:
+        fn = torch.compile(lambda x: torch.sin(x) * 2 + 1)
+        x = torch.ones(64, device="cuda")
+        ok = torch.allclose(fn(x), torch.sin(x) * 2 + 1)
+        torch.cuda.synchronize()
+        return None if ok else "a compiled kernel computed a wrong value"
+    except Exception as e:  # noqa: BLE001
+        return f"torch.compile fails: {tail(e)}"
+
+
+def probe_grouped_mm() -> str | None:
+    """None if the native grouped GEMM runs; else why (MoE then takes its padded bmm path)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return "torch._grouped_mm is absent"
+    if torch.cuda.get_device_capability() < (9, 0):
+        return "torch._grouped_mm needs sm90+"
+    try:
+        x = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(4, 32, 16, device="cuda", dtype=torch.bfloat16)
+        offs = torch.tensor([16, 32, 48, 64], device="cuda", dtype=torch.int32)
+        torch._grouped_mm(x, w, offs=offs)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        return f"torch._grouped_mm fails: {tail(e)}"
+    return None
+
+
+def main() -> None:
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else REPO / "bench" / "gpu-out")
+    out.mkdir(parents=True, exist_ok=True)
+    cannot: dict[str, str] = {}  # part or part/mode -> why
+    fallbacks: list[str] = []
+    probes: dict[str, str | None] = {}
+
+    version = torch.__version__.split("+")[0]
+    if not version.startswith(PINNED):
+        fallbacks.append(f"torch {torch.__version__} here; the project pins {PINNED} "
+                         "(pyproject): each piece below was tried on this one")
+    if not torch.cuda.is_available():
+        for part in PARTS:
+            cannot[part] = f"torch {torch.__version__} sees no CUDA device"
+    else:
+        try:
+            import optimus.checkpoint.saver  # noqa: F401
+            import optimus.train  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            for part in PARTS:
+                cannot[part] = f"the training path does not import: {tail(e)}"
+        gone = missing_names()
+        probes["missing_names"] = json.dumps(gone) if gone else None
+        for module, attr, parts in NAMES:
+            why = gone.get(f"{module}.{attr}")
+            for part in parts if why else ():
+                cannot.setdefault(part, f"torch lacks {module}.{attr} ({why})")
+        if "mfu" not in cannot:
+            probes["float8"], probes["compile"] = probe_float8(), probe_compile()
+        probes["grouped_mm"] = probe_grouped_mm()
+        if probes["grouped_mm"]:
+            fallbacks.append(f"moe: {probes['grouped_mm']}; the experts take the padded bmm "
+                             "path (slower; bench/moe.py's grouped-GEMM figure says so)")
+        try:
+            from optimus.checkpoint import writer_process
+            if writer_process._executor is None:
+                fallbacks.append("checkpoint: DCP's writer process lacks the private names "
+                                 "Optimus quiets it with; it runs as torch has it")
+        except Exception:  # noqa: BLE001 - the import failure is already a line above
+            pass
+
+    try:
+        from bench.mfu import gpu_modes
+        all_modes = gpu_modes()
+    except Exception as e:  # noqa: BLE001 - bench/mfu.py imports the training path
+        all_modes = []
+        cannot.setdefault("mfu", f"bench/mfu.py does not import: {tail(e)}")
+    modes = []
+    for mode in all_modes:
+        why = cannot.get("mfu")
+        if not why and mode.precision == "float8":
+            why = probes.get("float8")
+        if not why and mode.compile:
+            why = probes.get("compile")
+        if why and "mfu" not in cannot:
+            cannot[f"mfu/{mode.name}"] = why
+        elif not why:
+            modes.append(mode.name)
+    if not modes:
+        cannot.setdefault("mfu", "no mode of it can run")
+
+    for what, why in cannot.items():
+        print(f"cannot run: {what}: {why}")
+    for line in fallbacks:
+        print(f"fallback: {line}")
+    runnable = [p for p in PARTS if p not in cannot]
+    print(f"runs: {', '.join(runnable) or 'nothing'}"
+          + (f" (mfu modes: {', '.join(modes)})" if "mfu" in runnable else ""))
+    (out / "mfu_modes.txt").write_text(",".join(modes) + "\n")
+    (out / "skip_parts.txt").write_text("".join(f"{p}\n" for p in PARTS if p in cannot))
+    (out / "check.json").write_text(json.dumps(
+        {"torch": torch.__version__, "cannot": cannot, "fallbacks": fallbacks,
+         "probes": probes, "mfu_modes": modes}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
