@@ -123,20 +123,21 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         # else from the newest disk checkpoint that verifies; then save every `interval`, and
         # snapshot into the agent's memory every `memory_every` steps.
         progress = Progress(job.data.batch_size)
-        state = training_state(model, optimizer, progress, rank=env.rank, layout=layout)
+        key = layout_key(layout, device)  # a string: a checkpoint holds no object of ours
+        state = training_state(model, optimizer, progress, rank=env.rank, layout=key)
         agree_on = torch.device("cpu") if backend == "gloo" else device
         resumed, not_used = None, None
         if job.checkpoint.resume == "auto":
             with heartbeat.phase("checkpoint_sync"):
                 resumed, not_used = load_agreed(state, resume_request(), rank=env.rank,
-                                                layout=layout_key(layout, device))
+                                                layout=key)
         ckpt = _checkpointer(job, env, heartbeat)
         if resumed is None and ckpt and job.checkpoint.resume == "auto":
             resumed = ckpt.load_latest(state, job.checkpoint.verify_on_load)
         _log_resume(log, ckpt, resumed, not_used)
         snapshots = Snapshots.for_job(job.checkpoint.memory_every, rank=env.rank,
                                       generation=env.restart_count,
-                                      layout=layout_key(layout, device), agree_device=agree_on)
+                                      layout=key, agree_device=agree_on)
         init_from(job, model, resumed, log)  # model.init_from: a Hugging Face start, unless resumed
         if progress.step >= job.optim.steps:
             log.event("done", f"nothing to train: the checkpoint is at step {progress.step} of "

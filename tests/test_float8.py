@@ -103,6 +103,8 @@ def test_a_float8_step_on_cpu_is_close_to_fp32_but_not_equal(recipe, autocast):
     gradient is a product of rounded operands at every layer above: measured 15-19% relative
     L2 error, where bf16 autocast gives 1.3%. Between 5% and 40%: more than bf16 rounding, so
     float8 really ran, and far from the 100%+ of a wrong scale."""
+    if float8_problem("cpu", recipe=recipe):  # torch 2.11's CPU: per-tensor scales only
+        pytest.skip(float8_problem("cpu", recipe=recipe))
     _, ref_loss, ref_grad, _ = _one_step(None)
     model, loss, grad, moved = _one_step(recipe, autocast)
     assert _converted(model)  # Float8Linear modules ran the step
@@ -163,6 +165,7 @@ def test_rowwise_refuses_float8_all_gather():
 
 def test_float8_problem_by_device():
     assert float8_problem("cpu") is None
+    assert float8_problem("cpu", recipe="rowwise") is None  # torch 2.13 takes per-row scales
     for capability in ((8, 9), (9, 0), (10, 0)):
         assert float8_problem("cuda", capability) is None
     a100 = float8_problem("cuda", (8, 0))

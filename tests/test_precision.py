@@ -101,21 +101,28 @@ def _train_watching_collectives(rank: int, world_size: int, raw: dict) -> dict:
     import torch.distributed as dist
 
     seen = {"all_gather": set(), "reduce_scatter": set()}
-    all_gather, reduce_scatter = dist.all_gather_single, dist.reduce_scatter_single
+    # FSDP2 calls all_gather_single / reduce_scatter_single in torch 2.13, the *_tensor names
+    # in 2.11 (the GPU machines' image): watch whichever this torch has.
+    names = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
+             "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}
+    originals = {name: getattr(dist, name) for group in names.values() for name in group
+                 if hasattr(dist, name)}
 
-    def gather(output, input, *args, **kwargs):
-        seen["all_gather"].add(str(input.dtype))
-        return all_gather(output, input, *args, **kwargs)
+    def watching(kind, original):
+        def call(output, input, *args, **kwargs):
+            seen[kind].add(str(input.dtype))
+            return original(output, input, *args, **kwargs)
+        return call
 
-    def scatter(output, input, *args, **kwargs):
-        seen["reduce_scatter"].add(str(input.dtype))
-        return reduce_scatter(output, input, *args, **kwargs)
-
-    dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
+    for kind, group in names.items():
+        for name in group:
+            if name in originals:
+                setattr(dist, name, watching(kind, originals[name]))
     try:
         out = _train(rank, world_size, raw)
     finally:
-        dist.all_gather_single, dist.reduce_scatter_single = all_gather, reduce_scatter
+        for name, original in originals.items():
+            setattr(dist, name, original)
     return {**out, "seen": {k: sorted(v) for k, v in seen.items()}}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -172,3 +173,28 @@ def test_kill_rank_fault_kills_the_rank_at_its_step(tmp_path):
     assert "rank 0 kills itself at step 3" in proc.stderr
     steps = [json.loads(s)["step"] for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
+
+
+def test_a_checkpoint_holds_tensors_and_plain_values_only(tmp_path):
+    """Every non-tensor entry of a saved checkpoint loads under torch's weights_only unpickler:
+    no object of ours is pickled into it (the RNG's layout was once a `Layout` dataclass, which
+    torch 2.11's async stager could not even copy)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    raw = tiny(str(tmp_path), optim={"steps": 2},
+               checkpoint={"dir": str(tmp_path / "ckpt"), "interval": 2})
+    train(validate_job(raw, world=1), quiet=True)
+    folder = next((tmp_path / "ckpt").glob("step_*"))
+    reader = FileSystemReader(str(folder))
+    metadata = reader.read_metadata()
+    plain = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata):
+            info = metadata.storage_data[MetadataIndex(fqn)]
+            with open(folder / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                data = io.BytesIO(f.read(info.length))
+            plain[fqn] = torch.load(data, weights_only=True)
+    assert plain["rng.layout"] == "cpu:dp1.tp1.pp1.ep1.vs1"
+    assert plain["optim.param_groups.tok_embeddings.weight.betas"] == (0.9, 0.95)

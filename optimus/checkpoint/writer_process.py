@@ -20,6 +20,8 @@ a change:
   saying goodbye: killed) ends it quietly too, and its process group is collected before the
   child's interpreter finalizes.
 - `stop()` sends the writer DCP's own TERMINATE request and waits for it to exit.
+
+`SharedStager` is the stager PROCESS-mode saves share, kept open across saves whatever the torch.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import logging
 import os
 
 import torch
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 try:  # private names: another torch (a GPU image's) may lack them; then DCP's writer is as is
     import torch.distributed.checkpoint._async_process_executor as _executor
@@ -89,3 +92,26 @@ def stop() -> None:
         process.kill()
         process.join()
     writer._process_pipe.close()
+
+
+class SharedStager(DefaultStager):
+    """DCP's stager into shared memory, reused from save to save, closed by its owner only.
+
+    torch 2.13's `async_save` leaves a stager it is given open; torch 2.11's (the GPU machines'
+    image) closes it after the save, which empties its copy table, so the next save fails with
+    `KeyError: <class 'type'>`. Here `close()` is a no-op and `release()` frees it."""
+
+    def __init__(self) -> None:
+        # Stage straight into shared memory, which the writer process reads in place; without
+        # it DCP copies the state, pickles it through a pipe, and the writer copies it again
+        # (0.15 s of a 0.8 s save of 310 MB here).
+        super().__init__(StagingOptions(
+            use_pinned_memory=torch.cuda.is_available(), use_shared_memory=True,
+            use_async_staging=False, use_non_blocking_copy=False))
+
+    def close(self) -> None:
+        """Called by torch 2.11 after every save: the stager stays ready for the next."""
+
+    def release(self) -> None:
+        """Free the shared staging memory (with no save in flight)."""
+        super().close()

@@ -19,6 +19,8 @@ the windows of the sources before it: ids stay unique per (source, window), as t
 from __future__ import annotations
 
 import bisect
+import math
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -34,10 +36,13 @@ _SOURCE_SALT = 0x50_C0DE_5EED
 
 
 def quotas(weights: list[float], block: int = BLOCK) -> list[int]:
-    """Integer slots per block for each weight, summing to `block` (largest remainder)."""
-    total = float(sum(weights))
-    exact = [w * block / total for w in weights]
-    out = [int(e) for e in exact]
+    """Integer slots per block for each weight, summing to `block` (largest remainder).
+
+    In exact rationals: float sums differ between interpreters (Python 3.12's `sum` of floats
+    compensates, 3.11's does not), and one ulp of the total moves a slot between sources."""
+    total = sum(Fraction(w) for w in weights)
+    exact = [Fraction(w) * block / total for w in weights]
+    out = [math.floor(e) for e in exact]
     by_remainder = sorted(range(len(weights)), key=lambda s: (out[s] - exact[s], s))
     for s in by_remainder[: block - sum(out)]:
         out[s] += 1

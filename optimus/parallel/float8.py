@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import logging
 from collections.abc import Iterator
@@ -115,13 +116,14 @@ def precompute_float8_scales(parts: list[nn.Module]) -> None:
         fsdp_utils.precompute_float8_dynamic_scale_for_fsdp(part)
 
 
-def float8_problem(kind: str, capability: tuple[int, int] | None = None) -> str | None:
+def float8_problem(kind: str, capability: tuple[int, int] | None = None,
+                   recipe: str = "tensorwise") -> str | None:
     """Why a device of `kind` ("cuda", "xpu", "cpu") cannot run float8 training, or None.
 
     `capability`: the CUDA compute capability (major, minor); ignored for other kinds.
     """
     if kind == "cpu":
-        return None
+        return cpu_rowwise_problem() if recipe == "rowwise" else None
     if kind == "cuda":
         if capability is None:
             return "the CUDA compute capability is unknown"
@@ -134,6 +136,22 @@ def float8_problem(kind: str, capability: tuple[int, int] | None = None) -> str 
         return ("XPU: the Max 1550 (Xe-HPC) has no float8 matrix engine, and torchao's float8 "
                 "training is built for CUDA")
     return f"unknown device kind {kind!r}"
+
+
+@functools.cache
+def cpu_rowwise_problem() -> str | None:
+    """Why this torch's CPU `_scaled_mm` cannot take per-row scales, or None. Tried, not read
+    off a version: torch 2.13 takes them; 2.11 (the GPU machines' image) asserts inside."""
+    a = torch.ones(2, 16).to(torch.float8_e4m3fn)
+    b = torch.ones(2, 16).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+    try:
+        torch._scaled_mm(a, b, scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 2),
+                         out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return (f"torch {torch.__version__}'s CPU _scaled_mm takes per-tensor scales only, "
+                "not the rowwise recipe's per-row ones (torch 2.13 takes both); use "
+                "tensorwise on a CPU")
+    return None
 
 
 def torchao_problem() -> str | None:
@@ -153,14 +171,14 @@ def check_float8_here(job: JobConfig, source: str = "job") -> None:
         return
     problem, fix = torchao_problem(), f"{INSTALL_HINT}, or set training.float8: off"
     if problem is None:
-        problem = device_problem_here(job.parallel.device)
+        problem = device_problem_here(job.parallel.device, job.training.float8)
         fix = "run on a device with float8 matmuls, or set training.float8: off"
     if problem is not None:
         raise ConfigError(source, problems=[
             ("training.float8", f"{job.training.float8} cannot run here: {problem}", fix)])
 
 
-def device_problem_here(kind: str = "auto") -> str | None:
+def device_problem_here(kind: str = "auto", recipe: str = "tensorwise") -> str | None:
     """`float8_problem` for the device a rank of this machine gets with `parallel.device`
     `kind` (its first one: a node's accelerators are all of one model)."""
     from optimus.runtime.device import DeviceError, pick_device
@@ -170,7 +188,7 @@ def device_problem_here(kind: str = "auto") -> str | None:
     except DeviceError:
         return None  # the trainer names that problem itself
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    return float8_problem(device.type, capability)
+    return float8_problem(device.type, capability, recipe)
 
 
 def float8_note(kind: str) -> str:

@@ -141,10 +141,12 @@ def run_pipeline_step(schedule, stage_ids: list[int], num_stages: int,
     Gradients accumulate into `.grad`: zero them before, as without a pipeline. FSDP2 stage
     models are reduce-scattered by the schedule at the end of the step.
     """
-    args = (inputs,) if 0 in stage_ids else ()
+    # Contiguous: tokens and labels are views of one [.., seq + 1] batch, and torch 2.11's
+    # stages check each microbatch's strides against those of a contiguous one.
+    args = (inputs.contiguous(),) if 0 in stage_ids else ()
     if num_stages - 1 in stage_ids:
         losses: list[torch.Tensor] = []
-        schedule.step(*args, target=labels, losses=losses, return_outputs=False)
+        schedule.step(*args, target=labels.contiguous(), losses=losses, return_outputs=False)
         return [loss.detach() for loss in losses]
     schedule.step(*args, return_outputs=False)
     return []

@@ -28,7 +28,10 @@ def init_distributed(
         return
     timeout = timedelta(seconds=timeout_s)
     if device.type != "cpu":
-        getattr(torch, device.type).set_device(device)
+        module = getattr(torch, device.type)
+        if device.index is None:  # torch 2.11's set_device and device_id refuse a bare "cuda"
+            device = torch.device(device.type, module.current_device())
+        module.set_device(device)
     if env.world_size == 1:
         store: dist.Store = dist.HashStore()
     else:
