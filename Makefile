@@ -6,8 +6,10 @@
 VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
+# Test processes in parallel (pytest-xdist): most tests wait on real processes, not the CPU.
+TEST_WORKERS ?= 4
 
-.PHONY: venv promtool redis-sentinel slurm helm demo test mutate lint bench gpu-wheels clean
+.PHONY: venv promtool redis-sentinel slurm helm demo test test-fast mutate lint bench gpu-wheels clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,7 +61,11 @@ helm: venv
 
 test: venv promtool redis-sentinel slurm helm
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS)
+
+# The development tier: every test that starts no process (tests/conftest.py), in ~1 minute.
+test-fast: venv
+	$(BIN)/pytest -q --fast -n 2
 
 # Mutation testing of the pure rule modules against their fast unit tests (tests/mutate.py):
 # each entry is MODULE:TESTS (comma-separated):the least share (%) of its non-equivalent mutants
@@ -100,7 +106,8 @@ gpu-wheels:
 	rm -rf .whl
 	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp $(addprefix --platform ,$(GPU_PLATFORMS)) -d .whl $(GPU_WHEELS)
-	@ls .whl; du -sh .whl
+	@ls .whl
+	@du -sm .whl | awk '{ print "gpu-wheels: " $$1 " MiB in .whl (a device call carries at most 64)" }'
 
 clean:
 	rm -rf $(VENV) runs hf .pytest_cache

@@ -47,13 +47,14 @@
 # it and the repo on PYTHONPATH; nothing is installed into the image's own environment.
 #
 # Run on the device machine, with .whl carried:
-#     OPTIMUS_COMMIT=<this checkout's commit> bash bench/gpu.sh
+#     OPTIMUS_COMMIT=<this checkout's commit> [GPU_TESTS=1] bash bench/gpu.sh
 # (the copy there has no .git, so the commit is passed in to be recorded).
 
 set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DIR=${1:-${OUT:-$REPO/bench/gpu-out}}
+WITH_TESTS=${GPU_TESTS:-0}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$DIR"
 cd "$REPO" || exit 1
@@ -115,11 +116,36 @@ nvidia-smi | tee "$DIR/nvidia-smi.txt"
 
 MODES=$(tr -d '\n' <"$DIR/mfu_modes.txt")
 [ -n "$MODES" ] || echo "mfu" >>"$DIR/skip_parts.txt"
+# GPU_TESTS=1: the training path's CPU tests on this machine's torch, beside the parts, on the
+# second half of the cores (the parts keep the first half); tests.log holds the outcome. This is
+# how the torch 2.11 differences in docs/benchmarks.md were found. It loads the machine: the
+# parts' figures are then a first reading, not a quiet-machine measurement.
+TESTS_PID=
+if [ "$WITH_TESTS" = 1 ] && command -v taskset >/dev/null; then
+  half=$(( $(nproc) / 2 ))
+  CUDA_VISIBLE_DEVICES= timeout -k 5 450 taskset -c "$half-$(( $(nproc) - 1 ))" "$PYTHON" -m pytest \
+    -p no:cacheprovider -o addopts= -n "$half" -q -rfE --tb=short --timeout 200 \
+    tests/test_model.py tests/test_train.py tests/test_parallel_matrix.py tests/test_pipeline.py \
+    tests/test_tensor_parallel.py tests/test_moe.py tests/test_precision.py \
+    tests/test_recompute.py tests/test_param_gather.py tests/test_checkpoint_resume.py \
+    tests/test_hf.py tests/test_eval.py tests/test_memory_snapshots.py tests/test_clean_exit.py \
+    tests/test_float8.py tests/test_planner.py tests/test_runtime.py tests/test_config.py \
+    tests/test_data.py tests/test_mixture.py tests/test_torch_compat.py >"$DIR/tests.log" 2>&1 &
+  TESTS_PID=$!
+  taskset -pc "0-$(( half - 1 ))" $$ >/dev/null
+  echo "GPU_TESTS=1: the training path's CPU tests run on cores $half and up (tests.log)"
+fi
+
 part mfu 300 "$PYTHON" bench/mfu.py --device cuda --steps 10 --warmup 3 --modes "$MODES" \
   --out "$DIR/mfu.json"
 part moe 60 "$PYTHON" bench/moe.py --device cuda --ep 1
 part checkpoint 75 "$PYTHON" bench/checkpoint.py --device cuda --rounds 1
 part planner_memory 40 "$PYTHON" bench/planner_memory.py --device cuda
+
+if [ -n "$TESTS_PID" ]; then
+  wait "$TESTS_PID"
+  echo "tests (GPU_TESTS=1): $(tail -1 "$DIR/tests.log")"
+fi
 
 "$PYTHON" - "$DIR" <<'EOF'
 """Gather every part into one JSON: mfu.py's figures, the other parts' logs, the versions."""

@@ -1,5 +1,14 @@
-"""Shared fixtures. `run_ranks` runs a function on several gloo-connected processes."""
+"""Shared fixtures. `run_ranks` runs a function on several gloo-connected processes.
 
+`pytest --fast` (`make test-fast`) is the development tier: a test skips at the moment it would
+start a process (a subprocess, a multiprocessing child, a fork), so what runs is every test
+that needs none, decided by what each test does rather than by a list kept by hand. CI runs
+the whole suite (`make test`).
+"""
+
+import multiprocessing.process
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +23,32 @@ import multiproc  # noqa: E402
 from cluster import Processes, RedisServer  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--fast", action="store_true",
+                     help="the fast tier: skip each test when it would start a process")
+
+
+NEEDS_PROCESSES = "starts a process: the full suite (make test) runs it"
+
+
+def _refuse(*args, **kwargs):
+    pytest.skip(NEEDS_PROCESSES)
+
+
+def _fast_tier(config) -> None:
+    """In --fast, make every way a test starts a process skip it instead. Not in the xdist
+    controller (it starts its workers with subprocess); each worker and a plain run patch."""
+    if not config.getoption("fast"):
+        return
+    if not hasattr(config, "workerinput") and config.getoption("numprocesses", None):
+        return
+    subprocess.Popen._execute_child = _refuse
+    multiprocessing.process.BaseProcess.start = _refuse
+    os.fork = _refuse
+
+
 def pytest_configure(config):
+    _fast_tier(config)
     # optimus.runtime.dims names dp as a flattened mesh dim; torch 2.13 warns when it is sliced.
     config.addinivalue_line(
         "filterwarnings", "ignore:Slicing a flattened dim from root mesh:UserWarning"
