@@ -43,7 +43,8 @@ Redis and the controller on two cores. Redis gets the same commands, each node's
 (only fewer round trips: its syscall work, hence its CPU, is a slight underestimate of 10,923
 separate agents). At start-up the commands are checked byte for byte against those of
 `Store.agent_tick` for the same inputs, so a change there stops the benchmark instead of
-measuring other traffic.
+measuring other traffic. The simulated agents are in bench/controller_scale_fleet.py, the
+figures' report in bench/controller_scale_report.py.
 
     .venv/bin/python bench/controller_scale.py [--sizes 1024,16384,131072] [--duration 30]
         [--workers N] [--profile]
@@ -59,57 +60,54 @@ import argparse
 import contextlib
 import cProfile
 import dataclasses
-import json
 import math
 import multiprocessing as mp
 import os
 import pstats
 import re
 import shutil
-import socket
-import statistics
+import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from unittest import mock
 
-import hiredis
-import redis
 from prometheus_client import CollectorRegistry, generate_latest
 
-import controller.store.store as store_module
 from controller.cli.run import LocalCluster, start_redis
 from controller.control.controller import TICK_S, Controller, settings_for
 from controller.control.decide import Settings
 from controller.control.decide import names as decide_names
 from controller.exporter import JobCollector
-from controller.store.store import Store, prefix
-from controller.store.summaries import NodeSummary
+from controller.store.store import Store
 from optimus.config import validate_job
 
 REPO = Path(__file__).resolve().parents[1]
-JOB = "bench-scale"
-RPN = 12  # ranks per node
-INTERVAL_S, TIMEOUT_S = 1.0, 2.0  # heartbeat interval and timeout
-HANG_TIMEOUT_S, HANG_STEP_FACTOR = 2.0, 2.0
-STEP_S, FIRST_STEP = 1.0, 1000  # every rank steps once a second, from step 1000
-# The phases of a step: (where each ends, as a fraction of the step, name).
-PHASES = ((0.05, "data"), (0.40, "forward"), (0.85, "backward"), (0.95, "grad_sync"),
-          (1.0, "optim"))
-GRAD_SYNC_AT = 0.85
-BEAT_FIELDS = ("v", "rank", "local_rank", "pid", "generation", "time", "step", "phase",
-               "phase_since", "compute_s", "wait_s", "finite", "seq", "metrics", "received")
-TARGET_LOOP_S, TARGET_REDIS_CPU = 1.0, 50.0
-MAX_BATCH = 64  # nodes in one pipeline
+sys.path.insert(0, str(REPO))
+
+from bench.controller_scale_fleet import (  # noqa: E402
+    FIRST_STEP,
+    HANG_STEP_FACTOR,
+    HANG_TIMEOUT_S,
+    INTERVAL_S,
+    JOB,
+    QUIT,
+    RPN,
+    STALL_AT,
+    STALL_RANK,
+    STALL_STEP,
+    STEP_S,
+    STOP,
+    STOPPED_AT,
+    TIMEOUT_S,
+    SimSpec,
+    check_commands,
+    node_name,
+    simulate,
+)
+from bench.controller_scale_report import Result, report, table  # noqa: E402
+
 SETTLE_S = 4.0  # normal running between the two faults
 WAIT_S = 30.0  # at most, for a decision
-# The control block shared with the workers (doubles).
-STOP, STOPPED_AT, STALL_RANK, STALL_STEP, STALL_AT, QUIT = range(6)
-
-
-def node_name(i: int) -> str:
-    return f"node{i}"
 
 
 def bench_job(run_dir: Path, world: int) -> dict:
@@ -125,243 +123,7 @@ def bench_job(run_dir: Path, world: int) -> dict:
     }
 
 
-# --- one node's tick ----------------------------------------------------------------------------
-
-def tick_commands(p: str, node: str, status: tuple, beats: list[str], deadline: float,
-                  summary: NodeSummary, now: float) -> list[tuple]:
-    """The commands of `Store.agent_tick` for one node (reset_ranks False, a deadline, a
-    summary); `check_commands` holds them to agent_tick's own."""
-    ranks = [x for lr, beat in enumerate(beats) for x in (str(lr), beat)]
-    return [("ZADD", p + "agents", now, node),
-            status,  # ("HSET", agent:<node>, field, text, ...): the same every tick
-            ("HSET", f"{p}ranks:{node}", *ranks),
-            ("ZADD", p + "beats", deadline, node),
-            ("ZADD", p + "steps", summary.max_step, node),
-            ("ZADD", p + "paused", summary.paused, node),
-            ("ZADD", p + "oldest", summary.oldest_beat, node),
-            ("ZADD", p + "minsteps", summary.min_step, node),
-            ("ZADD", p + "outside", summary.outside, node),
-            ("ZADD", p + "compute", summary.compute_s, node),
-            ("SREM", p + "nonfinite", node),
-            ("GET", p + "plan:stamp"),
-            ("LPOP", f"{p}commands:{node}", 100),
-            ("HEXISTS", p + "nodes", node),
-            ("GET", p + "control")]
-
-
-def status_command(p: str, node: str, i: int) -> tuple:
-    """HSET agent:<node> with what the agent's `_tick` sends for a generation it runs."""
-    pids = json.dumps([pid_of(i * RPN + lr) for lr in range(RPN)])
-    return ("HSET", f"{p}agent:{node}", "generation", "0", "state", "running",
-            "live_ranks", str(RPN), "host", f"host{i}", "pids", pids,
-            "rank_states", json.dumps({"training": RPN}))
-
-
-def pid_of(rank: int) -> int:
-    return 1000 + rank % 4_000_000
-
-
-def beat_head(rank: int, local_rank: int) -> str:
-    return (f'{{"v": 1, "rank": {rank}, "local_rank": {local_rank}, "pid": {pid_of(rank)}, '
-            '"generation": 0, ')
-
-
-def beat_json(head: str, t: float, step: int, phase: str, since: float, compute_s: float,
-              wait_s: float, seq: int) -> str:
-    """json.dumps of a rank's heartbeat as the agent relays it (checked at start-up)."""
-    return (f'{head}"time": {t!r}, "step": {step}, "phase": "{phase}", "phase_since": '
-            f'{since!r}, "compute_s": {compute_s!r}, "wait_s": {wait_s!r}, "finite": true, '
-            f'"seq": {seq}, "metrics": null, "received": {t + 0.0002!r}}}')
-
-
-def check_commands(url: str, plan: dict) -> None:
-    """Fail unless the simulator sends, byte for byte, what `Store.agent_tick` sends."""
-    p, node, now = prefix(JOB), node_name(7), 1.7e9 + 0.123456
-    beats = [beat_json(beat_head(7 * RPN + lr, lr), now - 0.3 - lr / 100, FIRST_STEP + 3,
-                       "backward", now - 0.5, 0.85, 0.15, 99) for lr in range(RPN)]
-    summary = NodeSummary(FIRST_STEP + 3, FIRST_STEP + 3, RPN, False, 0.85, 0,
-                          now - 0.3 - (RPN - 1) / 100)
-    status = {"generation": 0, "state": "running", "live_ranks": RPN, "host": "host7",
-              "pids": [pid_of(7 * RPN + lr) for lr in range(RPN)],
-              "rank_states": {"training": RPN}}
-    recorded = redis.Redis().pipeline(transaction=False)  # never executed
-
-    class Deferred:  # agent_tick's pipeline: queue into `recorded`, answer as Redis would
-        def __getattr__(self, name):
-            return getattr(recorded, name)
-
-        def execute(self):
-            return [None, None, 1, None]
-
-    store = Store(url, JOB)
-    store.r = mock.Mock(pipeline=lambda transaction=True: Deferred())
-    with mock.patch.object(store_module, "time", mock.Mock(time=lambda: now)):
-        store.agent_tick(node, status, {lr: json.loads(b) for lr, b in enumerate(beats)},
-                         now - 0.3 - 0.11 + TIMEOUT_S, False, summary)
-    theirs = [hiredis.pack_command(tuple(args)) for args, _ in recorded.command_stack]
-    ours = [hiredis.pack_command(c) for c in tick_commands(
-        p, node, status_command(p, node, 7), beats,
-        now - 0.3 - 0.11 + TIMEOUT_S, summary, now)]
-    if theirs != ours:
-        diff = next((i for i, (a, b) in enumerate(zip(theirs, ours, strict=False)) if a != b),
-                    "count")
-        raise SystemExit(f"Store.agent_tick no longer sends what this simulator sends (first "
-                         f"difference: command {diff}); update tick_commands()")
-    if tuple(json.loads(beats[0])) != BEAT_FIELDS:
-        raise SystemExit("beat_json() lost a heartbeat field")
-
-
-@dataclass(frozen=True)
-class SimSpec:
-    url: str
-    nodes: int
-    t0: float  # the clock every node's tick and every rank's step count from
-
-
-class Agents:
-    """Simulated agents of nodes lo..hi-1, in one process: each ticks once per interval, at
-    its offset (node i at i / nodes of the interval)."""
-
-    def __init__(self, spec: SimSpec, lo: int, hi: int, control, counters, w: int):
-        self.spec, self.lo, self.hi = spec, lo, hi
-        self.control, self.counters, self.w = control, counters, w
-        self.p = prefix(JOB)
-        self.status = [status_command(self.p, node_name(i), i)
-                       for i in range(lo, hi)]
-        ranks = range(lo * RPN, hi * RPN)
-        self.heads = [beat_head(r, r % RPN) for r in ranks]
-        self.offset = [(r * 0.6180339887) % 1.0 * INTERVAL_S for r in ranks]  # when it beats
-        self.compute = [0.85 + (r * 7919 % 100) / 10_000 for r in ranks]
-        # The agent's summary: the slowest rank's median compute time (each rank's is fixed).
-        self.slowest = [max(self.compute[(i - lo) * RPN:(i - lo + 1) * RPN])
-                        for i in range(lo, hi)]
-        host, port = spec.url.split("//")[1].split("/")[0].split(":")
-        self.sock = socket.create_connection((host, int(port)))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.reader = hiredis.Reader()
-
-    def run(self) -> None:
-        c, n, spec = self.control, self.hi - self.lo, self.spec
-        offset = [i / spec.nodes * INTERVAL_S for i in range(self.lo, self.hi)]
-        last = [0.0] * n
-        cycle, j = 0, 0
-        while not c[QUIT]:
-            stop = int(c[STOP])
-            stall = (int(c[STALL_RANK]), int(c[STALL_STEP]), c[STALL_AT]) if c[STALL_AT] else None
-            chunks, count, now = [], 0, time.time()
-            while count < MAX_BATCH:
-                due = spec.t0 + cycle * INTERVAL_S + offset[j]
-                if due > now:
-                    break
-                i = self.lo + j
-                if i == stop:
-                    if not c[STOPPED_AT]:
-                        c[STOPPED_AT] = last[j]
-                else:
-                    chunks += [hiredis.pack_command(x) for x in self.commands(i, now, stall)]
-                    last[j] = now
-                    count += 1
-                    late = self.counters[2 * self.w + 1]
-                    self.counters[2 * self.w + 1] = max(late, now - due)
-                j += 1
-                if j == n:
-                    j, cycle = 0, cycle + 1
-            if count:
-                self.send(chunks)
-                self.counters[2 * self.w] += count
-            else:
-                time.sleep(max(due - time.time(), 0.002))
-
-    def commands(self, i: int, now: float, stall: tuple | None) -> list[tuple]:
-        beats, times, steps, outside = [], [], [], 0
-        base = (i - self.lo) * RPN
-        for lr in range(RPN):
-            k = base + lr
-            off = self.offset[k]
-            t = off + (now - off) // INTERVAL_S * INTERVAL_S  # the rank's latest heartbeat
-            step, phase, since = self.rank_state(i * RPN + lr, t, stall)
-            compute_s = self.compute[k]
-            beats.append(beat_json(self.heads[k], t, step, phase, since, compute_s,
-                                   round(1.0 - compute_s, 4), int((t - self.spec.t0) + 600)))
-            times.append(t)
-            steps.append(step)
-            outside += phase != "grad_sync"
-        summary = NodeSummary(max(steps), min(steps), outside, False, self.slowest[i - self.lo],
-                              0, min(times))
-        return tick_commands(self.p, node_name(i), self.status[i - self.lo], beats,
-                             min(times) + TIMEOUT_S, summary, now)
-
-    def rank_state(self, rank: int, t: float, stall: tuple | None) -> tuple[int, str, float]:
-        """(step, phase, phase_since) of a rank at time t."""
-        t0 = self.spec.t0
-        if stall is not None and t >= stall[2]:
-            culprit, at_step, at = stall
-            if rank == culprit:
-                return at_step, "backward", at
-            stuck = t0 + (at_step + 1 - FIRST_STEP + GRAD_SYNC_AT) * STEP_S
-            if t >= stuck:  # one step later, the others wait for it in a collective
-                return at_step + 1, "grad_sync", stuck
-        k, f = divmod(t - t0, STEP_S)
-        start = 0.0
-        for end, phase in PHASES:
-            if f < end * STEP_S:
-                return FIRST_STEP + int(k), phase, t0 + k * STEP_S + start * STEP_S
-            start = end
-        return FIRST_STEP + int(k), PHASES[-1][1], t0 + k * STEP_S + start * STEP_S
-
-    def send(self, chunks: list[bytes]) -> None:
-        self.sock.sendall(b"".join(chunks))
-        got = 0
-        while got < len(chunks):
-            reply = self.reader.gets()
-            if reply is False:
-                data = self.sock.recv(1 << 20)
-                if not data:
-                    raise ConnectionError("Redis closed the connection")
-                self.reader.feed(data)
-            elif isinstance(reply, hiredis.ReplyError):
-                raise reply
-            else:
-                got += 1
-
-
-def simulate(spec: SimSpec, lo: int, hi: int, control, counters, w: int) -> None:
-    Agents(spec, lo, hi, control, counters, w).run()
-
-
 # --- the controller, driven and watched -------------------------------------------------------
-
-@dataclass
-class Result:
-    ranks: int
-    nodes: int
-    rate: float = 0.0  # node ticks per second achieved
-    late_s: float = 0.0  # the latest any tick ran
-    loop: list[float] = field(default_factory=list)  # wall time of each controller tick
-    loop_cpu: list[float] = field(default_factory=list)  # its CPU time (this process)
-    errors: int = 0
-    stale_s: float | None = None
-    stale_how: str = ""
-    stall_s: float | None = None
-    stall_how: str = ""
-    memory: int = 0
-    cpu: dict[str, float] = field(default_factory=dict)  # % of one core, over the loop window
-    false_alarms: list[str] = field(default_factory=list)
-    scrape: list[float] = field(default_factory=list)  # wall time of each /metrics render
-    scrape_bytes: int = 0
-
-    @property
-    def sustained(self) -> bool:
-        return self.rate >= 0.99 * self.nodes / INTERVAL_S and self.late_s <= 0.25 * INTERVAL_S
-
-    @property
-    def loop_period(self) -> float:
-        """How long after a condition becomes true the controller's event can land: the wait
-        for the next tick (ticks start every TICK_S while one takes less) plus that tick's own
-        time up to its event (p99). Back-to-back ticks (p99 > TICK_S): up to two ticks."""
-        took = p99(self.loop)
-        return min(TICK_S + took if took <= TICK_S else 2 * took, TARGET_LOOP_S)
-
 
 class Size:
     """One size: its Redis, job, simulated agents and controller; the figures in `res`."""
@@ -585,80 +347,6 @@ def mentions(e: dict, node: str, rank: int | None = None) -> bool:
 def cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-
-
-# --- report -------------------------------------------------------------------------------------
-
-def verdict(ok: bool) -> str:
-    return "met" if ok else "MISSED"
-
-
-def report(r: Result) -> None:
-    need = r.nodes / INTERVAL_S
-    print(f"  simulator: {r.rate:,.0f} node ticks/s of {need:,.0f} needed "
-          f"({100 * r.rate / need:.1f}%), latest tick {1000 * r.late_s:.0f} ms behind "
-          f"schedule: " + ("sustained 1 Hz per node" if r.sustained else "did NOT sustain 1 Hz "
-                           "per node: the figures below do not describe a 1 Hz cluster"))
-    if not r.loop:
-        return
-    top = max(r.loop)
-    print(f"  controller loop: tick median {ms(statistics.median(r.loop))}, p99 "
-          f"{ms(p99(r.loop))}, max {ms(top)} over {len(r.loop)} ticks (target <= "
-          f"{TARGET_LOOP_S:g} s: {verdict(top <= TARGET_LOOP_S)}); CPU per tick median "
-          f"{ms(statistics.median(r.loop_cpu))}, max {ms(max(r.loop_cpu))}"
-          + (f"; {r.errors} tick(s) hit a Redis error" if r.errors else ""))
-    limit = 2 * INTERVAL_S + r.loop_period
-    if r.stale_s is None:
-        print(f"  stale node: {r.stale_how} (target <= {limit:.2f} s: MISSED)")
-    else:
-        print(f"  stale node: decided {r.stale_s:.2f} s after its last tick (target <= 2 x "
-              f"{INTERVAL_S:g} s + one loop {r.loop_period:.2f} s = {limit:.2f} s: "
-              f"{verdict(r.stale_s <= limit)}); {r.stale_how[:160]}")
-    bound = STEP_S + max(HANG_TIMEOUT_S, HANG_STEP_FACTOR * STEP_S) + 2 * INTERVAL_S \
-        + r.loop_period
-    if r.stall_s is None:
-        print(f"  stalled rank: {r.stall_how[:300]}")
-    else:
-        print(f"  stalled rank: first event naming the culprit {r.stall_s:.2f} s after the "
-              f"stall (no target; expected <= 1 step + threshold max({HANG_TIMEOUT_S:g}, "
-              f"{HANG_STEP_FACTOR:g} x {STEP_S:g} s) + 2 intervals + one loop = {bound:.2f} s: "
-              f"{'within' if r.stall_s <= bound else 'OVER'}); {r.stall_how[:160]}")
-    print(f"  Redis: used_memory {r.memory / 2**20:,.1f} MiB; CPU {r.cpu['redis']:.1f}% of one "
-          f"core (target <= {TARGET_REDIS_CPU:g}%: {verdict(r.cpu['redis'] <= TARGET_REDIS_CPU)})"
-          f"; beside it, % of one core: controller process {r.cpu['controller']:.0f}, simulator "
-          f"{r.cpu['simulator']:.0f}, other work on this machine {r.cpu['others']:.0f} "
-          f"(of {100 * (os.cpu_count() or 1)})")
-    if r.scrape:
-        print(f"  exporter: /metrics ({r.scrape_bytes:,} bytes) computed from Redis in "
-              f"{ms(statistics.median(r.scrape))} median, {ms(max(r.scrape))} max over "
-              f"{len(r.scrape)} scrapes (no target; at a 15 s scrape interval that is "
-              f"{100 * statistics.median(r.scrape) / 15:.1f}% of a core)")
-    if r.false_alarms:
-        print(f"  false alarms: {len(r.false_alarms)} decision(s) about healthy nodes (failures "
-              f"undone), e.g. " + " | ".join(r.false_alarms[:2]))
-
-
-def ms(seconds: float) -> str:
-    return f"{1000 * seconds:,.0f} ms" if seconds >= 0.1 else f"{1000 * seconds:.1f} ms"
-
-
-def table(results: list[Result]) -> None:
-    print("\n| ranks | nodes | sim ticks/s (needed) | loop median / p99 / max | stale node | "
-          "stalled rank | Redis memory | Redis CPU | /metrics median |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        stale = "-" if r.stale_s is None else f"{r.stale_s:.2f} s"
-        stall = "-" if r.stall_s is None else f"{r.stall_s:.2f} s"
-        loop = " / ".join(ms(f(r.loop)) for f in (statistics.median, p99, max)) if r.loop \
-            else "-"
-        print(f"| {r.ranks:,} | {r.nodes:,} | {r.rate:,.0f} ({r.nodes:,}) | {loop} | {stale} | "
-              f"{stall} | {r.memory / 2**20:,.1f} MiB | {r.cpu.get('redis', 0):.1f}% | "
-              f"{ms(statistics.median(r.scrape)) if r.scrape else '-'} |")
 
 
 def main() -> None:
