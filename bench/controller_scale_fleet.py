@@ -52,10 +52,12 @@ def tick_commands(p: str, node: str, status: tuple, beats: list[str], deadline: 
             ("ZADD", p + "beats", deadline, node),
             ("ZADD", p + "steps", summary.max_step, node),
             ("ZADD", p + "paused", summary.paused, node),
-            ("ZADD", p + "oldest", summary.oldest_beat, node),
             ("ZADD", p + "minsteps", summary.min_step, node),
             ("ZADD", p + "outside", summary.outside, node),
+            ("ZADD", p + "oldest", summary.oldest_beat, node),
             ("ZADD", p + "compute", summary.compute_s, node),
+            ("ZREM", p + "peak_allocated", node),  # no peak memory reported by these ranks
+            ("ZREM", p + "peak_reserved", node),
             ("SREM", p + "nonfinite", node),
             ("GET", p + "plan:stamp"),
             ("LPOP", f"{p}commands:{node}", 100),
