@@ -6,8 +6,8 @@
 VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
-# Test processes in parallel (pytest-xdist): most tests wait on real processes, not the CPU.
-TEST_WORKERS ?= 4
+# Tests in parallel (pytest-xdist), one worker a core: the suite is mostly CPU (real ranks).
+TEST_WORKERS ?= 2
 
 .PHONY: venv promtool redis-sentinel slurm helm demo test test-fast mutate lint bench gpu-wheels clean
 

@@ -31,24 +31,44 @@ def pytest_addoption(parser):
 NEEDS_PROCESSES = "starts a process: the full suite (make test) runs it"
 
 
+_refused = []  # in --fast: whether the running test tried to start a process
+
+
 def _refuse(*args, **kwargs):
+    _refused.append(True)
     pytest.skip(NEEDS_PROCESSES)
 
 
-def _fast_tier(config) -> None:
-    """In --fast, make every way a test starts a process skip it instead. Not in the xdist
-    controller (it starts its workers with subprocess); each worker and a plain run patch."""
-    if not config.getoption("fast"):
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A refusal caught by the code under test (a save's thread turns it into a failed save)
+    still makes the test a skip, not a failure."""
+    outcome = yield
+    report = outcome.get_result()
+    if _refused and report.failed:
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1], f"Skipped: {NEEDS_PROCESSES}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """In --fast, every way a test (or a fixture it sets up) starts a process skips it instead;
+    only while tests run, since pytest-xdist's own start-up runs commands."""
+    if not item.config.getoption("fast"):
+        yield
         return
-    if not hasattr(config, "workerinput") and config.getoption("numprocesses", None):
-        return
-    subprocess.Popen._execute_child = _refuse
-    multiprocessing.process.BaseProcess.start = _refuse
+    _refused.clear()
+    saved = subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start, os.fork
+    subprocess.Popen._execute_child = multiprocessing.process.BaseProcess.start = _refuse
     os.fork = _refuse
+    try:
+        yield
+    finally:
+        (subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start,
+         os.fork) = saved
 
 
 def pytest_configure(config):
-    _fast_tier(config)
     # optimus.runtime.dims names dp as a flattened mesh dim; torch 2.13 warns when it is sliced.
     config.addinivalue_line(
         "filterwarnings", "ignore:Slicing a flattened dim from root mesh:UserWarning"
