@@ -6,8 +6,9 @@
 VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
-# Tests in parallel (pytest-xdist), one worker a core: the suite is mostly CPU (real ranks).
-TEST_WORKERS ?= 2
+# Test workers (pytest-xdist; 0: one process, what CI runs). Two gain little on two cores (the
+# suite is mostly CPU: real ranks) and one of two runs in them timed out a start (docs/benchmarks.md).
+TEST_WORKERS ?= 0
 
 .PHONY: venv promtool redis-sentinel slurm helm demo test test-fast mutate lint bench gpu-wheels clean
 

@@ -97,7 +97,7 @@ def _kill_nodes(store: Store, *nodes: str) -> None:
 def test_a_lost_node_is_replaced_by_its_buddy_which_holds_its_shards(tmp_path, redis_server,
                                                                      procs):
     run, store = _start(tmp_path, redis_server, procs)
-    wait_for(lambda: _rank0_step(store) >= FAULT_STEP, 120, f"step {FAULT_STEP}")
+    wait_for(lambda: _rank0_step(store) >= FAULT_STEP, 300, f"step {FAULT_STEP}")
     _kill_nodes(store, "node1")
     procs.procs["controller"].wait(timeout=180)
     assert store.job_record()["state"] == "COMPLETED"
@@ -115,7 +115,7 @@ def test_a_lost_node_is_replaced_by_its_buddy_which_holds_its_shards(tmp_path, r
 def test_a_node_lost_with_its_buddy_falls_back_to_disk_and_says_why(tmp_path, redis_server,
                                                                     procs):
     run, store = _start(tmp_path, redis_server, procs)
-    wait_for(lambda: _rank0_step(store) >= FAULT_STEP, 120, f"step {FAULT_STEP}")
+    wait_for(lambda: _rank0_step(store) >= FAULT_STEP, 300, f"step {FAULT_STEP}")
     _kill_nodes(store, "node3", "node1")  # node1's copy is on node3
     procs.procs["controller"].wait(timeout=180)
     assert store.job_record()["state"] == "COMPLETED"
