@@ -33,7 +33,7 @@ PARTS = ("mfu", "moe", "checkpoint", "planner_memory")
 
 # The names the training path takes from torch that are private or recent: (module, attribute,
 # the parts that cannot run without it). A public name torch has had since 2.4 is not listed;
-# tests/test_gpu_check.py asserts every listed name is found in torch 2.13.
+# tests/test_torch_compat.py asserts every listed name is found in torch 2.13.
 NAMES = [
     ("torch.distributed.fsdp", "fully_shard", PARTS),
     ("torch.distributed.fsdp", "MixedPrecisionPolicy", PARTS),
