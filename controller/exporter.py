@@ -9,6 +9,10 @@ there are no per-rank labels, so series stay few at 131,072 ranks.
 
 Names follow Prometheus's conventions: the `optimus_` prefix, base units (seconds, bytes),
 `_total` on counters, ratios 0..1. docs/monitoring.md lists them all.
+
+What agents wrote is read as untrusted: a record a scrape cannot read (a node's `rank_states`,
+rank 0's heartbeat) is skipped and counted in `optimus_exporter_unreadable_records`, and the
+scrape goes on; one bad record never takes the others, or `optimus_controller_up`, with it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -33,6 +38,16 @@ log = logging.getLogger("optimus.exporter")
 AGE_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 RANK_STATES = ("startup", "training", "checkpoint", "paused", "stopping", "done")
 NODE_STATES = ("active", "spare", "excluded", "draining", "silent", "unhealthy")
+UNREADABLE = ("rank_states", "rank_beat")  # agents' records a scrape parses
+TRAINING = (  # rank 0's logged figures (its heartbeat's `metrics`), as gauges; and "tokens"
+    ("loss", "optimus_loss", "The last logged training loss"),
+    ("tokens_per_s", "optimus_tokens_per_second", "Tokens per second, whole job"),
+    ("mfu", "optimus_mfu_ratio", "Model FLOPs utilisation, 0..1"),
+    ("step_time_s", "optimus_step_time_seconds", "Wall time of the last logged step"),
+    ("checkpoint_s", "optimus_checkpoint_duration_seconds",
+     "The last save, from its start to rank 0's files written"),
+    ("val_loss", "optimus_validation_loss",
+     "The last validation loss: mean cross-entropy of the held-out tokens (eval.every)"))
 
 
 class JobCollector(Collector):
@@ -65,6 +80,7 @@ class JobCollector(Collector):
 
     def _job_families(self) -> Iterator:
         store, now = self.store, time.time()
+        unreadable: Counter[str] = Counter()  # per scrape: scrapes run in threads of their own
         record = store.job_record()
         plan = store.plan() or {}
         state = record.get("state", "PENDING")
@@ -82,7 +98,7 @@ class JobCollector(Collector):
         step = store.furthest_step() if running else None
         if step is not None:
             yield _gauge("optimus_step", "The furthest step any rank has reached", step)
-        yield from self._training(plan if running else {})
+        yield from self._training(plan if running else {}, unreadable)
         if running:
             yield from self._memory()
 
@@ -93,7 +109,7 @@ class JobCollector(Collector):
             restarts.add_metric([cause], float(causes.get(cause, 0)))
         yield restarts
 
-        yield from self._ranks_and_nodes(plan if running else {}, now)
+        yield from self._ranks_and_nodes(plan if running else {}, now, unreadable)
         yield _gauge("optimus_stragglers", "Nodes reported as stragglers now",
                      len(_json(record.get("stragglers"), [])))
         yield from self._checkpoints(now)
@@ -102,31 +118,41 @@ class JobCollector(Collector):
                          "snapshot", float(record["memory_snapshot"]))
         yield _gauge("optimus_heartbeat_timeout_seconds", "supervision.heartbeat_timeout_s",
                      self.job.supervision.heartbeat_timeout_s)
+        skipped = GaugeMetricFamily("optimus_exporter_unreadable_records", "Records agents "
+                                    "wrote that this scrape could not read, and skipped",
+                                    labels=["record"])
+        for name in UNREADABLE:
+            skipped.add_metric([name], float(unreadable[name]))
+        yield skipped
 
-    def _training(self, plan: dict) -> Iterator:
+    def _training(self, plan: dict, unreadable: Counter) -> Iterator:
         """Rank 0's last logged step: loss, throughput, MFU, step time, tokens, last save; its
         last validation."""
-        metrics = None
-        if plan.get("nodes"):
-            beat = self.store.rank_beats(plan["nodes"][0]).get(0)
-            if beat and beat.get("generation") == plan.get("generation"):
-                metrics = beat.get("metrics")
-        metrics = metrics or {}
-        described = (
-            ("loss", "optimus_loss", "The last logged training loss"),
-            ("tokens_per_s", "optimus_tokens_per_second", "Tokens per second, whole job"),
-            ("mfu", "optimus_mfu_ratio", "Model FLOPs utilisation, 0..1"),
-            ("step_time_s", "optimus_step_time_seconds", "Wall time of the last logged step"),
-            ("checkpoint_s", "optimus_checkpoint_duration_seconds",
-             "The last save, from its start to rank 0's files written"),
-            ("val_loss", "optimus_validation_loss",
-             "The last validation loss: mean cross-entropy of the held-out tokens (eval.every)"))
-        for key, name, text in described:
+        metrics = self._rank0_figures(plan) if plan.get("nodes") else {}
+        if metrics is None:
+            unreadable["rank_beat"] += 1
+            metrics = {}
+        for key, name, text in TRAINING:
             if metrics.get(key) is not None:
                 yield _gauge(name, text, metrics[key])
         if metrics.get("tokens") is not None:  # a gauge: a restart goes back to its checkpoint's
             yield _gauge("optimus_tokens", "Tokens trained up to the last logged step",
                          metrics["tokens"])
+
+    def _rank0_figures(self, plan: dict) -> dict | None:
+        """Rank 0's logged figures when its heartbeat is of the plan's generation ({} when
+        there is none); None when that heartbeat cannot be read."""
+        try:
+            beat = self.store.rank_beats(plan["nodes"][0]).get(0)
+        except ValueError:  # one of the node's heartbeats is not JSON
+            return None
+        if beat is None:
+            return {}
+        if not isinstance(beat, dict):
+            return None
+        if beat.get("generation") != plan.get("generation"):
+            return {}
+        return _figures(beat.get("metrics") or {})
 
     def _memory(self) -> Iterator:
         """The largest peak memory of any rank, each over its last logged step: how near the
@@ -141,14 +167,17 @@ class JobCollector(Collector):
                      "by the allocator on any rank in its last logged step (CPU: peak RSS so "
                      "far)", peak["reserved_bytes"])
 
-    def _ranks_and_nodes(self, plan: dict, now: float) -> Iterator:
+    def _ranks_and_nodes(self, plan: dict, now: float, unreadable: Counter) -> Iterator:
         store = self.store
         plan_nodes = plan.get("nodes", [])
         ranks = dict.fromkeys(RANK_STATES, 0)
         for raw in store.agent_field(plan_nodes, "rank_states").values():
-            for name, count in _json(raw, {}).items():
-                if name in ranks:
-                    ranks[name] += int(count)
+            counts = _rank_states(raw)
+            if counts is None:
+                unreadable["rank_states"] += 1
+                continue
+            for name, count in counts.items():
+                ranks[name] += count
         family = GaugeMetricFamily("optimus_ranks", "Ranks of the running generation, by state",
                                    labels=["state"])
         for name, count in ranks.items():
@@ -231,6 +260,30 @@ def serve(store: Store, job: JobConfig, *, leading: Callable[[], bool],
 
 def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, text, value=float(value))
+
+
+def _rank_states(raw: str) -> dict[str, int] | None:
+    """A node's count of its ranks by state (states this exporter does not know are left out);
+    None when it is not a JSON object of counts."""
+    counts = _json(raw, None)
+    if not isinstance(counts, dict):
+        return None
+    known = {k: v for k, v in counts.items() if k in RANK_STATES}
+    if not all(type(v) is int and 0 <= v < 1 << 31 for v in known.values()):
+        return None
+    return known
+
+
+def _figures(metrics) -> dict | None:
+    """Rank 0's logged figures that are served, each a number or absent; None when one is
+    neither."""
+    if not isinstance(metrics, dict):
+        return None
+    served = {key: metrics.get(key) for key, _, _ in TRAINING} | {"tokens": metrics.get("tokens")}
+    if not all(v is None or (isinstance(v, int | float) and not isinstance(v, bool))
+               for v in served.values()):
+        return None
+    return served
 
 
 def _json(raw: str | None, default):

@@ -56,6 +56,7 @@ CONTRACT = {
     "optimus_checkpoint_interval_steps",
     "optimus_controller_up",
     "optimus_controller_leader",
+    "optimus_exporter_unreadable_records",
 }
 ALERT_NAMES = {"OptimusHeartbeatsStale", "OptimusTrainingStalled", "OptimusRestartsHigh",
                "OptimusCheckpointOverdue", "OptimusMFUDrop", "OptimusControllerDown",
@@ -255,7 +256,8 @@ def test_every_referenced_metric_is_in_the_contract():
 
 def test_the_dashboard_shows_every_metric():
     shown = set().union(*map(metric_names, dashboard_expressions(DASHBOARD).values()))
-    unused = {"optimus_heartbeat_age_seconds_sum", "optimus_heartbeat_age_seconds_count"}
+    unused = {"optimus_heartbeat_age_seconds_sum", "optimus_heartbeat_age_seconds_count",
+              "optimus_exporter_unreadable_records"}  # not a figure of the job: docs/security.md
     assert CONTRACT - unused == shown
 
 

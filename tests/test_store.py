@@ -74,10 +74,10 @@ def test_peak_memory_is_the_largest_of_any_node_and_leaves_with_its_ranks(redis_
 
 def test_exits_stream_reads_after_a_cursor(redis_server):
     s = Store(redis_server.url, "j")
-    first = s.report_exit({"rank": 0, "code": 0})
+    first = s.report_exit({"node": "n0", "rank": 0, "code": 0})
     cursor = s.last_exit_id()
     assert cursor == first
-    s.report_exit({"rank": 1, "code": None, "signal": 9})
+    s.report_exit({"node": "n0", "rank": 1, "code": None, "signal": 9})
     assert [r["rank"] for _, r in s.exits()] == [0, 1]
     assert [r["rank"] for _, r in s.exits(cursor)] == [1]
 

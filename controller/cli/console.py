@@ -7,6 +7,8 @@ generation is said after the controller's `loaded` event for that generation (wh
 from), so each generation reads top to bottom; a progress line (rank 0's step and latest loss)
 follows at most every PROGRESS_S while the job is RUNNING. The job's end is said once, by
 `optimus run`'s closing line: the controller's own completed/failed/stopped event is left out.
+Every line is printed as it is, never read as Rich markup: events carry node names, hosts and
+reasons from Redis, which may hold `[/x]` or `[link=...]`.
 """
 
 from __future__ import annotations
@@ -96,11 +98,11 @@ class Follow:
             step = _rank0_step(self.store, plan)
         except StoreUnavailable as e:
             if not self.outage:  # said once an outage, not every poll
-                self.console.print(f"Redis unavailable: {e}")
+                self._say(f"Redis unavailable: {e}")
             self.outage = True
             return {}
         if self.outage:
-            self.console.print("Redis is back")
+            self._say("Redis is back")
         self.outage = False
         self.record, self.last_event = record, after  # all read: an outage midway loses none
         waits_from = _time(plan.get("issued")) if plan and plan.get("action") == "run" else None
@@ -136,11 +138,14 @@ class Follow:
                 break
         return events, after
 
+    def _say(self, line: str) -> None:
+        self.console.print(line, markup=False)
+
     def _event(self, e: dict) -> None:
         if e.get("actor") == "controller" and e.get("kind") in ENDED:
             return
         stamp = time.strftime("%H:%M:%S", time.localtime(_time(e.get("time"))))
-        self.console.print(f"{stamp} [{e.get('actor')}] {e.get('kind')}: {e.get('message')}")
+        self._say(f"{stamp} [{e.get('actor')}] {e.get('kind')}: {e.get('message')}")
         if e.get("kind") == "loaded" and str(e.get("generation", "")).isdigit():
             step = int(e["step"]) if str(e.get("step", "")).isdigit() else 0
             self.loaded.add(int(e["generation"]))
@@ -163,12 +168,12 @@ class Follow:
                     line = (f"  checkpoint step {int(committed)} committed (written in "
                             f"{float(saves['last_write_s']):.1f} s)")
                     self.commit = committed
-                    self.console.print(line)
+                    self._say(line)
             elif row.get("event") == "eval":
-                self.console.print(f"  validation loss {float(row['val_loss']):.4f} at step "
+                self._say(f"  validation loss {float(row['val_loss']):.4f} at step "
                                    f"{int(row['step'])}")
             elif row.get("event") in SAID:  # a failed or skipped save, a checkpoint set aside
-                self.console.print(f"  {row['event']}: {row['message']}")
+                self._say(f"  {row['event']}: {row['message']}")
 
     def _progress(self, plan: dict | None, step: int | None) -> None:
         """Rank 0's step (its heartbeat's, or the latest logged, whichever is further) and
@@ -180,7 +185,7 @@ class Follow:
         now = time.monotonic()
         if at == self.step_shown or now - self.shown_at < PROGRESS_S:
             return
-        self.console.print(f"  generation {plan['generation']}, step {at}/{self.job.optim.steps}"
+        self._say(f"  generation {plan['generation']}, step {at}/{self.job.optim.steps}"
                            + (f", loss {self.loss[1]:.4f} at step {self.loss[0]}"
                               if self.loss else "")
                            + f", restarts {self.record.get('restarts', 0)}")

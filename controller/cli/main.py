@@ -7,7 +7,6 @@ adds `run`, `controller`, `agent` and `chaos` to the same group, so `optimus/` n
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import sys
@@ -18,6 +17,7 @@ import click
 
 import optimus.cli as core
 from controller.cli import ops  # noqa: F401 (adds `optimus job`, `optimus node`, `optimus events`)
+from controller.control.journal import read_journal
 from controller.schedulers import pbs, slurm
 from controller.store.connect import NothingListens, fail_if_refused
 from controller.store.store import Store, StoreUnavailable, redis_url
@@ -147,7 +147,7 @@ def _resubmit(store: Store, config, allocation: str | None = None) -> None:
     from controller.control.decide import COMPLETED, FAILED, STOPPED
 
     journal_path = Path(config.resolved_run_dir) / "controller.json"
-    journal = _read_journal(journal_path) if allocation else {}
+    journal = read_journal(journal_path) if allocation else {}
     record = store.job_record() or journal.get("job") or {}
     state = record.get("state")
     if allocation:
@@ -164,13 +164,6 @@ def _resubmit(store: Store, config, allocation: str | None = None) -> None:
     store.event("controller", "resubmitted", f"job {config.name} was {state}; submitted "
                 f"again {how}, from its latest committed checkpoint"
                 + (f"; still excluded: {', '.join(sorted(excluded))}" if excluded else ""))
-
-
-def _read_journal(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def _wait_for_a_leader(store: Store, timeout_s: float = 60.0) -> None:
@@ -192,7 +185,9 @@ submit.add_command(pbs.command)
 
 @main.command()
 @click.option("--job", "job_name", required=True, help="The job's name (`name` in its file).")
-@click.option("--node", required=True, help="This node's name, unique in the job.")
+@click.option("--node", required=True, callback=ops.node_names,
+              help="This node's name, unique in the job: a hostname (letters, digits, '-', "
+                   "'_' and dots).")
 @redis_option
 @click.option("--interval", "interval_s", type=click.FloatRange(min=0.05), default=1.0,
               show_default=True, help="Seconds between round trips to Redis.")
@@ -232,7 +227,8 @@ CHAOS = {  # what each fault does, for the help and the confirmation
 @ops.job_option
 @click.option("--rank", type=click.IntRange(min=0),
               help="For kill-rank, freeze-rank, hang-rank, stall-rank and nan-rank.")
-@click.option("--node", help="For kill-node and bad-tile: the node's name.")
+@click.option("--node", callback=ops.node_names,
+              help="For kill-node and bad-tile: the node's name.")
 @click.option("--tile", type=click.IntRange(min=0), default=0, show_default=True,
               help="For bad-tile: the device index whose health checks go wrong.")
 @click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -302,7 +298,8 @@ def chaos(fault: str, job_name: str, rank: int | None, node: str | None, tile: i
 
 @main.command("health-check")
 @click.option("--job", "job_name", required=True)
-@click.option("--node", "nodes", multiple=True, help="A node to check (repeatable); default all.")
+@click.option("--node", "nodes", multiple=True, callback=ops.node_names,
+              help="A node to check (repeatable); default all.")
 @redis_option
 def health_check_command(job_name: str, nodes: tuple[str, ...], redis: str | None) -> None:
     """Run the deterministic tile check on nodes now; a node that fails is excluded."""

@@ -12,7 +12,8 @@ that event and exits 0, or exits non-zero with one line saying why the request w
 --wait waits on for the effect (PAUSED, RUNNING again, STOPPED, a generation without the node).
 Every command that changes something (these, and `optimus chaos`) takes --yes and --reason, so
 scripts pass the same options to all of them.
-Every output has `-o table` (rich, for people) and `-o json` (for scripts).
+Every output has `-o table` (rich, for people) and `-o json` (for scripts). What a table shows
+comes from Redis or from users (nodes, hosts, reasons): it is escaped, never read as Rich markup.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ import time
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 import optimus.cli as core
 from controller.control import operator
 from controller.control.view import PAUSED, RUNNING, STOPPED, TERMINAL
+from controller.store import names
 from controller.store.connect import fail_if_refused
 from controller.store.store import Store, StoreUnavailable, redis_url, safe_url
 from optimus.files import human_bytes
@@ -57,6 +60,14 @@ wait_option = click.option("--wait/--no-wait", default=False, show_default=True,
                            help="Wait until the request has taken effect.")
 timeout_option = click.option("--timeout", type=click.FloatRange(min=1), default=600.0,
                               show_default=True, help="Seconds --wait waits at most.")
+
+
+def node_names(ctx, param, value):
+    """A click callback: the node name(s) given, each a node name (controller/store/names.py)."""
+    for name in value if isinstance(value, tuple) else [value]:
+        if name is not None and (why := names.problem(name)) is not None:
+            raise click.BadParameter(why)
+    return value
 
 
 def reason_option(required: bool = False):
@@ -179,7 +190,7 @@ def job_status(job_name: str, redis: str | None, output: str) -> None:
     if output == "json":
         click.echo(json.dumps(status))
         return
-    table = Table(title=f"job {job_name}", show_header=False, title_justify="left")
+    table = Table(title=f"job {escape(job_name)}", show_header=False, title_justify="left")
     table.add_column("key", style="bold")
     table.add_column("value")
     for key, value in status.items():
@@ -191,7 +202,7 @@ def job_status(job_name: str, redis: str | None, output: str) -> None:
             value = ", ".join(f"{k} {v}" for k, v in value.items())
         elif isinstance(value, list):
             value = ", ".join(map(str, value))
-        table.add_row(key.replace("_", " "), str(value))
+        table.add_row(key.replace("_", " "), escape(str(value)))
     _console().print(table)
 
 
@@ -320,13 +331,13 @@ def node_list(job_name: str, redis: str | None, output: str) -> None:
     if output == "json":
         click.echo(json.dumps(rows))
         return
-    table = Table(title=f"nodes of job {job_name}", title_justify="left")
+    table = Table(title=f"nodes of job {escape(job_name)}", title_justify="left")
     for column in ("node", "host", "role", "agent", "health", "ranks", "step", "note"):
         table.add_column(column)
     for r in rows:
-        table.add_row(r["node"], r["host"], r["role"], r["agent"], r["health"],
-                      str(r["live_ranks"]), "" if r["step"] is None else str(r["step"]),
-                      r["note"])
+        table.add_row(*(escape(str(r[k])) for k in ("node", "host", "role", "agent", "health",
+                                                     "live_ranks")),
+                      "" if r["step"] is None else str(r["step"]), escape(r["note"]))
     _console().print(table)
 
 
@@ -391,7 +402,7 @@ def _wait_without(store: Store, name: str, timeout: float) -> str:
 
 
 @node.command("exclude")
-@click.argument("name")
+@click.argument("name", callback=node_names)
 @request_options(reason_required=True)
 def node_exclude(name, job_name, redis, reason, yes, wait, timeout, output) -> None:
     """Take NAME out until `include`; if it runs ranks, checkpoint and restart without it."""
@@ -401,7 +412,7 @@ def node_exclude(name, job_name, redis, reason, yes, wait, timeout, output) -> N
 
 
 @node.command("drain")
-@click.argument("name")
+@click.argument("name", callback=node_names)
 @request_options(wait=False)
 def node_drain(name, job_name, redis, reason, yes, output) -> None:
     """Keep NAME out of future generations; the running one is left alone."""
@@ -410,7 +421,7 @@ def node_drain(name, job_name, redis, reason, yes, output) -> None:
 
 
 @node.command("include")
-@click.argument("name")
+@click.argument("name", callback=node_names)
 @request_options(wait=False)
 def node_include(name, job_name, redis, reason, yes, output) -> None:
     """Make an excluded or draining NAME usable again (a spare until a restart takes it)."""

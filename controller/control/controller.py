@@ -15,7 +15,8 @@ predicts it for the plan and reports what they loaded (controller/control/checkp
 Besides Redis, the leader keeps a journal, `<run_dir>/controller.json` (the job record, the plan
 and the exclusions, written atomically on every change). If Redis comes back empty, the journal
 and the agents' reports (each agent re-registers and says which generation it runs) rebuild the
-state; the checkpoints were never in Redis. It also mirrors the job's events stream into
+state; the checkpoints were never in Redis (a journal naming a node by anything but a node name is
+refused whole: controller/control/journal.py). It also mirrors the job's events stream into
 `<run_dir>/events.jsonl` (controller/control/event_log.py), the history `optimus report` draws.
 """
 
@@ -45,6 +46,8 @@ from controller.control.decide import (
     decide,
 )
 from controller.control.event_log import EventLog
+from controller.control.journal import read_journal
+from controller.store.names import RULE
 from controller.store.store import Store, StoreUnavailable
 from optimus.checkpoint.manifest import committed_steps
 from optimus.config import ConfigError, JobConfig, check_job
@@ -149,6 +152,7 @@ class Controller:
         try:
             self.store.flush_events()  # what an outage held back, before anything new
             obs = self.observe()
+            self._say_refused_names()
             decision = decide(obs, self.s)
             self.apply(decision, obs)
             self.event_log.mirror()  # this tick's events too: the last tick's are on disk
@@ -325,6 +329,13 @@ class Controller:
             self._index_key, self._index = key, {n: i for i, n in enumerate(plan["nodes"])}
         return self._index
 
+    def _say_refused_names(self) -> None:
+        """Once each: a name read from Redis that is no node name, whose records the store
+        skipped (written with an agent's credentials, not by an agent: it checks its own)."""
+        for name in self.store.names.take():
+            self._event("name_refused", f"a node named {name} is ignored: not a node name "
+                        f"({RULE}); its records in Redis are skipped", send=False)
+
     # --- apply ---------------------------------------------------------------------------------
 
     def apply(self, d: Decision, obs: Observed) -> None:
@@ -411,8 +422,12 @@ class Controller:
         """No job record in Redis: a new job, or Redis restarted empty (a write the retries
         carried across the restart may have left a few fields). Restore from the journal (if
         it holds a job that has not ended) and wait for the agents to report."""
-        journal = _read_json(self.journal)
-        record = (journal or {}).get("job") or {}
+        try:
+            journal = read_journal(self.journal)
+        except ConfigError as e:
+            self._event("journal_refused", f"{e}; the job goes on without it", send=False)
+            journal = {}
+        record = journal.get("job") or {}
         if not record or record.get("state") in TERMINAL:
             fresh = {"state": "PENDING", "reason": "waiting for the first generation",
                      "name": self.job.name, "nodes": self.s.nodes,
@@ -443,10 +458,3 @@ class Controller:
                     f"{self.journal} (state {record.get('state')}, generation "
                     f"{record.get('generation')}) and {len(reporting)} agent(s) reporting")
         return self.store.job_record()
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None

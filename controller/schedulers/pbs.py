@@ -4,7 +4,10 @@ The script stays the one source of truth, submittable by hand: this module only 
 `#PBS` lines and the defaults of its settings block (`OPTIMUS_X=${OPTIMUS_X:-value}`), after
 checking every value, so that a typo is one line here rather than a job that dies in the queue
 hours later. Values are refused rather than quoted: nothing the user types reaches the shell
-or a `#PBS` line unless it matches a plain pattern.
+or a `#PBS` line unless it matches a plain pattern. PBS has no --exclude: the script leaves out
+the nodes the job excluded when it starts (asking Redis); the job's journal, from which a
+controller may restore them, is checked here first (controller/control/journal.py), so that a
+node name that is no node name stops the submission rather than the job.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 
 import click
 
+from controller.control.journal import read_journal
 from optimus.config import ConfigError, check_job, load_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -148,6 +152,7 @@ def command(job_file: Path, nodes: int, spares: int, ranks_per_node: int, queue:
     job = PbsJob(job_file.resolve(), config.name, nodes, spares, ranks_per_node, queue,
                  walltime, account, filesystems, pmi)
     check(job)
+    read_journal(Path(config.resolved_run_dir).resolve() / "controller.json")
     script = fill(SCRIPT.read_text(), job)
     if only_print:
         click.echo(script, nl=False)

@@ -7,12 +7,13 @@ The script asks Slurm for nodes + spares whole nodes. Every value is checked her
 sees it: a mistake in a `#SBATCH` line is otherwise found hours later, when the job starts, or
 never (sbatch ignores what follows a bad directive). Nodes the controller excluded in an earlier
 run of this job (its journal, `<run_dir>/controller.json`, outlives the allocation's Redis
-process) are left out with `--exclude`, so a resubmission does not land on them again.
+process) are left out with `--exclude`, so a resubmission does not land on them again; a
+journal that names a node by anything but a node name (controller/store/names.py) is refused,
+never written.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import shutil
@@ -23,6 +24,7 @@ from pathlib import Path
 import click
 
 import optimus.cli as core
+from controller.control.journal import read_journal
 from optimus.config import ConfigError, JobConfig, check_job, load_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,12 +65,9 @@ def time_limit_s(text: str) -> int:
 
 
 def known_bad(run_dir: Path) -> list[str]:
-    """Nodes the controller excluded in earlier runs of the job, from its journal."""
-    try:
-        journal = json.loads((run_dir / "controller.json").read_text())
-    except (OSError, ValueError):
-        return []
-    return sorted(journal.get("excluded") or {})
+    """Nodes the controller excluded in earlier runs of the job, from its journal (a
+    ConfigError when it names one by anything but a node name)."""
+    return sorted(read_journal(run_dir / "controller.json").get("excluded") or {})
 
 
 def _word(option: str, value: str | None, pattern: re.Pattern = WORD) -> str | None:

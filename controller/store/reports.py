@@ -9,7 +9,8 @@ import re
 
 
 class Reports:
-    """The snapshot and stack records of `Store` (mixed into it: uses its `r`, `k` and `call`)."""
+    """The snapshot and stack records of `Store` (mixed into it: uses its `r`, `k`, `call` and
+    `names`)."""
 
     def put_stacks(self, generation: int, stacks: dict[int, str]) -> None:
         def write():
@@ -47,10 +48,12 @@ class Reports:
 
     def snapshots(self) -> dict[str, dict]:
         """Node (or `<node>@<incarnation>`, an earlier one) -> its report; an unreadable
-        report counts as none."""
+        report, or one under no node name, counts as none."""
         raw = self.call(lambda: self.r.hgetall(self.k("snapshots")))
         out = {}
         for n, v in raw.items():
+            if not self.names.keep(n.partition("@")[0]):
+                continue
             try:
                 report = json.loads(v)
             except ValueError:

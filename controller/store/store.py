@@ -1,5 +1,7 @@
 """The whole Redis schema of a job, in one package (documented in docs/redis-schema.md): the
 `Store` here, with the nodes' summary rows (summaries.py) and reports (reports.py) mixed in.
+Every node name read back from Redis passes the one rule of names.py: what is no node name (an
+agent's credentials can write any) is dropped where it is read, and noted (`Store.names`).
 
 Every key lives under `optimus:{<job>}:` (the braces are a Redis Cluster hash tag: one job, one
 slot). Redis is the only state the control plane shares; the controller keeps none of its own.
@@ -35,6 +37,7 @@ from tenacity import (
 )
 
 from controller.store.connect import connect, is_sentinel, safe_url
+from controller.store.names import Refused, check
 from controller.store.reports import Reports
 from controller.store.summaries import NodeSummary, Summaries
 
@@ -113,6 +116,7 @@ class Store(Summaries, Reports):
         self._sending = threading.Lock()
         self.trouble_at = 0.0  # wall time of the last call that found Redis unreachable
         self._alone_until = 0.0  # monotonic time until which events wait for no replica
+        self.names = Refused()  # node names read here and dropped: the controller says them
 
     def k(self, name: str) -> str:
         return self.p + name
@@ -243,7 +247,7 @@ class Store(Summaries, Reports):
             pipe.get(self.k("control"))
             return pipe.execute()
         excluded, requests, control = self.call(read)
-        return ({n: json.loads(v) for n, v in excluded.items()}, requests,
+        return ({n: json.loads(v) for n, v in excluded.items() if self.names.keep(n)}, requests,
                 json.loads(control) if control else {})
 
     def control(self) -> dict:
@@ -256,6 +260,8 @@ class Store(Summaries, Reports):
     # --- nodes, agents, heartbeats -------------------------------------------------------------
 
     def register_node(self, node: str, info: dict) -> None:
+        check(node)  # ValueError: the agent's --node was checked; this is a bug, not an input
+
         def write():
             pipe = self.r.pipeline()
             self._node_record(pipe, node, info)
@@ -330,13 +336,14 @@ class Store(Summaries, Reports):
 
     def nodes(self) -> dict[str, dict]:
         raw = self.call(lambda: self.r.hgetall(self.k("nodes")))
-        return {n: json.loads(v) for n, v in raw.items()}
+        return {n: json.loads(v) for n, v in raw.items() if self.names.keep(n)}
 
     def node_info(self, nodes: list[str]) -> dict[str, dict]:
         if not nodes:
             return {}
         raw = self.call(lambda: self.r.hmget(self.k("nodes"), nodes))
-        return {n: json.loads(v) for n, v in zip(nodes, raw, strict=True) if v}
+        return {n: json.loads(v) for n, v in zip(nodes, raw, strict=True)
+                if v and self.names.keep(n)}
 
     def registrations(self) -> int:
         """How many times agents registered (a new node, one back under its own name, or one
@@ -346,7 +353,8 @@ class Store(Summaries, Reports):
         return int(raw) if isinstance(raw, str) and raw.isdigit() else 0
 
     def agent_beats(self) -> dict[str, float]:
-        return dict(self.call(lambda: self.r.zrange(self.k("agents"), 0, -1, withscores=True)))
+        return self._named(self.call(lambda: self.r.zrange(self.k("agents"), 0, -1,
+                                                           withscores=True)))
 
     def agent_status(self, nodes: list[str]) -> dict[str, dict]:
         def read():
@@ -359,8 +367,8 @@ class Store(Summaries, Reports):
     def overdue(self, now: float) -> dict[str, float]:
         """Nodes with a rank whose heartbeat deadline has passed, and that deadline:
         O(overdue), not O(nodes)."""
-        return dict(self.call(lambda: self.r.zrangebyscore(self.k("beats"), "-inf", now,
-                                                           withscores=True)))
+        return self._named(self.call(lambda: self.r.zrangebyscore(self.k("beats"), "-inf", now,
+                                                                  withscores=True)))
 
     def rank_beats_of(self, nodes: list[str]) -> dict[str, dict[int, dict]]:
         """Each node's ranks' latest heartbeats (local rank -> beat), in one round trip."""
@@ -385,10 +393,13 @@ class Store(Summaries, Reports):
                                              maxlen=EXITS_MAXLEN, approximate=True))
 
     def exits(self, after: str = "0") -> list[tuple[str, dict]]:
-        """Exit records with stream ids greater than `after`, oldest first."""
+        """Exit records with stream ids greater than `after`, oldest first (those of a node
+        with no node name left out)."""
         start = after if after == "0" else f"({after}"
         raw = self.call(lambda: self.r.xrange(self.k("exits"), min=start))
-        return [(i, json.loads(f["json"])) for i, f in raw]
+        records = [(i, json.loads(f["json"])) for i, f in raw]
+        return [(i, r) for i, r in records
+                if isinstance(r, dict) and self.names.keep(r.get("node"))]
 
     def last_exit_id(self) -> str:
         raw = self.call(lambda: self.r.xrevrange(self.k("exits"), count=1))
@@ -404,7 +415,7 @@ class Store(Summaries, Reports):
 
     def excluded(self) -> dict[str, dict]:
         raw = self.call(lambda: self.r.hgetall(self.k("excluded")))
-        return {n: json.loads(v) for n, v in raw.items()}
+        return {n: json.loads(v) for n, v in raw.items() if self.names.keep(n)}
 
     def event(self, actor: str, kind: str, message: str, **fields: Any) -> None:
         """Record an event (see `queue_event`) and send every unsent one."""

@@ -3,6 +3,7 @@
 An agent writes its node's row with every tick (`NodeSummary`, in `Store.agent_tick`'s round
 trip); the controller reads the sets whole, so that one sweep costs one round trip whatever the
 number of nodes, and the exporter reads the same rows (steps, compute times, peak memory).
+A member that is no node name (controller/store/names.py) is left out of what is read.
 """
 
 from __future__ import annotations
@@ -39,7 +40,16 @@ class Sweep:
 
 
 class Summaries:
-    """The summary rows of `Store` (mixed into it: uses its `r`, `k` and `call`)."""
+    """The summary rows of `Store` (mixed into it: uses its `r`, `k`, `call` and `names`)."""
+
+    def _named(self, pairs) -> dict:
+        """Member -> score of a sorted set's (member, score) pairs, for node names only."""
+        return {n: score for n, score in pairs if self.names.keep(n)}
+
+    def _names(self, members) -> list[str]:
+        """The members of a set or range that are node names, in their order (sets sorted)."""
+        return [n for n in (sorted(members) if isinstance(members, set) else members)
+                if self.names.keep(n)]
 
     def _summary(self, pipe, node: str, summary: NodeSummary | None) -> None:
         """The node's row in each job-wide sorted set, so that every sweep is one range query."""
@@ -107,25 +117,28 @@ class Summaries:
             agent_beats=dict(zip(plan_nodes, beats or [], strict=False)),
             max_step=int(top[0][1]) if top else None,
             min_step=int(bottom[0][1]) if bottom else None,
-            nonfinite=sorted(nonfinite), unhealthy=sorted(unhealthy), paused_nodes=paused)
+            nonfinite=self._names(nonfinite), unhealthy=self._names(unhealthy),
+            paused_nodes=paused)
 
     def behind(self, below_step: int) -> list[str]:
         """Nodes with a rank at a step below `below_step`."""
-        return self.call(lambda: self.r.zrangebyscore(self.k("minsteps"), "-inf",
-                                                      f"({below_step}"))
+        return self._names(self.call(lambda: self.r.zrangebyscore(self.k("minsteps"), "-inf",
+                                                                  f"({below_step}")))
 
     def outside_collectives(self, limit: int) -> list[str]:
         """Up to `limit` nodes with a rank outside the collective phase."""
-        return self.call(lambda: self.r.zrangebyscore(self.k("outside"), 1, "+inf", start=0,
-                                                      num=limit))
+        return self._names(self.call(lambda: self.r.zrangebyscore(self.k("outside"), 1, "+inf",
+                                                                  start=0, num=limit)))
 
     def oldest_beats(self) -> dict[str, float]:
         """Node -> the time of its oldest rank heartbeat, for nodes running ranks."""
-        return dict(self.call(lambda: self.r.zrange(self.k("oldest"), 0, -1, withscores=True)))
+        return self._named(self.call(lambda: self.r.zrange(self.k("oldest"), 0, -1,
+                                                           withscores=True)))
 
     def node_steps(self) -> dict[str, float]:
         """Node -> the furthest step of its ranks, for nodes running ranks."""
-        return dict(self.call(lambda: self.r.zrange(self.k("steps"), 0, -1, withscores=True)))
+        return self._named(self.call(lambda: self.r.zrange(self.k("steps"), 0, -1,
+                                                           withscores=True)))
 
     def peak_memory(self) -> dict | None:
         """The largest peak allocated and reserved memory of any running rank (its last logged
@@ -148,4 +161,5 @@ class Summaries:
         return int(top[0][1]) if top else None
 
     def compute_scores(self) -> dict[str, float]:
-        return dict(self.call(lambda: self.r.zrange(self.k("compute"), 0, -1, withscores=True)))
+        return self._named(self.call(lambda: self.r.zrange(self.k("compute"), 0, -1,
+                                                           withscores=True)))

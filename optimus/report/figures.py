@@ -2,6 +2,9 @@
 
 Each `*_figure` function draws one PNG into `out` and returns a `Figure` that says what it shows
 (its series and its marks), so that what a reader sees can be checked without looking.
+Text that comes from the run (the marks' labels: node names, from the nodes) is drawn as it is,
+with matplotlib's mathtext off (`parse_math=False`): a name with a `$` or a backslash in it is
+text, not a formula.
 """
 
 from __future__ import annotations
@@ -180,6 +183,7 @@ def _mark_labels(ax, found: list[Mark], x) -> int:
         right = x(m.time) > lo + 0.8 * (hi - lo)  # near the right edge: the label goes left
         text = ax.annotate(m.label, (x(m.time), 1.0), xycoords=("data", "axes fraction"),
                            xytext=(-3 if right else 3, -4), textcoords="offset points",
+                           parse_math=False,
                            fontsize=7.5, color=colour, va="top", ha="right" if right else "left",
                            bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none",
                                  "alpha": 0.85})

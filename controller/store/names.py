@@ -1,0 +1,75 @@
+"""Node names: one rule, checked wherever a name enters the control plane (docs/security.md).
+
+A node name is a hostname as Slurm, PBS and Kubernetes write one: dot-separated labels of
+letters, digits, '-' and '_', each 1-63 characters long and none starting with '-'; 253
+characters in all. Nothing else: no space, newline, quote, '$', '[', ',', ':', '@' or '/'. A
+name goes into Redis keys (`ranks:<node>`, `<node>@<incarnation>`), `#SBATCH --exclude=`
+lines, shell words, paths, events, terminal tables and figures; any of those characters would
+be read there as something other than part of a name.
+
+Where names enter: the agent's `--node` (and the operator's node arguments) are refused with a
+usage error; `Store.register_node` refuses one; everything the store reads back from Redis
+passes `Refused.keep`, which drops what an agent's credentials could have written under another
+name and remembers it, for the controller to say once in a `name_refused` event; the
+controller's journal is refused whole (controller/control/journal.py).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+NODE_NAME = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?:\.(?!-)[A-Za-z0-9_-]{1,63})*")
+MAX_LENGTH = 253
+RULE = ("letters, digits, '-' and '_' in dot-separated labels of 1-63 characters, none "
+        "starting with '-'; 253 characters in all")
+REMEMBERED = 1_000  # refused names a process keeps to say once; more are dropped unsaid
+
+
+def is_node_name(name: object) -> bool:
+    return (isinstance(name, str) and len(name) <= MAX_LENGTH
+            and NODE_NAME.fullmatch(name) is not None)
+
+
+def shown(name: object) -> str:
+    """A name that may be no node name, as a message can carry it: quoted, escaped, short."""
+    text = name if isinstance(name, str) else repr(name)
+    return repr(text[:64]) + ("..." if len(text) > 64 else "")
+
+
+def problem(name: object) -> str | None:
+    """Why `name` is no node name, or None."""
+    return None if is_node_name(name) else f"{shown(name)} is not a node name ({RULE})"
+
+
+def check(name: str) -> str:
+    """`name`, or a ValueError saying why it is no node name."""
+    if (why := problem(name)) is not None:
+        raise ValueError(why)
+    return name
+
+
+class Refused:
+    """The names one process read from Redis and dropped; `take` hands each over once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the exporter reads in its own thread
+        self._seen: set[str] = set()
+        self._unsaid: list[str] = []
+
+    def keep(self, name: object) -> bool:
+        """Whether `name` is a node name; if not, it is remembered (up to REMEMBERED)."""
+        if is_node_name(name):
+            return True
+        key = shown(name)
+        with self._lock:
+            if key not in self._seen and len(self._seen) < REMEMBERED:
+                self._seen.add(key)
+                self._unsaid.append(key)
+        return False
+
+    def take(self) -> list[str]:
+        """The refused names not handed over yet, as `shown` writes them."""
+        with self._lock:
+            out, self._unsaid = self._unsaid, []
+        return out

@@ -1,0 +1,126 @@
+"""What nodes and users wrote, shown to people and to Prometheus (docs/security.md): values from
+Redis are text, never Rich markup in `optimus node list`, `job status` or `optimus run`'s
+console, never mathtext in `optimus report`'s figures; and a record the exporter cannot read is
+skipped and counted, never the end of the scrape."""
+
+from __future__ import annotations
+
+import io
+import json
+import urllib.request
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from cluster import free_port, write_job
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+
+from controller.cli.console import Follow
+from controller.cli.main import main
+from controller.exporter import serve
+from controller.store.store import Store
+from optimus.config import validate_job
+from optimus.report import build_report, read_run
+from optimus.report.timeline import marks
+
+CLOSING = "[/x]"  # Rich: "closing tag '[/x]' ... doesn't match any open tag"
+LINK = "[link=http://e]x[/link]"  # Rich: a terminal hyperlink, shown as "x"
+MATH = "$\\foo{$"  # matplotlib: "Unknown symbol: \foo"
+
+
+def _running(url: str) -> Store:
+    store = Store(url, "j")
+    store.update_job({"state": "RUNNING", "generation": 0, "reason": f"{CLOSING} {LINK}"})
+    store.set_plan({"generation": 0, "action": "run", "nodes": ["n0", "n1"],
+                    "ranks_per_node": 1, "world_size": 2})
+    return store
+
+
+def _cli(url: str, *args: str) -> str:
+    out = CliRunner().invoke(main, [*args, "--job", "j", "--redis", url],
+                             env={"COLUMNS": "300"})
+    assert out.exit_code == 0, out.output
+    return out.output
+
+
+def test_node_list_and_job_status_show_markup_from_redis_as_it_is(redis_server):
+    store = _running(redis_server.url)
+    store.register_node("n0", {"host": CLOSING, "health": "failed", "health_detail": LINK})
+    store.register_node("n2", {"host": "h2", "health": "ok"})
+    store.exclude("n2", f"{CLOSING} {LINK}", by=f"ana@{CLOSING}")
+    listed = _cli(redis_server.url, "node", "list")
+    row = next(line for line in listed.splitlines() if " n0 " in line)
+    assert CLOSING in row and LINK in row
+    assert f"{CLOSING} {LINK} (by ana@{CLOSING})" in listed
+    status = _cli(redis_server.url, "job", "status")
+    assert f"{CLOSING} {LINK}" in status
+
+
+def test_the_run_console_says_events_as_they_are(redis_server, tmp_path):
+    store = _running(redis_server.url)
+    config = validate_job(yaml.safe_load(write_job(tmp_path / "job.yaml", tmp_path / "run",
+                                                   name="j").read_text()), world=2)
+    out = io.StringIO()
+    follow = Follow(Console(file=out, width=300), store, config)  # markup on, as by default
+    store.event(f"agent:{CLOSING}", "register", f"node n0 registered (host {LINK})")
+    follow.poll(progress=False)
+    assert f"[agent:{CLOSING}] register: node n0 registered (host {LINK})" in out.getvalue()
+
+
+def test_the_report_draws_a_node_named_like_a_formula(tmp_path):
+    steps = [{"time": 100.0 + i, "step": i, "loss": 5.0 - i / 10, "tokens": 100 * i,
+              "tokens_per_s": 200.0} for i in range(1, 6)]
+    events = [{"time": 101.5, "actor": "controller", "kind": "straggler", "node": MATH,
+               "message": f"node {MATH} is a straggler"},
+              {"time": 102.5, "actor": "alice", "kind": "exclude", "node": MATH,
+               "message": f"node {MATH} excluded"}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    labels = [m.label for m in marks(read_run(tmp_path))]
+    assert labels == [f"straggler {MATH}", f"{MATH} excluded by alice"]
+    page = build_report(tmp_path)
+    assert f"{MATH} excluded by alice" in page.read_text()
+    assert (page.parent / "timeline.png").stat().st_size > 10_000
+
+
+def _scrape(url: str) -> tuple[int, dict]:
+    with urllib.request.urlopen(url.replace("0.0.0.0", "127.0.0.1"), timeout=10) as reply:
+        text = reply.read().decode()
+        return reply.status, {(s.name, tuple(sorted(s.labels.items()))): s.value
+                              for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def _exporter(store: Store, tmp_path) -> str:
+    config = validate_job(yaml.safe_load(write_job(tmp_path / "job.yaml", tmp_path / "run",
+                                                   name="j").read_text()), world=2)
+    return serve(store, config, leading=lambda: True, agent_timeout_s=30.0, port=free_port())
+
+
+def test_a_scrape_skips_and_counts_a_malformed_rank_states(redis_server, tmp_path):
+    store = _running(redis_server.url)
+    store.r.hset(store.k("agent:n0"), "rank_states", json.dumps({"training": 1}))
+    store.r.hset(store.k("agent:n1"), "rank_states", json.dumps(["training"]))
+    status, samples = _scrape(_exporter(store, tmp_path))
+    assert status == 200
+    assert samples[("optimus_controller_up", ())] == 1.0
+    assert samples[("optimus_ranks", (("state", "training"),))] == 1.0
+    assert samples[("optimus_exporter_unreadable_records", (("record", "rank_states"),))] == 1.0
+    assert samples[("optimus_exporter_unreadable_records", (("record", "rank_beat"),))] == 0.0
+
+
+@pytest.mark.parametrize("beat", [
+    "not json", json.dumps(["a list"]),
+    json.dumps({"generation": 0, "metrics": {"loss": "low", "tokens_per_s": 10.0}}),
+])
+def test_a_scrape_skips_and_counts_an_unreadable_rank_0_heartbeat(redis_server, tmp_path,
+                                                                   beat):
+    store = _running(redis_server.url)
+    store.r.hset(store.k("ranks:n0"), "0", beat)
+    for node in ("n0", "n1"):
+        store.r.hset(store.k(f"agent:{node}"), "rank_states", json.dumps({"training": 1}))
+    status, samples = _scrape(_exporter(store, tmp_path))
+    assert status == 200 and samples[("optimus_controller_up", ())] == 1.0
+    assert samples[("optimus_ranks", (("state", "training"),))] == 2.0
+    assert samples[("optimus_exporter_unreadable_records", (("record", "rank_beat"),))] == 1.0
+    assert ("optimus_loss", ()) not in samples and ("optimus_tokens_per_second", ()) not in samples
