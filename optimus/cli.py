@@ -15,7 +15,7 @@ import yaml
 
 from optimus import __version__
 from optimus.checkpoint import CheckpointError
-from optimus.checkpoint.commands import checkpoint, where_options
+from optimus.checkpoint.commands import checkpoint, trust_option, where_options
 from optimus.config import ConfigError, check_job, load_job
 from optimus.data.errors import DataError
 from optimus.runtime.launch import LaunchError
@@ -50,7 +50,11 @@ def main() -> None:
 @main.command()
 @job_argument
 @set_option
-def train(job: Path, overrides: tuple[str, ...]) -> None:
+@click.option("--trust-checkpoint", "trust", is_flag=True,
+              help="Resume from the newest checkpoint even if this run's key does not "
+                   "authenticate it (another run's, or one from before checkpoints were signed); "
+                   "its files are still read without running code.")
+def train(job: Path, overrides: tuple[str, ...], trust: bool) -> None:
     """Train JOB as one rank (or as each rank under torchrun / srun / mpiexec)."""
     from optimus.health import CheckpointFailed, NonFinite
     from optimus.parallel.float8 import check_float8_here
@@ -59,7 +63,7 @@ def train(job: Path, overrides: tuple[str, ...]) -> None:
     config = load_job(job, list(overrides))
     check_float8_here(config, source=str(job))  # every rank, before the rendezvous
     try:
-        run_training(config)
+        run_training(config, trust_checkpoint=trust)
     except (NonFinite, CheckpointFailed) as e:  # the agent reads the exit status (87, 88, 89)
         click.secho(f"error: {e}", fg="red", err=True)
         _abandon_helpers()
@@ -306,8 +310,9 @@ def data_audit(run_dir: Path, output: str) -> None:
 @set_option
 @click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
+@trust_option
 def evaluate_command(step: str, data: Path | None, root: Path | None, job: Path | None,
-                     batches: int, overrides: tuple[str, ...], output: str) -> None:
+                     batches: int, overrides: tuple[str, ...], output: str, trust: bool) -> None:
     """Validation loss and perplexity of a committed checkpoint, on any layout.
 
     CHECKPOINT is a step number or `latest` (the default) in --dir, in --job's checkpoint.dir
@@ -315,14 +320,18 @@ def evaluate_command(step: str, data: Path | None, root: Path | None, job: Path 
     under torchrun (or srun, mpiexec) each rank runs it, data parallel over all of them, or
     the layout --set parallel.tp=2 --set parallel.pp=2 ... asks for. The model and data shapes
     are the checkpoint's own."""
-    from optimus.checkpoint.commands import resolve_step
+    from optimus.checkpoint.commands import resolve_step, trust_for
     from optimus.evaluate import evaluate_checkpoint  # torch loads only here
 
     path = resolve_step(step, root, job, what="evaluate")
     result, manifest, rank = evaluate_checkpoint(path, data=str(data) if data else None,
-                                                 batches=batches, overrides=list(overrides))
+                                                 batches=batches, overrides=list(overrides),
+                                                 trust=trust_for(path, job, trust))
     if rank != 0:
         return
+    if manifest.get("untrusted"):
+        click.echo(f"note: {path} was not written by this run: {manifest['untrusted']}; "
+                   "trusted (--trust-checkpoint)", err=True)
     if output == "json":
         click.echo(json.dumps({"checkpoint": str(path), "step": manifest.get("step"),
                                "data": str(data) if data else "synthetic held-out",

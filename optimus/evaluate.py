@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from optimus.checkpoint.trust import Trust, key_file_for
 from optimus.config import JobConfig, Layout
 from optimus.data.errors import DataError
 from optimus.data.loader import MicrobatchSampler, WindowDataset, build_source
@@ -118,14 +119,17 @@ def evaluate(model: ParallelModel, held_out: HeldOut, device: torch.device,
 
 
 def evaluate_checkpoint(step_path: Path, *, data: str | None, batches: int,
-                        overrides: list[str] = ()) -> tuple[EvalResult, dict, int]:
+                        overrides: list[str] = (),
+                        trust: Trust | None = None) -> tuple[EvalResult, dict, int]:
     """The validation loss of a committed checkpoint, computed by this process's rank on the
     layout the launch gives (one process, or each rank under torchrun / srun / mpiexec):
     the checkpoint's own job, its layout and settings changed by `overrides`
     ("parallel.tp=2"), its weights loaded (resharded by DCP), the held-out windows of `data`
     (a prepared folder; None: the synthetic held-out stream of a synthetic-data job). Returns
-    the result, the checkpoint's manifest and this process's rank."""
-    from optimus.checkpoint.manifest import read_manifest
+    the result, the checkpoint's manifest (with "untrusted": None, or why the run's key does
+    not authenticate it) and this process's rank. Only a checkpoint the run's key
+    authenticates is evaluated, or one `trust` (checkpoint/trust.py) accepts; default: the key
+    beside its directory."""
     from optimus.checkpoint.saver import Checkpointer
     from optimus.checkpoint.state import ModelState
     from optimus.config import apply_override, resolve_layout, validate_job
@@ -139,7 +143,9 @@ def evaluate_checkpoint(step_path: Path, *, data: str | None, batches: int,
         pick_device,
     )
 
-    manifest = read_manifest(step_path)
+    trust = trust or Trust(key_file_for(step_path.parent))
+    manifest, untrusted = trust.manifest(step_path)  # on every rank: its config builds the job
+    manifest["untrusted"] = untrusted
     raw = json.loads(json.dumps(manifest["config"]))
     if data is None and raw["data"]["source"] != "synthetic":
         raise DataError(f"{step_path} was trained on prepared data: name its held-out tokens "
@@ -164,7 +170,7 @@ def evaluate_checkpoint(step_path: Path, *, data: str | None, batches: int,
                             world_size=env.world_size).build_mesh(device.type)
         model = build_parallel_model(job, layout, mesh, device)
         loader = Checkpointer(step_path.parent, rank=env.rank, world_size=env.world_size,
-                              mode="sync")
+                              mode="sync", trust=trust)
         loader.load(step_path, {"model": ModelState(model.state_view())})
         loader.close()
         held_out = held_out_for(job, layout, mesh["dp"].get_local_rank(), path=data,

@@ -28,6 +28,7 @@ from optimus.checkpoint.policy import RunCheckpoints
 from optimus.checkpoint.saver import Checkpointer
 from optimus.checkpoint.snapshot import Snapshots, load_agreed, resume_request
 from optimus.checkpoint.state import Progress, layout_key, training_state
+from optimus.checkpoint.trust import Trust, run_key_file
 from optimus.config import JobConfig, resolve_layout
 from optimus.data import build_loader, build_source
 from optimus.evaluate import EvalResult, evaluate, held_out_for
@@ -77,8 +78,9 @@ class TrainResult:
 
 
 def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = False,
-          quiet: bool = False) -> TrainResult:
-    """Train `job` as this process's rank; the launch environment says which rank that is."""
+          quiet: bool = False, trust_checkpoint: bool = False) -> TrainResult:
+    """Train `job` as this process's rank; the launch environment says which rank that is.
+    `trust_checkpoint`: resume from the newest checkpoint even if this run did not write it."""
     env = launch_env()
     cpus = cpu_binding(os.environ.get("OPTIMUS_CPU_BIND"), env.local_rank)
     if cpus:  # e.g. Aurora's 12 ranks per node, each on its own 8 cores
@@ -131,7 +133,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             with heartbeat.phase("checkpoint_sync"):
                 resumed, not_used = load_agreed(state, resume_request(), rank=env.rank,
                                                 layout=key)
-        ckpt = _checkpointer(job, env, heartbeat)
+        ckpt = _checkpointer(job, env, heartbeat, trust_checkpoint)
         if resumed is None and ckpt and job.checkpoint.resume == "auto":
             resumed = ckpt.load_latest(state, job.checkpoint.verify_on_load)
         _log_resume(log, ckpt, resumed, not_used)
@@ -299,9 +301,15 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             atexit.register(gc.collect)
 
 
-def _checkpointer(job: JobConfig, env, heartbeat) -> Checkpointer | None:
+TRUST_HINT = ("if you trust whoever wrote it, pass --trust-checkpoint to `optimus train`, or set "
+              "checkpoint.trust_step to its step")
+
+
+def _checkpointer(job: JobConfig, env, heartbeat, trust_any: bool) -> Checkpointer | None:
     """A checkpointer when the job saves, or has checkpoints to resume from; else None. Its
-    collectives (the save's agreements, the load) are marked as phase "checkpoint_sync"."""
+    collectives (the save's agreements, the load) are marked as phase "checkpoint_sync". It
+    signs with the run's key and resumes only from what that key authenticates, or what the
+    operator trusts (--trust-checkpoint, checkpoint.trust_step)."""
     c = job.checkpoint
     can_resume = c.resume == "auto" and committed_steps(job.resolved_checkpoint_dir)
     if c.interval == 0 and not can_resume:
@@ -309,7 +317,10 @@ def _checkpointer(job: JobConfig, env, heartbeat) -> Checkpointer | None:
     return Checkpointer(job.resolved_checkpoint_dir, rank=env.rank, world_size=env.world_size,
                         keep_last=c.keep_last, keep_every=c.keep_every, mode=c.async_mode,
                         on_overlap=c.on_overlap,
-                        collective=lambda: heartbeat.phase("checkpoint_sync"))
+                        collective=lambda: heartbeat.phase("checkpoint_sync"),
+                        trust=Trust(run_key_file(job.resolved_run_dir), any=trust_any,
+                                    step=c.trust_step, hint=TRUST_HINT))
+
 
 
 def _log_resume(log: MetricsLog, ckpt: Checkpointer | None, resumed: dict | None,
@@ -329,6 +340,10 @@ def _log_resume(log: MetricsLog, ckpt: Checkpointer | None, resumed: dict | None
         for q in ckpt.quarantined:
             log.event("quarantine", f"checkpoint of step {q['step']} set aside as {q['path']}: "
                       f"{q['reason']}; a later save of step {q['step']} writes it afresh", **q)
+        if resumed and resumed.get("untrusted"):
+            log.event("checkpoint", f"{resumed['path']} was not written by this run: "
+                      f"{resumed['untrusted']}; loaded because the operator trusts it "
+                      "(--trust-checkpoint or checkpoint.trust_step)", trusted=True)
         if resumed:
             log.event("resume", f"continuing from {resumed['path']} (step {resumed['step']})",
                       step=resumed["step"], data_index=resumed.get("data_index"),

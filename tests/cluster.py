@@ -65,12 +65,14 @@ class Processes:
     def __init__(self, logdir: Path):
         self.logdir = logdir
         self.procs: dict[str, subprocess.Popen] = {}
+        self.snapshot_secret = os.urandom(32).hex()  # the agents' link key, as `optimus run`'s
 
     def start(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
         out = open(self.logdir / f"{name}.log", "ab")  # noqa: SIM115 (closed with the process)
         p = subprocess.Popen([sys.executable, "-m", "controller", *args], cwd=ROOT,
                              stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                             env={**os.environ, **(env or {})})
+                             env={**os.environ, "OPTIMUS_SNAPSHOT_SECRET": self.snapshot_secret,
+                                  **(env or {})})
         out.close()
         self.procs[name] = p
         return p

@@ -347,32 +347,33 @@ def test_cli_list(tmp_path):
 
 
 def test_cli_inspect(tmp_path):
-    _save(tmp_path, 10)
+    _save(tmp_path, 10)  # committed by hand, without a run's key: trusted to be looked at
     path = _save(tmp_path, 20, config_hash="c0ffee", data_state={"sample": 1280})
-    out = _cli("inspect", str(tmp_path))  # a root: its latest committed checkpoint
+    out = _cli("inspect", str(tmp_path), "--trust-checkpoint")  # a root: its latest
     assert out.exit_code == 0, out.output
     total = sum(f["size"] for f in read_manifest(path)["files"].values())
     for expected in ("step:        20", "tokens:      81,920", "layout:      dp=2 tp=1 pp=1",
                      "config hash: c0ffee", 'data state:  {"sample": 1280}',
                      f"files:       4, {total:,} bytes"):
         assert expected in out.output
-    full = json.loads(_cli("inspect", str(step_dir(tmp_path, 10)), "-o", "json").output)
+    full = json.loads(_cli("inspect", str(step_dir(tmp_path, 10)), "-o", "json",
+                           "--trust-checkpoint").stdout)
     assert full == read_manifest(step_dir(tmp_path, 10))
 
 
 def test_cli_verify(tmp_path):
-    _save(tmp_path, 10)
+    _save(tmp_path, 10)  # committed by hand, without a run's key: trusted to be checked
     bad = _save(tmp_path, 20)
-    ok = _cli("verify", str(step_dir(tmp_path, 10)))
+    ok = _cli("verify", str(step_dir(tmp_path, 10)), "--trust-checkpoint")
     assert ok.exit_code == 0 and "ok: step_000000010 (4 files" in ok.output
     data = bytearray((bad / "__0_0.distcp").read_bytes())
     data[0] ^= 1
     (bad / "__0_0.distcp").write_bytes(bytes(data))
-    out = _cli("verify", str(tmp_path))
+    out = _cli("verify", str(tmp_path), "--trust-checkpoint")
     assert out.exit_code == 2
     assert "ok: step_000000010" in out.output
     assert "checksum mismatch: step_000000020/__0_0.distcp" in out.output
-    assert _cli("verify", str(tmp_path), "--sizes-only").exit_code == 0
+    assert _cli("verify", str(tmp_path), "--sizes-only", "--trust-checkpoint").exit_code == 0
 
 
 def test_cli_missing_path_is_a_checkpoint_error(tmp_path):
@@ -434,6 +435,6 @@ def test_cli_list_and_verify_show_quarantined_checkpoints(tmp_path):
     assert rows[1]["reason"].startswith("truncated") and rows[1]["kind"] == "corrupt"
     table = _cli("list", str(tmp_path))
     assert "quarantined: step 20 as " in table.output and "(corrupt): truncated" in table.output
-    out = _cli("verify", str(tmp_path))
+    out = _cli("verify", str(tmp_path), "--trust-checkpoint")  # committed by hand, unsigned
     assert out.exit_code == 0, out.output  # set aside is not damage in use
     assert "ok: step_000000010" in out.output and "quarantined: step 20" in out.output

@@ -99,6 +99,7 @@ def test_resume_on_other_layouts_continues_the_same_run(run_ranks, tmp_path):
     for name, world, parallel in (("pp2xdp4", 8, {"pp": 2}), ("one-rank", 1, {})):
         run_dir = tmp_path / name
         shutil.copytree(saved / "checkpoints", run_dir / "checkpoints")
+        shutil.copytree(saved / "secrets", run_dir / "secrets")  # the run moves, with its key
         resumed = run_ranks(_train, world, job(run_dir, parallel=parallel), timeout=300)
         for result in resumed:
             assert result["steps"] == [5, 6, 7, 8]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -69,13 +70,16 @@ def test_bad_input_is_one_line_and_exit_status_2(tmp_path):
 
 
 def _committed(root: Path, step: int) -> Path:
-    """A committed checkpoint of one small file, as list/inspect/verify read it."""
+    """A committed checkpoint of one small file, as list/inspect/verify read it, signed by the
+    key beside its directory, as a run's own."""
     from optimus.checkpoint import commit, step_dir
+    from optimus.checkpoint.trust import key_file_for, read_key
 
     path = step_dir(root, step)
     path.mkdir(parents=True)
     (path / "__0_0.distcp").write_bytes(bytes(range(step)))
-    commit(path, {"step": step, "tokens": step * 100, "layout": {"dp": 1, "tp": 1, "pp": 1}})
+    commit(path, {"step": step, "tokens": step * 100, "layout": {"dp": 1, "tp": 1, "pp": 1}},
+           key=read_key(key_file_for(root), create=True))
     return path
 
 
@@ -175,10 +179,11 @@ def test_an_operator_command_fails_at_once_where_nothing_listens(tmp_path):
                      ["health-check", "--job", "x"], ["job", "status", "--job", "x"],
                      ["events", "--job", "x", "--no-follow"],
                      ["node", "exclude", "node0", "--job", "x", "--yes", "--reason", "r"]):
-            proc = subprocess.run([sys.executable, "-m", "controller", *args, "--redis", url],
-                                  capture_output=True, text=True, timeout=60)
+            proc = subprocess.run([sys.executable, "-m", "controller", *args],
+                                  capture_output=True, text=True, timeout=60,
+                                  env={**os.environ, "REDIS_URL": url})  # not on argv: a secret
             assert proc.returncode == 2 and proc.stdout == ""
             assert proc.stderr == (f"error: nothing listens at redis://op:***@127.0.0.1:"
                                    f"{s.getsockname()[1]}/0 (connection refused); fix: give "
-                                   "--redis (or $REDIS_URL) the URL the controller uses "
-                                   "(`optimus run` prints it), or start that Redis\n")
+                                   "$REDIS_URL the URL the controller uses (`optimus run` keeps "
+                                   "it in <run_dir>/control/redis.env), or start that Redis\n")

@@ -51,6 +51,7 @@ def reference_loss(tmp_path_factory, faulty_run: Path, resume_step: int,
         ref = tmp_path_factory.mktemp(f"reference-{resume_step}")
         shutil.copytree(step_dir(faulty_run / "checkpoints", resume_step),
                         step_dir(ref / "checkpoints", resume_step))
+        shutil.copytree(faulty_run / "secrets", ref / "secrets")  # the run's key: its own
         job = write_job(ref / "job.yaml", ref, steps=STEPS, **_moe(moe))
         train_ranks(job, 2)
         assert metrics(ref)[0]["event"] == "resume"
@@ -226,13 +227,26 @@ def test_ctrl_c_stops_the_run_with_a_committed_checkpoint_and_leaves_no_process(
     assert 13 <= at < 10_000
     assert committed_steps(run / "checkpoints")[-1] == at  # saved where the ranks stopped
     assert f"latest committed checkpoint: step {at}" in out
-    for pattern in (str(job), f"--redis redis://127.0.0.1:{_redis_port(out)}/"):
-        left = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
-        assert left == "", pattern  # no rank or controller, then no agent, left behind
+    left = subprocess.run(["pgrep", "-f", str(job)], capture_output=True, text=True).stdout
+    assert left == ""  # no rank or controller left behind
+    assert _holding(f"@127.0.0.1:{_redis_port(out)}/0") == []  # nor an agent (the URL is in
+    # its environment, never on its command line)
 
 
 def _redis_port(out: str) -> str:
-    return re.search(r"Redis redis://127.0.0.1:(\d+)/0", out).group(1)
+    return re.search(r"Redis redis://(?:\S*@)?127.0.0.1:(\d+)/0", out).group(1)
+
+
+def _holding(text: str) -> list[int]:
+    """The processes whose environment holds `text`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if text.encode() in Path(f"/proc/{pid}/environ").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
 
 
 def _metrics_or_none(run: Path) -> list[dict]:

@@ -133,9 +133,9 @@ def test_every_object_matches_the_kubernetes_schemas(default, custom):
                 continue  # a CRD: no schema offline; test_monitoring checks its fields
             kubernetes_validate.validate(obj, KUBERNETES, strict=True)
     kinds = sorted(o["kind"] for o in custom)
-    assert kinds == sorted(["ConfigMap"] * 3 + ["Deployment", "Job", "NetworkPolicy",
-                            "PodDisruptionBudget", "PrometheusRule", "Secret", "Service",
-                            "Service", "Service", "ServiceAccount", "ServiceMonitor",
+    assert kinds == sorted(["ConfigMap"] * 3 + ["NetworkPolicy"] * 3 + ["Secret"] * 2 + [
+                            "Deployment", "Job", "PodDisruptionBudget", "PrometheusRule",
+                            "Service", "Service", "Service", "ServiceAccount", "ServiceMonitor",
                             "StatefulSet"])
     # the default creates the shared volume itself (the custom values name an existing one)
     pvc = one(default, "PersistentVolumeClaim")
@@ -314,7 +314,7 @@ def test_a_real_redis_with_the_rendered_acl_refuses_anonymous_clients(custom, tm
 @pytest.mark.parametrize("which", ["default", "custom"])
 def test_only_the_jobs_pods_reach_redis(which, request):
     objects = request.getfixturevalue(which)
-    policy = one(objects, "NetworkPolicy")["spec"]
+    policy = one(objects, "NetworkPolicy", "-redis")["spec"]
     redis_pods = pod_labels(one(objects, "StatefulSet"))
     assert selects(policy["podSelector"], redis_pods) and policy["policyTypes"] == ["Ingress"]
     (rule,) = policy["ingress"]

@@ -43,9 +43,9 @@ def _prepare(folder: Path, out: str, tokenizer: str, shift: int) -> None:
     assert result.exit_code == 0, result.output
 
 
-def _export(step_root: Path, out: Path):
+def _export(step_root: Path, out: Path, *more: str):
     return CliRunner().invoke(main, ["checkpoint", "export", "latest", "--dir", str(step_root),
-                                     "--format", "hf", "--out", str(out)])
+                                     "--format", "hf", "--out", str(out), *more])
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +188,8 @@ def test_with_an_absolute_checkpoint_dir_the_recorded_training_folder_is_used(
     _decoy(tmp_path / "elsewhere")
     monkeypatch.chdir(tmp_path / "elsewhere")
     out = tmp_path / "hf"
-    result = _export(checkpoints, out)
+    # the run's key is in its run_dir, not beside this checkpoint.dir: --dir cannot find it
+    result = _export(checkpoints, out, "--trust-checkpoint")
     assert result.exit_code == 0, result.output
     tok_file = relative_project / "tok" / "tokenizer.json"
     assert (out / "tokenizer.json").read_bytes() == tok_file.read_bytes()

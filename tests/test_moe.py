@@ -467,6 +467,7 @@ def test_an_ep2xdp2_checkpoint_resumes_at_ep4_and_on_one_rank(run_ranks, tmp_pat
     for name, world, parallel in (("ep4", 8, {"ep": 4}), ("one-rank", 1, {})):
         run_dir = tmp_path / name
         shutil.copytree(saved / "checkpoints", run_dir / "checkpoints")
+        shutil.copytree(saved / "secrets", run_dir / "secrets")  # the run moves, with its key
         resumed = run_ranks(train_keeping_samples, world, checkpointed_job(
             run_dir, model={"moe": moe}, parallel=parallel, data={"microbatches": 1}),
             timeout=240)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import signal
 import subprocess
 import sys
@@ -68,9 +69,10 @@ class Live:
                  "--spares", "1", "--set", f"monitoring.metrics_port={self.port}",
                  "--set", "eval.every=4", "--set", "eval.batches=1"],
                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        line = wait_for(lambda: next((w for w in self.out.read_text().split() if
-                                      w.startswith("redis://")), None), 60, "the Redis URL")
-        self.url = line.rstrip(";")
+        wait_for(lambda: "redis://" in self.out.read_text(), 60, "the Redis URL")
+        # Shown masked; an operator's copy, with the password, is in control/redis.env.
+        env = (self.run / "control" / "redis.env").read_text()
+        self.url = re.search(r"^export REDIS_URL=(\S+)$", env, re.M).group(1)
         self.store = Store(self.url, JOB)
 
     def beats(self) -> list[dict]:
@@ -287,7 +289,8 @@ def test_an_excluded_node_leaves_with_a_checkpoint_and_stays_out_until_included(
 def test_unknown_jobs_are_refused_in_one_line_and_events_print_as_a_table(live):
     result = optimus("job", "status", "--job", "nope", url=live.url)
     assert result.returncode == 2
-    assert result.stderr.startswith("error: no job 'nope' in Redis at redis://127.0.0.1:")
+    assert result.stderr.startswith("error: no job 'nope' in Redis at "
+                                    "redis://default:***@127.0.0.1:")
     assert len(result.stderr.strip().splitlines()) == 1
     table = ok(optimus("events", "--job", JOB, "--no-follow", "-n", "3", "--kind", "drain",
                        url=live.url))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import threading
 import time
 from collections import Counter
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.node.snapshots import KEEP, SnapshotKeeper, job_secret, pull, push
+from controller.node.snapshots import KEEP, SnapshotKeeper, pull, push
 from optimus.checkpoint import snapshot_files
 from optimus.checkpoint.snapshot_files import (
     check_shard,
@@ -27,7 +28,7 @@ from optimus.checkpoint.snapshot_files import (
     write_marker,
 )
 
-SECRET = job_secret("redis://127.0.0.1:1", "push-test")
+SECRET = secrets.token_bytes(32)  # the job's key (snapshot_link.read_secret)
 RANKS = [0, 1, 2, 3]
 PUSHERS = 6
 ROUNDS = 8

@@ -131,3 +131,23 @@ def test_mixture_quotas_do_not_depend_on_how_floats_are_summed(weights):
     assert sum(want.values()) == BLOCK
     for order in permutations(weights):
         assert dict(zip(order, quotas(list(order)), strict=True)) == want, order
+
+
+# Private names the checkpoint reader relies on (optimus/checkpoint/safe_pickle.py, storage.py):
+# DCP's index pickles them, and torch 2.11 writes and reads them as 2.13 does.
+CHECKPOINT_PRIVATE_NAMES = [
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    ("torch.serialization", "_get_layout"),  # only as a name DCP's pickles hold
+]
+
+
+@pytest.mark.parametrize("module,name", CHECKPOINT_PRIVATE_NAMES)
+def test_every_private_name_the_checkpoint_reader_allows_is_in_this_torch(module, name):
+    """A DCP index names these; the restricted unpickler maps each to what it was."""
+    import importlib
+
+    from optimus.checkpoint.safe_pickle import _ALLOWED
+
+    assert hasattr(importlib.import_module(module), name)
+    assert (module, name) in _ALLOWED

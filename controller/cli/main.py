@@ -18,18 +18,30 @@ import click
 import optimus.cli as core
 from controller.cli import ops  # noqa: F401 (adds `optimus job`, `optimus node`, `optimus events`)
 from controller.control.journal import read_journal
+from controller.node.folders import UnsafeFolder
 from controller.schedulers import pbs, slurm
-from controller.store.connect import NothingListens, fail_if_refused
+from controller.store.connect import Denied, NothingListens, fail_if_refused, has_secret
 from controller.store.store import Store, StoreUnavailable, redis_url
 from optimus.config import ConfigError, check_job, load_job
 
-core.USER_ERRORS = (*core.USER_ERRORS, StoreUnavailable, NothingListens)
+core.USER_ERRORS = (*core.USER_ERRORS, StoreUnavailable, NothingListens, Denied, UnsafeFolder)
 main = core.main
 
+
+def _url_in_argv(ctx, param, value):
+    """A click callback: a password on the command line is visible to every local user."""
+    if value and has_secret(value):
+        click.secho("warning: --redis carries a password, which every user of this machine "
+                    "can read in the process list; put the URL in $REDIS_URL instead",
+                    fg="yellow", err=True)
+    return value
+
+
 redis_option = click.option(
-    "--redis", "redis", metavar="URL", default=None,
-    help="redis:// or rediss:// URL (user:password@ for ACLs); default $REDIS_URL, else "
-         "redis://127.0.0.1:6379/0.")
+    "--redis", "redis", metavar="URL", default=None, callback=_url_in_argv,
+    help="redis:// or rediss:// URL; default $REDIS_URL, else redis://127.0.0.1:6379/0. A URL "
+         "with a password (user:password@ for ACLs) belongs in $REDIS_URL: a command line is "
+         "visible to every user of the machine.")
 
 
 def _operator_store(redis: str | None, job_name: str) -> Store:

@@ -4,8 +4,14 @@
 
 Starts a private redis-server on a free port (unless REDIS_URL is set), a controller and
 N + S agents (`node0`, `node1`, ...), each a process of its own in its own session, with logs in
-`<run_dir>/control/`. Then it follows the job (controller/cli/console.py): events, validation
-losses and checkpoint commits as they happen, and the step rank 0 is at.
+`<run_dir>/control/`. Even on loopback the private Redis wants a password, generated per run
+(another user of a shared login node could otherwise rewrite the plan): redis-server reads it
+from its configuration on stdin, the controller and the agents get the URL in $REDIS_URL, the
+agents a snapshot secret, also generated per run, in $OPTIMUS_SNAPSHOT_SECRET; no secret is
+on a command line or on screen (the URL is shown masked). `<run_dir>/control/redis.env` (mode
+600) holds the URL for an operator's commands: `. <run_dir>/control/redis.env`.
+Then it follows the job (controller/cli/console.py): events, validation losses and checkpoint
+commits as they happen, and the step rank 0 is at.
 Ctrl-C asks for a stop (the ranks agree on a step, save a checkpoint and exit; the controller
 marks the job STOPPED); a second Ctrl-C kills everything at once. Exit status: 0 when the job
 COMPLETED or was STOPPED, 1 when it FAILED or the control plane broke.
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -27,6 +34,7 @@ from rich.console import Console
 from controller.cli.console import Follow
 from controller.control.decide import FAILED, TERMINAL
 from controller.node.spawn import die_with_parent
+from controller.store.connect import safe_url
 from controller.store.store import Store, StoreUnavailable
 from optimus.checkpoint.manifest import committed_steps
 from optimus.config import ConfigError, JobConfig
@@ -42,13 +50,21 @@ class LocalCluster:
         self.control_dir = control_dir
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, command: list[str]) -> subprocess.Popen:
+    def start(self, name: str, command: list[str], env: dict[str, str] | None = None,
+              stdin: bytes | None = None) -> subprocess.Popen:
+        """`command`, logging to `<name>.log`, with `env` added to this environment (secrets
+        go there, never into `command`), and `stdin` written to its input when given."""
         with open(self.control_dir / f"{name}.log", "ab") as out:
             # Own sessions (a Ctrl-C is ours to handle), but gone if `optimus run` is killed.
-            popen = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out,
-                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=die_with_parent)
+            popen = subprocess.Popen(command, env={**os.environ, **(env or {})},
+                                     stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
+                                     stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True, preexec_fn=die_with_parent)
         self.procs[name] = popen
+        if stdin is not None:
+            with contextlib.suppress(BrokenPipeError):
+                popen.stdin.write(stdin)
+            popen.stdin.close()
         return popen
 
     def stop_all(self, grace_s: float = 5.0) -> None:
@@ -65,16 +81,19 @@ class LocalCluster:
 
 
 def start_redis(cluster: LocalCluster) -> str:
-    """A private redis-server on a free loopback port, no persistence; its URL."""
-    port = _free_port()
+    """A private redis-server on a free loopback port, no persistence, with a password of its
+    own (in its configuration, which it reads from stdin: on no command line, in no file); its
+    URL."""
+    port, password = _free_port(), secrets.token_hex(24)
+    config = "".join(f"{line}\n" for line in (
+        f"port {port}", "bind 127.0.0.1", 'save ""', "appendonly no",
+        f"dir {_quoted(str(cluster.control_dir))}", f"requirepass {password}"))
     try:
-        cluster.start("redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                                "--save", "", "--appendonly", "no",
-                                "--dir", str(cluster.control_dir)])
+        cluster.start("redis", ["redis-server", "-"], stdin=config.encode())
     except FileNotFoundError:
         raise ConfigError("redis-server is not installed: install it (apt install "
                           "redis-server), or point REDIS_URL at a running Redis") from None
-    url = f"redis://127.0.0.1:{port}/0"
+    url = f"redis://default:{password}@127.0.0.1:{port}/0"
     store = Store(url, "probe", retry_s=0.2)
     deadline = time.monotonic() + 10
     while True:
@@ -96,6 +115,7 @@ def run_local(job: JobConfig, job_file: str, overrides: list[str], *, nodes: int
     control_dir = run_dir / "control"
     control_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "controller.json").unlink(missing_ok=True)  # a fresh submission
+    (control_dir / "redis.env").unlink(missing_ok=True)  # an earlier run's Redis
     cluster = LocalCluster(control_dir)
     interrupted = []
 
@@ -106,7 +126,13 @@ def run_local(job: JobConfig, job_file: str, overrides: list[str], *, nodes: int
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        url = redis_url or os.environ.get("REDIS_URL") or start_redis(cluster)
+        url = redis_url or os.environ.get("REDIS_URL")
+        operators = ""
+        if not url:  # a private Redis: its URL, for an operator's commands, in a mode-600 file
+            url = start_redis(cluster)
+            env_file = control_dir / "redis.env"
+            _write_private(env_file, f"export REDIS_URL={url}\nexport OPTIMUS_JOB={job.name}\n")
+            operators = f" (for `optimus job ...`: . {_shown(env_file)})"
         store = Store(url, job.name)
         store.ping()
         _refuse_a_live_job(store, url)
@@ -114,17 +140,20 @@ def run_local(job: JobConfig, job_file: str, overrides: list[str], *, nodes: int
         follow = Follow(console, store, job)  # before any rank appends to the metrics file
         py = [sys.executable, "-m", "controller"]
         sets = [a for o in overrides for a in ("--set", o)]
+        # Secrets by environment only: the URL's password, and the agents' snapshot secret.
         cluster.start("controller", [*py, "controller", job_file, "--nodes", str(nodes),
-                                     "--ranks-per-node", str(ranks_per_node), "--redis", url,
+                                     "--ranks-per-node", str(ranks_per_node),
                                      "--lease", str(lease_s), "--exit-when-done",
-                                     "--linger", "0", *sets])
+                                     "--linger", "0", *sets], env={"REDIS_URL": url})
+        agent_env = {"REDIS_URL": url, "OPTIMUS_SNAPSHOT_SECRET": secrets.token_hex(32)}
         for i in range(nodes + spares):
             cluster.start(f"agent-node{i}", [*py, "agent", "--job", job.name, "--node",
-                                             f"node{i}", "--redis", url, "--interval",
-                                             str(job.supervision.heartbeat_interval_s)])
+                                             f"node{i}", "--interval",
+                                             str(job.supervision.heartbeat_interval_s)],
+                          env=agent_env)
         console.print(f"optimus run: job {job.name}, {nodes} node(s) x {ranks_per_node} "
-                      f"rank(s) + {spares} spare(s); Redis {url}; logs in {control_dir} and "
-                      f"{run_dir / 'logs'}"
+                      f"rank(s) + {spares} spare(s); Redis {safe_url(url)}{operators}; logs in "
+                      f"{control_dir} and {run_dir / 'logs'}"
                       + (f"; metrics on port {job.monitoring.metrics_port}"
                          if job.monitoring.metrics_port else ""))
         state = _follow(follow, cluster, job, interrupted)
@@ -199,9 +228,9 @@ def _refuse_a_live_job(store: Store, url: str) -> None:
     beats = store.agent_beats()
     recent = [n for n, t in beats.items() if time.time() - t < 30]
     if state and state not in TERMINAL and recent:
-        raise ConfigError(f"job {store.job} is {state} in Redis at {url} with agents beating "
-                          f"({', '.join(sorted(recent))}); fix: stop it first, or give this "
-                          "run another `name`")
+        raise ConfigError(f"job {store.job} is {state} in Redis at {safe_url(url)} with agents "
+                          f"beating ({', '.join(sorted(recent))}); fix: stop it first, or give "
+                          "this run another `name`")
 
 
 def _wait_agents(cluster: LocalCluster, grace_s: float) -> None:
@@ -215,6 +244,19 @@ def _wait_agents(cluster: LocalCluster, grace_s: float) -> None:
 def _signal_group(popen: subprocess.Popen, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(popen.pid, sig)
+
+
+def _quoted(text: str) -> str:
+    """A value for redis.conf: quoted, with backslashes and quotes escaped."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _write_private(path: Path, text: str) -> None:
+    """`text` into `path`, readable by this user only (mode 600 from its creation)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def _free_port() -> int:

@@ -47,11 +47,11 @@ from controller.control.decide import (
 )
 from controller.control.event_log import EventLog
 from controller.control.journal import read_journal
+from controller.disk import Rewritten
 from controller.store.names import RULE
 from controller.store.store import Store, StoreUnavailable
 from optimus.checkpoint.manifest import committed_steps
 from optimus.config import ConfigError, JobConfig, check_job
-from optimus.files import write_atomic
 
 log = logging.getLogger("optimus.controller")
 
@@ -59,6 +59,7 @@ TICK_S = 0.25
 HANG_CANDIDATES = 16  # nodes read in full when a hang is suspected; more: nobody stands out
 STRAGGLER_CHECK_S = 5.0  # how often the compute scores (one entry per node) are read
 SNAPSHOT_CHECK_S = 5.0  # how often the nodes' snapshot reports are read while a job runs
+REFUSAL_CHECK_S = 5.0  # how often the plan's agents are asked whether they refused it
 # Job record fields that change every step: not worth a journal write (and an fsync) each.
 VOLATILE = frozenset({"progress_gen", "progress_step", "progress_at", "progress_moves",
                       "step_times", "hang_since", "failure_since", "latest_checkpoint",
@@ -110,12 +111,14 @@ class Controller:
         self.leading = False
         self.checkpoint_dir = job.resolved_checkpoint_dir
         self.journal = Path(job.resolved_run_dir) / "controller.json"
+        self._journal = Rewritten(self.journal, "the journal")
         self._journaled: str | None = None
         self._compute_read = 0.0
         self._index_key: tuple | None = None
         self._index: dict[str, int] = {}
         self._latest_shown: int | None = None
         self._snapshots_read = 0.0
+        self._refusals_read = 0.0
         # (registrations, excluded, unhealthy) when the spares were last read: any change, a
         # node registering, back under its name, included again or healthy again, reads them.
         self._agents_seen: tuple | None = None
@@ -180,6 +183,8 @@ class Controller:
         excluded = {n: e["reason"] for n, e in entries.items()}
         draining = frozenset(n for n, e in entries.items() if e.get("mode") == "drain")
         requests = [records.request(i, r) for i, r in raw]
+        if job.state in ACTIVE and plan is not None and plan["action"] == "run":
+            requests = self._refusals(job, plan) + requests
         operator = {"requests": requests, "control": control, "draining": draining,
                     "known_nodes": frozenset(self.store.nodes()) if requests else frozenset()}
         steps = committed_steps(self.checkpoint_dir)
@@ -213,6 +218,27 @@ class Controller:
                         unhealthy_idle=idle, snapshots=self.store.snapshots(),
                         distrust=self.checkpoints.distrust,
                         excluded=excluded, **operator)
+
+    def _refusals(self, job: JobView, plan: dict) -> list:
+        """An agent that cannot run this generation (the job's fault, e.g. float8 where it
+        cannot run) says so in its own record (`refused`, controller/node/checks.py): a stop
+        of the job, with its reason, as if an operator had asked. Read every REFUSAL_CHECK_S,
+        one field per plan node; not once the job is stopping. First in the tick's requests,
+        under the last request's id: `requests_seen` moves only with operators' requests."""
+        if job.desired == "stop" or time.monotonic() - self._refusals_read < REFUSAL_CHECK_S:
+            return []
+        self._refusals_read = time.monotonic()
+        for node, raw in sorted(self.store.agent_field(plan["nodes"], "refused").items()):
+            try:
+                said = json.loads(raw) if raw else None
+            except ValueError:
+                continue
+            if isinstance(said, dict) and said.get("generation") == plan["generation"]:
+                return [records.request(job.requests_seen, {
+                    "action": "stop", "actor": f"agent:{node}",
+                    "host": str(said.get("host", ""))[:253],
+                    "reason": str(said.get("reason", ""))[:2000]})]
+        return []
 
     def _unhealthy(self, nodes: list[str]) -> tuple[dict[str, str], frozenset[str]]:
         """Nodes whose last health check failed: why; and those of them on which no rank ran
@@ -372,7 +398,7 @@ class Controller:
             self._event(kind, message, send=False, **fields)
         self.store.flush_events()
         if (set(d.job) - VOLATILE or d.plan is not None or d.exclude or d.operator_exclude
-                or d.include or d.control is not None):
+                or d.include or d.control is not None or self._journal.failing):
             self._write_journal()
 
     def _record_memory_point(self, d: Decision, obs: Observed) -> None:
@@ -407,16 +433,21 @@ class Controller:
     # --- the journal and rebuilding from it ----------------------------------------------------
 
     def _write_journal(self) -> None:
-        """On every change that matters after a loss of Redis: not on progress bookkeeping."""
+        """On every change that matters after a loss of Redis: not on progress bookkeeping;
+        and every tick while the disk refuses it (controller/disk.py), said once each way."""
         record = {k: v for k, v in self.store.job_record().items() if k not in VOLATILE}
         state = {"job": record, "plan": self.store.plan(), "excluded": self.store.excluded(),
                  "control": self.store.control()}
         text = json.dumps(state, indent=1, sort_keys=True)
-        if text == self._journaled:
+        if text == self._journaled and not self._journal.failing:
             return
-        self.journal.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.journal, text.encode(), self.journal.with_suffix(".json.tmp"))
-        self._journaled = text
+        turn = self._journal.write(text.encode())
+        if self._journal.failing is None:
+            self._journaled = text
+        if turn is not None:
+            self._event("disk", f"controller {self.ident} {turn.text}" + (
+                "" if turn.ok else "; it supervises on from Redis and tries again every tick"),
+                ok=turn.ok, path=str(self.journal))
 
     def _rebuild(self) -> dict[str, str]:
         """No job record in Redis: a new job, or Redis restarted empty (a write the retries

@@ -1,6 +1,6 @@
 """The node agent: one per node, it owns the ranks there.
 
-    optimus agent --job NAME --node NODE [--redis URL]
+    optimus agent --job NAME --node NODE        (REDIS_URL, with its password, in the environment)
 
 It registers the node (host, devices, health check), then loops:
 - every `interval` s, one pipelined round trip (`Store.agent_tick`): its own beat and status,
@@ -50,13 +50,14 @@ import time
 from collections import deque
 from pathlib import Path
 
+from controller.disk import Rewritten
 from controller.node.checks import Checks
 from controller.node.commands import Commands, signal_group
+from controller.node.folders import private_folder
 from controller.node.ranks import RankProcess, deadline, log_age, rank_states, summary, tail
 from controller.node.snapshots import SnapshotKeeper, default_root, job_secret, node_folder
 from controller.node.spawn import Spawner, start_mode
 from controller.store.store import Store, StoreUnavailable
-from optimus.files import write_atomic
 
 log = logging.getLogger("optimus.agent")
 
@@ -84,19 +85,22 @@ class Agent(Commands, Checks):
         self.corrupt_tiles: set[int] = set()  # fault injection: tiles whose checks go wrong
         self.checked_for: int | None = None  # the generation the last pre-launch check was for
         self.fit_for = True
+        self.refusal: dict | None = None  # the generation this node cannot run, and why
+        # Private folders under guessable names (folders.py): checked before anything is in them.
+        sock_dir = private_folder(Path(socket_dir or tempfile.gettempdir())
+                                  / f"optimus-{os.getuid()}")
+        snapshot_root = snapshot_root or private_folder(default_root())
         # In-memory snapshots: this node's ranks' and the replicas it holds for its peers.
-        self.snapshots = SnapshotKeeper(node_folder(snapshot_root or default_root(),
-                                                    store.job, node),
+        self.snapshots = SnapshotKeeper(node_folder(snapshot_root, store.job, node),
                                         node, job_secret(store.url, store.job), self.host)
         self._snapshots_stored = False  # this incarnation has reported once
         self.failed_saves = 0  # checkpoint saves failed in a row, as this node's ranks last said
         self.info = {"host": self.host, "pid": os.getpid(),
                      "snapshot_addr": self.snapshots.address, **self._check_health()}
-        sock_dir = Path(socket_dir or tempfile.gettempdir()) / f"optimus-{os.getuid()}"
-        sock_dir.mkdir(mode=0o700, exist_ok=True)
         tag = hashlib.sha1(f"{store.job}/{node}/{os.getpid()}".encode()).hexdigest()[:12]
         self.socket_path = str(sock_dir / f"agent-{tag}.sock")  # short: AF_UNIX paths <= 107
         self.control_path = sock_dir / f"agent-{tag}.control"
+        self.control_writes = Rewritten(self.control_path, "its ranks' control file")
         self.control: dict = {}
         self.no_save = False  # this generation's ranks are to stop without a checkpoint
         self._write_control({})
@@ -175,7 +179,7 @@ class Agent(Commands, Checks):
         status = {"generation": -1 if self.generation is None else self.generation,
                   "state": state, "live_ranks": len(live), "host": self.host,
                   "pids": [p.popen.pid for p in live], "rank_states": rank_states(live, self.beats),
-                  "failed_saves": self.failed_saves}
+                  "failed_saves": self.failed_saves, "refused": self.refusal or ""}
         try:
             self._flush_exits()
             tick = self.store.agent_tick(self.node, status, dict(self.beats),
@@ -200,6 +204,8 @@ class Agent(Commands, Checks):
             self._command(command)
         if tick.control is not None and tick.control != self.control:
             self._write_control(tick.control)
+        elif self.control_writes.failing:  # the disk refused the last word: again
+            self._write_control(self.control)
         if tick.plan_stamp is not None and tick.plan_stamp != self.plan_stamp:
             try:
                 self.latest_plan = self.store.plan()
@@ -429,11 +435,16 @@ class Agent(Commands, Checks):
 
     def _write_control(self, control: dict) -> None:
         """The control word for this node's ranks, replaced atomically (they stat it), with
-        "save": false while this generation stops without a checkpoint."""
+        "save": false while this generation stops without a checkpoint. A write the disk
+        refuses is said once and tried again every tick (controller/disk.py); the ranks act
+        on the last word they read meanwhile."""
         self.control = dict(control)
         word = {**control, "save": False} if self.no_save else control
-        write_atomic(self.control_path, json.dumps(word).encode(),
-                     self.control_path.with_suffix(".tmp"))
+        turn = self.control_writes.write(json.dumps(word).encode())
+        if turn is not None:
+            self._event("disk", f"agent of {self.node} {turn.text}" + (
+                "" if turn.ok else "; the ranks keep the last word they read, and the agent "
+                "tries again every tick"), ok=turn.ok, path=str(self.control_path))
 
     def _event(self, kind: str, message: str, **fields) -> None:
         log.info(message)

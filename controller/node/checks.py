@@ -35,18 +35,17 @@ class Checks:
     def _can_run(self, plan: dict) -> bool:
         """Whether this node can run the job as the ranks will read it. A job asking for
         float8 where torchao is missing or the device has no float8 matmuls is the job's fault,
-        not the node's (its nodes are all of one kind): no rank starts, and the agent asks the
-        controller to stop the job, with the reason, instead of excluding itself."""
+        not the node's (its nodes are all of one kind): no rank starts, and the agent says so
+        in its own record, `refused` in `agent:<node>` (written with its next tick: a key its
+        ACL user may write, where `requests` is the operators'), which the controller turns
+        into a stop of the job, with the reason, instead of excluding the node."""
         problem = job_problem_here(plan["job_file"], plan.get("overrides", []))
         if problem is None:
+            self.refusal = None
             return True
+        self.refusal = {"generation": plan["generation"], "host": self.host, "reason": problem}
         self._event("refused", f"{self.node} refuses generation {plan['generation']}: "
                     f"{problem}")
-        try:
-            self.store.request("stop", f"agent:{self.node}", self.host, reason=problem)
-        except StoreUnavailable as e:
-            self._note_outage(e)
-            self.checked_for = None  # ask again on the next tick
         return False
 
 

@@ -11,14 +11,14 @@ new agent process is a rebooted node: it empties the folder, since nothing from 
 vouched for. The controller learns what each node holds from a small report the agent writes
 to Redis when it changes (`Store.set_snapshots`); the bytes never go through Redis.
 
-Transport, agent to agent, one TCP connection per transfer (stdlib socketserver: two message
-kinds, files streamed straight to and from shared memory; a framework would add nothing). The
-server sends a fresh 32-byte challenge; the client answers with its request (one JSON line) and
-an HMAC-SHA256 of challenge + request under the job's secret — OPTIMUS_SNAPSHOT_SECRET, or one
-derived from the Redis URL with its password, which every agent of the job already holds — so
-only the job's agents can push or pull. Replies carry an HMAC of the same challenge too, and
-every file is checked against its marker's sha256 on receipt; a replica lands in `held/` only
-when all of its files check (renamed in, markers last).
+Transport, agent to agent, one TCP connection per transfer (snapshot_link.py: the key, the
+wire format, TLS, and what bounds a stranger's connection): files streamed straight to and from
+shared memory, every one checked against its marker's sha256 on receipt; a replica lands in
+`held/` only when all of its files check (renamed in, markers last). Only agents given the
+job's snapshot secret (OPTIMUS_SNAPSHOT_SECRET or OPTIMUS_SNAPSHOT_SECRET_FILE) push or pull.
+An agent without one starts no server and sends nothing: its address is "", so the controller
+names it no one's buddy or holder; its ranks' snapshots stay on the node, a pull it would make
+fails at once (its ranks then resume from disk), and the job runs on.
 
 Concurrency. Transfers run on the server's threads and the keeper's pool while the agent's tick
 runs retention, and one point may arrive twice at once (a retried push, two pushers). Each
@@ -36,32 +36,34 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import hashlib
-import hmac
 import json
 import logging
 import os
 import secrets
 import shutil
-import socket
-import socketserver
 import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from controller.node.snapshot_link import (
+    LinkTLS,
+    bind_address,
+    link_tls,
+    pull,
+    push,
+    secret_problem,
+)
+from controller.node.snapshot_link import job_secret as job_secret  # the agent's import
+from controller.node.snapshot_server import LinkServer
 from optimus.checkpoint.snapshot_files import (
     HELD,
     OWN,
-    check_open,
     complete_shards,
-    install_shards,
-    open_shard,
     parse_point,
     point_name,
     points,
     remove_point,
-    shard_files,
     void,
 )
 
@@ -71,8 +73,6 @@ log = logging.getLogger("optimus.agent")
 Point = tuple[int, int, Path, dict[int, dict]]
 
 KEEP = 2  # complete points kept per folder (and the one the running generation resumed from)
-TIMEOUT_S = 60.0  # per socket operation
-_CHUNK = 1 << 20
 
 
 def default_root() -> Path:
@@ -103,15 +103,10 @@ def _running(pid: int) -> bool:
     return True
 
 
-def job_secret(redis_url: str, job: str) -> bytes:
-    """The key agents of one job authenticate each other with (see the top of this module)."""
-    explicit = os.environ.get("OPTIMUS_SNAPSHOT_SECRET")
-    material = explicit if explicit else f"{redis_url}\n{job}"
-    return hashlib.sha256(material.encode()).digest()
-
-
 class SnapshotKeeper:
-    def __init__(self, root: Path, node: str, secret: bytes, host: str):
+    def __init__(self, root: Path, node: str, secret: bytes | None, host: str):
+        """`secret`: the job's snapshot key (snapshot_link.job_secret), None where there is
+        none: then no server starts, nothing is sent, and one line says why."""
         self.root, self.node, self.secret = Path(root), node, secret
         self.incarnation = f"{os.getpid()}.{secrets.token_hex(3)}"
         shutil.rmtree(self.root, ignore_errors=True)  # a new agent: nothing before it counts
@@ -119,11 +114,24 @@ class SnapshotKeeper:
         self.own.mkdir(parents=True, mode=0o700)
         self.held.mkdir(mode=0o700)
         self.lock = threading.Lock()  # the folder's layout: see "Concurrency" at the top
-        self._server = _Server(("0.0.0.0", 0), _Handler)
-        self._server.keeper = self
-        self.address = f"{host}:{self._server.server_address[1]}"
-        threading.Thread(target=self._server.serve_forever, name="snapshot-server",
-                         daemon=True).start()
+        self.tls: LinkTLS | None = None
+        self.off: str | None = None  # why this node neither serves nor sends snapshots
+        if secret is None:
+            self.off = f"no snapshot secret: {secret_problem()}"
+        else:
+            try:
+                self.tls = link_tls()
+            except ValueError as e:
+                self.off = str(e)
+        self._server: LinkServer | None = None
+        self.address = ""  # host:port of the server; "" where none runs
+        if self.off is None:
+            self._server = LinkServer(self, bind_address(host), self.tls and self.tls.server)
+            self.address = f"{host}:{self._server.port}"
+        else:
+            log.warning("%s serves no snapshots (no server on %s): %s. Its memory snapshots "
+                        "stay on the node, neither replicated nor served; a restart resumes "
+                        "from the disk checkpoint", node, bind_address(host), self.off)
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="snapshot-link")
         self._push: Future | None = None
         self._pushing: str | None = None
@@ -134,8 +142,8 @@ class SnapshotKeeper:
         self._reported: str | None = None
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        if self._server is not None:
+            self._server.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         shutil.rmtree(self.root, ignore_errors=True)
 
@@ -210,7 +218,7 @@ class SnapshotKeeper:
         """Push the newest complete point of the plan's generation unless it went already;
         `scanned`: this poll's own points with their shards, else markers are read here."""
         buddy = plan.get("buddies", {}).get(self.node)
-        if self._push is not None or not buddy:
+        if self._push is not None or not buddy or self.off:
             return
         mine = set(_node_ranks(plan, self.node))
         found = scanned if scanned is not None else [(*p, None) for p in points(self.own)]
@@ -222,7 +230,8 @@ class SnapshotKeeper:
             if not mine <= set(complete_shards(path) if shards is None else shards):
                 continue  # still being written
             self._pushing = path.name
-            self._push = self._pool.submit(push, buddy["addr"], self.secret, path, sorted(mine))
+            self._push = self._pool.submit(push, buddy["addr"], self.secret, path, sorted(mine),
+                                           self._client_tls)
             return  # only the newest complete point is worth sending
 
     # --- a generation's start ------------------------------------------------------------------
@@ -246,13 +255,23 @@ class SnapshotKeeper:
             return "ready", self.held / name
         if self._fetch_key != key:
             self._fetch_key = key
-            self._fetch = self._pool.submit(pull, holder["addr"], self.secret, self.held / name,
-                                            sorted(mine), self.lock)
+            if self.off:
+                self._fetch = Future()
+                self._fetch.set_exception(ValueError(f"this node fetches no snapshots: "
+                                                     f"{self.off}"))
+            else:
+                self._fetch = self._pool.submit(pull, holder["addr"], self.secret,
+                                                self.held / name, sorted(mine), self.lock,
+                                                self._client_tls)
         if not self._fetch.done():
             return "waiting", None
         with contextlib.suppress(Exception):
             self._fetch.result()
         return "ready", self.held / name
+
+    @property
+    def _client_tls(self):
+        return self.tls and self.tls.client
 
     def fetch_error(self) -> str | None:
         if self._fetch is None or not self._fetch.done():
@@ -328,158 +347,3 @@ def _retain_held(found: list[Point], keep_also: str | None, lineage: list) -> li
         if path.name not in keep:
             remove_point(path)
     return [point for point in found if point[2].name in keep]
-
-
-# --- transfers -------------------------------------------------------------------------------
-
-def push(addr: str, secret: bytes, point_dir: Path, ranks: list[int]) -> None:
-    """Send these ranks' shards of a point to the agent at `addr`; raises unless it confirms."""
-    with contextlib.ExitStack() as files:
-        shards = []
-        for rank in ranks:
-            meta, f = open_shard(point_dir, rank)
-            files.enter_context(f)
-            if problem := check_open(meta, f):
-                raise ValueError(problem)
-            shards.append((meta, f))
-        with _connect(addr) as (sock, rf, challenge):
-            _send_request(sock, secret, challenge, {"op": "push", "point": point_dir.name,
-                                                    "files": [m for m, _ in shards]})
-            for _, f in shards:
-                sock.sendfile(f)
-            reply = _read_reply(rf, secret, challenge)
-    if not reply.get("ok"):
-        raise ValueError(f"the buddy refused the snapshot: {reply.get('error')}")
-
-
-def pull(addr: str, secret: bytes, point_dir: Path, ranks: list[int],
-         lock: threading.Lock) -> None:
-    """Fetch these ranks' shards of a point from the agent at `addr` into `point_dir`
-    (installed under `lock`, its keeper's)."""
-    with _connect(addr) as (sock, f, challenge):
-        _send_request(sock, secret, challenge, {"op": "pull", "point": point_dir.name,
-                                                "ranks": ranks})
-        reply = _read_reply(f, secret, challenge)
-        if not reply.get("ok"):
-            raise ValueError(f"{addr} cannot serve {point_dir.name}: {reply.get('error')}")
-        _receive(f, point_dir, reply["files"], lock)
-
-
-def _receive(f, point_dir: Path, markers: list[dict], lock: threading.Lock) -> None:
-    """Files as announced by `markers`, each checked against its sha256, into a folder of this
-    transfer's own; then, under `lock`, into `point_dir`, markers last."""
-    incoming = point_dir.parent / f".incoming-{secrets.token_hex(6)}"
-    incoming.mkdir(parents=True)
-    try:
-        for meta in markers:
-            data, _ = shard_files(incoming, int(meta["rank"]))
-            digest, left = hashlib.sha256(), int(meta["bytes"])
-            with open(data, "wb") as out:
-                while left:
-                    chunk = f.read(min(_CHUNK, left))
-                    if not chunk:
-                        raise ValueError(f"the connection ended {left} bytes short of rank "
-                                         f"{meta['rank']}'s shard")
-                    digest.update(chunk)
-                    out.write(chunk)
-                    left -= len(chunk)
-            if digest.hexdigest() != meta["sha256"]:
-                raise ValueError(f"rank {meta['rank']}'s shard arrived with a wrong sha256")
-        with lock:
-            install_shards(incoming, point_dir, markers)
-    finally:
-        shutil.rmtree(incoming, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _connect(addr: str):
-    host, _, port = addr.rpartition(":")
-    with socket.create_connection((host, int(port)), timeout=TIMEOUT_S) as sock:
-        f = sock.makefile("rb")
-        challenge = f.read(32)
-        if len(challenge) != 32:
-            raise ValueError(f"{addr} is not a snapshot server")
-        yield sock, f, challenge
-
-
-def _mac(secret: bytes, challenge: bytes, line: bytes) -> str:
-    return hmac.new(secret, challenge + line, hashlib.sha256).hexdigest()
-
-
-def _send_request(sock: socket.socket, secret: bytes, challenge: bytes, request: dict) -> None:
-    line = json.dumps(request).encode()
-    sock.sendall(line + b"\n" + _mac(secret, challenge, line).encode() + b"\n")
-
-
-def _read_reply(f, secret: bytes, challenge: bytes) -> dict:
-    line, mac = f.readline().rstrip(b"\n"), f.readline().strip().decode()
-    if not hmac.compare_digest(mac, _mac(secret, challenge, b"reply" + line)):
-        raise ValueError("the peer's reply fails authentication: another job's agent, or a "
-                         "different OPTIMUS_SNAPSHOT_SECRET")
-    return json.loads(line)
-
-
-class _Server(socketserver.ThreadingTCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    keeper: SnapshotKeeper
-
-
-class _Handler(socketserver.StreamRequestHandler):
-    def handle(self) -> None:
-        keeper: SnapshotKeeper = self.server.keeper
-        self.request.settimeout(TIMEOUT_S)
-        challenge = secrets.token_bytes(32)
-        self.wfile.write(challenge)
-        line, mac = self.rfile.readline().rstrip(b"\n"), self.rfile.readline().strip().decode()
-        if not hmac.compare_digest(mac, _mac(keeper.secret, challenge, line)):
-            log.warning("snapshot request from %s refused: it fails authentication",
-                        self.client_address[0])
-            return  # say nothing to a stranger
-        try:
-            request = json.loads(line)
-            point = request["point"]
-            if parse_point(point) is None:
-                raise ValueError(f"{point!r} is not a snapshot point")
-            if request["op"] == "push":
-                _receive(self.rfile, keeper.held / point, request["files"], keeper.lock)
-                self._reply(keeper, challenge, {"ok": True})
-            elif request["op"] == "pull":
-                self._serve(keeper, challenge, point, request["ranks"])
-            else:
-                raise ValueError(f"unknown op {request['op']!r}")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            with contextlib.suppress(OSError):
-                self._reply(keeper, challenge, {"ok": False, "error": str(e)})
-
-    def _serve(self, keeper: SnapshotKeeper, challenge: bytes, point: str,
-               ranks: list[int]) -> None:
-        with contextlib.ExitStack() as files:
-            with keeper.lock:  # open now: retention may remove the point while it is sent
-                found = [(int(r), [_opened(files, folder / point, int(r))
-                                   for folder in (keeper.own, keeper.held)]) for r in ranks]
-            shards = []
-            for rank, candidates in found:
-                good = next((c for c in candidates if c and not check_open(*c)), None)
-                if good is None:
-                    raise ValueError(f"{keeper.node} holds no good shard of rank {rank} at "
-                                     f"{point}")
-                shards.append(good)
-            self._reply(keeper, challenge, {"ok": True, "files": [m for m, _ in shards]})
-            for _, f in shards:
-                self.request.sendfile(f)
-
-    def _reply(self, keeper: SnapshotKeeper, challenge: bytes, reply: dict) -> None:
-        line = json.dumps(reply).encode()
-        self.wfile.write(line + b"\n" + _mac(keeper.secret, challenge, b"reply" + line).encode()
-                         + b"\n")
-        self.wfile.flush()
-
-
-def _opened(files: contextlib.ExitStack, point_dir: Path, rank: int) -> tuple | None:
-    """The shard's (marker, open data file), closed with `files`; None where there is none."""
-    try:
-        meta, f = open_shard(point_dir, rank)
-    except ValueError:
-        return None
-    return meta, files.enter_context(f)

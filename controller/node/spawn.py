@@ -17,6 +17,11 @@ is only ever faster, never required.
 
 Either way a rank runs in its own session, with the given environment, its output appended to
 its log, and dies with the agent (the warm process dies with the agent, its ranks with it).
+
+Ranks never talk to Redis, nor to other agents: the agent's credentials (REDIS_URL and every
+REDIS_* variable, the snapshot secret) are left out of their environment (`rank_environment`),
+and out of the warm and standby processes they are forked from or become, whose environment is
+what /proc/<rank>/environ shows of a forked rank.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from pathlib import Path
 log = logging.getLogger("optimus.agent")
 
 WARM_ENV = "OPTIMUS_WARM_START"
+AGENT_ONLY = ("OPTIMUS_SNAPSHOT_SECRET", "OPTIMUS_SNAPSHOT_SECRET_FILE")  # and REDIS_*
 MODES = ("fork", "standby", "cold")
 _PR_SET_PDEATHSIG = 1
 WARMING_S = 60.0  # how long a launch waits for the warm process's imports, then starts cold
@@ -64,6 +70,12 @@ class WarmRank:
                 self._spawner.collect()
             self.returncode = self.reported
         return self.returncode
+
+
+def rank_environment(env) -> dict[str, str]:
+    """`env` without what only the agent may hold: REDIS_URL and every REDIS_* variable (the
+    password), the snapshot secret and its file."""
+    return {k: v for k, v in env.items() if not k.startswith("REDIS_") and k not in AGENT_ONLY}
 
 
 def start_mode(device_kind: str | None) -> str:
@@ -99,7 +111,9 @@ class Spawner:
             self._start_warm()
 
     def start(self, argv: list[str], env: dict[str, str], log_path: Path):
-        """Start `optimus <argv...>` (argv[0] is the program name) as one rank."""
+        """Start `optimus <argv...>` (argv[0] is the program name) as one rank, with `env`
+        less the agent's credentials (`rank_environment`)."""
+        env = rank_environment(env)
         if self.mode == "standby":
             local_rank = int(env.get("OPTIMUS_LOCAL_RANK", env.get("LOCAL_RANK", "0")))
             adopted = self._adopt(local_rank, argv, env, log_path)
@@ -130,7 +144,8 @@ class Spawner:
             try:
                 self._standby[local_rank] = subprocess.Popen(
                     [sys.executable, "-m", "optimus.warm", "--standby", str(local_rank)],
-                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                    env=rank_environment(os.environ), stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL, start_new_session=True,
                     preexec_fn=die_with_parent)
             except OSError as e:
@@ -203,8 +218,9 @@ class Spawner:
     def _start_warm(self) -> None:
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "optimus.warm"], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, start_new_session=True, preexec_fn=die_with_parent)
+                [sys.executable, "-m", "optimus.warm"], env=rank_environment(os.environ),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+                preexec_fn=die_with_parent)
         except OSError as e:
             log.warning("no warm start (%s); ranks start cold", e)
             self._proc, self.warm = None, False

@@ -11,6 +11,11 @@ without a restart. The user and password in the URL are the data servers' ACL us
 to the sentinels: sentinels with their own password take it from `?sentinel_password=` (and
 `sentinel_username=`) or from $REDIS_SENTINEL_PASSWORD. A CA file for TLS comes from
 `?ssl_ca_certs=/path` or $REDIS_CA_FILE, and applies to sentinels and servers alike.
+
+A URL with a password belongs in $REDIS_URL, the environment, never on a command line (where
+`ps` shows it to every user of the machine); messages show it through `safe_url`. A reply that
+refuses the credentials (WRONGPASS, NOAUTH) or one command of them (NOPERM) is `Denied`: no
+retry mends it, so it is never taken for an outage.
 """
 
 from __future__ import annotations
@@ -30,6 +35,22 @@ DEFAULT_SENTINEL_PORT = 26379
 
 class NothingListens(Exception):
     """The server a Redis URL names refused the connection: nothing listens there."""
+
+
+class Denied(Exception):
+    """Redis refused these credentials (WRONGPASS, NOAUTH) or one command of them (NOPERM).
+    The message is one line: the server, the user, the command, what to do."""
+
+
+class _Client(redis.Redis):
+    """redis.Redis that notes on a refused command which one it was (`denial` names it)."""
+
+    def execute_command(self, *args, **options):
+        try:
+            return super().execute_command(*args, **options)
+        except (redis.AuthenticationError, redis.ResponseError) as e:
+            e.command = _command(args)
+            raise
 
 
 @dataclass
@@ -93,7 +114,7 @@ def connect(url: str, timeout_s: float) -> redis.Redis:
     common = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
               "decode_responses": True}
     if not is_sentinel(url):
-        return redis.Redis.from_url(url, health_check_interval=30, **common, **_ca(url, {}))
+        return _Client.from_url(url, health_check_interval=30, **common, **_ca(url, {}))
     spec = parse_sentinel_url(url)
     tls = {"ssl": True, **_ca(url, spec.options)} if spec.tls else {}
     extra = {k: v for k, v in spec.options.items() if k != "ssl_ca_certs"}
@@ -101,9 +122,9 @@ def connect(url: str, timeout_s: float) -> redis.Redis:
         raise ValueError(f"unknown option(s) {', '.join(sorted(extra))}")
     sentinels = Sentinel(spec.sentinels,
                          sentinel_kwargs={**common, **tls, **spec.sentinel_auth})
-    return sentinels.master_for(spec.service, db=spec.db, username=spec.username,
-                                password=spec.password, health_check_interval=30,
-                                **common, **tls)
+    return sentinels.master_for(spec.service, redis_class=_Client, db=spec.db,
+                                username=spec.username, password=spec.password,
+                                health_check_interval=30, **common, **tls)
 
 
 def _ca(url: str, options: dict[str, str]) -> dict[str, str]:
@@ -124,15 +145,72 @@ def refused(e: BaseException | None) -> bool:
     return False
 
 
+_SECRET_PARAM = re.compile(r"([?&][^=&#]*(?:pass|secret|token|key|auth)[^=&#]*=)[^&#]*",
+                           re.IGNORECASE)
+
+
 def safe_url(url: str) -> str:
-    """The URL without its passwords (the data servers' and the sentinels'), for messages."""
-    url = re.sub(r"(sentinel_password=)[^&]*", r"\1***", url)
-    if "@" not in url:
+    """The URL without its secrets, for messages: the password of user:password@ and every query
+    parameter named like one (password, sentinel_password, token, *secret*, *key*, auth...)."""
+    url = _SECRET_PARAM.sub(r"\1***", url)
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, tail = rest.partition("/")
+    if "@" not in netloc:
         return url
-    scheme, rest = url.split("://", 1)
-    creds, host = rest.rsplit("@", 1)
+    creds, host = netloc.rsplit("@", 1)
     user = creds.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}" if user else f"{scheme}://***@{host}"
+    shown = f"{user}:***@{host}" if user else f"***@{host}"
+    return f"{scheme}{sep}{shown}{slash}{tail}"
+
+
+def has_secret(url: str) -> bool:
+    """Whether the URL carries a password (user:password@, or a query parameter like one)."""
+    return safe_url(url) != url
+
+
+def denial(e: BaseException, url: str) -> Denied | None:
+    """The `Denied` that a refused command or credentials amount to; None for another error."""
+    text = str(e).replace("\n", " ")
+    noperm = isinstance(e, redis.exceptions.NoPermissionError) or "NOPERM" in text
+    if not noperm and not isinstance(e, redis.AuthenticationError) and not (
+            "NOAUTH" in text or "WRONGPASS" in text):
+        return None
+    command = getattr(e, "command", None)
+    piped = re.match(r"Command # \d+ \((.*?)\) of pipeline caused error: (.*)", text)
+    if piped:
+        command, text = command or _command(piped.group(1).split()), piped.group(2)
+    named = re.search(r"run the '(\w+)' command", text)  # MULTI of a pipeline, for one
+    if named and not (command or "").upper().startswith(named.group(1).upper()):
+        command = named.group(1).upper()
+    user = _user(url)
+    where = f"Redis at {safe_url(url)}"
+    if noperm:
+        return Denied(f"{where} refused {command or 'a command'} to user {user} (NOPERM: "
+                      f"{text}); fix: use the credentials meant for this process, or grant "
+                      "that user this command and key (docs/redis-schema.md, access control)")
+    if urlsplit(url).password is None:
+        return Denied(f"{where} wants a password and the URL gives none (NOAUTH: {text}); fix: "
+                      "put user:password in REDIS_URL, in the environment (never --redis on a "
+                      "command line)")
+    return Denied(f"{where} refused the credentials of user {user} (WRONGPASS: {text}); fix: "
+                  "put that user's password in REDIS_URL, in the environment")
+
+
+def _user(url: str) -> str:
+    name = urlsplit(url).username
+    return unquote(name) if name else "default"
+
+
+def _command(args) -> str:
+    """A refused command, named for a message: its name and its first key, never its values
+    (AUTH and HELLO carry passwords: their name only)."""
+    words = [a.decode(errors="replace") if isinstance(a, bytes) else str(a) for a in args]
+    if not words:
+        return "a command"
+    name = words[0].upper()
+    if name in ("AUTH", "HELLO", "EVAL", "EVALSHA", "PING", "SELECT", "CLIENT") or len(words) < 2:
+        return name
+    return f"{name} {words[1]}"
 
 
 def fail_if_refused(url: str, timeout_s: float = 2.0) -> None:
@@ -153,8 +231,8 @@ def fail_if_refused(url: str, timeout_s: float = 2.0) -> None:
     except redis.RedisError as e:
         if refused(e):
             raise NothingListens(
-                f"nothing listens at {safe_url(url)} (connection refused); fix: give --redis (or "
-                "$REDIS_URL) the URL the controller uses (`optimus run` prints it), or start "
-                "that Redis") from None
+                f"nothing listens at {safe_url(url)} (connection refused); fix: give $REDIS_URL "
+                "the URL the controller uses (`optimus run` keeps it in "
+                "<run_dir>/control/redis.env), or start that Redis") from None
     finally:
         client.close()

@@ -8,7 +8,9 @@ slot). Redis is the only state the control plane shares; the controller keeps no
 
 Every call has a socket timeout and is retried with tenacity on connection errors and timeouts
 (a Redis restart, a failover); after the retries a `StoreUnavailable` is raised, which agents
-and the controller ride out (ranks never talk to Redis: an outage never stops training).
+and the controller ride out (ranks never talk to Redis: an outage never stops training). A
+command or credentials Redis refuses (NOPERM, WRONGPASS, NOAUTH) raise `Denied` at once
+(controller/store/connect.py): no retry mends them.
 The agent's per-tick traffic is one pipelined round trip per node (`agent_tick`).
 
 Clocks: heartbeat deadlines and agent beats are wall-clock times (time.time()) written by
@@ -36,7 +38,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from controller.store.connect import connect, is_sentinel, safe_url
+from controller.store.connect import connect, denial, is_sentinel, safe_url
 from controller.store.names import Refused, check
 from controller.store.reports import Reports
 from controller.store.summaries import NodeSummary, Summaries
@@ -135,18 +137,11 @@ class Store(Summaries, Reports):
             cause = e.last_attempt.exception()
             raise StoreUnavailable(f"Redis at {safe_url(self.url)} did not answer for "
                                    f"{self.retry_s:g} s: {cause}") from None
-        except redis.AuthenticationError as e:
-            raise StoreUnavailable(f"Redis at {safe_url(self.url)} refused the credentials: {e}; "
-                                   "fix: put user:password in REDIS_URL") from None
-        except redis.exceptions.NoPermissionError as e:
-            raise StoreUnavailable(f"Redis at {safe_url(self.url)} refused: {e} (NOPERM); fix: "
-                                   "use a Redis user allowed to do this (docs/redis-schema.md, "
-                                   "access control)") from None
-        except redis.ResponseError as e:
-            if "NOPERM" in str(e) or "NOAUTH" in str(e):
-                raise StoreUnavailable(f"Redis at {safe_url(self.url)}: {e}; fix: grant this "
-                                       f"user the keys {self.p}*") from None
-            raise
+        except (redis.AuthenticationError, redis.ResponseError) as e:
+            refused = denial(e, self.url)  # NOPERM, WRONGPASS, NOAUTH: no outage, no retry
+            if refused is None:
+                raise
+            raise refused from None
         raise AssertionError("unreachable")
 
     def _transient(self, e: BaseException) -> bool:

@@ -10,6 +10,11 @@ number or `latest` in that directory; the older form, a path (a checkpoint direc
 CheckpointError, which the top-level CLI prints as one line.
 Checkpoints set aside (`<root>/quarantine/`, quarantine.py) are listed as "quarantined" with
 their reason; `verify` names them but does not count them as damage (they are out of use).
+
+inspect, verify, export (and `optimus eval`) accept only a checkpoint the run's key
+authenticates (trust.py): the key of --job's run, else the one beside the checkpoint directory.
+`--trust-checkpoint` accepts one it does not (another run's, or one from before checkpoints were
+signed); its files are still read without running code.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from rich.text import Text
 from optimus.checkpoint.manifest import (
     MANIFEST,
     CheckpointError,
+    UntrustedCheckpoint,
     committed_steps,
     is_committed,
     latest_committed,
@@ -37,6 +43,7 @@ from optimus.checkpoint.manifest import (
     verify,
 )
 from optimus.checkpoint.quarantine import QUARANTINE_NOTE, quarantined
+from optimus.checkpoint.trust import Trust, key_file_for, run_key_file
 from optimus.files import human_bytes
 
 EXIT_PROBLEMS = 2
@@ -52,6 +59,28 @@ def where_options(command):
     return click.option("--dir", "root", type=click.Path(path_type=Path),
                         help="The checkpoint directory (a job's checkpoint.dir); default: the "
                              "one run under ./runs with checkpoints.")(command)
+
+
+trust_option = click.option(
+    "--trust-checkpoint", "trust", is_flag=True,
+    help="Accept a checkpoint this run's key does not authenticate (another run's, or one "
+         "from before checkpoints were signed); its files are still read without running code.")
+
+
+def trust_for(step_path: Path, job: Path | None, trust: bool) -> Trust:
+    """What authenticates the checkpoint `step_path`: the key of --job's run, else the one
+    beside its checkpoint directory; `trust`: --trust-checkpoint."""
+    if job is None:
+        return Trust(key_file_for(step_path.parent), any=trust)
+    from optimus.config import load_job
+
+    return Trust(run_key_file(load_job(job).resolved_run_dir), any=trust)
+
+
+def _untrusted_note(step_path: Path, why: str | None) -> None:
+    if why:
+        click.echo(f"note: {step_path} was not written by this run: {why}; trusted "
+                   "(--trust-checkpoint)", err=True)
 
 
 def _step_argument(default: str | None):
@@ -218,7 +247,9 @@ def list_checkpoints(path: str | None, root: Path | None, job: Path | None, outp
 @_step_argument("latest")
 @where_options
 @_output
-def inspect_checkpoint(step: str, root: Path | None, job: Path | None, output: str) -> None:
+@trust_option
+def inspect_checkpoint(step: str, root: Path | None, job: Path | None, output: str,
+                       trust: bool) -> None:
     """The manifest of checkpoint STEP (a step number, or `latest`: the default)."""
     path, single = locate(step, root, job)
     if not single:
@@ -226,7 +257,8 @@ def inspect_checkpoint(step: str, root: Path | None, job: Path | None, output: s
         if latest is None:
             raise CheckpointError(f"{path} holds no committed checkpoint: nothing to inspect")
         path = latest
-    manifest = read_manifest(path)
+    manifest, untrusted = trust_for(path, job, trust).manifest(path)
+    _untrusted_note(path, untrusted)
     if output == "json":
         click.echo(json.dumps(manifest, indent=2))
         return
@@ -259,10 +291,12 @@ def inspect_checkpoint(step: str, root: Path | None, job: Path | None, output: s
 @_step_argument(None)
 @where_options
 @click.option("--sizes-only", is_flag=True, help="Compare sizes only; skip the sha256 pass.")
+@trust_option
 def verify_checkpoints(step: str | None, root: Path | None, job: Path | None,
-                       sizes_only: bool) -> None:
+                       sizes_only: bool, trust: bool) -> None:
     """Check every file of checkpoint STEP (default: of every committed one) against its
-    manifest; exit 2 with one line per problem."""
+    manifest, and that the run's key authenticates the manifest; exit 2 with one line per
+    problem."""
     path, single = locate(step, root, job)
     targets = [path] if single else [step_dir(path, s) for s in committed_steps(path)]
     aside = [] if single else _quarantined_rows(path, time.time())
@@ -271,9 +305,15 @@ def verify_checkpoints(step: str | None, root: Path | None, job: Path | None,
     if not targets:
         raise CheckpointError(f"{path} holds no committed checkpoint: nothing to verify"
                               + (f" ({len(aside)} quarantined)" if aside else ""))
-    bad = 0
+    bad, authority = 0, trust_for(targets[0], job, trust)  # all in one checkpoint directory
     for target in targets:
-        problems = verify(target, deep=not sizes_only)
+        problems, untrusted = verify(target, deep=not sizes_only), None
+        try:
+            _, untrusted = authority.manifest(target)
+        except UntrustedCheckpoint as e:
+            problems.insert(0, f"untrusted: {e}")
+        except CheckpointError:
+            pass  # a manifest that cannot be read: verify says why
         for p in problems:
             click.echo(p)
         if problems:
@@ -281,7 +321,9 @@ def verify_checkpoints(step: str | None, root: Path | None, job: Path | None,
         else:
             files = read_manifest(target)["files"]
             total = sum(f["size"] for f in files.values())
-            click.echo(f"ok: {target.name} ({len(files)} files, {human_bytes(total)})")
+            click.echo(f"ok: {target.name} ({len(files)} files, {human_bytes(total)})"
+                       + (f"; not written by this run ({untrusted}), trusted" if untrusted
+                          else ""))
     if bad:
         click.get_current_context().exit(EXIT_PROBLEMS)
 
@@ -320,8 +362,9 @@ def resolve_step(step: str, root: Path | None, job: Path | None, what: str = "ex
               help="The largest safetensors file (a tensor larger than this gets its own).")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
 @click.option("--overwrite", is_flag=True, help="Replace what is in --out.")
+@trust_option
 def export_checkpoint(step: str, root: Path | None, job: Path | None, fmt: str, out: Path,
-                      max_shard: str, dtype: str, overwrite: bool) -> None:
+                      max_shard: str, dtype: str, overwrite: bool, trust: bool) -> None:
     """Write checkpoint STEP as a model other tools load (Hugging Face Transformers).
 
     STEP is a step number or `latest` (the default), in --dir or in the job's checkpoint.dir.
@@ -332,7 +375,8 @@ def export_checkpoint(step: str, root: Path | None, job: Path | None, fmt: str, 
 
     source = resolve_step(step, root, job)
     done = export_hf(source, out, max_shard_bytes=_size(max_shard),
-                     dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], overwrite=overwrite)
+                     dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], overwrite=overwrite,
+                     trust=trust_for(source, job, trust))
     shards = sum(f.endswith(".safetensors") for f in done.files)
     click.echo(f"exported {source} as {done.family.architecture} to {done.out}: "
                f"{shards} safetensors file(s), {', '.join(done.files)}")

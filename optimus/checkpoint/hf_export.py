@@ -29,13 +29,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from optimus.checkpoint.hf_families import Family, choose_family, hf_config
 from optimus.checkpoint.hf_tensors import Piece, hf_shapes, pieces, to_hf
 from optimus.checkpoint.hf_tokenizer import tokenizer_files
-from optimus.checkpoint.manifest import CheckpointError, read_manifest, verify
+from optimus.checkpoint.manifest import CheckpointError, verify
+from optimus.checkpoint.safe_pickle import refusal
 from optimus.checkpoint.storage import TensorFileReader
+from optimus.checkpoint.trust import Trust, key_file_for
 from optimus.config import ModelConfig
 from optimus.files import fsync_path
 
@@ -80,7 +83,12 @@ class CheckpointTensors:
         state = {_MODEL + name: torch.empty(md.size, dtype=md.properties.dtype)}
         with warnings.catch_warnings():  # "no process group, loading in one process": yes
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=self.reader, no_dist=True)
+            try:
+                dcp.load(state, storage_reader=self.reader, no_dist=True)
+            except CheckpointException as e:  # a refused entry: its one line
+                if (refused := refusal(e)) is None:
+                    raise
+                raise refused from None
         self.loads.append(len(state))
         return state[_MODEL + name]
 
@@ -109,11 +117,13 @@ def model_config(manifest: dict, step_path: Path) -> ModelConfig:
 
 
 def export_hf(step_path: Path | str, out: Path | str, *, max_shard_bytes: int = 5 * 10**9,
-              dtype: str = "float32", overwrite: bool = False) -> Exported:
-    """Write the checkpoint in `step_path` as a Transformers model folder `out`."""
+              dtype: str = "float32", overwrite: bool = False,
+              trust: Trust | None = None) -> Exported:
+    """Write the checkpoint in `step_path` as a Transformers model folder `out`: one the run's
+    key authenticates, or that `trust` accepts (default: the key beside its directory)."""
     step_path, out = Path(step_path), Path(out)
     _check_out(out, overwrite)
-    manifest = read_manifest(step_path)
+    manifest, untrusted = (trust or Trust(key_file_for(step_path.parent))).manifest(step_path)
     if problems := verify(step_path, deep=False):
         raise CheckpointError(f"{step_path} is damaged: {problems[0]}; export another step")
     cfg = model_config(manifest, step_path)
@@ -126,6 +136,8 @@ def export_hf(step_path: Path | str, out: Path | str, *, max_shard_bytes: int = 
     tmp.mkdir(parents=True)
     try:  # the tokenizer first: data that is gone fails the export before the weights
         eos_id, notes = tokenizer_files(manifest, cfg, step_path, tmp)
+        if untrusted:
+            notes = [f"{step_path} was not written by this run: {untrusted}; trusted", *notes]
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                  for i in range(len(shards))]
         weight_map = {}

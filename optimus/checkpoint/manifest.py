@@ -6,6 +6,12 @@ layout, config hash, data state, and the size and sha256 of every file) and the 
 `COMMITTED`, which holds the manifest's own sha256. The marker is renamed into place last, so a
 directory without it is a save that never finished: invisible to resume, and cleaned up.
 
+A checksum proves integrity, not origin: anyone who can write the folder can recompute them all.
+So a commit given the run's key (trust.py) also writes `optimus.json.hmac`, an HMAC-SHA256 of the
+manifest's bytes, before the marker; `read_manifest(..., key=...)` then refuses a manifest whose
+MAC is missing or wrong (`UntrustedCheckpoint`), and one that a `step_<n>` folder of another
+step holds (an older checkpoint of the run renamed to look newer).
+
 Every write goes through a temp file (named `.tmp*`) and `os.replace`; deletions remove the
 marker first. A crash at any moment therefore leaves each checkpoint either committed and whole
 or uncommitted — never committed and broken.
@@ -16,6 +22,7 @@ Pure Python and the standard library, no torch: the operator's CLI imports this.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import re
@@ -28,13 +35,14 @@ from pathlib import Path
 from optimus.files import fsync_path, write_atomic
 
 __all__ = [
-    "COMMIT_MARKER", "FORMAT", "MANIFEST", "CheckpointError", "apply_retention", "clean_partial",
-    "commit", "committed_steps", "file_digests", "is_committed", "latest_committed",
-    "latest_loadable", "read_manifest", "retention", "step_dir", "step_of", "verify",
-    "write_note",
+    "COMMIT_MARKER", "FORMAT", "MAC", "MANIFEST", "CheckpointError", "UntrustedCheckpoint",
+    "apply_retention", "clean_partial", "commit", "committed_steps", "file_digests",
+    "is_committed", "latest_committed", "latest_loadable", "read_manifest", "retention",
+    "step_dir", "step_of", "verify", "write_note",
 ]
 
 MANIFEST = "optimus.json"
+MAC = "optimus.json.hmac"  # HMAC-SHA256 of the manifest's bytes under the run's key, in hex
 COMMIT_MARKER = "COMMITTED"
 QUARANTINE_NOTE = "QUARANTINED.json"  # why a checkpoint was set aside (quarantine.py)
 FORMAT = 1
@@ -44,10 +52,19 @@ _CHUNK = 8 << 20  # bytes hashed per read
 _HASH_THREADS = 4  # hashlib releases the GIL, so a few threads keep several disks busy
 _STEP_RE = re.compile(r"step_(\d{9,})")
 _RESERVED = ("format", "files", "committed_at")
+_UNLISTED = (MANIFEST, MAC, COMMIT_MARKER, QUARANTINE_NOTE)  # beside the files a manifest lists
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: the message names the file and what to do."""
+
+
+class UntrustedCheckpoint(CheckpointError):
+    """A committed checkpoint whose manifest this run's key does not authenticate."""
+
+    def __init__(self, step_path: Path | str, reason: str):
+        self.path, self.reason = Path(step_path), reason
+        super().__init__(f"{step_path} was not written by this run: {reason}")
 
 
 def step_dir(root: Path | str, step: int) -> Path:
@@ -73,7 +90,7 @@ def _listed(step_path: Path) -> list[str]:
     for p in step_path.rglob("*"):
         rel = p.relative_to(step_path)
         if any(part.startswith(TMP_PREFIX) for part in rel.parts) or rel.as_posix() in (
-                MANIFEST, COMMIT_MARKER, QUARANTINE_NOTE) or p.is_symlink() or not p.is_file():
+                _UNLISTED) or p.is_symlink() or not p.is_file():
             continue
         out.append(rel.as_posix())
     return sorted(out)
@@ -122,8 +139,9 @@ def write_note(path: Path, note: dict) -> None:
     _write_atomic(Path(path), (json.dumps(note, indent=1) + "\n").encode())
 
 
-def commit(step_path: Path, meta: dict) -> dict:
-    """Checksum every file, write the manifest, then rename the commit marker into place.
+def commit(step_path: Path, meta: dict, key: bytes | None = None) -> dict:
+    """Checksum every file, write the manifest (and, given the run's `key`, its MAC), then
+    rename the commit marker into place.
 
     `meta` holds at least "step" and anything JSON-serialisable (tokens, layout, config_hash,
     data state...). Call it once every rank has finished writing; it returns the manifest.
@@ -147,6 +165,8 @@ def commit(step_path: Path, meta: dict) -> dict:
     manifest = {"format": FORMAT, **meta, "files": digests, "committed_at": time.time()}
     data = (json.dumps(manifest, indent=1, sort_keys=False) + "\n").encode()
     _write_atomic(step_path / MANIFEST, data)
+    if key is not None:
+        _write_atomic(step_path / MAC, (mac_of(data, key) + "\n").encode())
     _write_atomic(step_path / COMMIT_MARKER, (hashlib.sha256(data).hexdigest() + "\n").encode())
     fsync_path(step_path)
     fsync_path(step_path.parent)
@@ -159,8 +179,13 @@ def is_committed(step_path: Path | str) -> bool:
     return (Path(step_path) / COMMIT_MARKER).is_file()
 
 
-def read_manifest(step_path: Path | str) -> dict:
-    """The manifest of a committed checkpoint, checked against the hash in its marker."""
+def mac_of(manifest: bytes, key: bytes) -> str:
+    return hmac.new(key, manifest, hashlib.sha256).hexdigest()
+
+
+def read_manifest(step_path: Path | str, key: bytes | None = None) -> dict:
+    """The manifest of a committed checkpoint, checked against the hash in its marker; given
+    the run's `key`, also against its MAC (else UntrustedCheckpoint)."""
     step_path = Path(step_path)
     marker, path = step_path / COMMIT_MARKER, step_path / MANIFEST
     if not marker.is_file():
@@ -175,6 +200,8 @@ def read_manifest(step_path: Path | str) -> dict:
     if hashlib.sha256(data).hexdigest() != recorded:
         raise CheckpointError(f"{path} does not match the sha256 recorded in {marker}: the "
                               f"manifest or the marker changed after commit; {damaged}")
+    if key is not None:
+        _authenticate(step_path, data, key)
     try:
         manifest = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -188,6 +215,29 @@ def read_manifest(step_path: Path | str) -> dict:
         raise CheckpointError(f"{path} has format {manifest.get('format')!r}; this optimus reads "
                               f"format {FORMAT}: load it with the optimus version that wrote it")
     return manifest
+
+
+def _authenticate(step_path: Path, data: bytes, key: bytes) -> None:
+    """The same bytes that are parsed next: a manifest swapped in between is never read."""
+    try:
+        recorded = (step_path / MAC).read_text().strip()
+    except FileNotFoundError:
+        raise UntrustedCheckpoint(step_path, f"it has no {MAC} (committed before optimus "
+                                  "signed checkpoints, or not by optimus)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UntrustedCheckpoint(step_path, f"its {MAC} cannot be read "
+                                  f"({type(e).__name__})") from None
+    if not hmac.compare_digest(recorded.encode(), mac_of(data, key).encode()):
+        raise UntrustedCheckpoint(step_path, f"its {MAC} does not match this run's key "
+                                  "(another run wrote it, or its manifest was rewritten)")
+    try:
+        step = json.loads(data).get("step")
+    except (ValueError, AttributeError):
+        return  # read_manifest says what is wrong with it
+    named = step_of(step_path)
+    if named is not None and step != named:
+        raise UntrustedCheckpoint(step_path, f"it is the checkpoint of step {step}, put in "
+                                  f"the folder of step {named}")
 
 
 def committed_steps(root: Path | str) -> list[int]:

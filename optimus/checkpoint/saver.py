@@ -44,6 +44,9 @@ Where PyTorch (2.13) falls short, and what is done here:
   so checkpoint I/O gets its own gloo group, as torchtitan does. The same group serves PROCESS
   mode (whose default group may also lack a CPU backend, which async_save requires) and loads.
 - DCP's CheckpointException derives from BaseException, not Exception; it is caught by name.
+- DCP unpickles what a checkpoint holds, which can run code: TensorFileReader reads it with
+  restricted unpicklers instead (safe_pickle.py), and DCP's CheckpointException around a
+  refusal is unwrapped into its one line.
 - DefaultLoadPlanner refuses a checkpoint that lacks any requested key. Per-rank state (RNG)
   saved by another world size lacks this rank's entry: `_Planner` skips such keys, and only those.
 """
@@ -78,13 +81,14 @@ from optimus.checkpoint.manifest import (
     clean_partial,
     commit,
     is_committed,
-    read_manifest,
     step_dir,
     verify,
 )
 from optimus.checkpoint.quarantine import pick_loadable
+from optimus.checkpoint.safe_pickle import refusal
 from optimus.checkpoint.state import PER_RANK
 from optimus.checkpoint.storage import TensorFileReader, TensorFileWriter
+from optimus.checkpoint.trust import Trust, key_file_for
 
 log = logging.getLogger(__name__)
 
@@ -134,14 +138,17 @@ class Checkpointer:
 
     Every method but `stats`/`last_error` is collective: call it on all ranks at the same point.
     `writer(path)` may supply the DCP StorageWriter (default FileSystemWriter); `collective()`
-    is entered around each collective call (see the top of this module).
+    is entered around each collective call (see the top of this module). `trust` holds the
+    run's key, which signs every commit, and what a load accepts besides what it authenticates
+    (trust.py; default: the key beside `root`, and nothing else).
     """
 
     def __init__(self, root: str | Path, *, rank: int, world_size: int, keep_last: int = 3,
                  keep_every: int = 0, mode: Mode = "process",
                  on_overlap: Literal["skip", "wait"] = "skip",
                  writer: Callable[[Path], StorageWriter] | None = None,
-                 collective: Callable[[], AbstractContextManager] = contextlib.nullcontext):
+                 collective: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+                 trust: Trust | None = None):
         if mode not in ("process", "thread", "sync"):
             raise ValueError(f"mode must be 'process', 'thread' or 'sync', not {mode!r}")
         if keep_last < 1 or keep_every < 0:
@@ -154,6 +161,8 @@ class Checkpointer:
         self.keep_last, self.keep_every = keep_last, keep_every
         self.on_overlap = on_overlap
         self.collective = collective
+        self.trust = trust or Trust(key_file_for(self.root))
+        self._key: bytes | None = None  # rank 0's, read at its first commit
         self.stats = CheckpointStats()
         self.last_error: str | None = None
         self.skipped: list[str] = []  # corrupt checkpoints the last load_latest passed over
@@ -328,7 +337,9 @@ class Checkpointer:
             shutil.rmtree(save.path, ignore_errors=True)
             return False
         try:
-            commit(save.path, save.meta)
+            if self._key is None:
+                self._key = self.trust.signing_key()
+            commit(save.path, save.meta, key=self._key)
         except (OSError, ValueError) as e:
             save.error = f"commit of step {save.step} failed: {_one_line(e)}"
             shutil.rmtree(save.path, ignore_errors=True)
@@ -379,17 +390,23 @@ class Checkpointer:
         Rank 0 picks it, sets aside (quarantine.py) each newer one that fails verification, and
         tells the others. Returns its manifest (without the file table) plus "path", "skipped"
         (newer checkpoints passed over as corrupt: log "fell back to ..."), "quarantined" (those
-        of them set aside: step, path, reason) and "notes" (what did not carry over, e.g. RNG
-        states under another layout); None when there is no loadable checkpoint
-        (`self.skipped` and `self.quarantined` still say why, if some were corrupt).
+        of them set aside: step, path, reason), "notes" (what did not carry over, e.g. RNG
+        states under another layout) and "untrusted" (None, or why this run's key does not
+        authenticate the checkpoint the operator trusted); None when there is no loadable
+        checkpoint (`self.skipped` and `self.quarantined` still say why, if some were corrupt).
+        A newest good checkpoint this run did not write, and the operator does not trust, is
+        refused (CheckpointError, on every rank): it is not skipped for an older one.
         """
-        choice: list[Any] = [None, [], [], None]
+        choice: list[Any] = [None, [], [], None, None]
         if self.rank == 0:
             path, skipped, aside = pick_loadable(self.root, deep=deep_verify,
                                                  by=f"rank 0 (pid {os.getpid()}) at resume")
-            choice = [str(path) if path else None, skipped, aside,
-                      _summary(read_manifest(path)) if path else None]
-        path, self.skipped, self.quarantined, manifest = self._broadcast(choice)
+            choice = [str(path) if path else None, skipped, aside, None, None]
+            if path:
+                choice[3:] = self._authenticated(path)
+        path, self.skipped, self.quarantined, manifest, refused = self._broadcast(choice)
+        if refused:
+            raise CheckpointError(refused)
         if path is None:
             return None
         return self._load(Path(path), state, manifest)
@@ -399,23 +416,42 @@ class Checkpointer:
         reply: list[Any] = [None, None]
         if self.rank == 0:
             problems = verify(step_path, deep=deep_verify)
-            reply = (["; ".join(problems), None] if problems
-                     else [None, _summary(read_manifest(step_path))])
-        problem, manifest = self._broadcast(reply)
+            reply = ([None, f"cannot load {step_path}: {'; '.join(problems)}"] if problems
+                     else self._authenticated(step_path))
+        manifest, problem = self._broadcast(reply)
         if problem:
-            raise CheckpointError(f"cannot load {step_path}: {problem}")
+            raise CheckpointError(problem)
         self.skipped, self.quarantined = [], []
         return self._load(Path(step_path), state, manifest)
 
     def _load(self, path: Path, state: dict, manifest: dict) -> dict:
         if self._inflight is not None:
             raise RuntimeError("a checkpoint is being saved; wait() for it before loading")
+        reader = TensorFileReader(path)
+        # A refused .metadata says so here, in one line, on every rank alike; an I/O error is
+        # left to DCP, which reads it again and tells every rank what failed on any.
+        with contextlib.suppress(OSError):
+            reader.read_metadata()
         with self.collective():
-            dcp.load(state, storage_reader=TensorFileReader(path), planner=_Planner(),
-                     process_group=self._io_group)
+            try:
+                dcp.load(state, storage_reader=reader, planner=_Planner(),
+                         process_group=self._io_group)
+            except CheckpointException as e:  # a refused entry, on any rank: its one line
+                if (refused := refusal(e)) is None:
+                    raise
+                raise refused from None
         notes = [note for obj in state.values() if (note := getattr(obj, "load_note", None))]
         return {**manifest, "path": str(path), "skipped": list(self.skipped),
                 "quarantined": list(self.quarantined), "notes": notes}
+
+    def _authenticated(self, path: Path | str) -> list[Any]:
+        """Rank 0: [the manifest's summary, with "untrusted", None], or [None, why it is
+        refused] for a checkpoint neither this run's key nor the operator vouches for."""
+        try:
+            manifest, untrusted = self.trust.manifest(path)
+        except CheckpointError as e:
+            return [None, str(e)]
+        return [{**_summary(manifest), "untrusted": untrusted}, None]
 
     def _broadcast(self, values: list[Any]) -> list[Any]:
         if self._collective:

@@ -19,6 +19,12 @@ and resharding, and change only how bytes reach the file:
 DCP's stock reader refuses a `RAW` entry (it looks the descriptor up among its stream
 extensions and finds none), rather than misreading it.
 
+`TensorFileReader` also reads what DCP pickles without running code (safe_pickle.py): its
+`.metadata`, by an unpickler that knows only DCP's index types, and every non-tensor entry, by
+torch's `weights_only` unpickler, before the planner sees it. Every read is bounded by the file
+it reads: an entry past a file's end, or whose length is not its tensor's, is refused before
+anything is allocated for it.
+
 The storage record class `_StorageInfo` is private to torch's filesystem module; pyproject pins
 torch to 2.13.x, and the round-trip tests would catch a change.
 """
@@ -26,15 +32,17 @@ torch to 2.13.x, and the round-trip tests would catch a change.
 from __future__ import annotations
 
 import io
+import math
 import os
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -45,6 +53,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
+
+from optimus.checkpoint.safe_pickle import load_value, read_metadata_file
 
 RAW = "optimus-raw-v1"  # the descriptor of an entry whose bytes are the bare tensor
 
@@ -103,7 +113,26 @@ class TensorFileWriter(FileSystemWriter):
 
 
 class TensorFileReader(FileSystemReader):
-    """`FileSystemReader` that also reads `TensorFileWriter`'s bare entries."""
+    """`FileSystemReader` that also reads `TensorFileWriter`'s bare entries, and runs no code a
+    checkpoint's pickles name."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's `.metadata` (a rank's own `__<rank>.metadata` with `rank=`), read by the
+        restricted unpickler instead of `pickle.load`, once per checkpoint."""
+        rank = kwargs.get("rank")
+        cache = self.__dict__.setdefault("_metadata", {})
+        if rank not in cache:
+            name = ".metadata" if rank is None else f"__{rank}.metadata"
+            cache[rank] = read_metadata_file(Path(self.path) / name)
+        metadata = cache[rank]
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        super().reset(checkpoint_id)
+        self._metadata = {}
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -124,11 +153,16 @@ class TensorFileReader(FileSystemReader):
         for relative_path, items in per_file.items():
             items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
             with open(self.fs.concat_path(self.path, relative_path), "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
                 for item in items:
                     info: _StorageInfo = self.storage_data[item.storage_index]
+                    if info.offset + info.length > size:
+                        raise ValueError(f"{relative_path} ends before byte "
+                                         f"{info.offset + info.length} (truncated)")
                     if item.type == LoadItemType.BYTE_IO:
-                        data = io.BytesIO(_read_exactly(f, info, bytearray(info.length)))
-                        planner.load_bytes(item, data)
+                        value = load_value(_read_exactly(f, info, bytearray(info.length)),
+                                           f"{relative_path}: {item.storage_index.fqn}")
+                        planner.load_bytes(item, _saved(value))
                     elif _is_raw(info.transform_descriptors):
                         self._read_raw(f, info, item, planner)
                     else:  # written by DCP's own writer
@@ -139,6 +173,9 @@ class TensorFileReader(FileSystemReader):
 
     def _read_raw(self, f, info: _StorageInfo, item, planner: LoadPlanner) -> None:
         sizes, dtype = self._chunks[item.storage_index.fqn, tuple(item.storage_index.offset)]
+        if math.prod(sizes) * dtype.itemsize != info.length:
+            raise ValueError(f"{info.relative_path} at {info.offset}: {info.length} bytes "
+                             f"saved for a {list(sizes)} {dtype} chunk")
         target = planner.resolve_tensor(item).detach()
         whole = (all(o == 0 for o in item.storage_offsets)
                  and tuple(item.lengths) == tuple(sizes))
@@ -155,15 +192,25 @@ class TensorFileReader(FileSystemReader):
 
     def _read_pickled(self, f, info: _StorageInfo, item, planner: LoadPlanner) -> None:
         f.seek(info.offset)
-        stream = io.BytesIO(self.transforms.transform_load_stream(
-            item, info.transform_descriptors or (), io.BytesIO(f.read(info.length))).read())
-        tensor = torch.load(stream, map_location="cpu", weights_only=True)
+        data = self.transforms.transform_load_stream(
+            item, info.transform_descriptors or (), io.BytesIO(f.read(info.length))).read()
+        tensor = load_value(data, f"{info.relative_path}: {item.storage_index.fqn}", "cpu")
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths,
                                                   strict=True)):
             tensor = tensor.narrow(dim, start, length)
         target = planner.resolve_tensor(item).detach()
         target.copy_(tensor)
         planner.commit_tensor(item, target)
+
+
+def _saved(value: Any) -> io.BytesIO:
+    """A value the weights_only unpickler accepted, saved again by torch.save: what the
+    planner's `load_bytes` reads (DCP's with `torch.load(weights_only=False)`) is then what
+    this process wrote, whatever the checkpoint held."""
+    stream = io.BytesIO()
+    torch.save(value, stream)
+    stream.seek(0)
+    return stream
 
 
 def _is_raw(descriptors: Sequence[str] | None) -> bool:

@@ -184,6 +184,10 @@ class CheckpointConfig(Section):
     resume: Literal["auto", "never"] = Field(
         "auto", description="auto: continue from the latest good checkpoint in dir")
     verify_on_load: bool = Field(True, description="check every file's sha256 before loading")
+    trust_step: NonNegativeInt | None = Field(
+        None, description="resume from this step's checkpoint in dir even if this run's key "
+                          "does not authenticate it (another run's, or one from before "
+                          "checkpoints were signed); None: only the run's own")
     max_failed_saves: NonNegativeInt = Field(
         3, description="stop training after this many failed saves in a row; 0: never")
     memory_every: NonNegativeInt | Literal["auto"] = Field(

@@ -61,13 +61,17 @@ $(REDIS_PASSWORD) because it is defined first). Call with (dict "root" $ "user" 
 {{- end -}}
 
 {{/* The job file and the shared volume, mounted at the same paths in controllers and agents:
-ranks are given the job file's path by the controller and read it on their node. */}}
+ranks are given the job file's path by the controller and read it on their node. The root
+filesystem is read-only: /tmp (the agent's sockets and its ranks' control files, torch's and
+Triton's compile caches) is an emptyDir, and HOME points there for the caches kept under it. */}}
 {{- define "optimus.volumeMounts" -}}
 - name: job
   mountPath: /etc/optimus
   readOnly: true
 - name: shared
   mountPath: {{ .Values.shared.mountPath }}
+- name: tmp
+  mountPath: /tmp
 {{- end -}}
 
 {{- define "optimus.volumes" -}}
@@ -77,6 +81,49 @@ ranks are given the job file's path by the controller and read it on their node.
 - name: shared
   persistentVolumeClaim:
     claimName: {{ include "optimus.claim" . }}
+- name: tmp
+  emptyDir: {}
+{{- end -}}
+
+{{- define "optimus.homeEnv" -}}
+- name: HOME
+  value: /tmp
+{{- end -}}
+
+{{/* The pod's securityContext for controllers and agents. Call with (dict "root" $ "nonRoot"
+bool): false leaves the user to the image (root where it says so), for devices only root may
+open; the rest of the lockdown stays. fsGroup makes the shared volume writable to the pods'
+group, and OnRootMismatch spares a volume of checkpoints a recursive chown at every start. */}}
+{{- define "optimus.podSecurity" -}}
+runAsNonRoot: {{ .nonRoot }}
+{{- if .nonRoot }}
+runAsUser: {{ .root.Values.security.runAsUser }}
+runAsGroup: {{ .root.Values.security.runAsGroup }}
+{{- end }}
+fsGroup: {{ .root.Values.security.fsGroup }}
+fsGroupChangePolicy: OnRootMismatch
+{{- with .groups }}
+supplementalGroups:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{/* Every container of the release: no privilege escalation, no capabilities, the root
+filesystem read-only, the runtime's default seccomp profile. Call with the nonRoot bool. */}}
+{{- define "optimus.containerSecurity" -}}
+runAsNonRoot: {{ . }}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "optimus.snapshotSecret" -}}
+{{ include "optimus.fullname" . }}-snapshot
 {{- end -}}
 
 {{- define "optimus.setArgs" -}}
@@ -87,11 +134,14 @@ ranks are given the job file's path by the controller and read it on their node.
 {{- end -}}
 
 {{/* Controllers and agents exit when Redis does not answer at start; an agent's exit would
-spend one of its index's retries. So their pods wait for Redis's port first. */}}
+spend one of its index's retries. So their pods wait for Redis's port first. Call with
+(dict "root" $ "nonRoot" bool). */}}
 {{- define "optimus.waitForRedis" -}}
 - name: wait-for-redis
-  image: "{{ .Values.image.repository }}:{{ .Values.image.tag }}"
-  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  image: "{{ .root.Values.image.repository }}:{{ .root.Values.image.tag }}"
+  imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+  securityContext:
+    {{- include "optimus.containerSecurity" .nonRoot | nindent 4 }}
   command:
     - python
     - -c
@@ -99,7 +149,7 @@ spend one of its index's retries. So their pods wait for Redis's port first. */}
       import socket, time
       while True:
           try:
-              socket.create_connection(("{{ include "optimus.redisHost" . }}", 6379), timeout=2).close()
+              socket.create_connection(("{{ include "optimus.redisHost" .root }}", 6379), timeout=2).close()
               break
           except OSError:
               time.sleep(2)

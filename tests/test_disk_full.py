@@ -1,0 +1,213 @@
+"""A disk that refuses a write does not stop supervision (docs/security.md#a-full-disk).
+
+The controller rewrites its journal (`<run_dir>/controller.json`) and an agent its ranks'
+control file whenever what they hold changes. A full disk made either write raise out of the
+tick: the leader died, then the standby that took over died the same way, and the agent with
+its ranks. Here a real Controller and a real Agent tick against a real redis-server while the
+folder they write to is full, and both must go on, say so once in an event, and write the file
+once the disk takes it again.
+
+Two ways to fill a disk, each test run with both:
+- `tmpfs`: a 64 KiB tmpfs mounted for the test and filled with a file (ENOSPC). Needs root (or
+  CAP_SYS_ADMIN); skipped where `mount` is refused.
+- `fsize`: RLIMIT_FSIZE 0 in this process, SIGXFSZ ignored (EFBIG on every write that would
+  grow a file): runs anywhere, the same code path for the writer (an OSError from a write).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import resource
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from cluster import write_job
+
+from controller.control.controller import Controller, settings_for
+from controller.control.journal import read_journal
+from controller.store.store import Store
+from optimus.config import validate_job
+
+
+class Disk:
+    def __init__(self, root: Path, kind: str):
+        self.root, self.kind = root, kind
+        self.error = "ENOSPC" if kind == "tmpfs" else "EFBIG"
+        self._limit: tuple[int, int] | None = None
+        self._handler = None
+
+    def fill(self) -> None:
+        if self.kind == "fsize":
+            self._limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+            self._handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (0, self._limit[1]))
+            return
+        fd = os.open(self.root / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+        with pytest.raises(OSError, match="No space left"):  # full: not one byte more
+            (self.root / "probe").write_bytes(b"x")
+
+    def free(self) -> None:
+        if self.kind == "fsize":
+            if self._limit is not None:
+                resource.setrlimit(resource.RLIMIT_FSIZE, self._limit)
+                signal.signal(signal.SIGXFSZ, self._handler)
+                self._limit = None
+            return
+        for name in ("filler", "probe"):
+            (self.root / name).unlink(missing_ok=True)
+
+
+@pytest.fixture(params=["tmpfs", "fsize"])
+def disk(request, tmp_path):
+    root = tmp_path / "disk"
+    root.mkdir()
+    if request.param == "fsize":
+        d = Disk(root, "fsize")
+        yield d
+        d.free()
+        return
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0755", "tmpfs",
+                           str(root)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield Disk(root, "tmpfs")
+    finally:
+        subprocess.run(["umount", str(root)], check=True)
+
+
+def disk_events(store: Store) -> list[dict]:
+    return [e for _, e in store.events(count=1000) if e.get("kind") == "disk"]
+
+
+def leftovers(folder: Path, keep: set[str]) -> list[str]:
+    """What a failed write left in `folder` besides the files that belong there."""
+    return sorted(p.name for p in folder.iterdir() if p.name not in keep)
+
+
+def _controller(redis_server, tmp_path, run_dir: Path) -> tuple[Controller, Store]:
+    raw = yaml.safe_load(write_job(tmp_path / "job.yaml", run_dir, name="j").read_text())
+    config = validate_job(raw, world=2)
+    settings = settings_for(config, str(tmp_path / "job.yaml"), [], 2, 1)
+    store = Store(redis_server.url, "j")
+    for name in ("n0", "n1"):
+        store.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
+    return Controller(store, config, settings, ident="c"), store
+
+
+def test_the_controller_supervises_on_while_its_journal_cannot_be_written(
+        disk, redis_server, tmp_path):
+    run_dir = disk.root / "run"
+    run_dir.mkdir()
+    ctl, store = _controller(redis_server, tmp_path, run_dir)
+    journal = run_dir / "controller.json"
+    disk.fill()
+    try:
+        for _ in range(4):  # the first plans generation 0: a change the journal must hold
+            ctl.tick()
+        plan = store.plan()
+        assert plan is not None and plan["nodes"] == ["n0", "n1"]  # it went on, from Redis
+        assert store.job_record()["state"] == "RUNNING"
+        assert not journal.exists()
+        assert leftovers(run_dir, {"events.jsonl"}) == []  # no temporary file left behind
+        (failing,) = disk_events(store)  # said once, not once a tick
+        assert failing["ok"] == "0" and failing["path"] == str(journal)
+        assert disk.error in failing["message"] and str(journal) in failing["message"]
+    finally:
+        disk.free()
+    ctl.tick()  # nothing changed in Redis: the write is tried again all the same
+    assert read_journal(journal)["plan"] == store.plan()
+    assert read_journal(journal)["job"]["state"] == "RUNNING"
+    failing, recovered = disk_events(store)
+    assert recovered["ok"] == "1" and "again" in recovered["message"]
+    ctl.tick()
+    assert len(disk_events(store)) == 2
+
+
+def test_a_journal_is_never_written_through_a_temporary_name_another_writer_holds(
+        redis_server, tmp_path):
+    """Two controllers (a leader and a standby that just lost the lease) share a run dir: a
+    fixed temporary name is one's file renamed over by the other, or (here) in the way."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    ctl, store = _controller(redis_server, tmp_path, run_dir)
+    (run_dir / "controller.json.tmp").mkdir()  # what the other writer holds there
+    ctl.tick()
+    assert read_journal(run_dir / "controller.json")["plan"] == store.plan()
+    assert disk_events(store) == []
+
+
+def _agent(redis_server, tmp_path, socket_dir: Path, monkeypatch):
+    from controller.node.agent import Agent
+
+    monkeypatch.setenv("OPTIMUS_WARM_START", "0")  # no warm process: ranks never start here
+    store = Store(redis_server.url, "j")
+    agent = Agent(store, "n0", socket_dir=str(socket_dir), snapshot_root=tmp_path / "snap")
+    return agent, store
+
+
+@contextlib.contextmanager
+def closing(agent):
+    try:
+        yield agent
+    finally:
+        agent.spawner.close()
+        agent.snapshots.close()
+        agent.sock.close()
+
+
+def test_the_agent_supervises_on_while_its_ranks_control_file_cannot_be_written(
+        disk, redis_server, tmp_path, monkeypatch):
+    agent, store = _agent(redis_server, tmp_path, disk.root, monkeypatch)
+    with closing(agent):
+        control = agent.control_path
+        folder = control.parent
+        files = {Path(agent.socket_path).name, control.name, agent.chaos_path.name}
+        agent._tick()  # registers
+        assert json.loads(control.read_text()) == {}
+        plan = {"generation": 0, "action": "run", "nodes": ["n1"], "issued": 1.0}
+        disk.fill()
+        try:
+            store.set_control({"pause": True})
+            store.set_plan(plan)
+            for _ in range(3):
+                agent._tick()
+            assert agent.latest_plan == plan  # the tick went on past the write
+            assert json.loads(control.read_text()) == {}  # the last word, whole
+            assert leftovers(folder, files) == []
+            (failing,) = disk_events(store)
+            assert failing["ok"] == "0" and failing["node"] == "n0"
+            assert failing["path"] == str(control) and disk.error in failing["message"]
+        finally:
+            disk.free()
+        agent._tick()  # the word has not changed since: written all the same
+        assert json.loads(control.read_text()) == {"pause": True}
+        failing, recovered = disk_events(store)
+        assert recovered["ok"] == "1" and "again" in recovered["message"]
+        agent._tick()
+        assert len(disk_events(store)) == 2
+
+
+def test_a_control_file_is_never_written_through_a_fixed_temporary_name(
+        redis_server, tmp_path, monkeypatch):
+    (tmp_path / "sockets").mkdir()
+    agent, store = _agent(redis_server, tmp_path, tmp_path / "sockets", monkeypatch)
+    with closing(agent):
+        agent.control_path.with_suffix(".tmp").mkdir()
+        store.set_control({"checkpoint": 3})
+        agent._tick()
+        assert json.loads(agent.control_path.read_text()) == {"checkpoint": 3}
+        assert disk_events(store) == []
