@@ -46,6 +46,7 @@ NAMES = [
     ("torch.distributed.checkpoint.staging", "DefaultStager", ("checkpoint",)),
     ("torch.distributed.checkpoint.staging", "StagingOptions", ("checkpoint",)),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo", ("checkpoint",)),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING", ("checkpoint",)),
     ("torch.distributed._tools.mem_tracker", "MemTracker", ("planner_memory",)),
     ("torch.distributed.pipelining.schedules", "OVERLAP_F_B", ()),  # pipelines: not on 1 GPU
 ]

@@ -21,9 +21,10 @@ import time
 from pathlib import Path
 
 import pytest
+from test_snapshot_push import _take as take_point
 
 from controller.node.snapshots import SnapshotKeeper, job_secret, pull, push
-from optimus.checkpoint.snapshot_files import point_name, sha256_file, shard_files, write_marker
+from optimus.checkpoint.snapshot_files import point_name, shard_files
 
 SECRET = secrets.token_bytes(32)
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,15 +50,8 @@ def no_secret(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def _take(own: Path, step: int, ranks: list[int], size: int = 64 << 10) -> Path:
-    point = own / point_name(step, 0)
-    point.mkdir(parents=True, exist_ok=True)
-    for rank in ranks:
-        data, _ = shard_files(point, rank)
-        data.write_bytes(os.urandom(size))
-        write_marker(point, rank, {"rank": rank, "step": step, "bytes": size,
-                                   "sha256": sha256_file(data), "time": float(step)})
-    return point
+def _take(own: Path, step: int, ranks: list[int]) -> Path:
+    return take_point(own, step, ranks, size=64 << 10)
 
 
 def _stranger(addr: str, timeout: float = 5.0) -> tuple[socket.socket, bytes]:
