@@ -44,6 +44,7 @@ import contextlib
 import json
 import math
 import os
+import secrets
 import shutil
 import statistics
 import sys
@@ -88,16 +89,20 @@ class Run:
         self.cluster = LocalCluster(self.run_dir / "control")
         self.url = start_redis(self.cluster)
         self.store = Store(self.url, "bench-recovery")
+        # Secrets by environment, as `optimus run` hands them over: the URL's password, and the
+        # agents' snapshot secret (without one an agent serves no snapshots: no memory restart).
+        self.env = {"REDIS_URL": self.url, "OPTIMUS_SNAPSHOT_SECRET": secrets.token_hex(32)}
         self.cluster.start("controller", [sys.executable, "-m", "controller", "controller",
                                           str(self.job_file), "--nodes", "2",
-                                          "--ranks-per-node", "1", "--redis", self.url])
+                                          "--ranks-per-node", "1"],
+                           env={"REDIS_URL": self.url})
         for i in range(3):
             self.start_agent(f"node{i}")
 
     def start_agent(self, node: str) -> None:
         self.cluster.start(f"agent-{node}", [sys.executable, "-m", "controller", "agent",
                                              "--job", "bench-recovery", "--node", node,
-                                             "--redis", self.url, "--interval", str(INTERVAL_S)])
+                                             "--interval", str(INTERVAL_S)], env=self.env)
 
     def events(self, kind: str) -> list[dict]:
         return [e for _, e in self.store.events(count=100_000) if e["kind"] == kind]
