@@ -73,6 +73,7 @@ test-fast: venv
 # the tests must kill. tests/mutate_equivalent.txt lists those left out, each with its reason.
 MUTATE := \
 	controller/control/decide.py:tests/test_decide.py,tests/test_decide_faults.py,tests/test_decide_rules.py,tests/test_decide_limits.py,tests/test_operator_rules.py,tests/test_repeated_faults.py:95 \
+	controller/control/shortage.py:tests/test_decide.py,tests/test_decide_faults.py,tests/test_decide_rules.py,tests/test_decide_limits.py:95 \
 	controller/control/detect.py:tests/test_detect_rules.py,tests/test_decide.py,tests/test_decide_faults.py,tests/test_repeated_faults.py:95 \
 	controller/control/recovery.py:tests/test_recovery_rules.py,tests/test_repeated_faults.py,tests/test_decide.py,tests/test_decide_faults.py,tests/test_decide_rules.py,tests/test_decide_limits.py:95 \
 	optimus/checkpoint/manifest.py:tests/test_checkpoint_manifest.py,tests/test_manifest_rules.py:90 \

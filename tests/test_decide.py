@@ -292,6 +292,9 @@ def test_the_controller_reads_the_exit_statuses_the_ranks_use():
             detect.EXIT_CHECKPOINT_FAILED) == (health.EXIT_BAD_TILE,
                                                health.EXIT_NONFINITE_ELSEWHERE,
                                                health.CheckpointFailed.exit_code) == (87, 88, 89)
+    from optimus import cli  # a refused setting, data, launch or checkpoint
+
+    assert detect.EXIT_USER_ERROR == cli.EXIT_USER_ERROR == 2
 
 
 def test_a_failure_event_carries_its_culprit_in_fields_and_a_plain_failure_saves():

@@ -147,3 +147,40 @@ def test_the_straggler_median_leaves_the_node_itself_out():
     d = decide(running(nodes=nodes, plan=plan, compute=scores), H)
     assert d.job["stragglers"] == ["n5", "n6"]  # each 2.5x the median of the others (0.1)
     assert "250 ms per step" in d.events[0][1] and "against 100 ms" in d.events[0][1]
+
+
+UNTRUSTED = ("error: checkpoint runs/x/checkpoints/step_10 was not written by this run (its "
+             "MAC does not match this run's key); to resume from it anyway: --trust-checkpoint")
+
+
+def test_every_rank_refusing_the_input_alike_ends_the_job_failed_with_no_restart_or_blame():
+    refused = [Exit(f"n{r // 2}", r, r % 2, code=2, tail=f"step 0\n{UNTRUSTED}", time=NOW)
+               for r in range(4)]
+    d = decide(running(exits=refused), H)
+    assert d.job["state"] == "FAILED" and d.plan["action"] == "end"
+    assert d.job["reason"] == (
+        UNTRUSTED.removeprefix("error: ") + "; not restarted (every rank refused it alike: a "
+        "new generation would too): fix it, then resubmit (--resubmit)")
+    assert "restarts" not in d.job and d.exclude == []  # no restart spent, nobody blamed
+    assert [kind for kind, *_ in d.events] == ["failed"]
+    # Without an `error:` line, how rank 0 ended is the reason.
+    bare = [Exit(f"n{r // 2}", r, r % 2, code=2, tail="step 0", time=NOW) for r in range(4)]
+    assert decide(running(exits=bare), H).job["reason"].startswith(bare[0].describe() + "; ")
+
+
+def test_some_ranks_refusing_wait_for_the_others_then_go_to_the_usual_rules():
+    """A refusal on one node only may be that node's own (its mount, its environment)."""
+    refused = [Exit("n1", r, r % 2, code=2, tail=UNTRUSTED, time=NOW) for r in (2, 3)]
+    d = decide(running(exits=refused), H)
+    assert d.job == {} and d.plan is None and d.exclude == []  # the others' exits may follow
+    later = decide(running(exits=refused, now=NOW + H.settle_s - 0.01), H)
+    assert later.job == {} and later.plan is None
+    d = decide(running(exits=refused, now=NOW + H.settle_s), H)
+    assert d.job["state"] == "RESTARTING" and d.job["restarts"] == 1
+    assert d.job["reason"] == f"rank 2 on n1 ended with exit code 2: {UNTRUSTED}"
+    assert "node n1 kept: failure 1 of 2" in d.events[0][1]  # a soft failure, as any exit
+    # Beside a rank killed: held as long, then the usual rules restart the job.
+    mixed = [refused[0], Exit("n0", 0, 0, code=None, signal=9, tail="step 3", time=NOW)]
+    assert decide(running(exits=mixed), H).plan is None
+    d = decide(running(exits=mixed, now=NOW + H.settle_s), H)
+    assert d.job["state"] == "RESTARTING" and d.job["restarts"] == 1

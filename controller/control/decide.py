@@ -35,6 +35,7 @@ from typing import Any
 
 from controller.control import detect, operator, recovery
 from controller.control.detect import COLLATERAL, HARD, Evidence
+from controller.control.shortage import names, shortage
 from controller.control.view import (  # noqa: F401 (re-exported: the rules' vocabulary)
     ACTIVE,
     COMPLETED,
@@ -115,7 +116,7 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
     if len(finished) >= plan["world_size"]:
         _complete(obs, s, d)
         return
-    if _checkpoints_failed(obs, s, d):
+    if _checkpoints_failed(obs, s, d) or _input_refused(obs, s, d):
         return
     _track_progress(obs, s, d)
     recovery.loaded(obs, d)
@@ -226,12 +227,35 @@ def _checkpoints_failed(obs: Observed, s: Settings, d: Decision) -> bool:
     if (failed[0].rank != 0 and len({e.rank for e in obs.exits}) < obs.plan["world_size"]
             and obs.now - failed[0].time < s.settle_s):
         return True  # the others' exits are on their way
-    said = [line.strip().removeprefix("error: ") for line in failed[0].tail.splitlines()
-            if line.startswith("error: ")]
-    _finish(d, obs, s, FAILED, f"{said[-1] if said else failed[0].describe()}; not restarted "
-            "(a new generation would fail the same way): fix the checkpoint storage, then "
-            "resubmit (--resubmit) to continue from the newest committed checkpoint")
+    _finish(d, obs, s, FAILED, f"{_said(failed[0])}; not restarted (a new generation would "
+            "fail the same way): fix the checkpoint storage, then resubmit (--resubmit) to "
+            "continue from the newest committed checkpoint")
     return True
+
+
+def _input_refused(obs: Observed, s: Settings, d: Decision) -> bool:
+    """Every rank exited with EXIT_USER_ERROR: each refused the job's own input alike (a
+    checkpoint this run did not write, a setting, the data), which no other node changes: the
+    job ends FAILED with rank 0's line, no restart spent, no node blamed. From some ranks only
+    it may be their node's own (a mount, an environment): held settle_s for the others' exits,
+    then judged by the usual rules."""
+    refused = sorted((e for e in obs.exits if e.code == detect.EXIT_USER_ERROR),
+                     key=lambda e: e.rank)
+    if not refused:
+        return False
+    if len({e.rank for e in refused}) < obs.plan["world_size"]:
+        return obs.now - min(e.time for e in refused) < s.settle_s
+    _finish(d, obs, s, FAILED, f"{_said(refused[0])}; not restarted (every rank refused it "
+            "alike: a new generation would too): fix it, then resubmit (--resubmit)")
+    return True
+
+
+def _said(e: Exit) -> str:
+    """The last `error: ` line a rank printed (what it refused, in its own words), or how it
+    ended."""
+    said = [line.strip().removeprefix("error: ") for line in e.tail.splitlines()
+            if line.startswith("error: ")]
+    return said[-1] if said else e.describe()
 
 
 def _leave(obs: Observed, s: Settings, d: Decision) -> bool:
@@ -375,7 +399,7 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
     chosen += sorted(usable - set(chosen))  # then spares, in name order
     fits = [c for c in s.allowed_nodes if c <= len(chosen)]
     if not fits:
-        reason = _shortage(obs, s, usable)
+        reason = shortage(obs, s, usable)
         if job.state != WAITING or job.reason != reason:
             d.job.update({"state": WAITING, "reason": reason})
             d.note("waiting", reason)
@@ -435,14 +459,6 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
     d.note("generation", reason)
 
 
-def names(nodes: list[str], shown: int = 8) -> str:
-    """Node names for a message: all of a few, the first few of many (messages stay small at
-    10,000 nodes: they go into every plan and the job record)."""
-    if len(nodes) <= shown:
-        return ", ".join(nodes)
-    return f"{', '.join(nodes[:shown])} and {len(nodes) - shown} more"
-
-
 def _finish(d: Decision, obs: Observed, s: Settings, state: str, reason: str,
             save: bool = True, **fields: Any) -> None:
     d.job.update({"state": state, "reason": reason, "failure_since": None,
@@ -468,21 +484,3 @@ def _live(obs: Observed, plan: dict) -> bool:
     return any((n := obs.nodes.get(name)) is not None and n.alive
                and n.generation == plan["generation"] and n.live_ranks > 0
                for name in plan["nodes"])
-
-
-def _shortage(obs: Observed, s: Settings, usable: set[str]) -> str:
-    why = []
-    for name, node in sorted(obs.nodes.items()):
-        if name in usable:
-            continue
-        if node.excluded:
-            why.append(f"{name} excluded ({node.excluded})")
-        elif not node.alive:
-            why.append(f"{name} silent")
-        elif not node.healthy:
-            why.append(f"{name} unhealthy ({node.health})")
-    need = (f"{s.nodes}" if s.allowed_nodes == (s.nodes,)
-            else f"{min(s.allowed_nodes)} to {s.nodes}")
-    return (f"waiting for nodes: the layout needs {need} x {s.ranks_per_node} ranks, "
-            f"{len(usable)} healthy node(s) available"
-            + (f"; {'; '.join(why)}" if why else ""))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 EXIT_BAD_TILE = 87
 EXIT_NONFINITE_ELSEWHERE = 88
 EXIT_CHECKPOINT_FAILED = 89  # the final step's save, or max_failed_saves saves in a row, failed
+EXIT_USER_ERROR = 2  # optimus/cli.py: a setting, the data, the launch or a checkpoint refused
 # Where a rank waits in a collective with its peers, by the loop's phase markers: the step's
 # reductions, the checkpointer's agreements and loads, the commands agreement and process-group
 # setup (optimus/health.py's COLLECTIVE_PHASES, repeated for the same reason).
