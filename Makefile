@@ -10,7 +10,7 @@ BIN    := $(VENV)/bin
 # suite is mostly CPU: real ranks) and one of two runs in them timed out a start (docs/benchmarks.md).
 TEST_WORKERS ?= 0
 
-.PHONY: venv promtool redis-sentinel slurm helm demo test test-fast mutate lint bench gpu-wheels clean
+.PHONY: venv promtool redis-sentinel slurm helm demo test test-fast audit mutate lint bench gpu-wheels clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,17 @@ test: venv promtool redis-sentinel slurm helm
 # The development tier: every test that starts no process (tests/conftest.py), in ~1 minute.
 test-fast: venv
 	$(BIN)/pytest -q --fast -n 2
+
+# The attack probes of docs/security.md, each a test that failed before its boundary held: names
+# injected by a node, markup in values, a planted pickle and a foreign checkpoint, credentials in
+# argv/banners/ranks' environments, NOPERM, shared folders, the snapshot link's bounds and TLS, a
+# full disk, the chart's securityContext and NetworkPolicies. Part of `make test` as well.
+AUDIT := tests/test_trust_names.py tests/test_trust_display.py tests/test_trust_secrets.py \
+	tests/test_checkpoint_trust.py tests/test_snapshot_link_security.py tests/test_disk_full.py \
+	tests/test_helm_security.py
+
+audit: venv helm
+	$(BIN)/pytest -q $(AUDIT)
 
 # Mutation testing of the pure rule modules against their fast unit tests (tests/mutate.py):
 # each entry is MODULE:TESTS (comma-separated):the least share (%) of its non-equivalent mutants
