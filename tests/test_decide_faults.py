@@ -175,6 +175,9 @@ def test_some_ranks_refusing_wait_for_the_others_then_go_to_the_usual_rules():
     assert d.job == {} and d.plan is None and d.exclude == []  # the others' exits may follow
     later = decide(running(exits=refused, now=NOW + H.settle_s - 0.01), H)
     assert later.job == {} and later.plan is None
+    # Held from the first refusal on, not the last.
+    staggered = [Exit("n1", 2, 0, code=2, tail=UNTRUSTED, time=NOW - 1), refused[1]]
+    assert decide(running(exits=staggered, now=NOW + H.settle_s - 0.5), H).plan is not None
     d = decide(running(exits=refused, now=NOW + H.settle_s), H)
     assert d.job["state"] == "RESTARTING" and d.job["restarts"] == 1
     assert d.job["reason"] == f"rank 2 on n1 ended with exit code 2: {UNTRUSTED}"
