@@ -99,9 +99,11 @@ def _only_dirs(root: Path) -> list[str]:
 # --- the key -----------------------------------------------------------------------------------
 
 def test_no_key_comes_from_the_redis_url_or_the_jobs_name(monkeypatch, no_secret):
-    assert job_secret("redis://127.0.0.1:6379/0", "demo") is None
-    assert job_secret("redis://:hunter2hunter2hunter2@r1:6379/0", "demo") is None  # a password
-    # is another credential: it is no key either
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:6379/0")
+    monkeypatch.setenv("OPTIMUS_JOB", "demo")
+    assert job_secret() is None
+    monkeypatch.setenv("REDIS_URL", "redis://:hunter2hunter2hunter2@r1:6379/0")
+    assert job_secret() is None  # a password is another credential: it is no key either
 
 
 def test_a_secret_comes_from_the_environment_or_a_private_file(tmp_path, monkeypatch, no_secret):
@@ -131,7 +133,7 @@ def test_without_a_secret_no_server_starts_and_the_node_keeps_its_snapshots(
         keeper, no_secret, caplog):
     b = keeper("b")
     with caplog.at_level(logging.WARNING, logger="optimus.agent"):
-        a = keeper("a", job_secret("redis://127.0.0.1:6379/0", "demo"), host="n0.example.org")
+        a = keeper("a", job_secret(), host="n0.example.org")
     assert a.address == ""  # the controller never names it a buddy or a holder
     said = [r.getMessage() for r in caplog.records if r.name == "optimus.agent"]
     assert len(said) == 1 and "OPTIMUS_SNAPSHOT_SECRET" in said[0], said

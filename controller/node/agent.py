@@ -92,7 +92,7 @@ class Agent(Commands, Checks):
         snapshot_root = snapshot_root or private_folder(default_root())
         # In-memory snapshots: this node's ranks' and the replicas it holds for its peers.
         self.snapshots = SnapshotKeeper(node_folder(snapshot_root, store.job, node),
-                                        node, job_secret(store.url, store.job), self.host)
+                                        node, job_secret(), self.host)
         self._snapshots_stored = False  # this incarnation has reported once
         self.failed_saves = 0  # checkpoint saves failed in a row, as this node's ranks last said
         self.info = {"host": self.host, "pid": os.getpid(),

@@ -114,9 +114,9 @@ def _secret_file(path: str) -> bytes:
     return secret
 
 
-def job_secret(redis_url: str = "", job: str = "") -> bytes | None:
-    """read_secret(), or None where there is none (the keeper then says why). The arguments
-    are not used: nothing public is a key (they stay for the agent's call)."""
+def job_secret() -> bytes | None:
+    """read_secret(), or None where there is none (the keeper then says why). Nothing else is
+    a key: not the Redis URL, its password or the job's name."""
     try:
         return read_secret()
     except ValueError:
