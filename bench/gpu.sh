@@ -21,6 +21,8 @@
 #   bench/planner_memory.py --device cuda               40 s   7 one-step layouts of a 170M
 #                                                               model: the planner's memory
 #                                                               prediction vs max_memory_allocated
+#   bench/gpu_profile.py (eager and compiled bf16)     150 s   where the trainer's step differs
+#                                                               from the plain loop's (profiler)
 #   pip install, nvidia-smi, versions                  ~15 s
 #
 # A part that runs past its limit is stopped and the rest still run; bench/mfu.py writes its
@@ -55,6 +57,8 @@ set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DIR=${1:-${OUT:-$REPO/bench/gpu-out}}
 WITH_TESTS=${GPU_TESTS:-0}
+# GPU_PARTS: which parts run (default all); e.g. GPU_PARTS="checkpoint profile" re-runs two.
+PARTS=" ${GPU_PARTS:-mfu moe checkpoint planner_memory profile} "
 PYTHON=${PYTHON:-python3}
 mkdir -p "$DIR"
 cd "$REPO" || exit 1
@@ -94,6 +98,7 @@ check_gpu() {
 part() {
   local name=$1 limit=$2
   shift 2
+  [[ $PARTS == *" $name "* ]] || return 0
   if grep -qx "$name" "$DIR/skip_parts.txt"; then
     echo
     echo "=== $name: left out (bench/gpu_check.py says why, at the top)"
@@ -141,6 +146,11 @@ part mfu 300 "$PYTHON" bench/mfu.py --device cuda --steps 10 --warmup 3 --modes 
 part moe 60 "$PYTHON" bench/moe.py --device cuda --ep 1
 part checkpoint 75 "$PYTHON" bench/checkpoint.py --device cuda --rounds 1
 part planner_memory 40 "$PYTHON" bench/planner_memory.py --device cuda
+part profile 150 "$PYTHON" bench/gpu_profile.py --device cuda \
+  --modes eager-bf16-none,compiled-bf16-none --trace "$DIR/traces"
+if [ -d "$DIR/traces" ]; then  # one file back, not four (a device call returns at most 8)
+  tar -cf "$DIR/profile-traces.tar" -C "$DIR" traces && rm -rf "$DIR/traces"
+fi
 
 if [ -n "$TESTS_PID" ]; then
   wait "$TESTS_PID"
@@ -172,7 +182,7 @@ results = {
     "nvidia_smi": (out / "nvidia-smi.txt").read_text(), "parts": parts,
     "check": json.loads((out / "check.json").read_text()),
     "mfu": json.loads(mfu.read_text()) if mfu.exists() else None,
-    **{f"{n}_log": (out / f"{n}.log").read_text() for n in ("moe", "checkpoint", "planner_memory")
+    **{f"{n}_log": (out / f"{n}.log").read_text() for n in ("moe", "checkpoint", "planner_memory", "profile")
        if (out / f"{n}.log").exists()},
 }
 (out / "gpu-results.json").write_text(json.dumps(results, indent=1) + "\n")
