@@ -38,6 +38,7 @@ def test_process_saves_commit_when_torch_closes_the_stager_after_each_save(tmp_p
         def closing(*args, async_stager=None, **kwargs):  # what torch 2.11 does
             response = dcp.async_save(*args, async_stager=async_stager, **kwargs)
             if async_stager is not None:
+                async_stager._state_dict_stager.close()  # at the end of every stage
                 async_stager.close()
             return response
 
@@ -54,6 +55,29 @@ def test_process_saves_commit_when_torch_closes_the_stager_after_each_save(tmp_p
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert committed_steps(tmp_path / "ckpt") == [2, 4, 6, 8]  # a failed save leaves a gap
+
+
+def test_the_shared_stager_stages_again_after_torch_closes_its_inner_stager():
+    """torch 2.11's DefaultStager closes its inner StateDictStager after every stage, emptying
+    its copy table: the next stage of a state holding a class object raised
+    `KeyError: <class 'type'>` on an H200 (bench/checkpoint.py's process-mode saves)."""
+    from optimus.checkpoint.writer_process import SharedStager
+
+    stager = SharedStager()
+    try:
+        state = {"weight": torch.arange(6.0), "kind": torch.float32.__class__, "step": 3}
+        first = stager.stage(state)
+        stager._state_dict_stager.close()  # what 2.11's `_stage` does last
+        state["weight"] += 1
+        second = stager.stage(state)
+        assert second["kind"] is state["kind"] and second["step"] == 3
+        assert torch.equal(second["weight"], torch.arange(6.0) + 1)
+        # the shared buffer of the first stage is reused, not dropped
+        assert second["weight"].untyped_storage().data_ptr() == \
+            first["weight"].untyped_storage().data_ptr()
+    finally:
+        stager.release()
+    assert not stager._state_dict_stager._deepcopy_dispatch  # released: freed for real
 
 
 def test_the_pipeline_hands_torch_contiguous_microbatches():

@@ -97,9 +97,10 @@ def stop() -> None:
 class SharedStager(DefaultStager):
     """DCP's stager into shared memory, reused from save to save, closed by its owner only.
 
-    torch 2.13's `async_save` leaves a stager it is given open; torch 2.11's (the GPU machines'
-    image) closes it after the save, which empties its copy table, so the next save fails with
-    `KeyError: <class 'type'>`. Here `close()` is a no-op and `release()` frees it."""
+    torch 2.11 (the GPU machines' image) closes the inner `StateDictStager` at the end of every
+    stage (`DefaultStager._stage`), which empties its copy table (the next save of a state
+    holding a class object fails with `KeyError: <class 'type'>`, pytorch/pytorch#183413) and
+    drops the shared buffers it would reuse. Both closes are no-ops here; `release()` frees."""
 
     def __init__(self) -> None:
         # Stage straight into shared memory, which the writer process reads in place; without
@@ -108,6 +109,9 @@ class SharedStager(DefaultStager):
         super().__init__(StagingOptions(
             use_pinned_memory=torch.cuda.is_available(), use_shared_memory=True,
             use_async_staging=False, use_non_blocking_copy=False))
+        inner = self._state_dict_stager
+        self._free_buffers = inner.close
+        inner.close = lambda: None  # torch 2.11 calls it after every stage
 
     def close(self) -> None:
         """Called by torch 2.11 after every save: the stager stays ready for the next."""
@@ -115,3 +119,4 @@ class SharedStager(DefaultStager):
     def release(self) -> None:
         """Free the shared staging memory (with no save in flight)."""
         super().close()
+        self._free_buffers()
