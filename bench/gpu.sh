@@ -123,7 +123,7 @@ MODES=$(tr -d '\n' <"$DIR/mfu_modes.txt")
 [ -n "$MODES" ] || echo "mfu" >>"$DIR/skip_parts.txt"
 # GPU_TESTS=1: the training path's CPU tests on this machine's torch, beside the parts, on the
 # second half of the cores (the parts keep the first half); tests.log holds the outcome. This is
-# how the torch 2.11 differences in docs/benchmarks.md were found. It loads the machine: the
+# how the torch 2.11 differences in docs/gpu.md were found. It loads the machine: the
 # parts' figures are then a first reading, not a quiet-machine measurement.
 TESTS_PID=
 if [ "$WITH_TESTS" = 1 ] && command -v taskset >/dev/null; then

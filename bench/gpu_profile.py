@@ -103,8 +103,10 @@ def summarise(name: str, prof, stepper: Stepper, active: int) -> dict:
     marks = stepper.marks
     walls = [marks[i + 1] - marks[i] for i in range(len(marks) - 1)][-active - 1:-1]
     events = prof.key_averages()
-    device_us = sum(e.self_device_time_total for e in events
-                    if e.device_type.name in ("CUDA", "PrivateUse1")) if events else 0
+    # Kernels, copies and memsets only: they have no host time. An op or a user annotation
+    # (ProfilerStep*, FSDP::pre_forward) carries the device time of what it launched as well,
+    # so summing every row counts it twice.
+    device_us = sum(e.self_device_time_total for e in events if e.self_cpu_time_total == 0)
     syncs = {e.key: e.count for e in events if any(
         k in e.key for k in ("Synchronize", "item", "_local_scalar_dense", "is_nonzero"))}
     wall = statistics.median(walls) if walls else float("nan")

@@ -1,8 +1,8 @@
 """What the GPU machines' torch (2.11) does differently from the pinned 2.13, on this CPU.
 
-Each difference below was met on an H200 running the image's torch 2.11 (docs/benchmarks.md,
-"GPU: first run"); each test makes this torch behave the way 2.11 did, or checks the piece that
-2.11 needs, so CI keeps the fallback working without a GPU.
+Each difference below was met on an H200 running the image's torch 2.11 (docs/gpu.md); each
+test makes this torch behave the way 2.11 did, or checks the piece that 2.11 needs, so CI keeps
+the fallback working without a GPU.
 """
 
 from __future__ import annotations
