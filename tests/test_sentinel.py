@@ -29,7 +29,8 @@ from controller.store.connect import parse_sentinel_url
 from controller.store.store import Store, StoreUnavailable, prefix, safe_url
 
 STEPS, KILL_AT = 60, 12
-HEARTBEAT_TIMEOUT_S = 3.0  # write_job's: agents silent longer than this are judged lost
+HEARTBEAT_TIMEOUT_S = 3.0  # agents silent longer than this are judged lost (shorter than the
+# failover on purpose: judged on the wall clock alone, the failover would cost every node)
 DOWN_AFTER_MS = 2500  # a failover longer than that timeout, which must still cost no node
 
 pytestmark = pytest.mark.skipif(not shutil.which("redis-sentinel"),
@@ -45,7 +46,8 @@ def sentinels(tmp_path):
 
 def test_training_rides_out_a_failover_of_the_redis_primary(sentinels, tmp_path):
     run = tmp_path / "run"
-    job = write_job(tmp_path / "job.yaml", run, steps=STEPS)
+    job = write_job(tmp_path / "job.yaml", run, steps=STEPS,
+                    heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
     p = subprocess.Popen([sys.executable, "-m", "controller", "run", str(job), "--nodes", "2",
                           "--ranks-per-node", "1", "--spares", "1"], cwd=ROOT,
                          env={**os.environ, "REDIS_URL": sentinels.url}, stdout=subprocess.PIPE,
