@@ -23,6 +23,16 @@ The fork is refused (an error reply: the agent then starts the rank cold) once a
 runtime is initialised here, since CUDA and XPU state does not survive a fork; importing the
 trainer initialises none.
 
+Health checks. The agent never imports torch (~2.5 s of CPU and ~200 MB per agent), so it asks
+this process, which has, for its node's health check: {"id", "health": {"node", "corrupt":
+[tile, ...], "timeout_s"}}. A forked child runs the check (`check_tiles`) and writes its result
+into a pipe; once the child has ended (it is reaped here, never reported as a rank) this process
+answers {"id", "health": {result}}, a bad result when the child died or ran past timeout_s
+(killed then: a hung driver). A child, because the check starts every tile's runtime, which
+this process must never do (above); the child holds none of this process's pipes, so the next
+rank forks as before. Refused as a rank fork is, with {"id", "error"}: the agent then runs the
+check in a fresh process.
+
 Standby (`--standby N`): a fork cannot carry a CUDA or XPU context, and creating one costs a
 rank seconds on every start. So on a node with accelerators the agent keeps one standby process
 per device instead (controller/node/spawn.py): a fresh interpreter that imports the trainer, makes
@@ -40,14 +50,22 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import math
 import os
 import select
 import signal
 import sys
+import time
 import traceback
 
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.05
+# The fixed-seed matmul's checksum, computed once on the CPU in float64: every tile must
+# reproduce it (to 1e-6 relative: devices sum in other orders) and agree with itself bit for bit.
+_CHECK_SEED, _CHECK_SIZE = 1234, 256
+_CHECK_TIMEOUT_S = 60.0  # when a request names none
+_DETAIL_LIMIT = 2000  # characters of a bad result's detail: the result must fit in its pipe
+_RESULT_LIMIT = 1 << 16  # bytes read of a check's result (its child wrote it: still bounded)
 
 
 def main() -> None:
@@ -62,21 +80,35 @@ def main() -> None:
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # stray prints must not corrupt the replies
     _reply(replies, {"ready": True})
+    checks: dict[int, _Check] = {}  # pid -> a health check running in a child
     pending = b""
     while True:
         ready, _, _ = select.select([0], [], [], _POLL_S)
         if ready:
             data = os.read(0, 1 << 16)
             if not data:
-                return  # the agent is gone
+                return  # the agent is gone (the checks' children die with this process)
             pending += data
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
-                _reply(replies, _spawn(json.loads(line), optimus_main, replies.fileno()))
+                request = json.loads(line)
+                # What a child must not keep: the agent's end-of-file on the replies means
+                # that this process has ended, and another check's pipe is not its business.
+                inherited = [replies.fileno(), *(c.fd for c in checks.values())]
+                reply = (_start_check(request, checks, inherited) if "health" in request
+                         else _spawn(request, optimus_main, inherited))
+                if reply is not None:
+                    _reply(replies, reply)
         for pid, status in _reaped():
+            check = checks.pop(pid, None)
+            if check is not None:
+                _reply(replies, check.answer(status))
+                continue
             ended = ({"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status)
                      else {"code": os.waitstatus_to_exitcode(status)})
             _reply(replies, {"pid": pid, **ended})
+        for check in checks.values():
+            check.enforce_deadline()
 
 
 def _reply(stream, message: dict) -> None:
@@ -94,7 +126,7 @@ def _reaped():
         yield pid, status
 
 
-def _spawn(request: dict, optimus_main, replies_fd: int) -> dict:
+def _spawn(request: dict, optimus_main, inherited: list[int]) -> dict:
     if _accelerator_initialised():
         return {"id": request["id"], "error": "an accelerator runtime is initialised in the "
                 "warm process; a fork would not inherit it"}
@@ -107,7 +139,7 @@ def _spawn(request: dict, optimus_main, replies_fd: int) -> dict:
         return {"id": request["id"], "error": f"fork failed: {e}"}
     if pid == 0:
         os.close(settled_r)
-        _become_rank(request, optimus_main, replies_fd, settled_w)  # never returns
+        _become_rank(request, optimus_main, inherited, settled_w)  # never returns
     os.close(settled_w)
     os.read(settled_r, 1)  # so that the agent may signal its process group at once
     os.close(settled_r)
@@ -141,14 +173,15 @@ def _start_device(index: int) -> None:
         torch.empty(1, device=torch.device(kind, index))
 
 
-def _become_rank(request: dict, optimus_main, replies_fd: int, settled_fd: int) -> None:
+def _become_rank(request: dict, optimus_main, inherited: list[int], settled_fd: int) -> None:
     """In the forked child: become `optimus <argv...>` as a fresh process would, then exit."""
     try:
         os.setsid()
         os.write(settled_fd, b"x")
         os.close(settled_fd)
         _die_with_parent()
-        os.close(replies_fd)
+        for fd in inherited:
+            os.close(fd)
     except BaseException:
         traceback.print_exc()
         os._exit(1)
@@ -193,6 +226,153 @@ def _run_as_rank(request: dict, optimus_main) -> None:
         # and finalization do not run, so nothing is left for them: the trainer stopped what
         # it started, in its exit order (the end of optimus/train.py's train()).
         os._exit(code)
+
+
+# --- the node's health check ------------------------------------------------------------------
+
+def check_tiles(node: str, corrupt: set[int] = frozenset()) -> dict:
+    """Devices, and the deterministic compute check on every tile (tile ids: `<node>/<index>`;
+    a CPU node is one tile, index 0). `corrupt`: tiles made to compute wrong (fault injection).
+    It starts the tiles' runtimes: run it in a child of the warm process, or a fresh process."""
+    try:
+        import torch
+
+        devices, kind = 0, "cpu"
+        if torch.cuda.is_available():
+            devices, kind = torch.cuda.device_count(), "cuda"
+        elif hasattr(torch, "xpu") and torch.xpu.is_available():
+            devices, kind = torch.xpu.device_count(), "xpu"
+        g = torch.Generator().manual_seed(_CHECK_SEED)
+        a = torch.randn(_CHECK_SIZE, _CHECK_SIZE, generator=g, dtype=torch.float64)
+        reference = (a @ a).sum().item()
+        for index in range(max(devices, 1)):
+            device = torch.device(kind, index) if devices else torch.device("cpu")
+            x = a.to(device)
+            if index in corrupt:
+                x = x + 1e-3  # a tile whose arithmetic has gone wrong
+            first, second = (x @ x).sum().item(), (x @ x).sum().item()
+            if first != second or abs(first - reference) > 1e-6 * abs(reference):
+                return {"devices": devices, "health": "bad",
+                        "health_detail": f"{node}/{index}: fixed-seed matmul gave {first!r} "
+                                         f"then {second!r}, reference {reference!r}"}
+        return {"devices": devices or os.cpu_count(), "device_kind": kind, "health": "ok",
+                "health_detail": "", "ok_at": time.time()}
+    except Exception as e:  # a broken driver is a bad node, not a crashed agent
+        return bad_result(node, f"{type(e).__name__}: {e}")
+
+
+def bad_result(node: str, why: str) -> dict:
+    """A failed check that names no tile (`<node>/?`): the check itself could not run."""
+    return {"devices": 0, "health": "bad", "health_detail": f"{node}/?: {why}"}
+
+
+class _Check:
+    """A health check running in a child of this process, answered once the child has ended."""
+
+    def __init__(self, request_id, node: str, pid: int, fd: int, timeout_s: float):
+        self.id, self.node, self.pid, self.fd, self.timeout_s = (request_id, node, pid, fd,
+                                                                 timeout_s)
+        self.deadline = time.monotonic() + timeout_s
+        self.overran = False
+
+    def enforce_deadline(self) -> None:
+        """Past its deadline (a hung driver), the child is killed: reaped next, answered bad."""
+        if not self.overran and time.monotonic() > self.deadline:
+            self.overran = True
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def answer(self, status: int) -> dict:
+        data = _drain(self.fd)
+        os.close(self.fd)
+        if self.overran:
+            return {"id": self.id, "health": bad_result(
+                self.node, f"the check did not finish within {self.timeout_s:g} s")}
+        if os.WIFSIGNALED(status):
+            return {"id": self.id, "health": bad_result(
+                self.node, f"the check's process died of signal {os.WTERMSIG(status)}")}
+        try:
+            result = json.loads(data)
+        except ValueError:
+            result = None
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 or not isinstance(result, dict):
+            result = bad_result(self.node, f"the check's process exited {code} without a "
+                                "result")
+        return {"id": self.id, "health": result}
+
+
+def _start_check(request: dict, checks: dict[int, _Check], inherited: list[int]) -> dict | None:
+    """Fork the child that runs a health check: None once it runs (the answer comes when it
+    ends, from the main loop), or an error reply."""
+    try:
+        node, corrupt, timeout_s = _check_request(request["health"])
+    except (KeyError, TypeError, ValueError) as e:
+        return {"id": request.get("id"), "error": f"a health check request: {e}"}
+    if _accelerator_initialised():  # the child could not start the tiles' runtimes
+        return {"id": request["id"], "error": "an accelerator runtime is initialised in the "
+                "warm process; a fork would not inherit it"}
+    result_r, result_w = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError as e:
+        os.close(result_r)
+        os.close(result_w)
+        return {"id": request["id"], "error": f"fork failed: {e}"}
+    if pid == 0:
+        os.close(result_r)
+        _run_check(node, corrupt, result_w, inherited)  # never returns
+    os.close(result_w)
+    checks[pid] = _Check(request["id"], node, pid, result_r, timeout_s)
+    return None
+
+
+def _check_request(health: dict) -> tuple[str, set[int], float]:
+    node, corrupt = health["node"], health.get("corrupt", [])
+    timeout_s = float(health.get("timeout_s", _CHECK_TIMEOUT_S))
+    if not isinstance(node, str) or not isinstance(corrupt, list):
+        raise TypeError("node is a string, corrupt a list of tiles")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in corrupt):
+        raise TypeError("corrupt is a list of tile indices")
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s {timeout_s!r}")
+    return node, set(corrupt), timeout_s
+
+
+def _run_check(node: str, corrupt: set[int], result_fd: int, inherited: list[int]) -> None:
+    """In the forked child: the check, its result into `result_fd`, then exit."""
+    code = 1
+    try:
+        _die_with_parent()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in inherited:
+            os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)  # the agent's requests are this process's
+        os.dup2(null, 0)
+        os.close(null)
+        result = check_tiles(node, corrupt)
+        result["health_detail"] = result["health_detail"][:_DETAIL_LIMIT]
+        os.write(result_fd, json.dumps(result).encode())  # a few KB: the pipe takes it whole
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        # Never back into the warm process's loop, nor through its exit handlers.
+        os._exit(code)
+
+
+def _drain(fd: int) -> bytes:
+    """What an ended child left in its pipe, at most _RESULT_LIMIT bytes, without waiting."""
+    os.set_blocking(fd, False)
+    data = b""
+    with contextlib.suppress(BlockingIOError):
+        while len(data) <= _RESULT_LIMIT:
+            chunk = os.read(fd, _RESULT_LIMIT + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    return data[:_RESULT_LIMIT]
 
 
 def _accelerator_initialised() -> bool:

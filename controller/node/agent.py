@@ -95,8 +95,12 @@ class Agent(Commands, Checks):
                                         node, job_secret(), self.host)
         self._snapshots_stored = False  # this incarnation has reported once
         self.failed_saves = 0  # checkpoint saves failed in a row, as this node's ranks last said
+        # The warm process first: the health check runs in a child of it (checks.py); standby
+        # mode once that check has found GPUs or XPUs (controller/node/spawn.py).
+        self.spawner = Spawner(mode=start_mode(None))
         self.info = {"host": self.host, "pid": os.getpid(),
                      "snapshot_addr": self.snapshots.address, **self._check_health()}
+        self.spawner.mode = start_mode(self.info.get("device_kind"))
         tag = hashlib.sha1(f"{store.job}/{node}/{os.getpid()}".encode()).hexdigest()[:12]
         self.socket_path = str(sock_dir / f"agent-{tag}.sock")  # short: AF_UNIX paths <= 107
         self.control_path = sock_dir / f"agent-{tag}.control"
@@ -113,9 +117,6 @@ class Agent(Commands, Checks):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(self.socket_path)
         self.sock.setblocking(False)
-        # The warm process imports the trainer meanwhile (standbys too, once a plan says how
-        # many ranks a node runs: controller/node/spawn.py).
-        self.spawner = Spawner(mode=start_mode(self.info.get("device_kind")))
 
     # --- the loop ------------------------------------------------------------------------------
 

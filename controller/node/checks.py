@@ -12,9 +12,10 @@ class Checks:
     """The agent's checks of its node (mixed into `Agent`: uses its store, events and ranks)."""
 
     def _check_health(self) -> dict:
-        """The check, and whether ranks ran here since the last one that passed: a tile found
-        bad that computed nothing since then put nothing wrong into any checkpoint."""
-        result = health_check(self.node, corrupt=self.corrupt_tiles)
+        """The check (in a child of the warm process, or a fresh process: never in the agent,
+        which imports no torch), and whether ranks ran here since the last one that passed: a
+        tile found bad that computed nothing since then put nothing wrong into any checkpoint."""
+        result = health_check(self.node, self.corrupt_tiles, self.spawner)
         ran = self.ran_since_ok or self._live()
         self.ran_since_ok = self._live() if result["health"] == "ok" else ran
         return {**result, "ran_since_ok": ran}

@@ -13,7 +13,8 @@ as a fresh one.
 - `0`: every rank starts cold, as `python -m optimus ...` (subprocess.Popen).
 The agent never imports torch itself: warm processes are children it talks to over pipes. When
 one cannot start, refuses a fork or dies, the rank starts cold, exactly as before: a warm start
-is only ever faster, never required.
+is only ever faster, never required. The node's health check runs in a child of the warm
+process too (`health_check`; without one, in a fresh process: controller/node/health_check.py).
 
 Either way a rank runs in its own session, with the given environment, its output appended to
 its log, and dies with the agent (the warm process dies with the agent, its ranks with it).
@@ -44,8 +45,10 @@ WARM_ENV = "OPTIMUS_WARM_START"
 AGENT_ONLY = ("OPTIMUS_SNAPSHOT_SECRET", "OPTIMUS_SNAPSHOT_SECRET_FILE")  # and REDIS_*
 MODES = ("fork", "standby", "cold")
 _PR_SET_PDEATHSIG = 1
+_POLL_S = 0.05
 WARMING_S = 60.0  # how long a launch waits for the warm process's imports, then starts cold
 _FORK_TIMEOUT_S = 10.0
+_LINE_LIMIT = 1 << 20  # bytes of one message from the warm process (a reply is a few hundred)
 
 
 def die_with_parent() -> None:
@@ -173,6 +176,35 @@ class Spawner:
             return None
         return proc
 
+    def health_check(self, node: str, corrupt: set[int], timeout_s: float):
+        """The node's health check, run in a child of the warm process (optimus/warm.py): the
+        `health` of its reply, as read (the caller validates it), or None where no warm
+        process can run it: cold starts, or one that failed, died, refused, or is still
+        importing after WARMING_S. TimeoutError when no answer comes within `timeout_s` (the
+        check's own limit there) and a margin."""
+        if self.warm and self._proc is None:
+            self._start_warm()
+        while self.warming():
+            time.sleep(_POLL_S)
+        if self._proc is None or not self._ready:
+            return None
+        self._next_id += 1
+        request = {"id": self._next_id, "health": {"node": node, "corrupt": sorted(corrupt),
+                                                   "timeout_s": timeout_s}}
+        try:
+            reply = self._ask(request, timeout_s + _FORK_TIMEOUT_S)
+        except (OSError, ValueError, RuntimeError) as e:
+            self._lost(f"the warm process failed a health check ({e}); it runs cold")
+            return None
+        if reply is None:
+            raise TimeoutError(f"no answer from the warm process within "
+                               f"{timeout_s + _FORK_TIMEOUT_S:g} s")
+        if "health" not in reply:
+            log.warning("the warm process refused a health check (%s); it runs cold",
+                        reply.get("error"))
+            return None
+        return reply["health"]
+
     def warming(self) -> bool:
         """Whether the warm process is still importing (for up to WARMING_S): a launch should
         wait for it, a tick or a few, rather than start ranks cold meanwhile."""
@@ -232,23 +264,39 @@ class Spawner:
         self._next_id += 1
         request = {"id": self._next_id, "argv": list(argv), "env": dict(env),
                    "log": str(log_path)}
+        # A request written while the warm process still imports is read once it is done:
+        # its answer may take what is left of WARMING_S (a loaded machine: tens of seconds).
+        self.collect()
+        if self._proc is None:
+            raise RuntimeError("the warm process exited")
+        importing = 0.0 if self._ready else max(0.0, WARMING_S - (time.monotonic() -
+                                                                 self._started))
+        reply = self._ask(request, _FORK_TIMEOUT_S + importing)
+        if reply is None:
+            raise RuntimeError(f"no answer from the warm process within "
+                               f"{_FORK_TIMEOUT_S + importing:g} s")
+        if "pid" not in reply:
+            raise RuntimeError(reply.get("error", "no pid in the reply"))
+        rank = WarmRank(int(reply["pid"]), self)
+        self._ranks[rank.pid] = rank
+        return rank
+
+    def _ask(self, request: dict, timeout_s: float) -> dict | None:
+        """Write `request` to the warm process: its reply (the message with the request's id),
+        or None after `timeout_s`. Ranks' exits read meanwhile are handled; what follows the
+        reply stays for collect()."""
         self._proc.stdin.write((json.dumps(request) + "\n").encode())
         self._proc.stdin.flush()
-        deadline = time.monotonic() + _FORK_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self._inbox:
                 self._read(timeout=0.5)
-            while self._inbox:  # what follows the reply stays for collect()
+            while self._inbox:
                 message = self._inbox.pop(0)
-                if message.get("id") != request["id"]:
-                    self._ended(message)
-                elif "pid" in message:
-                    rank = WarmRank(int(message["pid"]), self)
-                    self._ranks[rank.pid] = rank
-                    return rank
-                else:
-                    raise RuntimeError(message.get("error", "no pid in the reply"))
-        raise RuntimeError(f"no answer from the warm process within {_FORK_TIMEOUT_S:g} s")
+                if message.get("id") == request["id"]:
+                    return message
+                self._ended(message)
+        return None
 
     def _read(self, timeout: float) -> None:
         """Append what the warm process has written, as messages, to the inbox."""
@@ -268,7 +316,19 @@ class Spawner:
         self._pending += data
         while b"\n" in self._pending:
             line, self._pending = self._pending.split(b"\n", 1)
-            self._inbox.append(json.loads(line))
+            try:
+                message = json.loads(line)
+            except ValueError:
+                message = None
+            if isinstance(message, dict):
+                self._inbox.append(message)
+            else:
+                log.warning("the warm process wrote what is not a JSON object: %r", line[:200])
+        if len(self._pending) > _LINE_LIMIT:
+            why = f"the warm process wrote over {_LINE_LIMIT} bytes without a line end"
+            if timeout > 0:
+                raise RuntimeError(why)
+            self._lost(why)
 
     def _ended(self, message: dict) -> None:
         if message.get("ready"):
