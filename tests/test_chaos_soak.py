@@ -30,15 +30,21 @@ STEPS = 160
 EVERY = 2
 SOAK = {"heartbeat_timeout_s": 6.0, "hang_timeout_s": 6.0, "flaky_failures": 100,
         "max_restarts": 20}
+# One OpenMP thread per rank: with torch's default (one thread per core) ranks on a 2-core
+# machine spin-wait for each other's cores. Not in the soak: its later faults wait on the
+# control plane (a rejoined spare's health check, the 5 s check that makes it a buddy) while
+# training runs on, and ranks that no longer spin finish STEPS before the sixth fault.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def _events(store: Store, kind: str) -> list[dict]:
     return [e for _, e in store.events(count=10_000) if e.get("kind") == kind]
 
 
-def _agent(procs: Processes, url: str, node: str, name: str | None = None) -> None:
+def _agent(procs: Processes, url: str, node: str, name: str | None = None,
+           env: dict | None = None) -> None:
     procs.start(name or f"agent-{node}", "agent", "--job", "e2e", "--node", node, "--redis", url,
-                "--interval", "0.25")
+                "--interval", "0.25", env=env)  # its ranks inherit `env`
 
 
 def _usable_point(store: Store, plan: dict) -> int | None:
@@ -203,11 +209,14 @@ def test_a_node_back_under_its_own_name_keeps_the_proof_of_what_it_held(tmp_path
     must not erase that node1's shards were replicated. The next generation resumes from
     memory, node0 fetching its own shards from node1."""
     run = tmp_path / "run"
-    job = write_job(tmp_path / "job.yaml", run, steps=100, memory_every=EVERY,
+    # 50 steps: node0 is killed an agent's tick after generation 0's first usable memory point
+    # (about step 4), which leaves generation 0 over 40 steps to take the command;
+    # generation 1 resumes from memory and only has to finish.
+    job = write_job(tmp_path / "job.yaml", run, steps=50, memory_every=EVERY,
                     heartbeat_timeout_s=6.0)
     store, url = Store(redis_server.url, "e2e"), redis_server.url
     for i in range(2):
-        _agent(procs, url, f"node{i}")
+        _agent(procs, url, f"node{i}", env=ONE_THREAD)
     wait_for(lambda: len(store.nodes()) == 2, 60, "two agents to register")
     controller = procs.start("controller", "controller", str(job), "--nodes", "2",
                              "--ranks-per-node", "1", "--redis", url, "--exit-when-done")
@@ -218,7 +227,7 @@ def test_a_node_back_under_its_own_name_keeps_the_proof_of_what_it_held(tmp_path
     try:
         _command(store, "node0", "kill_node")
         procs.procs["agent-node0"].wait(timeout=30)
-        _agent(procs, url, "node0", "agent-node0-again")
+        _agent(procs, url, "node0", "agent-node0-again", env=ONE_THREAD)
         wait_for(lambda: any(k.startswith("node0@") for k in store.snapshots()), 60,
                  "node0's new incarnation to report")
         assert not store.snapshots()["node0"]["held"]  # what it held went with it

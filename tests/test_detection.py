@@ -19,15 +19,24 @@ from controller.store.store import Store
 from optimus.checkpoint.manifest import committed_steps, read_manifest, step_dir, verify
 from optimus.checkpoint.quarantine import quarantined
 
-STEPS = 24
+# The last planned fault fires at step 14, after the checkpoint of step 10: two steps more
+# let its next generation finish.
+STEPS = 16
 HANG = {"hang_timeout_s": 4.0, "hang_step_factor": 5.0}
+# One OpenMP thread per rank (agents pass their environment on to their ranks): with torch's
+# default of one thread per core, two ranks on a 2-core machine spin-wait for each other's
+# cores. Nothing asserted here depends on the number of threads. Not in the chaos test: its
+# `--at-step` lead is in steps, and the CLI (a Python process starting) must arrive before
+# them; one-thread ranks step so fast that 25 steps go by first and the CLI refuses the step.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def run(redis_server, job: Path, *, nodes: int = 2, spares: int = 1,
         timeout: float = 240) -> subprocess.CompletedProcess:
     out = subprocess.run([sys.executable, "-m", "controller", "run", str(job), "--nodes",
                           str(nodes), "--ranks-per-node", "1", "--spares", str(spares)],
-                         cwd=ROOT, env={**os.environ, "REDIS_URL": redis_server.url},
+                         cwd=ROOT, env={**os.environ, **ONE_THREAD,
+                                        "REDIS_URL": redis_server.url},
                          capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-3000:]
     return out
@@ -272,7 +281,9 @@ def test_health_checks_on_demand_and_before_each_generation_exclude_bad_tiles(
 
 
 def test_a_straggler_is_reported_and_excluded_by_policy(redis_server, tmp_path):
-    job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=60,
+    # Every step from 3 on takes 0.4 s more: 40 steps give the controller (which reads the
+    # compute scores every 5 s) over 14 s of slow steps to decide in, from a window of 4.
+    job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=40,
                     faults=[{"kind": "slow_rank", "rank": 1, "step": 3, "seconds": 0.4}],
                     straggler_window=4, straggler_factor=2.5, straggler_action="exclude")
     run(redis_server, job)
