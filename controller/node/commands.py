@@ -35,7 +35,12 @@ class Commands:
                         + ("ok" if self.info["health"] == "ok"
                            else f"bad tile {self.info['health_detail']}"))
         elif kind == "bad_tile":
-            self.corrupt_tiles.add(int(command.get("tile", 0)))
+            tile = command.get("tile", 0)
+            if not isinstance(tile, int) or isinstance(tile, bool) or not 0 <= tile < 4096:
+                self._event("chaos", f"a bad_tile command for {self.node} ignored: tile "
+                            f"{str(tile)[:32]!r} is no tile index", fault="bad_tile")
+                return
+            self.corrupt_tiles.add(tile)
             self._event("chaos", f"chaos on {self.node}: tile {command.get('tile', 0)} now "
                         "computes wrong results (seen by the next health check)",
                         fault="bad_tile")

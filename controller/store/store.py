@@ -38,6 +38,7 @@ from tenacity import (
     wait_exponential,
 )
 
+from controller.store import decode
 from controller.store.connect import connect, denial, is_sentinel, safe_url
 from controller.store.names import Refused, check
 from controller.store.reports import Reports
@@ -299,8 +300,8 @@ class Store(Summaries, Reports):
             pipe.get(self.k("control"))
             return pipe.execute()[-4:]
         stamp, commands, registered, control = self.call(tick)
-        return AgentTick(stamp, [json.loads(c) for c in commands or []], bool(registered),
-                         json.loads(control) if control else None)
+        return AgentTick(stamp, [c for c in map(decode.record, commands or []) if c],
+                         bool(registered), decode.record(control) if control else None)
 
     def agent_field(self, nodes: list[str], name: str) -> dict[str, str]:
         """One field of several agents' status, in one round trip."""
@@ -331,14 +332,15 @@ class Store(Summaries, Reports):
 
     def nodes(self) -> dict[str, dict]:
         raw = self.call(lambda: self.r.hgetall(self.k("nodes")))
-        return {n: json.loads(v) for n, v in raw.items() if self.names.keep(n)}
+        return {n: r for n, v in raw.items()
+                if self.names.keep(n) and (r := decode.record(v)) is not None}
 
     def node_info(self, nodes: list[str]) -> dict[str, dict]:
         if not nodes:
             return {}
         raw = self.call(lambda: self.r.hmget(self.k("nodes"), nodes))
-        return {n: json.loads(v) for n, v in zip(nodes, raw, strict=True)
-                if v and self.names.keep(n)}
+        return {n: r for n, v in zip(nodes, raw, strict=True)
+                if v and self.names.keep(n) and (r := decode.record(v)) is not None}
 
     def registrations(self) -> int:
         """How many times agents registered (a new node, one back under its own name, or one
@@ -375,7 +377,8 @@ class Store(Summaries, Reports):
             for n in nodes:
                 pipe.hgetall(self.k(f"ranks:{n}"))
             return pipe.execute()
-        return {n: {int(lr): json.loads(v) for lr, v in raw.items()}
+        return {n: {lr: b for f, v in raw.items() if (lr := decode.local_rank(f)) is not None
+                    and (b := decode.record(v)) is not None}
                 for n, raw in zip(nodes, self.call(read), strict=True)}
 
     def rank_beats(self, node: str) -> dict[int, dict]:
@@ -392,7 +395,7 @@ class Store(Summaries, Reports):
         with no node name left out)."""
         start = after if after == "0" else f"({after}"
         raw = self.call(lambda: self.r.xrange(self.k("exits"), min=start))
-        records = [(i, json.loads(f["json"])) for i, f in raw]
+        records = [(i, decode.record(f.get("json"))) for i, f in raw]
         return [(i, r) for i, r in records
                 if isinstance(r, dict) and self.names.keep(r.get("node"))]
 

@@ -1,0 +1,87 @@
+"""Records an agent's (or the operator's) credentials can write, read back as anything at all.
+
+The store keeps what decodes to a JSON object and skips the rest (controller/store/decode.py):
+a value that is not JSON, a JSON list, nesting that exhausts the parser, a rank field that is
+no local rank. Before, one such value raised in `json.loads` inside the controller's tick (or
+the agent's loop, for a command) and stopped it. docs/security.md, "Redis".
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import yaml
+from cluster import wait_for, write_job
+
+from controller.control.controller import Controller, settings_for
+from controller.store.store import Store
+from optimus.config import validate_job
+
+GARBAGE = ["not json", "[1, 2]", "7", "[" * 100_000, '"a string"']
+
+
+def _job(tmp_path, nodes: int = 2):
+    raw = yaml.safe_load(write_job(tmp_path / "job.yaml", tmp_path / "run", name="j").read_text())
+    config = validate_job(raw, world=nodes)
+    return config, settings_for(config, str(tmp_path / "job.yaml"), [], nodes, 1)
+
+
+def _beat(step: int) -> dict:
+    return {"step": step, "generation": 0, "time": time.time(), "phase": "compute"}
+
+
+def test_unreadable_records_are_skipped_and_the_controller_ticks_on(redis_server, tmp_path):
+    config, settings = _job(tmp_path)
+    store = Store(redis_server.url, "j")
+    for name in ("n0", "n1"):
+        store.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
+    for i, value in enumerate(GARBAGE):  # node records, as an agent's HSET writes them
+        store.r.hset(store.k("nodes"), f"bad{i}", value)
+        store.r.zadd(store.k("agents"), {f"bad{i}": time.time()})
+    store.r.hset(store.k("ranks:n0"), mapping={
+        "0": json.dumps(_beat(3)), "1": "not json", "x": json.dumps(_beat(4)),
+        "-1": json.dumps(_beat(5)), "2": "[" * 100_000})
+    for value in GARBAGE:
+        store.r.xadd(store.k("exits"), {"json": value})
+    store.r.xadd(store.k("exits"), {"other": "no json field"})
+
+    ctl = Controller(store, config, settings, ident="c")
+    for _ in range(3):
+        ctl.tick()  # raised ValueError (nodes) before; RecursionError for the deep nesting
+    assert store.plan()["nodes"] == ["n0", "n1"]
+    assert set(store.nodes()) == {"n0", "n1"}
+    assert set(store.node_info(["n0", "bad0", "bad1", "bad3"])) == {"n0"}
+    assert list(store.rank_beats("n0")) == [0] and store.rank_beats("n0")[0]["step"] == 3
+    assert store.exits() == []
+    assert store.excluded() == {}
+
+
+def test_an_agent_skips_commands_that_are_not_objects(redis_server):
+    store = Store(redis_server.url, "j")
+    store.register_node("n0", {"host": "n0", "health": "ok", "snapshot_addr": ""})
+    for value in [*GARBAGE, json.dumps({"kind": "health_check"})]:
+        store.r.rpush(store.k("commands:n0"), value)
+    tick = store.agent_tick("n0", {"state": "idle"}, {}, None, False)
+    assert tick.commands == [{"kind": "health_check"}]
+
+
+def test_a_bad_tile_command_naming_no_tile_is_refused_and_the_agent_goes_on(redis_server, procs):
+    """`int(command["tile"])` raised in the agent's loop for a tile like "x" (the operator's
+    credentials may push any JSON object into a node's command list)."""
+    store = Store(redis_server.url, "j")
+    agent = procs.start("agent", "agent", "--job", "j", "--node", "n0", "--redis",
+                        redis_server.url, "--interval", "0.25")
+    wait_for(lambda: "n0" in store.nodes(), 120, "the agent to register")
+    for tile in ("x", -1, True, 10**9):
+        store.push_command("n0", {"kind": "bad_tile", "tile": tile})
+    store.push_command("n0", {"kind": "health_check"})
+
+    def health_events() -> list[str]:
+        return [e["message"] for _, e in store.events(count=100) if e["kind"] == "health"]
+    wait_for(health_events, 60, "the health check after the commands")
+    assert agent.poll() is None
+    assert health_events() == ["health check on demand: n0 ok"]  # no tile was made bad
+    ignored = [e["message"] for _, e in store.events(count=100) if "ignored" in e["message"]]
+    assert ignored == [f"a bad_tile command for n0 ignored: tile {t!r} is no tile index"
+                       for t in ("x", "-1", "True", "1000000000")]
