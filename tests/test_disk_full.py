@@ -23,6 +23,7 @@ import os
 import resource
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,55 @@ def test_a_control_file_is_never_written_through_a_fixed_temporary_name(
         agent._tick()
         assert json.loads(agent.control_path.read_text()) == {"checkpoint": 3}
         assert disk_events(store) == []
+
+
+def test_a_chaos_file_the_disk_refuses_is_said_once_and_the_agent_goes_on(
+        disk, redis_server, tmp_path, monkeypatch):
+    agent, store = _agent(redis_server, tmp_path, disk.root, monkeypatch)
+    with closing(agent):
+        chaos = agent.chaos_path
+        files = {Path(agent.socket_path).name, agent.control_path.name, chaos.name}
+        fault = {"id": 1, "kind": "stall_rank", "rank": 0, "generation": 0, "seconds": 1.0}
+        disk.fill()
+        try:
+            agent._write_chaos([fault])  # raised OSError before (and left "<name>.chaos-tmp")
+            agent._write_chaos([fault, {**fault, "id": 2}])
+            assert json.loads(chaos.read_text()) == {"faults": []}  # the last file, whole
+            assert leftovers(chaos.parent, files) == []
+            (failing,) = disk_events(store)
+            assert failing["ok"] == "0" and failing["path"] == str(chaos)
+        finally:
+            disk.free()
+        agent._write_chaos([fault])
+        assert json.loads(chaos.read_text()) == {"faults": [fault]}
+        assert [e["ok"] for e in disk_events(store)] == ["0", "1"]
+
+
+def test_ranks_told_not_to_save_are_killed_while_the_disk_refuses_that_word(
+        disk, redis_server, tmp_path, monkeypatch):
+    """A stop without a save (a node computing wrong, NaN) tells the ranks "save": false in
+    their control file, then sends SIGTERM; a rank that never read the word would save the
+    state the stop drops (optimus/health.py). With the word unwritten, no SIGTERM: SIGKILL."""
+    from controller.node.ranks import RankProcess
+
+    agent, store = _agent(redis_server, tmp_path, disk.root, monkeypatch)
+    saved = tmp_path / "saved"
+    rank = subprocess.Popen(  # what a rank does on SIGTERM: save, then exit
+        [sys.executable, "-c", "import signal, sys, time\n"
+         f"signal.signal(signal.SIGTERM, lambda *a: (open({str(saved)!r}, 'w').close(), "
+         "sys.exit(0)))\nprint('ready', flush=True)\ntime.sleep(120)"],
+        stdout=subprocess.PIPE, start_new_session=True)
+    assert rank.stdout.readline() == b"ready\n"
+    with closing(agent):
+        agent.procs[0] = RankProcess(rank=0, local_rank=0, popen=rank, log_path=tmp_path / "l",
+                                     started=0.0)
+        disk.fill()
+        try:
+            agent._stop(30.0, "bad tile", save=False)
+            assert rank.wait(timeout=30) == -signal.SIGKILL
+        finally:
+            disk.free()
+    assert not saved.exists()
+    (stop,) = [e for _, e in store.events(count=100) if e.get("kind") == "stop"]
+    assert stop["message"] == ("rank 0 on n0 killed, not stopped: the word not to save could "
+                               "not be written (disk)")

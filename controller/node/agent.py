@@ -109,6 +109,7 @@ class Agent(Commands, Checks):
         self.no_save = False  # this generation's ranks are to stop without a checkpoint
         self._write_control({})
         self.chaos_path = sock_dir / f"agent-{tag}.chaos"
+        self.chaos_writes = Rewritten(self.chaos_path, "its ranks' chaos file")
         self.chaos: list[dict] = []  # operators' rank faults for this generation's ranks
         self._write_chaos([])
         self._stacks_lock = threading.Lock()
@@ -364,9 +365,18 @@ class Agent(Commands, Checks):
         if not save and not self.no_save and self._live():
             self.no_save = True  # in the control file before the SIGTERM: see optimus/health.py
             self._write_control(self.control)
+        # A rank learns "do not save" from the control file only: while the disk refuses that
+        # word, a SIGTERM would let it save the very state this stop drops. Killed instead;
+        # the next generation resumes from the last good point either way.
+        unsaid = not save and self.control_writes.failing is not None
         now = time.monotonic()
         for p in self.procs.values():
-            if p.popen.returncode is None and p.stop_sent is None:
+            if p.popen.returncode is None and p.stop_sent is None and unsaid:
+                p.stop_sent, p.kill_sent = now, True
+                signal_group(p.popen, signal.SIGKILL)
+                self._event("stop", f"rank {p.rank} on {self.node} killed, not stopped: the "
+                            "word not to save could not be written (disk)", rank=p.rank)
+            elif p.popen.returncode is None and p.stop_sent is None:
                 p.stop_sent = now + grace_s  # the time to escalate to SIGKILL
                 # The rank alone: its helpers (DCP's writer process, DataLoader workers) die on
                 # a SIGTERM their parent did not send, and the rank's clean stop needs them.

@@ -17,7 +17,6 @@ from typing import Any
 
 from controller.node.stacks import Target, collect, find_py_spy
 from controller.store.store import StoreUnavailable
-from optimus.files import write_atomic
 
 
 class Commands:
@@ -111,10 +110,14 @@ class Commands:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _write_chaos(self, faults: list[dict]) -> None:
-        """Operators' rank faults for this node's ranks, replaced atomically (they stat it)."""
+        """Operators' rank faults for this node's ranks, replaced atomically (they stat it). A
+        write the disk refuses leaves the last file and says so once (controller/disk.py): a
+        fault not delivered is a rehearsal missed, not a reason for the agent to stop."""
         self.chaos = list(faults)
-        write_atomic(self.chaos_path, json.dumps({"faults": self.chaos}).encode(),
-                     self.chaos_path.with_suffix(".chaos-tmp"))
+        turn = self.chaos_writes.write(json.dumps({"faults": self.chaos}).encode())
+        if turn is not None:
+            self._event("disk", f"agent of {self.node} {turn.text}", ok=turn.ok,
+                        path=str(self.chaos_writes.path))
 
 
 def signal_group(popen: Any, sig: int) -> None:
