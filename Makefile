@@ -73,7 +73,7 @@ test-fast: venv
 # argv/banners/ranks' environments, NOPERM, shared folders, the snapshot link's bounds and TLS, a
 # full disk, the chart's securityContext and NetworkPolicies. Part of `make test` as well.
 AUDIT := tests/test_trust_names.py tests/test_trust_display.py tests/test_trust_secrets.py \
-	tests/test_trust_records.py \
+	tests/test_trust_records.py tests/test_trust_acl.py \
 	tests/test_checkpoint_trust.py tests/test_snapshot_link_security.py tests/test_disk_full.py \
 	tests/test_helm_security.py
 
