@@ -5,11 +5,13 @@ culprit named, and the job recovers on a spare."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,9 +27,7 @@ STEPS = 16
 HANG = {"hang_timeout_s": 4.0, "hang_step_factor": 5.0}
 # One OpenMP thread per rank (agents pass their environment on to their ranks): with torch's
 # default of one thread per core, two ranks on a 2-core machine spin-wait for each other's
-# cores. Nothing asserted here depends on the number of threads. Not in the chaos test: its
-# `--at-step` lead is in steps, and the CLI (a Python process starting) must arrive before
-# them; one-thread ranks step so fast that 25 steps go by first and the CLI refuses the step.
+# cores. Nothing asserted here depends on the number of threads.
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
@@ -117,8 +117,11 @@ def test_chaos_stall_rank_is_a_slow_step_and_chaos_hang_rank_a_hang_with_its_ran
         first, culprit = store.plan()["nodes"]
         log = run_dir / "logs" / "gen_0000" / "rank_00001.log"
 
-        # A stall shorter than the hang threshold (4 s): one slow step, nothing more.
-        at = store.furthest_step() + 25  # said in advance: the step it fires in
+        # A stall shorter than the hang threshold (4 s): one slow step, nothing more. Said in
+        # advance (the step it fires in), ~10 s of steps ahead at the rate this machine steps
+        # now, so that the command (a Python process starting, the agent's next tick) arrives
+        # first on a fast machine and a loaded one alike.
+        at = store.furthest_step() + _steps_in(store, 10.0)
         said = chaos(redis_server.url, "stall-rank", "--rank", "1", "--seconds", "2",
                      "--at-step", str(at))
         assert said.strip() == (f"stall-rank sent to the agent of {culprit} (rank 1); it fires "
@@ -156,6 +159,14 @@ def test_chaos_stall_rank_is_a_slow_step_and_chaos_hang_rank_a_hang_with_its_ran
     finally:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
+
+
+def _steps_in(store: Store, seconds: float) -> int:
+    """How many steps the job takes in `seconds` at its current rate (25 at least)."""
+    step, started = store.furthest_step(), time.monotonic()
+    later = wait_for(lambda: (s := store.furthest_step()) >= step + 5 and s, 60, "five steps")
+    rate = (later - step) / (time.monotonic() - started)
+    return max(25, math.ceil(rate * seconds))
 
 
 def _who() -> str:

@@ -360,7 +360,13 @@ def test_agents_credentials_cannot_act_as_an_operator(tmp_path):
     url = {u: f"redis://optimus-{u}:{p}@127.0.0.1:{server.port}/0" for u, p in secrets.items()}
     try:
         run = tmp_path / "run"
-        job = write_job(tmp_path / "job.yaml", run, name="acl", steps=40, min_nodes=1)
+        # Generation 0 paced by a sleep in rank 0 (rank 1 waits for it in every step: 1.5 s a
+        # step, 60 s for its 40), so that it still runs when the operator's checkpoint and
+        # exclusion come, however fast this machine steps; generation 1 (faults fire in
+        # generation 0 only) just finishes. A fault for rank 1 would keep the world from
+        # shrinking to one rank.
+        job = write_job(tmp_path / "job.yaml", run, name="acl", steps=40, min_nodes=1,
+                        faults=[{"kind": "slow_rank", "rank": 0, "step": 1, "seconds": 1.5}])
         procs.start("controller", "controller", str(job), "--nodes", "2", "--ranks-per-node",
                     "1", "--redis", url["controller"], "--exit-when-done", "--metrics-port", "0")
         for i in range(2):
