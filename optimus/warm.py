@@ -126,23 +126,36 @@ def _reaped():
         yield pid, status
 
 
-def _spawn(request: dict, optimus_main, inherited: list[int]) -> dict:
+def _fork_with_pipe(request_id, child) -> tuple[int, int] | dict:
+    """Fork; the child runs `child(write end of a pipe to this process)`, which never returns.
+    (pid, read end), or the error reply: an accelerator runtime initialised here (a fork would
+    not inherit it), or a fork that failed."""
     if _accelerator_initialised():
-        return {"id": request["id"], "error": "an accelerator runtime is initialised in the "
+        return {"id": request_id, "error": "an accelerator runtime is initialised in the "
                 "warm process; a fork would not inherit it"}
-    settled_r, settled_w = os.pipe()  # the child says when it leads its own session
+    read_end, write_end = os.pipe()
     try:
         pid = os.fork()
     except OSError as e:
-        os.close(settled_r)
-        os.close(settled_w)
-        return {"id": request["id"], "error": f"fork failed: {e}"}
+        os.close(read_end)
+        os.close(write_end)
+        return {"id": request_id, "error": f"fork failed: {e}"}
     if pid == 0:
-        os.close(settled_r)
-        _become_rank(request, optimus_main, inherited, settled_w)  # never returns
-    os.close(settled_w)
-    os.read(settled_r, 1)  # so that the agent may signal its process group at once
-    os.close(settled_r)
+        os.close(read_end)
+        child(write_end)  # never returns
+    os.close(write_end)
+    return pid, read_end
+
+
+def _spawn(request: dict, optimus_main, inherited: list[int]) -> dict:
+    # The child says through the pipe when it leads its own session.
+    forked = _fork_with_pipe(request["id"], lambda settled: _become_rank(
+        request, optimus_main, inherited, settled))
+    if isinstance(forked, dict):
+        return forked
+    pid, settled = forked
+    os.read(settled, 1)  # so that the agent may signal its process group at once
+    os.close(settled)
     return {"id": request["id"], "pid": pid}
 
 
@@ -309,21 +322,12 @@ def _start_check(request: dict, checks: dict[int, _Check], inherited: list[int])
         node, corrupt, timeout_s = _check_request(request["health"])
     except (KeyError, TypeError, ValueError) as e:
         return {"id": request.get("id"), "error": f"a health check request: {e}"}
-    if _accelerator_initialised():  # the child could not start the tiles' runtimes
-        return {"id": request["id"], "error": "an accelerator runtime is initialised in the "
-                "warm process; a fork would not inherit it"}
-    result_r, result_w = os.pipe()
-    try:
-        pid = os.fork()
-    except OSError as e:
-        os.close(result_r)
-        os.close(result_w)
-        return {"id": request["id"], "error": f"fork failed: {e}"}
-    if pid == 0:
-        os.close(result_r)
-        _run_check(node, corrupt, result_w, inherited)  # never returns
-    os.close(result_w)
-    checks[pid] = _Check(request["id"], node, pid, result_r, timeout_s)
+    forked = _fork_with_pipe(request["id"], lambda result: _run_check(  # its result: the pipe
+        node, corrupt, result, inherited))
+    if isinstance(forked, dict):
+        return forked
+    pid, result = forked
+    checks[pid] = _Check(request["id"], node, pid, result, timeout_s)
     return None
 
 
