@@ -142,14 +142,10 @@ class JobCollector(Collector):
     def _rank0_figures(self, plan: dict) -> dict | None:
         """Rank 0's logged figures when its heartbeat is of the plan's generation ({} when
         there is none); None when that heartbeat cannot be read."""
-        try:
-            beat = self.store.rank_beats(plan["nodes"][0]).get(0)
-        except ValueError:  # one of the node's heartbeats is not JSON
-            return None
-        if beat is None:
-            return {}
-        if not isinstance(beat, dict):
-            return None
+        node = plan["nodes"][0]
+        beat = self.store.rank_beats(node).get(0)
+        if beat is None:  # none, or one the store skipped: not a JSON object
+            return None if self.store.rank_beat_stored(node, 0) else {}
         if beat.get("generation") != plan.get("generation"):
             return {}
         return _figures(beat.get("metrics") or {})

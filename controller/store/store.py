@@ -384,6 +384,10 @@ class Store(Summaries, Reports):
     def rank_beats(self, node: str) -> dict[int, dict]:
         return self.rank_beats_of([node])[node]
 
+    def rank_beat_stored(self, node: str, local_rank: int) -> bool:
+        """Whether a heartbeat is stored for the rank, readable or not (skipped by the reads)."""
+        return bool(self.call(lambda: self.r.hexists(self.k(f"ranks:{node}"), str(local_rank))))
+
     # --- exits, exclusions, events, chaos ------------------------------------------------------
 
     def report_exit(self, record: dict) -> str:
