@@ -31,10 +31,15 @@ EVERY = 2
 SOAK = {"heartbeat_timeout_s": 6.0, "hang_timeout_s": 6.0, "flaky_failures": 100,
         "max_restarts": 20}
 # One OpenMP thread per rank: with torch's default (one thread per core) ranks on a 2-core
-# machine spin-wait for each other's cores. Not in the soak: its later faults wait on the
-# control plane (a rejoined spare's health check, the 5 s check that makes it a buddy) while
-# training runs on, and ranks that no longer spin finish STEPS before the sixth fault.
+# machine spin-wait for each other's cores.
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+# The seven-fault soak's later faults wait on the control plane (a rejoined spare's health
+# check, the 5 s check that makes it a buddy) while training runs on, and its `--at-step` leads
+# are in steps: its steps are paced by a sleep in every rank of every generation (0.5 s), not
+# by how fast the machine is. With spinning ranks doing the pacing instead it took twice the
+# CPU for the same wall time (358 s against 172 s, 250 s either way, at load 2).
+PACE = [{"kind": "slow_rank", "rank": r, "step": 0, "seconds": 0.5, "generation": g}
+        for r in range(3) for g in range(10)]
 
 
 def _events(store: Store, kind: str) -> list[dict]:
@@ -102,10 +107,10 @@ def test_seven_faults_in_a_row_each_recovered_from_the_right_state(tmp_path, red
                                                                       procs):
     run = tmp_path / "run"
     job = write_job(tmp_path / "job.yaml", run, steps=STEPS, memory_every=EVERY, batch_size=6,
-                    **SOAK)
+                    faults=PACE, **SOAK)
     store, url = Store(redis_server.url, "e2e"), redis_server.url
     for i in range(4):
-        _agent(procs, url, f"node{i}")
+        _agent(procs, url, f"node{i}", env=ONE_THREAD)
     wait_for(lambda: len(store.nodes()) == 4, 60, "four agents to register")
     procs.start("controller", "controller", str(job), "--nodes", "3", "--ranks-per-node", "1",
                 "--redis", url, "--exit-when-done")
@@ -131,7 +136,7 @@ def test_seven_faults_in_a_row_each_recovered_from_the_right_state(tmp_path, red
     plan = _recovered(store, 4)
 
     # node0 back under its own name: a spare, and the buddy of the nodes it can hold
-    _agent(procs, url, "node0", "agent-node0-again")
+    _agent(procs, url, "node0", "agent-node0-again", env=ONE_THREAD)
     _include(store, "node0")
     wait_for(lambda: store.plan()["buddies"]["node1"]["node"] == "node0", 60,
              "node0 to become node1's buddy")
@@ -142,7 +147,7 @@ def test_seven_faults_in_a_row_each_recovered_from_the_right_state(tmp_path, red
     _command(store, "node1", "kill_node")  # 5: its copy is on the rejoined node0
     plan = _recovered(store, 5)
     assert plan["nodes"] == ["node3", "node0", "node2"]
-    _agent(procs, url, "node1", "agent-node1-again")  # a spare again, for the bad tile
+    _agent(procs, url, "node1", "agent-node1-again", env=ONE_THREAD)  # a spare again
     _include(store, "node1")
     wait_for(lambda: store.plan()["buddies"]["node3"]["node"] == "node1", 60,
              "node1 to become a buddy")
