@@ -64,8 +64,8 @@ _POLL_S = 0.05
 # reproduce it (to 1e-6 relative: devices sum in other orders) and agree with itself bit for bit.
 _CHECK_SEED, _CHECK_SIZE = 1234, 256
 _CHECK_TIMEOUT_S = 60.0  # when a request names none
-_DETAIL_LIMIT = 2000  # characters of a bad result's detail: the result must fit in its pipe
-_RESULT_LIMIT = 1 << 16  # bytes read of a check's result (its child wrote it: still bounded)
+DETAIL_LIMIT = 2000  # characters of a bad result's detail: the result must fit in its pipe
+RESULT_LIMIT = 1 << 16  # bytes read of a check's result (a child wrote it: still bounded)
 
 
 def main() -> None:
@@ -356,7 +356,7 @@ def _run_check(node: str, corrupt: set[int], result_fd: int, inherited: list[int
         os.dup2(null, 0)
         os.close(null)
         result = check_tiles(node, corrupt)
-        result["health_detail"] = result["health_detail"][:_DETAIL_LIMIT]
+        result["health_detail"] = result["health_detail"][:DETAIL_LIMIT]
         os.write(result_fd, json.dumps(result).encode())  # a few KB: the pipe takes it whole
         code = 0
     except BaseException:
@@ -367,16 +367,16 @@ def _run_check(node: str, corrupt: set[int], result_fd: int, inherited: list[int
 
 
 def _drain(fd: int) -> bytes:
-    """What an ended child left in its pipe, at most _RESULT_LIMIT bytes, without waiting."""
+    """What an ended child left in its pipe, at most RESULT_LIMIT bytes, without waiting."""
     os.set_blocking(fd, False)
     data = b""
     with contextlib.suppress(BlockingIOError):
-        while len(data) <= _RESULT_LIMIT:
-            chunk = os.read(fd, _RESULT_LIMIT + 1 - len(data))
+        while len(data) <= RESULT_LIMIT:
+            chunk = os.read(fd, RESULT_LIMIT + 1 - len(data))
             if not chunk:
                 break
             data += chunk
-    return data[:_RESULT_LIMIT]
+    return data[:RESULT_LIMIT]
 
 
 def _accelerator_initialised() -> bool:

@@ -32,11 +32,9 @@ import sys
 import time
 
 from controller.node.spawn import Spawner, die_with_parent, rank_environment
-from optimus.warm import bad_result, check_tiles
+from optimus.warm import DETAIL_LIMIT, RESULT_LIMIT, bad_result, check_tiles
 
 CHECK_TIMEOUT_S = 120.0  # a tile's runtime takes seconds to start; a cold check imports torch
-_OUTPUT_LIMIT = 1 << 16  # bytes read of a fresh process's result (it is a few hundred)
-_DETAIL_LIMIT = 2000  # characters of a detail kept (optimus/warm.py's child cuts it there too)
 _FIELDS = {"ok": {"devices", "device_kind", "health", "health_detail", "ok_at"},
            "bad": {"devices", "health", "health_detail"}}
 
@@ -67,7 +65,7 @@ def valid_result(node: str, answer, source: str) -> dict:
             shaped = (shaped and detail == "" and answer["device_kind"] in ("cpu", "cuda", "xpu")
                       and isinstance(answer["ok_at"], float) and math.isfinite(answer["ok_at"]))
         if shaped:
-            return {**answer, "health_detail": detail[:_DETAIL_LIMIT]}
+            return {**answer, "health_detail": detail[:DETAIL_LIMIT]}
     return bad_result(node, f"{source} gave no health check result")
 
 
@@ -113,8 +111,8 @@ def _output(proc: subprocess.Popen, timeout_s: float) -> tuple[bytes, str | None
             if not chunk:
                 break
             output += chunk
-            if len(output) > _OUTPUT_LIMIT:
-                return output, f"the check's process wrote over {_OUTPUT_LIMIT} bytes"
+            if len(output) > RESULT_LIMIT:
+                return output, f"the check's process wrote over {RESULT_LIMIT} bytes"
     try:  # its output closed: it is exiting
         proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
     except subprocess.TimeoutExpired:
