@@ -40,7 +40,7 @@ class Commands:
                             f"{str(tile)[:32]!r} is no tile index", fault="bad_tile")
                 return
             self.corrupt_tiles.add(tile)
-            self._event("chaos", f"chaos on {self.node}: tile {command.get('tile', 0)} now "
+            self._event("chaos", f"chaos on {self.node}: tile {tile} now "
                         "computes wrong results (seen by the next health check)",
                         fault="bad_tile")
         else:

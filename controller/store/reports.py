@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import re
 
+from controller.store import decode
+
 
 class Reports:
     """The snapshot and stack records of `Store` (mixed into it: uses its `r`, `k`, `call` and
@@ -54,11 +56,8 @@ class Reports:
         for n, v in raw.items():
             if not self.names.keep(n.partition("@")[0]):
                 continue
-            try:
-                report = json.loads(v)
-            except ValueError:
-                continue
-            if isinstance(report, dict):
+            report = decode.record(v)
+            if report is not None:
                 out[n] = report
         return out
 
