@@ -6,9 +6,9 @@
 VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
-# Test workers (pytest-xdist; 0: one process, what CI runs). Two gain little on two cores (the
-# suite is mostly CPU: real ranks) and one of two runs in them timed out a start (docs/benchmarks.md).
-TEST_WORKERS ?= 0
+# Test workers (pytest-xdist; what CI runs). Each takes the next test when it is free, the
+# longest first (tests/conftest.py); 0 runs the suite in this process (docs/benchmarks.md).
+TEST_WORKERS ?= 2
 
 .PHONY: venv promtool redis-sentinel slurm helm demo test test-fast audit mutate lint bench gpu-wheels clean
 
@@ -62,7 +62,7 @@ helm: venv
 
 test: venv promtool redis-sentinel slurm helm
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -n $(TEST_WORKERS)
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1
 
 # The development tier: every test that starts no process (tests/conftest.py), in ~1 minute.
 test-fast: venv

@@ -77,6 +77,12 @@ def main() -> None:
     import optimus.train  # noqa: F401  (the point: every import a rank would do, done once)
     from optimus.cli import main as optimus_main
 
+    serve(optimus_main)
+
+
+def serve(optimus_main) -> None:
+    """Answer the agent's requests on stdin (replies on stdout) until its end of input: the
+    warm process past its imports. A line that is no JSON object is skipped."""
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # stray prints must not corrupt the replies
     _reply(replies, {"ready": True})
@@ -91,7 +97,12 @@ def main() -> None:
             pending += data
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
-                request = json.loads(line)
+                try:
+                    request = json.loads(line)
+                except ValueError:
+                    request = None
+                if not isinstance(request, dict):
+                    continue  # the agent writes only objects: nothing to answer
                 # What a child must not keep: the agent's end-of-file on the replies means
                 # that this process has ended, and another check's pipe is not its business.
                 inherited = [replies.fileno(), *(c.fd for c in checks.values())]

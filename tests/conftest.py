@@ -6,13 +6,21 @@ that needs none, decided by what each test does rather than by a list kept by ha
 the whole suite (`make test`).
 """
 
+import contextlib
+import json
 import multiprocessing.process
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+# One OpenMP thread in every process the suite starts (ranks, agents' warm processes, the
+# pytest process itself: set before anything imports torch, which fixes its count at import).
+# torch's default of a thread per core makes two ranks on two cores spin-wait for each other's
+# cores; a reference run and the faulted run it is compared with then use the same count.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
 
 # Make `optimus` importable without installing it; rank processes inherit this sys.path.
 ROOT = str(Path(__file__).resolve().parents[1])
@@ -68,11 +76,65 @@ def pytest_runtest_protocol(item, nextitem):
          os.fork) = saved
 
 
+# The files whose tests take longest (measured: docs/benchmarks.md), started first: with
+# `--dist load --maxschedchunk 1` (make test) each worker takes the next test when it is free,
+# so the longest begin at once and the short ones fill the gaps, instead of a several-minute
+# scenario starting last and running alone. A file not named here only starts later.
+LONGEST_FIRST = ("test_chaos_soak", "test_readme", "test_pbs", "test_compile", "test_slurm",
+                 "test_memory_recovery", "test_sentinel", "test_detection", "test_control_plane",
+                 "test_torch_compat", "test_operator", "test_clean_exit", "test_health")
+
+
+def pytest_collection_modifyitems(config, items):
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.stem, len(order)))  # stable: file order
+
+
 def pytest_configure(config):
     # optimus.runtime.dims names dp as a flattened mesh dim; torch 2.13 warns when it is sliced.
     config.addinivalue_line(
         "filterwarnings", "ignore:Slicing a flattened dim from root mesh:UserWarning"
     )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_server(request, tmp_path_factory):
+    """One warm server per test process (tests/warm_zygote.py): every agent the suite starts
+    forks its warm process from it instead of paying the trainer's imports again (~5 s of CPU
+    each). Agents started before it is listening, and tests that take the variables out of
+    an agent's environment, get a fresh warm process, as in production."""
+    if request.config.getoption("fast"):
+        yield None
+        return
+    path = f"/tmp/optimus-warm-{os.getpid()}.sock"  # short: an AF_UNIX path is <= 107 bytes
+    log = tmp_path_factory.mktemp("warm-server") / "server.log"
+    with open(log, "ab") as out:
+        server = subprocess.Popen([sys.executable, str(Path(__file__).with_name(
+            "warm_zygote.py")), path], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True)
+    os.environ[WARM_COMMAND] = json.dumps([sys.executable,
+                                           str(Path(__file__).with_name("warm_client.py"))])
+    os.environ[WARM_SERVER] = path
+    try:
+        yield server
+    finally:
+        os.environ.pop(WARM_COMMAND, None)
+        os.environ.pop(WARM_SERVER, None)
+        server.kill()
+        server.wait()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+WARM_COMMAND, WARM_SERVER = "OPTIMUS_WARM_COMMAND", "OPTIMUS_TEST_WARM_SERVER"
+
+
+@pytest.fixture
+def fresh_warm(monkeypatch):
+    """For a test that inspects warm processes (their parent, cmdline, environment) or every
+    process a run leaves: agents and spawners it starts get the real `python -m optimus.warm`."""
+    monkeypatch.delenv(WARM_COMMAND, raising=False)
+    monkeypatch.delenv(WARM_SERVER, raising=False)
 
 
 @pytest.fixture

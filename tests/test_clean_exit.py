@@ -24,6 +24,10 @@ from multiproc import free_port
 from controller.node.spawn import Spawner
 from optimus.checkpoint.manifest import committed_steps
 
+# These tests look at warm processes themselves (parents, command lines, maps): the real
+# `python -m optimus.warm`, not one forked by the test session's warm server (conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_warm")
+
 STEPS = 8
 FORBIDDEN = ("Traceback", "terminate called", "EOFError", "Waiting for checkpoint save request",
              "DeviceMesh")

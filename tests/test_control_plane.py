@@ -205,6 +205,7 @@ def test_redis_restarted_empty_agents_reregister_and_the_job_continues(redis_ser
     assert steps == list(range(1, 81)) and step_before < 80
 
 
+@pytest.mark.usefixtures("fresh_warm")  # every process of the run is looked for by what it holds
 def test_ctrl_c_stops_the_run_with_a_committed_checkpoint_and_leaves_no_process(tmp_path):
     run = tmp_path / "run"
     job = write_job(tmp_path / "job.yaml", run, steps=10_000, async_mode="process")

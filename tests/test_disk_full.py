@@ -21,9 +21,11 @@ import errno
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -72,22 +74,26 @@ class Disk:
 
 
 @pytest.fixture(params=["tmpfs", "fsize"])
-def disk(request, tmp_path):
-    root = tmp_path / "disk"
-    root.mkdir()
-    if request.param == "fsize":
-        d = Disk(root, "fsize")
-        yield d
-        d.free()
-        return
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0755", "tmpfs",
-                           str(root)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+def disk(request):
+    # A short folder of its own, not under tmp_path: the agent binds its socket in it, and an
+    # AF_UNIX path holds at most 107 bytes (pytest-xdist's tmp_path alone takes ~70).
+    root = Path(tempfile.mkdtemp(prefix="optimus-disk-"))
     try:
-        yield Disk(root, "tmpfs")
+        if request.param == "fsize":
+            d = Disk(root, "fsize")
+            yield d
+            d.free()
+            return
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0755", "tmpfs",
+                               str(root)], capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        try:
+            yield Disk(root, "tmpfs")
+        finally:
+            subprocess.run(["umount", str(root)], check=True)
     finally:
-        subprocess.run(["umount", str(root)], check=True)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def disk_events(store: Store) -> list[dict]:

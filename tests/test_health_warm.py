@@ -19,6 +19,10 @@ from controller.node.spawn import Spawner, WarmRank
 from controller.store.store import Store
 from optimus.warm import check_tiles
 
+# These tests look at warm processes themselves (parents, command lines, maps): the real
+# `python -m optimus.warm`, not one forked by the test session's warm server (conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_warm")
+
 OK_FIELDS = {"devices", "device_kind", "health", "health_detail", "ok_at"}
 BAD_FIELDS = {"devices", "health", "health_detail"}
 

@@ -72,6 +72,7 @@ def _files(folder: Path) -> list[Path]:
 
 # --- a real `optimus run` -----------------------------------------------------------------------
 
+@pytest.mark.usefixtures("fresh_warm")  # the warm processes' own environments are read
 def test_optimus_run_shows_no_secret_anywhere_and_its_redis_wants_the_password(tmp_path):
     run = tmp_path / "run"
     job = write_job(tmp_path / "job.yaml", run, name="secrets", steps=12, stop_grace_s=5.0)

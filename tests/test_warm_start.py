@@ -20,6 +20,10 @@ from multiproc import free_port
 
 from controller.node.spawn import Spawner, WarmRank
 
+# These tests look at warm processes themselves (parents, command lines, maps): the real
+# `python -m optimus.warm`, not one forked by the test session's warm server (conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_warm")
+
 
 @pytest.fixture
 def spawner():

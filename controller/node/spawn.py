@@ -42,6 +42,7 @@ from pathlib import Path
 log = logging.getLogger("optimus.agent")
 
 WARM_ENV = "OPTIMUS_WARM_START"
+WARM_COMMAND_ENV = "OPTIMUS_WARM_COMMAND"
 AGENT_ONLY = ("OPTIMUS_SNAPSHOT_SECRET", "OPTIMUS_SNAPSHOT_SECRET_FILE")  # and REDIS_*
 MODES = ("fork", "standby", "cold")
 _PR_SET_PDEATHSIG = 1
@@ -79,6 +80,28 @@ def rank_environment(env) -> dict[str, str]:
     """`env` without what only the agent may hold: REDIS_URL and every REDIS_* variable (the
     password), the snapshot secret and its file."""
     return {k: v for k, v in env.items() if not k.startswith("REDIS_") and k not in AGENT_ONLY}
+
+
+def warm_command() -> list[str]:
+    """The command that starts the warm process: `python -m optimus.warm`, or the words of
+    OPTIMUS_WARM_COMMAND (a JSON list), which must end up serving optimus/warm.py's protocol on
+    its stdin and stdout: a wrapper that pins it to the cores the ranks should use (`numactl`,
+    `taskset`), or the test suite's, which forks it from one process per test session that has
+    imported the trainer already (tests/warm_zygote.py). A value that is no such list is said
+    and the default used."""
+    default = [sys.executable, "-m", "optimus.warm"]
+    raw = os.environ.get(WARM_COMMAND_ENV, "").strip()
+    if not raw:
+        return default
+    try:
+        words = json.loads(raw)
+    except ValueError:
+        words = None
+    if not (isinstance(words, list) and words and all(isinstance(w, str) and w for w in words)):
+        log.warning("%s is not a JSON list of words; the warm process starts as %s",
+                    WARM_COMMAND_ENV, " ".join(default[1:]))
+        return default
+    return words
 
 
 def start_mode(device_kind: str | None) -> str:
@@ -250,7 +273,7 @@ class Spawner:
     def _start_warm(self) -> None:
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "optimus.warm"], env=rank_environment(os.environ),
+                warm_command(), env=rank_environment(os.environ),
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
                 preexec_fn=die_with_parent)
         except OSError as e:

@@ -1,0 +1,137 @@
+"""The test session's warm server: it imports the trainer once and forks every agent's warm
+process (optimus/warm.py) from itself, instead of each agent starting a fresh one.
+
+Every agent the suite starts (control plane, operator, Slurm, PBS, `optimus run` tests) starts a
+warm process, which imports torch and the trainer: ~5 s of CPU each, several times a test, on
+a two-core machine. tests/conftest.py starts this server once per test process and sets
+OPTIMUS_WARM_COMMAND (controller/node/spawn.py) to `python tests/warm_client.py`, which hands
+the agent's pipes to this server and stays as the agent's handle on the warm process. What the
+warm process then does is optimus/warm.py's own `serve`, unchanged: only how it got past its
+imports differs. Whatever the server cannot give exactly what a fresh warm process would be
+(another interpreter, another PYTHONPATH, another thread count or device setting: anything
+read at import), the client starts the real `python -m optimus.warm` instead.
+
+    python tests/warm_zygote.py SOCKET_PATH
+
+Protocol: a client connects, sends one JSON line {"env", "cwd"} with its stdin and stdout as
+SCM_RIGHTS; the server answers {"pid"} of the warm process it forked (which serves on those
+two descriptors), or {"refused": why}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+# What is read at import (by Python, torch, OpenMP or a device runtime): a client whose value
+# differs from this server's gets a fresh warm process, never this server's imports.
+AT_IMPORT = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH", "CUDA", "LD_", "XPU",
+             "ZE_", "ONEAPI")
+REQUEST_LIMIT = 1 << 20  # bytes of one request (an environment)
+
+
+BEFORE = dict(os.environ)  # this server's environment before its imports (which set some)
+
+
+def differs(env: dict[str, str]) -> list[str]:
+    keys = {k for k in (*env, *BEFORE) if k.startswith(AT_IMPORT)}
+    return sorted(k for k in keys if env.get(k) != BEFORE.get(k))
+
+
+def imports_set() -> dict[str, str]:
+    """What the imports put into the environment, as a fresh warm process's would too."""
+    return {k: v for k, v in os.environ.items() if BEFORE.get(k) != v}
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    data, fds, _, _ = socket.recv_fds(conn, REQUEST_LIMIT, 2)
+    while not data.endswith(b"\n") and len(data) < REQUEST_LIMIT:
+        more = conn.recv(REQUEST_LIMIT - len(data))
+        if not more:
+            break
+        data += more
+    return json.loads(data), fds
+
+
+def _become_warm(request: dict, fds: list[int], optimus_main) -> None:
+    """In the forked child: the warm process of the client's agent (never returns)."""
+    from optimus import warm
+
+    code = 1
+    try:
+        os.setsid()  # as the agent's Popen(start_new_session=True) would
+        os.dup2(fds[0], 0)
+        os.dup2(fds[1], 1)
+        for fd in fds:
+            os.close(fd)
+        os.chdir(request["cwd"])
+        added = imports_set()
+        os.environ.clear()
+        os.environ.update({**request["env"], **added})
+        sys.path[0] = request["cwd"]  # as `python -m optimus.warm` started there has it
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        warm.serve(optimus_main)
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def main() -> None:
+    path = sys.argv[1]
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository, not tests/
+    import optimus.train  # noqa: F401  (what the warm process would import, done once)
+    from optimus.cli import main as optimus_main
+
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(64)
+    server.settimeout(0.5)
+    while True:
+        _reap()
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            continue
+        fds: list[int] = []
+        with conn:
+            conn.settimeout(10)
+            try:
+                request, fds = _receive(conn)
+                env = request["env"]
+                why = ("two descriptors" if len(fds) != 2 else
+                       f"{', '.join(differs(env))} differ" if differs(env) else None)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                why = f"an unreadable request ({e})"
+            if why is not None:
+                answer = {"refused": why}
+            else:
+                pid = os.fork()
+                if pid == 0:
+                    server.close()
+                    _become_warm(request, fds, optimus_main)
+                answer = {"pid": pid}
+            for fd in fds:
+                os.close(fd)
+            with contextlib.suppress(OSError):  # the client is gone: its warm process too
+                conn.sendall((json.dumps(answer) + "\n").encode())
+
+
+if __name__ == "__main__":
+    main()
