@@ -24,6 +24,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The test session's warm server (tests/conftest.py, tests/warm_zygote.py): the command every
+# agent starts its warm process with, and where that command finds the server.
+WARM_COMMAND, WARM_SERVER = "OPTIMUS_WARM_COMMAND", "OPTIMUS_TEST_WARM_SERVER"
+
 class RedisServer:
     """redis-server on a free loopback port, no persistence: a restart comes back empty."""
 

@@ -28,7 +28,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import multiproc  # noqa: E402
-from cluster import Processes, RedisServer  # noqa: E402
+from cluster import WARM_COMMAND, WARM_SERVER, Processes, RedisServer  # noqa: E402
 
 
 def pytest_addoption(parser):
@@ -124,9 +124,6 @@ def warm_server(request, tmp_path_factory):
         server.wait()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-
-
-WARM_COMMAND, WARM_SERVER = "OPTIMUS_WARM_COMMAND", "OPTIMUS_TEST_WARM_SERVER"
 
 
 @pytest.fixture
