@@ -6,7 +6,7 @@
 VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
-# Test workers (pytest-xdist; what CI runs). Each takes the next test when it is free, the
+# Test workers (pytest-xdist; what CI runs). Each takes the next file when it is free, the
 # longest first (tests/conftest.py); 0 runs the suite in this process (docs/benchmarks.md).
 TEST_WORKERS ?= 2
 
@@ -62,7 +62,7 @@ helm: venv
 
 test: venv promtool redis-sentinel slurm helm
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The development tier: every test that starts no process (tests/conftest.py), in ~1 minute.
 test-fast: venv

@@ -77,12 +77,16 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 # The files whose tests take longest (measured: docs/benchmarks.md), started first: with
-# `--dist load --maxschedchunk 1` (make test) each worker takes the next test when it is free,
-# so the longest begin at once and the short ones fill the gaps, instead of a several-minute
-# scenario starting last and running alone. A file not named here only starts later.
-LONGEST_FIRST = ("test_chaos_soak", "test_readme", "test_pbs", "test_compile", "test_slurm",
-                 "test_memory_recovery", "test_sentinel", "test_detection", "test_control_plane",
-                 "test_torch_compat", "test_operator", "test_clean_exit", "test_health")
+# `--dist loadfile --no-loadscope-reorder` (make test) each worker takes the next file when it
+# is nearly free, so the longest begin at once and the short ones fill the gaps, instead of a
+# several-minute file starting last and running alone. A file stays in one worker: its tests
+# share module-scoped set-up (a live job that later tests build on, a Slurm cluster). A file
+# not named here only starts later.
+LONGEST_FIRST = ("test_compile", "test_detection", "test_chaos_soak", "test_control_plane",
+                 "test_readme", "test_moe", "test_memory_recovery", "test_operator",
+                 "test_checkpoint_resume", "test_parallel_matrix", "test_slurm", "test_clean_exit",
+                 "test_pbs", "test_health", "test_precision", "test_health_warm",
+                 "test_torch_compat", "test_trust_secrets")
 
 
 def pytest_collection_modifyitems(config, items):

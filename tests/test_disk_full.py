@@ -73,27 +73,30 @@ class Disk:
             (self.root / name).unlink(missing_ok=True)
 
 
-@pytest.fixture(params=["tmpfs", "fsize"])
-def disk(request):
-    # A short folder of its own, not under tmp_path: the agent binds its socket in it, and an
-    # AF_UNIX path holds at most 107 bytes (pytest-xdist's tmp_path alone takes ~70).
+@pytest.fixture
+def short_dir():
+    """A folder of its own, not under tmp_path: an agent binds its socket in it, and an AF_UNIX
+    path holds at most 107 bytes (pytest-xdist's tmp_path alone takes ~70)."""
     root = Path(tempfile.mkdtemp(prefix="optimus-disk-"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(params=["tmpfs", "fsize"])
+def disk(request, short_dir):
+    if request.param == "fsize":
+        d = Disk(short_dir, "fsize")
+        yield d
+        d.free()
+        return
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0755", "tmpfs",
+                           str(short_dir)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
-        if request.param == "fsize":
-            d = Disk(root, "fsize")
-            yield d
-            d.free()
-            return
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0755", "tmpfs",
-                               str(root)], capture_output=True, text=True)
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-        try:
-            yield Disk(root, "tmpfs")
-        finally:
-            subprocess.run(["umount", str(root)], check=True)
+        yield Disk(short_dir, "tmpfs")
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        subprocess.run(["umount", str(short_dir)], check=True)
 
 
 def disk_events(store: Store) -> list[dict]:
@@ -209,9 +212,8 @@ def test_the_agent_supervises_on_while_its_ranks_control_file_cannot_be_written(
 
 
 def test_a_control_file_is_never_written_through_a_fixed_temporary_name(
-        redis_server, tmp_path, monkeypatch):
-    (tmp_path / "sockets").mkdir()
-    agent, store = _agent(redis_server, tmp_path, tmp_path / "sockets", monkeypatch)
+        redis_server, tmp_path, short_dir, monkeypatch):
+    agent, store = _agent(redis_server, tmp_path, short_dir, monkeypatch)
     with closing(agent):
         agent.control_path.with_suffix(".tmp").mkdir()
         store.set_control({"checkpoint": 3})
