@@ -48,16 +48,6 @@ def imports_set() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if BEFORE.get(k) != v}
 
 
-def _reap() -> None:
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
     data, fds, _, _ = socket.recv_fds(conn, REQUEST_LIMIT, 2)
     while not data.endswith(b"\n") and len(data) < REQUEST_LIMIT:
@@ -95,6 +85,7 @@ def main() -> None:
     path = sys.argv[1]
     sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository, not tests/
     import optimus.train  # noqa: F401  (what the warm process would import, done once)
+    from optimus import warm
     from optimus.cli import main as optimus_main
 
     with contextlib.suppress(FileNotFoundError):
@@ -104,7 +95,8 @@ def main() -> None:
     server.listen(64)
     server.settimeout(0.5)
     while True:
-        _reap()
+        for _ in warm._reaped():  # warm processes that ended (their agents are gone)
+            pass
         try:
             conn, _ = server.accept()
         except TimeoutError:
