@@ -30,6 +30,8 @@ if ROOT not in sys.path:
 import multiproc  # noqa: E402
 from cluster import WARM_COMMAND, WARM_SERVER, Processes, RedisServer  # noqa: E402
 
+from controller.node.spawn import die_with_parent  # noqa: E402
+
 
 def pytest_addoption(parser):
     parser.addoption("--fast", action="store_true",
@@ -115,7 +117,8 @@ def warm_server(request, tmp_path_factory):
     with open(log, "ab") as out:
         server = subprocess.Popen([sys.executable, str(Path(__file__).with_name(
             "warm_zygote.py")), path], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out,
-            stderr=subprocess.STDOUT, start_new_session=True)
+            stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=die_with_parent)  # never outlives a test process killed outright
     os.environ[WARM_COMMAND] = json.dumps([sys.executable,
                                            str(Path(__file__).with_name("warm_client.py"))])
     os.environ[WARM_SERVER] = path
