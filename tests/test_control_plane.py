@@ -332,9 +332,10 @@ def test_the_checkpoint_named_is_the_one_the_ranks_load_and_corrupt_ones_are_set
         redis_server, tmp_path):
     run = tmp_path / "run"
     ckpts = run / "checkpoints"
-    # Rank 0 slows down once step 15 is saved: time for the test to damage it before the kill.
+    # Rank 0 slows down once step 15 is saved (2 s a step): time for the test to damage it and
+    # for the kill to arrive before step 20 is saved, however loaded the machine.
     job = write_job(tmp_path / "job.yaml", run, steps=25, faults=[
-        {"kind": "slow_rank", "rank": 0, "step": 16, "seconds": 0.2, "generation": 0}])
+        {"kind": "slow_rank", "rank": 0, "step": 16, "seconds": 2.0, "generation": 0}])
     p = subprocess.Popen([sys.executable, "-m", "controller", "run", str(job), "--nodes", "2",
                           "--ranks-per-node", "1", "--spares", "1", "--set",
                           "checkpoint.interval=5"], cwd=ROOT,
