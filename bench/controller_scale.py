@@ -282,6 +282,7 @@ class Size:
         # longer: a pause past the hang threshold looks like a stall to the next tick.
         while (self.store.sweep([victim]).agent_beats.get(victim) or 0) < resumed:
             time.sleep(0.05)
+            self.ctl.relay.run(self.store.plan())  # its beat reaches `agents` through the relay
         self.restore()
 
     def stalled_rank(self) -> None:

@@ -11,11 +11,13 @@ import socket
 import time
 from dataclasses import dataclass
 from unittest import mock
+from urllib.parse import unquote, urlsplit
 
 import hiredis
 import redis
 
-import controller.store.store as store_module
+import controller.store.own as own_module
+from controller.store.own import row_text
 from controller.store.store import Store, prefix
 from controller.store.summaries import NodeSummary
 
@@ -31,6 +33,7 @@ GRAD_SYNC_AT = 0.85
 BEAT_FIELDS = ("v", "rank", "local_rank", "pid", "generation", "time", "step", "phase",
                "phase_since", "compute_s", "wait_s", "finite", "seq", "metrics", "received")
 MAX_BATCH = 64  # nodes in one pipeline
+INFO_TOKEN = 1  # the record token of every simulated node's row (tick_commands)
 # The control block shared with the workers (doubles).
 STOP, STOPPED_AT, STALL_RANK, STALL_STEP, STALL_AT, QUIT = range(6)
 
@@ -44,31 +47,28 @@ def node_name(i: int) -> str:
 def tick_commands(p: str, node: str, status: tuple, beats: list[str], deadline: float,
                   summary: NodeSummary, now: float) -> list[tuple]:
     """The commands of `Store.agent_tick` for one node (reset_ranks False, a deadline, a
-    summary); `check_commands` holds them to agent_tick's own."""
+    summary), all under the node's own keys but the plan's stamp, its command list and the
+    control word; `check_commands` holds them to agent_tick's own. The row's record token is
+    INFO_TOKEN: the controller reads each node's record once, as after a registration."""
     ranks = [x for lr, beat in enumerate(beats) for x in (str(lr), beat)]
-    return [("ZADD", p + "agents", now, node),
-            status,  # ("HSET", agent:<node>, field, text, ...): the same every tick
-            ("HSET", f"{p}ranks:{node}", *ranks),
-            ("ZADD", p + "beats", deadline, node),
-            ("ZADD", p + "steps", summary.max_step, node),
-            ("ZADD", p + "paused", summary.paused, node),
-            ("ZADD", p + "minsteps", summary.min_step, node),
-            ("ZADD", p + "outside", summary.outside, node),
-            ("ZADD", p + "oldest", summary.oldest_beat, node),
-            ("ZADD", p + "compute", summary.compute_s, node),
-            ("ZREM", p + "peak_allocated", node),  # no peak memory reported by these ranks
-            ("ZREM", p + "peak_reserved", node),
-            ("SREM", p + "nonfinite", node),
+    row = row_text({"info": INFO_TOKEN, "beat": now, "deadline": deadline,
+                    "max_step": summary.max_step, "min_step": summary.min_step,
+                    "outside": summary.outside, "nonfinite": summary.nonfinite,
+                    "compute_s": summary.compute_s, "paused": summary.paused,
+                    "oldest": summary.oldest_beat})
+    return [status,  # ("HSET", node:<node>:status, field, text, ...): the same every tick
+            ("HSET", f"{p}node:{node}:ranks", *ranks),
+            ("SET", f"{p}node:{node}:row", row),
             ("GET", p + "plan:stamp"),
             ("LPOP", f"{p}commands:{node}", 100),
-            ("HEXISTS", p + "nodes", node),
+            ("EXISTS", f"{p}node:{node}:info"),
             ("GET", p + "control")]
 
 
 def status_command(p: str, node: str, i: int) -> tuple:
-    """HSET agent:<node> with what the agent's `_tick` sends for a generation it runs."""
+    """HSET node:<node>:status with what the agent's `_tick` sends for a generation it runs."""
     pids = json.dumps([pid_of(i * RPN + lr) for lr in range(RPN)])
-    return ("HSET", f"{p}agent:{node}", "generation", "0", "state", "running",
+    return ("HSET", f"{p}node:{node}:status", "generation", "0", "state", "running",
             "live_ranks", str(RPN), "host", f"host{i}", "pids", pids,
             "rank_states", json.dumps({"training": RPN}))
 
@@ -111,7 +111,8 @@ def check_commands(url: str, plan: dict) -> None:
 
     store = Store(url, JOB)
     store.r = mock.Mock(pipeline=lambda transaction=True: Deferred())
-    with mock.patch.object(store_module, "time", mock.Mock(time=lambda: now)):
+    store._rows = {node: {"info": INFO_TOKEN}}  # as the simulator's rows carry it
+    with mock.patch.object(own_module, "time", mock.Mock(time=lambda: now)):
         store.agent_tick(node, status, {lr: json.loads(b) for lr, b in enumerate(beats)},
                          now - 0.3 - 0.11 + TIMEOUT_S, False, summary)
     theirs = [hiredis.pack_command(tuple(args)) for args, _ in recorded.command_stack]
@@ -151,10 +152,13 @@ class Agents:
         # The agent's summary: the slowest rank's median compute time (each rank's is fixed).
         self.slowest = [max(self.compute[(i - lo) * RPN:(i - lo + 1) * RPN])
                         for i in range(lo, hi)]
-        host, port = spec.url.split("//")[1].split("/")[0].split(":")
-        self.sock = socket.create_connection((host, int(port)))
+        url = urlsplit(spec.url)  # start_redis's: a password even on loopback
+        self.sock = socket.create_connection((url.hostname, url.port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.reader = hiredis.Reader()
+        if url.password:
+            self.send([hiredis.pack_command(("AUTH", unquote(url.username or "default"),
+                                             unquote(url.password)))])
 
     def run(self) -> None:
         c, n, spec = self.control, self.hi - self.lo, self.spec

@@ -204,6 +204,44 @@ def train_ranks(job: Path, world: int, *, timeout: float = 120, env: dict | None
 TIMEOUT_SLACK = 3.0
 
 
+def relay(store, plan: dict | None = None) -> list[tuple[str, str]]:
+    """One pass of the leading controller's relay (controller/control/relay.py): what agents
+    wrote under their nodes' own keys, into the job-wide records the readers read. The
+    refusals it said, as (kind, message)."""
+    from controller.control.relay import Relay
+
+    said: list[tuple[str, str]] = []
+    Relay(store, lambda kind, message, **fields: said.append((kind, message))).run(
+        plan if plan is not None else store.plan())
+    return said
+
+
+@contextlib.contextmanager
+def relaying(url: str, job: str, interval_s: float = 0.1):
+    """The leading controller's relay alone, every `interval_s` on a thread, for a test whose
+    agents run with no controller: their records, events and exits reach the job-wide keys
+    the store reads (controller/control/relay.py)."""
+    import threading
+
+    from controller.control.relay import Relay
+    from controller.store.store import Store, StoreUnavailable
+
+    store, done = Store(url, job), threading.Event()
+    passes = Relay(store, lambda kind, message, **fields: None)
+
+    def loop():
+        while not done.wait(interval_s):
+            with contextlib.suppress(StoreUnavailable):
+                passes.run(store.plan())
+    thread = threading.Thread(target=loop, name="relay", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
     """Poll `predicate` until it returns something true (returned), for at most `timeout` x
     TIMEOUT_SLACK seconds."""

@@ -28,7 +28,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import multiproc  # noqa: E402
-from cluster import WARM_COMMAND, WARM_SERVER, Processes, RedisServer  # noqa: E402
+from cluster import WARM_COMMAND, WARM_SERVER, Processes, RedisServer, relaying  # noqa: E402
 
 from controller.node.spawn import die_with_parent  # noqa: E402
 
@@ -153,6 +153,14 @@ def redis_server(tmp_path):
     server = RedisServer(tmp_path)
     yield server
     server.stop()
+
+
+@pytest.fixture
+def relayed(redis_server):
+    """`relayed(job)`: the controller's relay for a job whose agents run with no controller
+    (tests/cluster.py `relaying`), until the test ends."""
+    with contextlib.ExitStack() as stack:
+        yield lambda job: stack.enter_context(relaying(redis_server.url, job))
 
 
 @pytest.fixture

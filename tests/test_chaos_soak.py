@@ -11,6 +11,7 @@ audit is clean and every step's loss equals an unfaulted run's.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster import ROOT, Processes, metrics, train_ranks, wait_for, write_job
+from cluster import ROOT, Processes, metrics, relay, train_ranks, wait_for, write_job
 
 from controller.control.recovery import memory_point
 from controller.store.store import Store
@@ -111,7 +112,8 @@ def test_seven_faults_in_a_row_each_recovered_from_the_right_state(tmp_path, red
     store, url = Store(redis_server.url, "e2e"), redis_server.url
     for i in range(4):
         _agent(procs, url, f"node{i}", env=ONE_THREAD)
-    wait_for(lambda: len(store.nodes()) == 4, 60, "four agents to register")
+    wait_for(lambda: relay(store) is not None and len(store.nodes()) == 4, 60,
+             "four agents to register")  # relayed as the controller would: it starts after
     procs.start("controller", "controller", str(job), "--nodes", "3", "--ranks-per-node", "1",
                 "--redis", url, "--exit-when-done")
     plan = _recovered(store, 0)
@@ -222,7 +224,8 @@ def test_a_node_back_under_its_own_name_keeps_the_proof_of_what_it_held(tmp_path
     store, url = Store(redis_server.url, "e2e"), redis_server.url
     for i in range(2):
         _agent(procs, url, f"node{i}", env=ONE_THREAD)
-    wait_for(lambda: len(store.nodes()) == 2, 60, "two agents to register")
+    wait_for(lambda: relay(store) is not None and len(store.nodes()) == 2, 60,
+             "two agents to register")  # relayed as the controller would: it starts after
     controller = procs.start("controller", "controller", str(job), "--nodes", "2",
                              "--ranks-per-node", "1", "--redis", url, "--exit-when-done")
     plan = _recovered(store, 0)
@@ -233,9 +236,12 @@ def test_a_node_back_under_its_own_name_keeps_the_proof_of_what_it_held(tmp_path
         _command(store, "node0", "kill_node")
         procs.procs["agent-node0"].wait(timeout=30)
         _agent(procs, url, "node0", "agent-node0-again", env=ONE_THREAD)
-        wait_for(lambda: any(k.startswith("node0@") for k in store.snapshots()), 60,
+        # In node0's own record: the controller that would relay it is stopped.
+        wait_for(lambda: any(k.startswith("@") for k in
+                             store.r.hkeys(store.k("node:node0:snapshots"))), 60,
                  "node0's new incarnation to report")
-        assert not store.snapshots()["node0"]["held"]  # what it held went with it
+        now = json.loads(store.r.hget(store.k("node:node0:snapshots"), "now"))
+        assert not now["held"]  # what it held went with it
     finally:
         os.killpg(controller.pid, signal.SIGCONT)
     controller.wait(timeout=240)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cluster import write_job
+from cluster import relay, write_job
 
 from controller.control.controller import Controller, settings_for
 from controller.control.journal import read_journal
@@ -100,6 +100,7 @@ def disk(request, short_dir):
 
 
 def disk_events(store: Store) -> list[dict]:
+    relay(store)  # an agent's events, from its node's own stream: the controller's part
     return [e for _, e in store.events(count=1000) if e.get("kind") == "disk"]
 
 
@@ -269,6 +270,7 @@ def test_ranks_told_not_to_save_are_killed_while_the_disk_refuses_that_word(
         finally:
             disk.free()
     assert not saved.exists()
+    relay(store)
     (stop,) = [e for _, e in store.events(count=100) if e.get("kind") == "stop"]
     assert stop["message"] == ("rank 0 on n0 killed, not stopped: the word not to save could "
                                "not be written (disk)")

@@ -51,9 +51,11 @@ def _messages(store: Store, kind: str) -> list[str]:
 
 
 @pytest.mark.parametrize("mode", ["fork", "cold"])
-def test_the_agent_checks_its_tiles_without_ever_mapping_torch(mode, redis_server, procs):
+def test_the_agent_checks_its_tiles_without_ever_mapping_torch(mode, redis_server, procs,
+                                                               relayed):
     """Registration, a check on demand and a bad tile's check: the same results as ever, and
     no libtorch in the agent's memory; with a warm process, torch is mapped there instead."""
+    relayed("hw")
     agent = procs.start("agent", "agent", "--job", "hw", "--node", "node0", "--redis",
                         redis_server.url, "--interval", "0.25", env={"OPTIMUS_WARM_START": mode})
     store = Store(redis_server.url, "hw")

@@ -298,9 +298,11 @@ def test_a_real_redis_with_the_rendered_acl_refuses_anonymous_clients(custom, tm
             pytest.fail("redis-server did not start")
         agent = redis.Redis(port=port, username="optimus-agent",
                             password=data["agent-password"], socket_timeout=5)
-        agent.set("optimus:tiny-gpt:beats", "1")
+        agent.set("optimus:tiny-gpt:node:n0:row", "1")  # a node's own keys
         with pytest.raises(redis.exceptions.NoPermissionError):
             agent.set("optimus:tiny-gpt:plan", "x")  # read-only to agents
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            agent.zadd("optimus:tiny-gpt:beats", {"n0": 1})  # the controller relays these
         ctl = redis.Redis(port=port, username="optimus-controller",
                           password=data["controller-password"], socket_timeout=5)
         ctl.set("optimus:tiny-gpt:plan", "x")

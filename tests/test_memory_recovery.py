@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster import ROOT, Processes, RedisServer, metrics, wait_for, write_job
+from cluster import ROOT, Processes, RedisServer, metrics, relay, wait_for, write_job
 
 from controller.store.store import Store
 from optimus.data.audit import audit_run
@@ -73,7 +73,9 @@ def _start(tmp_path: Path, redis_server: RedisServer, procs: Processes) -> tuple
     for i in range(4):
         procs.start(f"agent{i}", "agent", "--job", "e2e", "--node", f"node{i}", "--redis",
                     redis_server.url, "--interval", "0.25")
-    wait_for(lambda: len(store.nodes()) == 4, 60, "four agents to register")
+    # Relayed as the controller would (it starts after): the records are the nodes' own.
+    wait_for(lambda: relay(store) is not None and len(store.nodes()) == 4, 60,
+             "four agents to register")
     procs.start("controller", "controller", str(job), "--nodes", "2", "--ranks-per-node", "1",
                 "--redis", redis_server.url, "--exit-when-done")
     wait_for(lambda: (store.plan() or {}).get("generation") == 0, 60, "generation 0")

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster import RedisServer
+from cluster import RedisServer, relay
 from test_operator import _who, optimus
 
 from controller.store.store import Store
@@ -44,6 +44,7 @@ class FakeController:
                              "ranks_per_node": 1, "world_size": 2})
         for name in ("node0", "node1"):
             self.store.register_node(name, {"host": name, "health": "ok"})
+        relay(self.store)  # the records a controller would have relayed
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._answer, daemon=True)
         self.thread.start()

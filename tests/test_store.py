@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from cluster import ROOT, free_port, wait_for
+from cluster import ROOT, free_port, relay, wait_for
 
 from controller.store.store import Store, StoreUnavailable, prefix
 from controller.store.summaries import NodeSummary
@@ -44,8 +44,12 @@ def test_agent_tick_is_one_round_trip_that_writes_beats_and_reads_plan_and_chaos
     tick = s.agent_tick("n0", {"state": "running"}, {}, deadline=now + 60, reset_ranks=False)
     assert tick.registered and tick.commands == []
     assert s.rank_beats("n0")[0]["step"] == 7
+    relay(s)  # the controller's: the job-wide records come from the nodes' own
     assert s.overdue(now) == {}  # deadline moved on
+    assert set(s.nodes()) == {"n0"} and set(s.agent_beats()) == {"n0"}
     s.agent_tick("n0", {"state": "running"}, {}, deadline=now - 1, reset_ranks=False)
+    assert s.overdue(now) == {}  # not relayed yet
+    relay(s)
     assert s.overdue(now) == {"n0": now - 1}
     assert s.agent_status(["n0", "n9"]) == {"n0": {"generation": "3", "state": "running",
                                                    "live_ranks": "2"}}
@@ -58,28 +62,39 @@ def _summary(allocated: int | None, reserved: int | None) -> NodeSummary:
 
 def test_peak_memory_is_the_largest_of_any_node_and_leaves_with_its_ranks(redis_server):
     s = Store(redis_server.url, "j")
+    s.set_plan({"generation": 0, "action": "run", "nodes": ["n0", "n1"], "ranks_per_node": 1})
     tick = {"status": {"state": "running"}, "rank_beats": {}, "deadline": None,
             "reset_ranks": False}
+    for node in ("n0", "n1", "n2"):
+        s.register_node(node, {"host": node, "health": "ok"})
     s.agent_tick("n0", **tick, summary=_summary(None, None))  # no step logged yet
+    relay(s)
     assert s.peak_memory() is None
     s.agent_tick("n0", **tick, summary=_summary(3 << 30, 5 << 30))
     s.agent_tick("n1", **tick, summary=_summary(4 << 30, 4 << 30))
-    s.agent_tick("n2", **tick, summary=_summary(2 << 30, 2 << 30))
+    s.agent_tick("n2", **tick, summary=_summary(9 << 30, 9 << 30))  # in no plan: not relayed
+    relay(s)
     assert s.peak_memory() == {"allocated_bytes": 4 << 30, "allocated_node": "n1",
                                "reserved_bytes": 5 << 30, "reserved_node": "n0"}
     s.agent_tick("n1", **tick, summary=None)  # its ranks are gone
+    relay(s)
     assert s.peak_memory() == {"allocated_bytes": 3 << 30, "allocated_node": "n0",
                                "reserved_bytes": 5 << 30, "reserved_node": "n0"}
 
 
 def test_exits_stream_reads_after_a_cursor(redis_server):
     s = Store(redis_server.url, "j")
-    first = s.report_exit({"node": "n0", "rank": 0, "code": 0})
+    s.set_plan({"generation": 0, "action": "run", "nodes": ["n0"], "ranks_per_node": 2})
+    s.register_node("n0", {"host": "n0", "health": "ok"})
+    s.report_exit({"node": "n0", "rank": 0, "generation": 0, "code": 0})
+    assert s.exits() == [] and relay(s) == []  # the node's own stream, until relayed
     cursor = s.last_exit_id()
-    assert cursor == first
-    s.report_exit({"node": "n0", "rank": 1, "code": None, "signal": 9})
+    s.report_exit({"node": "n0", "rank": 1, "generation": 0, "code": None, "signal": 9})
+    relay(s)
     assert [r["rank"] for _, r in s.exits()] == [0, 1]
     assert [r["rank"] for _, r in s.exits(cursor)] == [1]
+    relay(s)  # a pass after takes the cursor the last left: nothing twice
+    assert [r["rank"] for _, r in s.exits()] == [0, 1]
 
 
 def test_reset_forgets_the_job_but_keeps_its_event_history(redis_server):

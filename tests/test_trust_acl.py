@@ -1,14 +1,16 @@
-"""The write matrix of deploy/redis-users.acl: every write command Redis has, tried by ACL
-DRYRUN as the agent user against the keys it must not change (issue 29, item 5).
+"""The write matrix of deploy/redis-users.acl and of the per-node users
+(controller/store/acl.py): every write command Redis has, tried by ACL DRYRUN as each agent
+identity against the keys it must not change (issue 29, item 5).
 
-One agent's credentials are shared by every agent, so the ACL is the line between a node and
-the job: an agent must not push commands into another node's list (`kill_node`, `bad_tile`
-for any node), nor write what the controller decides (the plan, the control word, the job
-record, exclusions) or what operators ask (`requests`), nor run keyless writes (FLUSHALL,
-FUNCTION LOAD). DRYRUN checks a command against a user without running it; the arguments are
-built from each command's key specifications (COMMAND INFO), and a user with every command but
-no key checks that they name the key where Redis looks for it, so a command the probe could
-not aim at a key fails the test instead of passing it by accident. docs/security.md, "Redis".
+The ACL is the line between a node and the job: an agent must not push commands into another
+node's list (`kill_node`, `bad_tile` for any node), nor write what the controller decides (the
+plan, the control word, the job record, exclusions) or relays (the job-wide node records,
+exits, events), or what operators ask (`requests`), nor run keyless writes (FLUSHALL,
+FUNCTION LOAD); a node's own user reaches its own keys (`node:<node>:*`) and no other node's.
+DRYRUN checks a command against a user without running it; the arguments are built from each
+command's key specifications (COMMAND INFO), and a user with every command but no key checks
+that they name the key where Redis looks for it, so a command the probe could not aim at a key
+fails the test instead of passing it by accident. docs/security.md, "Redis".
 """
 
 from __future__ import annotations
@@ -17,11 +19,20 @@ import pytest
 import redis
 from cluster import ROOT, RedisServer
 
+from controller.store.acl import create_node_users
+
 PROBE_USERS = ("user probe-admin on >probe ~* &* +@all\n"  # runs ACL DRYRUN; test-only users
                "user probe-nokeys on nopass resetkeys +@all\n")
 KEY = "optimus:{{j}}:{name}"
 # Written by the controller or asked by operators: never by an agent's credentials.
-CONTROLLER_KEYS = ("plan", "plan:stamp", "control", "job", "excluded", "requests", "leader")
+CONTROLLER_KEYS = ("plan", "plan:stamp", "control", "job", "excluded", "requests", "leader",
+                   # what the controller relays from the nodes' own keys (relay.py)
+                   "nodes", "agents", "beats", "steps", "unhealthy", "nonfinite", "exits",
+                   "events", "snapshots", "registrations", "relayed", "stacks:3",
+                   "gen:3:master_port")
+READABLE = ("plan", "plan:stamp", "control", "gen:3:master_port")  # agents read these
+OWN_KEYS = ("row", "info", "status", "ranks", "exits", "events", "snapshots", "stacks:3",
+            "port:3")
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +44,7 @@ def server(tmp_path_factory):
     admin = redis.Redis(port=server.port, username="probe-admin", password="probe",
                         decode_responses=True)
     admin.response_callbacks.pop("COMMAND", None)  # redis-py misreads COMMAND LIST / INFO
+    create_node_users(admin, "j", {"node0": "pw0", "node1": "pw1"})
     yield admin
     admin.close()
     server.stop()
@@ -96,19 +108,20 @@ def test_an_agent_writes_nothing_the_controller_decides_or_operators_ask(server,
     """XREADGROUP is a write (it moves a consumer group's cursor) that read access allows:
     on the plan and the control word, which agents read, it can only fail (they are strings,
     not streams)."""
-    allowed = _allowed(server, "optimus-agent", KEY.format(name=name))
-    readable = ("plan", "plan:stamp", "control")
-    assert sorted(c for c, ok in allowed.items() if ok) == (["xreadgroup"] if name in readable
-                                                            else [])
+    for user in ("optimus-agent", "optimus-node-node0"):
+        allowed = _allowed(server, user, KEY.format(name=name))
+        assert sorted(c for c, ok in allowed.items() if ok) == (
+            ["xreadgroup"] if name in READABLE else []), (user, name)
 
 
 def test_an_agent_runs_no_keyless_write(server):
     """FLUSHALL, FLUSHDB, SWAPDB (dangerous) and FUNCTION LOAD / DELETE / FLUSH / RESTORE
     (scripting: +@write granted them)."""
-    allowed = _allowed(server, "optimus-agent", KEY.format(name="nodes"))
-    keyless = [c for c in allowed if c in ("flushall", "flushdb", "swapdb")
-               or c.startswith("function|")]
-    assert len(keyless) == 7 and not any(allowed[c] for c in keyless)
+    for user in ("optimus-agent", "optimus-node-node0"):
+        allowed = _allowed(server, user, KEY.format(name="nodes"))
+        keyless = [c for c in allowed if c in ("flushall", "flushdb", "swapdb")
+                   or c.startswith("function|")]
+        assert len(keyless) == 7 and not any(allowed[c] for c in keyless), user
 
 
 def test_the_operator_may_only_ask_and_queue_commands(server):
@@ -116,3 +129,21 @@ def test_the_operator_may_only_ask_and_queue_commands(server):
                        ("nodes", []), ("job", [])):
         allowed = _allowed(server, "optimus-operator", KEY.format(name=name))
         assert sorted(c for c, ok in allowed.items() if ok) == want, name
+
+
+@pytest.mark.parametrize("name", OWN_KEYS)
+def test_a_nodes_own_user_writes_its_own_keys_and_no_other_nodes(server, name):
+    mine = _allowed(server, "optimus-node-node0", KEY.format(name=f"node:node0:{name}"))
+    theirs = _allowed(server, "optimus-node-node0", KEY.format(name=f"node:node1:{name}"))
+    assert {"set", "hset", "xadd", "del", "expire"} <= {c for c, ok in mine.items() if ok}
+    assert [c for c, ok in theirs.items() if ok] == []
+    # The shared agent user reaches every node's own keys: what the per-node users are for.
+    assert _allowed(server, "optimus-agent", KEY.format(name=f"node:node1:{name}"))["xadd"]
+
+
+def test_a_nodes_own_user_pops_its_own_commands_only(server):
+    user = "optimus-node-node0"
+    own = _allowed(server, user, KEY.format(name="commands:node0"))
+    assert sorted(c for c, ok in own.items() if ok) == ["lpop"]
+    assert [c for c, ok in _allowed(server, user, KEY.format(name="commands:node1")).items()
+            if ok] == []

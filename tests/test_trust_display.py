@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 import yaml
 from click.testing import CliRunner
-from cluster import free_port, write_job
+from cluster import free_port, relay, write_job
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
@@ -48,6 +48,7 @@ def test_node_list_and_job_status_show_markup_from_redis_as_it_is(redis_server):
     store = _running(redis_server.url)
     store.register_node("n0", {"host": CLOSING, "health": "failed", "health_detail": LINK})
     store.register_node("n2", {"host": "h2", "health": "ok"})
+    relay(store)  # the controller's
     store.exclude("n2", f"{CLOSING} {LINK}", by=f"ana@{CLOSING}")
     listed = _cli(redis_server.url, "node", "list")
     row = next(line for line in listed.splitlines() if " n0 " in line)
@@ -99,8 +100,8 @@ def _exporter(store: Store, tmp_path) -> str:
 
 def test_a_scrape_skips_and_counts_a_malformed_rank_states(redis_server, tmp_path):
     store = _running(redis_server.url)
-    store.r.hset(store.k("agent:n0"), "rank_states", json.dumps({"training": 1}))
-    store.r.hset(store.k("agent:n1"), "rank_states", json.dumps(["training"]))
+    store.r.hset(store.k("node:n0:status"), "rank_states", json.dumps({"training": 1}))
+    store.r.hset(store.k("node:n1:status"), "rank_states", json.dumps(["training"]))
     status, samples = _scrape(_exporter(store, tmp_path))
     assert status == 200
     assert samples[("optimus_controller_up", ())] == 1.0
@@ -116,9 +117,9 @@ def test_a_scrape_skips_and_counts_a_malformed_rank_states(redis_server, tmp_pat
 def test_a_scrape_skips_and_counts_an_unreadable_rank_0_heartbeat(redis_server, tmp_path,
                                                                    beat):
     store = _running(redis_server.url)
-    store.r.hset(store.k("ranks:n0"), "0", beat)
+    store.r.hset(store.k("node:n0:ranks"), "0", beat)
     for node in ("n0", "n1"):
-        store.r.hset(store.k(f"agent:{node}"), "rank_states", json.dumps({"training": 1}))
+        store.r.hset(store.k(f"node:{node}:status"), "rank_states", json.dumps({"training": 1}))
     status, samples = _scrape(_exporter(store, tmp_path))
     assert status == 200 and samples[("optimus_controller_up", ())] == 1.0
     assert samples[("optimus_ranks", (("state", "training"),))] == 2.0

@@ -70,12 +70,13 @@ def _job(tmp_path, nodes: int = 2):
 
 
 def _forge(store: Store, name: str, health: str) -> None:
-    """What the agent password allows, whatever the agent's code does: its own HSET, SADD, ZADD."""
+    """Names in the job-wide records, whoever wrote them (the controller's relay writes no
+    such name: defence in depth)."""
     store.r.hset(store.k("nodes"), name, json.dumps({"host": "h", "health": health,
                                                      "health_detail": f"{name}/0: bad"}))
     (store.r.srem if health == "ok" else store.r.sadd)(store.k("unhealthy"), name)
     store.r.zadd(store.k("agents"), {name: time.time()})
-    store.r.hset(store.k(f"agent:{name}"), mapping={"state": "idle", "generation": "-1"})
+    store.r.hset(store.k(f"node:{name}:status"), mapping={"state": "idle", "generation": "-1"})
 
 
 def test_a_node_named_like_a_script_line_never_reaches_plan_exclusions_or_journal(
@@ -114,12 +115,22 @@ def test_a_failed_exit_under_a_forged_name_blames_nobody_by_that_name(redis_serv
     ctl = Controller(store, config, settings, ident="c")
     ctl.tick()
     gen = store.plan()["generation"]
-    store.report_exit({"node": SCRIPT_LINE, "rank": 1, "local_rank": 0, "generation": gen,
-                       "code": 1, "signal": None, "by_agent": False, "time": time.time(),
-                       "tail": "", "tail_age": None})
+    # n1's credentials write n1's own exits stream only; the record names another node.
+    store.r.xadd(store.k("node:n1:exits"), {"json": json.dumps(
+        {"node": SCRIPT_LINE, "rank": 1, "local_rank": 0, "generation": gen, "code": 1,
+         "signal": None, "by_agent": False, "time": time.time(), "tail": "",
+         "tail_age": None})})
+    pipe = store.r.pipeline()
+    store._put_row(pipe, "n1", exits=time.time_ns())  # as report_exit moves its token
+    pipe.execute()
     for _ in range(3):
         ctl.tick()
     assert store.excluded() == {} and SCRIPT_LINE not in store.plan()["nodes"]
+    assert store.exits() == [] and store.plan()["generation"] == gen
+    refused = [e["message"] for _, e in store.events(count=1000)
+               if e["kind"] == "relay_refused"]
+    assert refused == [f"not relayed from node n1: an exit record: it names node "
+                       f"{SCRIPT_LINE!r}"]
     assert "hostname" not in (tmp_path / "run" / "controller.json").read_text()
 
 

@@ -39,7 +39,7 @@ def test_unreadable_records_are_skipped_and_the_controller_ticks_on(redis_server
     for i, value in enumerate(GARBAGE):  # node records, as an agent's HSET writes them
         store.r.hset(store.k("nodes"), f"bad{i}", value)
         store.r.zadd(store.k("agents"), {f"bad{i}": time.time()})
-    store.r.hset(store.k("ranks:n0"), mapping={
+    store.r.hset(store.k("node:n0:ranks"), mapping={
         "0": json.dumps(_beat(3)), "1": "not json", "x": json.dumps(_beat(4)),
         "-1": json.dumps(_beat(5)), "2": "[" * 100_000})
     for value in GARBAGE:
@@ -66,9 +66,11 @@ def test_an_agent_skips_commands_that_are_not_objects(redis_server):
     assert tick.commands == [{"kind": "health_check"}]
 
 
-def test_a_bad_tile_command_naming_no_tile_is_refused_and_the_agent_goes_on(redis_server, procs):
+def test_a_bad_tile_command_naming_no_tile_is_refused_and_the_agent_goes_on(redis_server, procs,
+                                                                            relayed):
     """`int(command["tile"])` raised in the agent's loop for a tile like "x" (the operator's
     credentials may push any JSON object into a node's command list)."""
+    relayed("j")
     store = Store(redis_server.url, "j")
     agent = procs.start("agent", "agent", "--job", "j", "--node", "n0", "--redis",
                         redis_server.url, "--interval", "0.25")

@@ -110,9 +110,14 @@ def test_optimus_run_shows_no_secret_anywhere_and_its_redis_wants_the_password(t
 
     environs = {pid: _environ(e) for pid, (_, e) in seen.items()}
     urls = {e["REDIS_URL"] for e in environs.values() if e.get("REDIS_URL")}
-    assert len(urls) == 1, f"the controller and the agents get the URL by environment: {urls}"
-    password = urlsplit(urls.pop()).password
-    assert password and len(password) >= 32, "a generated password, even on loopback"
+    # By environment: the controller's (the default user), and each agent a user of its node.
+    users = {urlsplit(u).username: urlsplit(u).password for u in urls}
+    assert sorted(users) == ["default", "optimus-node-node0", "optimus-node-node1"], urls
+    assert len(set(users.values())) == 3, "a password of its own for each identity"
+    assert len({urlsplit(u).port for u in urls}) == 1
+    passwords = list(users.values())
+    password = users["default"]
+    assert all(len(p) >= 32 for p in passwords), "generated passwords, even on loopback"
     secrets = {e["OPTIMUS_SNAPSHOT_SECRET"] for e in environs.values()
                if e.get("OPTIMUS_SNAPSHOT_SECRET")}
     assert len(secrets) == 1, "one random snapshot secret per run, handed to every agent"
@@ -122,7 +127,7 @@ def test_optimus_run_shows_no_secret_anywhere_and_its_redis_wants_the_password(t
 
     for pid, (cmdline, _) in seen.items():
         text = cmdline.replace(b"\0", b" ").decode(errors="replace")
-        assert password not in text and secret not in text, f"pid {pid}: {text}"
+        assert not any(p in text for p in [*passwords, secret]), f"pid {pid}: {text}"
     # The ranks' side: the warm processes, the ranks forked from them (whose /proc environ is
     # the warm process's), standbys, and any rank started cold.
     side = {pid for pid, (cmdline, _) in seen.items()
@@ -133,18 +138,18 @@ def test_optimus_run_shows_no_secret_anywhere_and_its_redis_wants_the_password(t
         e = environs[pid]
         assert not set(SECRET_KEYS) & set(e), f"pid {pid} inherits {set(SECRET_KEYS) & set(e)}"
         raw = seen[pid][1].decode(errors="replace")
-        assert password not in raw and secret not in raw
+        assert not any(p in raw for p in [*passwords, secret])
 
     banner = stdout.splitlines()[0]
     assert "Redis redis://default:***@127.0.0.1:" in banner, banner
-    assert password not in stdout and secret not in stdout
+    assert not any(p in stdout for p in [*passwords, secret])
     env_file = run / "control" / "redis.env"  # for operators: the one place the URL is kept
     assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
     assert f"export REDIS_URL=redis://default:{password}@" in env_file.read_text()
     for path in _files(run):
         if path != env_file:
             text = path.read_bytes().decode(errors="replace")
-            assert password not in text and secret not in text, f"{path} holds a secret"
+            assert not any(p in text for p in [*passwords, secret]), f"{path} holds a secret"
 
 
 def test_safe_url_masks_passwords_in_the_query_too():

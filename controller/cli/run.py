@@ -7,7 +7,8 @@ N + S agents (`node0`, `node1`, ...), each a process of its own in its own sessi
 `<run_dir>/control/`. Even on loopback the private Redis wants a password, generated per run
 (another user of a shared login node could otherwise rewrite the plan): redis-server reads it
 from its configuration on stdin, the controller and the agents get the URL in $REDIS_URL, the
-agents a snapshot secret, also generated per run, in $OPTIMUS_SNAPSHOT_SECRET; no secret is
+agents a snapshot secret, also generated per run, in $OPTIMUS_SNAPSHOT_SECRET, and each
+agent a Redis user of its own node (controller/store/acl.py); no secret is
 on a command line or on screen (the URL is shown masked). `<run_dir>/control/redis.env` (mode
 600) holds the URL for an operator's commands: `. <run_dir>/control/redis.env`.
 Then it follows the job (controller/cli/console.py): events, validation losses and checkpoint
@@ -28,12 +29,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from rich.console import Console
 
 from controller.cli.console import Follow
 from controller.control.decide import FAILED, TERMINAL
 from controller.node.spawn import die_with_parent
+from controller.store.acl import create_node_users, node_user
 from controller.store.connect import safe_url
 from controller.store.store import Store, StoreUnavailable
 from optimus.checkpoint.manifest import committed_steps
@@ -107,6 +110,16 @@ def start_redis(cluster: LocalCluster) -> str:
             time.sleep(0.05)
 
 
+def _node_urls(store: Store, names: list[str]) -> dict[str, str]:
+    """A user per node in the private Redis, each with a password of its own; their URLs."""
+    passwords = {name: secrets.token_hex(24) for name in names}
+    create_node_users(store.r, store.job, passwords)
+    parts = urlsplit(store.url)
+    return {name: urlunsplit(parts._replace(
+        netloc=f"{node_user(name)}:{passwords[name]}@{parts.hostname}:{parts.port}"))
+        for name in names}
+
+
 def run_local(job: JobConfig, job_file: str, overrides: list[str], *, nodes: int,
               ranks_per_node: int, spares: int, redis_url: str | None = None,
               lease_s: float = 5.0) -> int:
@@ -145,12 +158,17 @@ def run_local(job: JobConfig, job_file: str, overrides: list[str], *, nodes: int
                                      "--ranks-per-node", str(ranks_per_node),
                                      "--lease", str(lease_s), "--exit-when-done",
                                      "--linger", "0", *sets], env={"REDIS_URL": url})
-        agent_env = {"REDIS_URL": url, "OPTIMUS_SNAPSHOT_SECRET": secrets.token_hex(32)}
-        for i in range(nodes + spares):
-            cluster.start(f"agent-node{i}", [*py, "agent", "--job", job.name, "--node",
-                                             f"node{i}", "--interval",
-                                             str(job.supervision.heartbeat_interval_s)],
-                          env=agent_env)
+        names = [f"node{i}" for i in range(nodes + spares)]
+        # Each agent of the private Redis its own user (controller/store/acl.py): one node's
+        # password reaches its own keys only. A Redis of the site's: its URL, as given.
+        agent_urls = dict.fromkeys(names, url) if operators == "" else _node_urls(store, names)
+        snapshot_secret = secrets.token_hex(32)
+        for name in names:
+            cluster.start(f"agent-{name}", [*py, "agent", "--job", job.name, "--node", name,
+                                            "--interval",
+                                            str(job.supervision.heartbeat_interval_s)],
+                          env={"REDIS_URL": agent_urls[name],
+                               "OPTIMUS_SNAPSHOT_SECRET": snapshot_secret})
         console.print(f"optimus run: job {job.name}, {nodes} node(s) x {ranks_per_node} "
                       f"rank(s) + {spares} spare(s); Redis {safe_url(url)}{operators}; logs in "
                       f"{control_dir} and {run_dir / 'logs'}"

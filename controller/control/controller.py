@@ -47,6 +47,7 @@ from controller.control.decide import (
 )
 from controller.control.event_log import EventLog
 from controller.control.journal import read_journal
+from controller.control.relay import Relay
 from controller.disk import Rewritten
 from controller.store.names import RULE
 from controller.store.store import Store, StoreUnavailable
@@ -126,14 +127,16 @@ class Controller:
         self._memory_shown: int | None = None
         self.checkpoints = CheckpointView(self.checkpoint_dir, store)
         self.event_log = EventLog(store, Path(job.resolved_run_dir) / "events.jsonl")
+        self.relay = Relay(store, lambda kind, message, **f: self._event(
+            kind, message, send=False, **f), holder=self.ident)
 
     def run(self, exit_when_done: bool = False) -> str | None:
         """Reconcile until the job ends (with `exit_when_done`) or forever; its final state."""
         while True:
             started = time.monotonic()
             state = self.tick()
-            if exit_when_done and state in TERMINAL:
-                return state
+            if exit_when_done and state in TERMINAL and not self.relay.agents_left():
+                return state  # once the agents' goodbyes are relayed (or DRAIN_S passed)
             time.sleep(max(TICK_S - (time.monotonic() - started), 0.0))
 
     def tick(self) -> str | None:
@@ -145,12 +148,14 @@ class Controller:
                 log.warning("lost Redis; acting no more until it answers: %s", e)
             self.leading = False
             self.event_log.forget()
+            self.relay.forget()
             return None
         if leading and not self.leading:
             self._event("leader", f"controller {self.ident} leads", send=False)  # sent below
         self.leading = leading
         if not leading:
             self.event_log.forget()  # whoever leads appends meanwhile
+            self.relay.forget()  # and relays: its cursors are in the store
             return None
         try:
             self.store.flush_events()  # what an outage held back, before anything new
@@ -179,6 +184,7 @@ class Controller:
         if job.progress_at is not None:
             job = dataclasses.replace(job, progress_at=self._excused(job.progress_at))
         plan = self.store.plan()
+        self.relay.run(plan)  # what the nodes wrote under their own keys, before it is read
         entries, raw, control = self.store.operator_view(job.requests_seen)
         excluded = {n: e["reason"] for n, e in entries.items()}
         draining = frozenset(n for n, e in entries.items() if e.get("mode") == "drain")

@@ -69,6 +69,7 @@ class Agent(Commands, Checks):
                  host: str | None = None, socket_dir: str | None = None,
                  snapshot_root: Path | None = None):
         self.store, self.node, self.interval_s = store, node, interval_s
+        store.speak_as(node)  # every write under this node's own keys (controller/store/own.py)
         self.host = host or socket.gethostname()
         self.procs: dict[int, RankProcess] = {}
         self.ran_since_ok = False  # ranks ran here since the last passing health check

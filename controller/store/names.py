@@ -26,6 +26,12 @@ RULE = ("letters, digits, '-' and '_' in dot-separated labels of 1-63 characters
 REMEMBERED = 1_000  # refused names a process keeps to say once; more are dropped unsaid
 
 
+def own(node: str, name: str) -> str:
+    """The name of one of a node's own keys (controller/store/own.py), as `Store.k` takes it:
+    `node:<node>:<name>`. A node name holds no ':', so no node's keys are another's."""
+    return f"node:{node}:{name}"
+
+
 def is_node_name(name: object) -> bool:
     return (isinstance(name, str) and len(name) <= MAX_LENGTH
             and NODE_NAME.fullmatch(name) is not None)

@@ -26,7 +26,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
@@ -40,18 +39,18 @@ from tenacity import (
 
 from controller.store import decode
 from controller.store.connect import connect, denial, is_sentinel, safe_url
-from controller.store.names import Refused, check
+from controller.store.mirror import EVENTS_MAXLEN, Mirror
+from controller.store.names import Refused, own
+from controller.store.own import OWN_EVENTS_MAXLEN, OwnRecords, as_text
 from controller.store.reports import Reports
-from controller.store.summaries import NodeSummary, Summaries
+from controller.store.summaries import Summaries
 
 T = TypeVar("T")
 
-EVENTS_MAXLEN = 10_000  # approximate (MAXLEN ~): Redis trims whole nodes of the stream
 EVENT_WAIT_MS = 500  # behind Sentinel: how long an event write waits for a replica's copy
 ALONE_S = 30.0  # how long a primary found without a replica is not waited on again
 UNSENT_MAX = 10_000  # events kept in a process while Redis is unreachable (the oldest go)
 REQUESTS_MAXLEN = 1_000
-EXITS_MAXLEN = 200_000  # > one generation's ranks at 131k ranks
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
 # Renew the lease only if we still hold it; take it if it is free. 1: held, 0: someone else.
@@ -87,20 +86,11 @@ def prefix(job: str) -> str:
     return f"optimus:{{{job}}}:"
 
 
-@dataclass
-class AgentTick:
-    """What one agent tick read back: the plan's stamp, commands, whether to re-register."""
-
-    plan_stamp: str | None  # changes with every new plan; read the plan itself only then
-    commands: list[dict]
-    registered: bool
-    control: dict | None = None  # what the ranks are asked: {"pause": bool, "checkpoint": n}
-
-
-class Store(Summaries, Reports):
-    """One job's keys. All methods raise `StoreUnavailable` once retries are spent. The
-    nodes' summary rows (summaries.py) and their snapshot and stack reports (reports.py) are
-    methods of it too."""
+class Store(OwnRecords, Mirror, Summaries, Reports):
+    """One job's keys. All methods raise `StoreUnavailable` once retries are spent. What an
+    agent writes under its node's own keys (own.py), the leading controller's relay of them
+    (mirror.py), the nodes' summary rows (summaries.py) and their snapshot and stack reports
+    (reports.py) are methods of it too."""
 
     def __init__(self, url: str, job: str, *, timeout_s: float = 2.0, retry_s: float = 5.0):
         self.url, self.job, self.p = url, job, prefix(job)
@@ -187,7 +177,7 @@ class Store(Summaries, Reports):
         return self.call(lambda: self.r.hgetall(self.k("job")))
 
     def update_job(self, fields: dict[str, Any], delete: tuple[str, ...] = ()) -> None:
-        values = {k: _text(v) for k, v in fields.items() if v is not None}
+        values = {k: as_text(v) for k, v in fields.items() if v is not None}
         gone = [k for k, v in fields.items() if v is None] + list(delete)
 
         def write():
@@ -214,9 +204,6 @@ class Store(Summaries, Reports):
             pipe.execute()
         self.call(write)
 
-    def set_master_port(self, generation: int, port: int) -> None:
-        self.call(lambda: self.r.set(self.k(f"gen:{generation}:master_port"), port, ex=86_400))
-
     def master_port(self, generation: int) -> int | None:
         raw = self.call(lambda: self.r.get(self.k(f"gen:{generation}:master_port")))
         return int(raw) if raw else None
@@ -228,7 +215,7 @@ class Store(Summaries, Reports):
         """An operator's request (controller/control/operator.py), for the leading controller
         to take; its stream id, which the controller's answering event carries."""
         entry = {"action": action, "actor": actor, "host": host, "reason": reason,
-                 "time": f"{time.time():.3f}", **{k: _text(v) for k, v in fields.items()}}
+                 "time": f"{time.time():.3f}", **{k: as_text(v) for k, v in fields.items()}}
         return self.call(lambda: self.r.xadd(self.k("requests"), entry,
                                              maxlen=REQUESTS_MAXLEN, approximate=True))
 
@@ -255,80 +242,14 @@ class Store(Summaries, Reports):
 
     # --- nodes, agents, heartbeats -------------------------------------------------------------
 
-    def register_node(self, node: str, info: dict) -> None:
-        check(node)  # ValueError: the agent's --node was checked; this is a bug, not an input
-
-        def write():
-            pipe = self.r.pipeline()
-            self._node_record(pipe, node, info)
-            pipe.zadd(self.k("agents"), {node: time.time()})
-            pipe.incr(self.k("registrations"))  # an agent back under its own name counts too
-            pipe.execute()
-        self.call(write)
-
-    def _node_record(self, pipe, node: str, info: dict) -> None:
-        """The node's record and its place in the `unhealthy` set."""
-        pipe.hset(self.k("nodes"), node, json.dumps(info))
-        if info.get("health") == "ok":
-            pipe.srem(self.k("unhealthy"), node)
-        else:
-            pipe.sadd(self.k("unhealthy"), node)
-
-    def agent_tick(self, node: str, status: dict, rank_beats: dict[int, dict],
-                   deadline: float | None, reset_ranks: bool,
-                   summary: NodeSummary | None = None) -> AgentTick:
-        """An agent's whole periodic traffic in one round trip: its own beat and status, its
-        ranks' latest heartbeats, their deadline and the node's summary (None: no rank of a
-        generation runs here), and back the plan and its commands."""
-        def tick():
-            pipe = self.r.pipeline(transaction=False)
-            pipe.zadd(self.k("agents"), {node: time.time()})
-            pipe.hset(self.k(f"agent:{node}"), mapping={k: _text(v) for k, v in status.items()})
-            if reset_ranks:
-                pipe.delete(self.k(f"ranks:{node}"))
-            if rank_beats:
-                pipe.hset(self.k(f"ranks:{node}"),
-                          mapping={str(lr): json.dumps(b) for lr, b in rank_beats.items()})
-            if deadline is None:
-                pipe.zrem(self.k("beats"), node)
-            else:
-                pipe.zadd(self.k("beats"), {node: deadline})
-            self._summary(pipe, node, summary)
-            pipe.get(self.k("plan:stamp"))
-            pipe.lpop(self.k(f"commands:{node}"), 100)
-            pipe.hexists(self.k("nodes"), node)
-            pipe.get(self.k("control"))
-            return pipe.execute()[-4:]
-        stamp, commands, registered, control = self.call(tick)
-        return AgentTick(stamp, [c for c in map(decode.record, commands or []) if c],
-                         bool(registered), decode.record(control) if control else None)
-
     def agent_field(self, nodes: list[str], name: str) -> dict[str, str]:
         """One field of several agents' status, in one round trip."""
         def read():
             pipe = self.r.pipeline(transaction=False)
             for n in nodes:
-                pipe.hget(self.k(f"agent:{n}"), name)
+                pipe.hget(self.k(own(n, "status")), name)
             return pipe.execute()
         return {n: v for n, v in zip(nodes, self.call(read), strict=True) if v is not None}
-
-    def set_health(self, node: str, info: dict) -> None:
-        """An agent's health check result: the node record, and the `unhealthy` set."""
-        def write():
-            pipe = self.r.pipeline()
-            self._node_record(pipe, node, info)
-            pipe.execute()
-        self.call(write)
-
-    def leave(self, node: str) -> None:
-        """An agent going away cleanly: forget its beats (the node record stays, marked)."""
-        def write():
-            pipe = self.r.pipeline()
-            pipe.zrem(self.k("agents"), node)
-            pipe.zrem(self.k("beats"), node)
-            pipe.hset(self.k(f"agent:{node}"), "state", "gone")
-            pipe.execute()
-        self.call(write)
 
     def nodes(self) -> dict[str, dict]:
         raw = self.call(lambda: self.r.hgetall(self.k("nodes")))
@@ -357,7 +278,7 @@ class Store(Summaries, Reports):
         def read():
             pipe = self.r.pipeline(transaction=False)
             for n in nodes:
-                pipe.hgetall(self.k(f"agent:{n}"))
+                pipe.hgetall(self.k(own(n, "status")))
             return pipe.execute()
         return {n: s for n, s in zip(nodes, self.call(read), strict=True) if s}
 
@@ -375,7 +296,7 @@ class Store(Summaries, Reports):
         def read():
             pipe = self.r.pipeline(transaction=False)
             for n in nodes:
-                pipe.hgetall(self.k(f"ranks:{n}"))
+                pipe.hgetall(self.k(own(n, "ranks")))
             return pipe.execute()
         return {n: {lr: b for f, v in raw.items() if (lr := decode.local_rank(f)) is not None
                     and (b := decode.record(v)) is not None}
@@ -386,13 +307,10 @@ class Store(Summaries, Reports):
 
     def rank_beat_stored(self, node: str, local_rank: int) -> bool:
         """Whether a heartbeat is stored for the rank, readable or not (skipped by the reads)."""
-        return bool(self.call(lambda: self.r.hexists(self.k(f"ranks:{node}"), str(local_rank))))
+        return bool(self.call(lambda: self.r.hexists(self.k(own(node, "ranks")),
+                                                        str(local_rank))))
 
     # --- exits, exclusions, events, chaos ------------------------------------------------------
-
-    def report_exit(self, record: dict) -> str:
-        return self.call(lambda: self.r.xadd(self.k("exits"), {"json": json.dumps(record)},
-                                             maxlen=EXITS_MAXLEN, approximate=True))
 
     def exits(self, after: str = "0") -> list[tuple[str, dict]]:
         """Exit records with stream ids greater than `after`, oldest first (those of a node
@@ -429,7 +347,7 @@ class Store(Summaries, Reports):
         taken them: an outage or a failover delays them (their `time` is when they happened)
         rather than losing them."""
         self.unsent.append({"time": f"{time.time():.3f}", "actor": actor, "kind": kind,
-                            "message": message, **{k: _text(v) for k, v in fields.items()}})
+                            "message": message, **{k: as_text(v) for k, v in fields.items()}})
 
     def flush_events(self) -> None:
         """Send the unsent events, oldest first, in one round trip; behind Sentinel, wait (up
@@ -442,10 +360,16 @@ class Store(Summaries, Reports):
 
             wait = self.replicas and time.monotonic() >= self._alone_until
 
+            # An agent's go to its node's own stream, for the controller to relay (own.py).
+            key, maxlen = ((self._own("events"), OWN_EVENTS_MAXLEN) if self.own_node
+                           else (self.k("events"), EVENTS_MAXLEN))
+
             def write():
                 pipe = self.r.pipeline(transaction=False)  # WAIT blocks only outside MULTI
                 for entry in batch:
-                    pipe.xadd(self.k("events"), entry, maxlen=EVENTS_MAXLEN, approximate=True)
+                    pipe.xadd(key, entry, maxlen=maxlen, approximate=True)
+                if self.own_node:
+                    self._put_row(pipe, events=time.time_ns())
                 if wait:
                     pipe.wait(self.replicas, EVENT_WAIT_MS)
                 return pipe.execute()
@@ -481,15 +405,3 @@ class Store(Summaries, Reports):
 def _transient(e: BaseException) -> bool:
     # redis-py's AuthenticationError is a ConnectionError; no retry fixes a wrong password.
     return isinstance(e, TRANSIENT) and not isinstance(e, redis.AuthenticationError)
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int | float):
-        return str(value)
-    return json.dumps(value)
-
-

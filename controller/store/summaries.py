@@ -1,8 +1,10 @@
 """Each node's ranks in a few numbers, in job-wide sorted sets (part of `Store`).
 
 An agent writes its node's row with every tick (`NodeSummary`, in `Store.agent_tick`'s round
-trip); the controller reads the sets whole, so that one sweep costs one round trip whatever the
-number of nodes, and the exporter reads the same rows (steps, compute times, peak memory).
+trip, under its own keys: own.py); the leading controller relays the plan's nodes' rows into
+these sets (controller/control/relay.py) and reads them whole, so that one sweep costs one round
+trip whatever the number of nodes, and the exporter reads the same rows (steps, compute times,
+peak memory).
 A member that is no node name (controller/store/names.py) is left out of what is read.
 """
 
@@ -10,7 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from controller.store.names import own
+
 PEAK_MEMORY = ("peak_allocated", "peak_reserved")  # sorted sets: node -> bytes
+SUMMARY_SETS = ("steps", "minsteps", "outside", "compute", "paused", "oldest", *PEAK_MEMORY)
 
 
 @dataclass
@@ -51,36 +56,12 @@ class Summaries:
         return [n for n in (sorted(members) if isinstance(members, set) else members)
                 if self.names.keep(n)]
 
-    def _summary(self, pipe, node: str, summary: NodeSummary | None) -> None:
-        """The node's row in each job-wide sorted set, so that every sweep is one range query."""
-        if summary is None:
-            for key in ("steps", "minsteps", "outside", "compute", "paused", "oldest",
-                        *PEAK_MEMORY):
-                pipe.zrem(self.k(key), node)
-            pipe.srem(self.k("nonfinite"), node)
-            return
-        pipe.zadd(self.k("steps"), {node: summary.max_step})
-        pipe.zadd(self.k("paused"), {node: summary.paused})
-        pipe.zadd(self.k("minsteps"), {node: summary.min_step})
-        pipe.zadd(self.k("outside"), {node: summary.outside})
-        for key, value in (("oldest", summary.oldest_beat), ("compute", summary.compute_s),
-                           ("peak_allocated", summary.peak_allocated),
-                           ("peak_reserved", summary.peak_reserved)):
-            if value is None:
-                pipe.zrem(self.k(key), node)
-            else:
-                pipe.zadd(self.k(key), {node: value})
-        if summary.nonfinite:
-            pipe.sadd(self.k("nonfinite"), node)
-        else:
-            pipe.srem(self.k("nonfinite"), node)
-
     def keep_rows(self, plan_nodes: list[str]) -> None:
         """Remove the summary rows of nodes outside a new plan (a lost agent leaves its rows,
         a rank's beats of a generation it no longer runs): a rule reading the job-wide sets
         sees only the plan's members. Once per generation, O(nodes with rows)."""
         keep = set(plan_nodes)
-        sets = ("steps", "minsteps", "outside", "compute", "paused", "oldest", *PEAK_MEMORY)
+        sets = SUMMARY_SETS
 
         def prune():
             pipe = self.r.pipeline(transaction=False)
@@ -96,7 +77,7 @@ class Summaries:
                     (pipe.srem if key == "nonfinite" else pipe.zrem)(self.k(key), *gone)
                     outside.update(gone)
             if outside:  # each node's rank heartbeats once, not once per set it was in
-                pipe.delete(*[self.k(f"ranks:{m}") for m in sorted(outside)])
+                pipe.delete(*[self.k(own(m, "ranks")) for m in sorted(outside)])
             pipe.execute()
         self.call(prune)
 

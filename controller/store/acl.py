@@ -1,0 +1,43 @@
+"""Redis ACL users: one per node, whose password reaches that node's own keys and nothing an
+agent could write elsewhere (docs/security.md, "One identity per node").
+
+    optimus-node-<node>   ~optimus:{<job>}:node:<node>:*   read and write (own.py)
+                          commands:<node>                  LPOP only
+                          plan, plan:stamp, control, gen:* read only
+
+`optimus run` creates them in its private Redis (`create_node_users`); a site's own Redis gets
+them from the same rules (`node_rules`). The shared `optimus-agent` user of
+deploy/redis-users.acl stays for deployments that hand every node one password: it reaches
+every node's own keys, so that one node's password can speak for another node (never for the
+controller: the relay still takes each node's word about itself only).
+"""
+
+from __future__ import annotations
+
+from controller.store.names import check, own
+
+AGENT_READS = ("plan", "plan:stamp", "control", "gen:*")  # what an agent reads beside its own
+# Categories as deploy/redis-users.acl grants the shared agent user, without keyless writes.
+AGENT_COMMANDS = ("+@read", "+@write", "+@stream", "+@transaction", "+@connection",
+                  "-@dangerous", "-@scripting")
+
+
+def node_user(node: str) -> str:
+    return f"optimus-node-{check(node)}"
+
+
+def node_rules(job: str, node: str) -> list[str]:
+    """The ACL SETUSER rules of `node`'s user, password aside. Node and job names hold no
+    glob character (names.py; the job's name rule in optimus/config/schema.py)."""
+    head = f"optimus:{{{job}}}:"
+    return ["reset", "on", "resetkeys", f"~{head}{own(check(node), '*')}",
+            *(f"%R~{head}{key}" for key in AGENT_READS), "resetchannels", "-@all",
+            *AGENT_COMMANDS, f"(~{head}commands:{node} +lpop)"]
+
+
+def create_node_users(r, job: str, passwords: dict[str, str]) -> None:
+    """Create (or replace) each node's user with its password, on connection `r` of a user
+    allowed ACL SETUSER. The password goes over the connection, never on a command line."""
+    for node, password in passwords.items():
+        r.execute_command("ACL", "SETUSER", node_user(node), *node_rules(job, node),
+                          f">{password}")

@@ -1,0 +1,174 @@
+"""The controller's relay against a real redis-server: each node writes its own keys, and only
+its word about itself reaches the job-wide records (controller/control/relay.py, issue 29
+item 5). What a node writes here is what its own ACL user may write (tests/test_trust_acl.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from cluster import relay
+
+from controller.control.relay import Relay, parse_row
+from controller.store.own import row_text
+from controller.store.store import Store
+
+PLAN = {"generation": 2, "action": "run", "nodes": ["n0", "n1"], "ranks_per_node": 2}
+
+
+def _store(redis_server) -> Store:
+    store = Store(redis_server.url, "j")
+    store.set_plan(PLAN)
+    for node in ("n0", "n1", "n2"):
+        store.register_node(node, {"host": node, "health": "ok"})
+    return store
+
+
+def _exit(node: str, rank: int, generation: int = 2, **more) -> dict:
+    return {"node": node, "rank": rank, "local_rank": rank % 2, "generation": generation,
+            "code": 1, "signal": None, "by_agent": False, "time": time.time(), "tail": "",
+            "tail_age": None, **more}
+
+
+def _forge(store: Store, node: str, name: str, **token) -> None:
+    """What node's own user may do beyond what its agent does: any entry in its own keys, and
+    the row token that says so."""
+    pipe = store.r.pipeline()
+    store._put_row(pipe, node, **token)
+    pipe.execute()
+
+
+def test_an_exit_is_relayed_only_for_a_rank_the_plan_puts_on_its_node(redis_server):
+    store = _store(redis_server)
+    store.report_exit(_exit("n1", 3))  # n1 holds ranks 2 and 3
+    store.report_exit(_exit("n1", 0))  # rank 0 is n0's
+    store.report_exit(_exit("n2", 2))  # n2 runs nothing of generation 2
+    store.report_exit(_exit("n1", 2, generation=3))  # not planned yet
+    store.report_exit(_exit("n1", 0, generation=1))  # an older generation: kept as history
+    store.r.xadd(store.k("node:n1:exits"), {"json": json.dumps(_exit("n0", 1))})
+    store.r.xadd(store.k("node:n1:exits"), {"json": "[1, 2]"})
+    _forge(store, "n1", "exits", exits=time.time_ns())
+    said = relay(store)
+    assert [(r["node"], r["rank"], r["generation"]) for _, r in store.exits()] == [
+        ("n1", 3, 2), ("n1", 0, 1)]
+    assert sorted(m for k, m in said if k == "relay_refused") == sorted([
+        "not relayed from node n1: an exit record: generation 2's plan does not put rank 0 "
+        "on n1",
+        "not relayed from node n2: an exit record: generation 2's plan does not put rank 2 "
+        "on n2",
+        "not relayed from node n1: an exit record: generation 3 is not planned yet",
+        "not relayed from node n1: an exit record: it names node 'n0'",
+        "not relayed from node n1: an exit record: it is no JSON object"])
+
+
+def test_a_leader_that_takes_over_relays_nothing_twice_and_skips_nothing(redis_server):
+    store = _store(redis_server)
+    store.report_exit(_exit("n0", 0))
+    store.event("agent:n0", "note", "first")  # an agent's store speaks for its node...
+    store.speak_as("n0")
+    store.event("agent:n0", "note", "mine")  # ...once it is told which
+    assert store.hold_lease("a", 60)
+    first = Relay(store, lambda *a, **f: None, holder="a")
+    first.run(PLAN)
+    store.report_exit(_exit("n0", 1))
+    store.event("agent:n0", "note", "later")
+    store.r.delete(store.k("leader"))  # a's lease ran out (a paused) and b took it over
+    assert store.hold_lease("b", 60)
+    Relay(store, lambda *a, **f: None, holder="b").run(PLAN)  # from the stored cursors
+    store.report_exit(_exit("n0", 0, generation=1))
+    first.run(PLAN)  # a wakes up mid-tick, caches and all: it writes nothing
+    assert first.cursors is None  # and reads the cursors again if it ever leads again
+    assert [r["rank"] for _, r in store.exits()] == [0, 1]
+    notes = [(e["actor"], e["message"]) for _, e in store.events() if e["kind"] == "note"]
+    assert notes == [("agent:n0", "first"), ("agent:n0", "mine"), ("agent:n0", "later")]
+
+
+def test_an_event_is_relayed_under_its_nodes_name_whatever_it_says(redis_server):
+    store = _store(redis_server)
+    store.r.xadd(store.k("node:n1:events"), {
+        "time": "1", "actor": "controller", "kind": "failure", "node": "n0",
+        "message": "x" * 20_000, **{f"f{i}": "v" for i in range(50)}})
+    _forge(store, "n1", "events", events=time.time_ns())
+    relay(store)
+    ((_, event),) = store.events()
+    assert (event["actor"], event["node"], event["kind"]) == ("agent:n1", "n1", "failure")
+    assert len(event["message"]) == 8_192 and len(event) <= 34
+
+
+def test_a_rendezvous_port_comes_from_the_node_of_rank_0_only(redis_server):
+    store = _store(redis_server)
+    n1 = Store(redis_server.url, "j")
+    n1.speak_as("n1")
+    n1.set_master_port(2, 4242)
+    said = relay(store)
+    assert store.master_port(2) is None
+    assert said == [("relay_refused", "not relayed from node n1: a rendezvous port for "
+                     "generation 2, whose rank 0 the plan puts on another node")]
+    n0 = Store(redis_server.url, "j")
+    n0.speak_as("n0")
+    n0.set_master_port(2, 5151)
+    relay(store)
+    assert store.master_port(2) == 5151
+
+
+def test_stacks_are_relayed_for_the_nodes_own_ranks(redis_server):
+    store = _store(redis_server)
+    n1 = Store(redis_server.url, "j")
+    n1.speak_as("n1")
+    n1.put_stacks(2, {2: "stack of 2", 0: "a stack for n0's rank", 3: "stack of 3"})
+    said = relay(store)
+    assert store.stacks(2) == {2: "stack of 2", 3: "stack of 3"}
+    assert [k for k, _ in said] == ["relay_refused"]
+
+
+def test_summaries_and_deadlines_are_relayed_for_the_plans_nodes_only(redis_server):
+    from controller.store.summaries import NodeSummary
+
+    store = _store(redis_server)
+    now = time.time()
+    summary = NodeSummary(max_step=9, min_step=8, outside=1, nonfinite=True, compute_s=0.25)
+    for node in ("n0", "n2"):
+        store.agent_tick(node, {"state": "running"}, {}, now - 5, False, summary)
+    relay(store)
+    assert store.overdue(now) == {"n0": now - 5}
+    assert store.node_steps() == {"n0": 9.0} and store.compute_scores() == {"n0": 0.25}
+    assert store.sweep(["n0", "n1"]).nonfinite == ["n0"]
+    assert set(store.agent_beats()) == {"n0", "n1", "n2"}  # every node's agent beat
+
+
+def test_a_row_the_agent_would_not_write_is_not_relayed(redis_server):
+    store = _store(redis_server)
+    relay(store)
+    before = store.agent_beats()["n1"]
+    for text in ("r1 nan", row_text({"beat": 1.0}).replace("r1", "r0"),
+                 row_text({"beat": float("nan")}), row_text({"beat": 1.0}) + " extra"):
+        store.r.set(store.k("node:n1:row"), text)
+        said = relay(store)
+        assert store.agent_beats()["n1"] == before, text
+        assert said == [("relay_refused", "not relayed from node n1: its row is not one the "
+                         "agent writes")]
+    assert parse_row(row_text({"beat": 2.5, "deadline": None}))["beat"] == 2.5
+
+
+def test_snapshot_reports_and_earlier_incarnations_are_relayed_and_dropped(redis_server):
+    store = _store(redis_server)
+    store.set_snapshots("n1", {"incarnation": "a", "own": {}}, first=True)
+    relay(store)
+    store.set_snapshots("n1", {"incarnation": "b", "own": {}}, first=True)  # a restart
+    store.r.hset(store.k("node:n1:snapshots"), "@../x y", "{}")  # no incarnation name
+    relay(store)
+    assert {k: v["incarnation"] for k, v in store.snapshots().items()} == {"n1": "b",
+                                                                          "n1@a": "a"}
+    store.drop_snapshots(["n1@a"])
+    store.set_snapshots("n1", {"incarnation": "b", "own": {"x": [0]}})
+    relay(store)
+    assert set(store.snapshots()) == {"n1"}  # dropped where the node keeps it too
+
+
+def test_a_node_found_once_it_writes_and_a_non_name_never(redis_server):
+    store = Store(redis_server.url, "j")
+    store.r.set(store.k("node:bad name:row"), row_text({"beat": time.time()}))
+    store.r.set(store.k("node:n5:row"), row_text({"beat": time.time()}))
+    relay(store)
+    assert set(store.agent_beats()) == {"n5"}
