@@ -86,7 +86,12 @@ def test_the_script_runs_the_job_replaces_a_killed_rank_and_a_resubmission_leave
     secrets = run / "redis" / "passwords"
     assert stat.S_IMODE(secrets.stat().st_mode) == 0o600
     assert stat.S_IMODE((run / "redis").stat().st_mode) == 0o700
-    assert "CHANGE-ME" not in (run / "redis" / "users.acl").read_text()
+    acl = (run / "redis" / "users.acl").read_text()
+    assert "CHANGE-ME" not in acl
+    # A user per node, each reaching its own node's keys; no shared agent user.
+    users = sorted(line.split()[1] for line in acl.splitlines() if line.startswith("user "))
+    assert users == sorted(["default", "optimus-controller", "optimus-operator",
+                            *(f"optimus-node-{n}" for n in NODES)])
     assert "appendonly yes" in (run / "redis" / "redis.conf").read_text()
     passwords = secrets.read_text()
 

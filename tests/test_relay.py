@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 from cluster import relay
 
 from controller.control.relay import Relay, parse_row
@@ -172,3 +173,24 @@ def test_a_node_found_once_it_writes_and_a_non_name_never(redis_server):
     store.r.set(store.k("node:n5:row"), row_text({"beat": time.time()}))
     relay(store)
     assert set(store.agent_beats()) == {"n5"}
+
+
+def test_a_pass_that_fails_to_write_is_done_again_whole(redis_server, monkeypatch):
+    """Redis gone between the reads and the writes: the cursors read were not stored, so the
+    next pass relays the same records, once."""
+    from controller.store.store import StoreUnavailable
+
+    store = _store(redis_server)
+    store.report_exit(_exit("n0", 1))
+    passes = Relay(store, lambda *a, **f: None)
+    real = store.mirror
+
+    def down(w, holder=None):
+        raise StoreUnavailable("Redis did not answer")
+    monkeypatch.setattr(store, "mirror", down)
+    with pytest.raises(StoreUnavailable):
+        passes.run(PLAN)
+    monkeypatch.setattr(store, "mirror", real)
+    passes.run(PLAN)
+    passes.run(PLAN)
+    assert [r["rank"] for _, r in store.exits()] == [1]

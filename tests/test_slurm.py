@@ -223,7 +223,15 @@ def test_a_killed_rank_is_replaced_on_the_spare_node(slurm, tmp_path):
     # Redis: persistent, with passwords only the job's user reads.
     assert (run / "redis" / "appendonlydir").is_dir()
     assert (run / "redis" / "passwords").stat().st_mode & 0o777 == 0o600
-    assert "CHANGE-ME" not in (run / "redis" / "users.acl").read_text()
+    acl = (run / "redis" / "users.acl").read_text()
+    assert "CHANGE-ME" not in acl
+    # A user per node, each reaching its own node's keys (the agents above ran under them).
+    users = {line.split()[1]: line for line in acl.splitlines() if line.startswith("user ")}
+    assert sorted(users) == ["default", "optimus-controller", "optimus-node-n1",
+                             "optimus-node-n2", "optimus-node-n3", "optimus-operator"]
+    for n in NODES:
+        assert " ~optimus:{slurm-e2e}:node:" + n + ":* " in users[f"optimus-node-{n}"]
+        assert f"(~optimus:{{slurm-e2e}}:commands:{n} +lpop)" in users[f"optimus-node-{n}"]
 
     # Resubmitting leaves the culprit out of the allocation.
     again = subprocess.run([*submit, "--print"], cwd=ROOT, env=slurm.env, capture_output=True,

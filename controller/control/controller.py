@@ -483,7 +483,9 @@ class Controller:
             plan = {**plan, "exits_from": "0"}  # the exits stream was lost with Redis
             self.store.set_plan(plan)
             deadline = time.time() + self.s.agent_timeout_s
+            self.relay.forget()  # its cursors went with Redis too
             while time.time() < deadline:  # agents re-register within one interval
+                self.relay.run(plan)
                 beats = self.store.agent_beats()
                 if all(n in beats for n in plan["nodes"]):
                     break

@@ -82,7 +82,15 @@ class Relay:
         self.drain_from: float | None = None
 
     def run(self, plan: dict | None) -> None:
-        """One pass (raises StoreUnavailable, like any tick's read)."""
+        """One pass (raises StoreUnavailable, like any tick's read). A pass that fails leaves
+        nothing behind: the next one starts again from the stored cursors."""
+        try:
+            self._pass(plan)
+        except BaseException:
+            self.forget()
+            raise
+
+    def _pass(self, plan: dict | None) -> None:
         if self.cursors is None:
             self.cursors = {n: cursors(v) for n, v in self.store.relay_cursors().items()}
         if time.monotonic() >= self.next_discovery:

@@ -5,8 +5,10 @@ agent could write elsewhere (docs/security.md, "One identity per node").
                           commands:<node>                  LPOP only
                           plan, plan:stamp, control, gen:* read only
 
-`optimus run` creates them in its private Redis (`create_node_users`); a site's own Redis gets
-them from the same rules (`node_rules`). The shared `optimus-agent` user of
+`optimus run` creates them in its private Redis (`create_node_users`); the Slurm and PBS scripts
+write them into their Redis's ACL file (`python -m controller.store.acl JOB NODE...` prints the
+lines, each password a placeholder `CHANGE-ME-node@<node>@` the script replaces, as it does for
+the other users: no password on a command line). The shared `optimus-agent` user of
 deploy/redis-users.acl stays for deployments that hand every node one password: it reaches
 every node's own keys, so that one node's password can speak for another node (never for the
 controller: the relay still takes each node's word about itself only).
@@ -41,3 +43,17 @@ def create_node_users(r, job: str, passwords: dict[str, str]) -> None:
     for node, password in passwords.items():
         r.execute_command("ACL", "SETUSER", node_user(node), *node_rules(job, node),
                           f">{password}")
+
+
+def file_lines(job: str, nodes: list[str]) -> list[str]:
+    """The nodes' users as ACL file lines, each password the placeholder
+    `CHANGE-ME-node@<node>@` ('@' is in no node name: one node's placeholder is never part of
+    another's)."""
+    return [" ".join(["user", node_user(n), *node_rules(job, n)[1:], f">CHANGE-ME-node@{n}@"])
+            for n in nodes]
+
+
+if __name__ == "__main__":  # the batch scripts' ACL file: python -m controller.store.acl JOB NODE
+    import sys
+
+    print("\n".join(file_lines(sys.argv[1], sys.argv[2:])))
