@@ -79,6 +79,7 @@ class Relay:
         self.next_discovery = 0.0
         self.refused: set[tuple[str, str]] = set()  # (node, what) said once per leadership
         self.beats: dict[str, float | None] = {}  # node -> its agent's last relayed beat
+        self.mirrored: dict[str, dict] = {}  # node -> its place in each set, as last written
         self.drain_from: float | None = None
 
     def run(self, plan: dict | None) -> None:
@@ -139,12 +140,22 @@ class Relay:
         return beating and now - self.drain_from < DRAIN_S
 
     def _mirror_row(self, w: Writes, node: str, row: dict, planned: bool) -> None:
+        """The row's place in each job-wide set, written where it changed (a row changes its
+        beat every interval, its summary less often: at 10,923 nodes the writes are the
+        relay's cost)."""
         self.beats[node] = row["beat"]
-        w.put("agents", node, row["beat"])
-        w.put("beats", node, row["deadline"] if planned else None)
-        for name, key in _SUMMARY.items():
-            w.put(key, node, row[name] if planned and row["max_step"] is not None else None)
-        w.member("nonfinite", node, planned and bool(row["nonfinite"]))
+        summary = planned and row["max_step"] is not None
+        want = {"agents": row["beat"], "beats": row["deadline"] if planned else None,
+                **{key: row[name] if summary else None for name, key in _SUMMARY.items()},
+                "nonfinite": planned and bool(row["nonfinite"])}
+        had = self.mirrored.get(node, {})
+        for key, value in want.items():
+            if key not in had or had[key] != value:
+                if key == "nonfinite":
+                    w.member(key, node, value)
+                else:
+                    w.put(key, node, value)
+        self.mirrored[node] = want
 
     # --- what a token points at ----------------------------------------------------------------
 
