@@ -87,8 +87,6 @@ class OwnRecords:
 
     def _put_row(self, pipe, node: str | None = None, **fields: Any) -> None:
         node = node or self.own_node
-        if not hasattr(self, "_rows"):
-            self._rows: dict[str, dict[str, Any]] = {}
         row = self._rows.setdefault(node, {})
         row.update(fields)
         pipe.set(self._own("row", node), row_text(row))

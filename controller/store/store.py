@@ -110,6 +110,7 @@ class Store(OwnRecords, Mirror, Summaries, Reports):
         self.trouble_at = 0.0  # wall time of the last call that found Redis unreachable
         self._alone_until = 0.0  # monotonic time until which events wait for no replica
         self.names = Refused()  # node names read here and dropped: the controller says them
+        self._rows: dict[str, dict[str, Any]] = {}  # node -> its row's fields (own.py)
 
     def k(self, name: str) -> str:
         return self.p + name
