@@ -71,9 +71,10 @@ test-fast: venv
 # The attack probes of docs/security.md, each a test that failed before its boundary held: names
 # injected by a node, markup in values, a planted pickle and a foreign checkpoint, credentials in
 # argv/banners/ranks' environments, NOPERM, shared folders, the snapshot link's bounds and TLS, a
-# full disk, the chart's securityContext and NetworkPolicies. Part of `make test` as well.
+# full disk, the chart's securityContext and NetworkPolicies, one node's word about another
+# (tests/test_relay.py). Part of `make test` as well.
 AUDIT := tests/test_trust_names.py tests/test_trust_display.py tests/test_trust_secrets.py \
-	tests/test_trust_records.py tests/test_trust_acl.py \
+	tests/test_trust_records.py tests/test_trust_acl.py tests/test_relay.py \
 	tests/test_checkpoint_trust.py tests/test_snapshot_link_security.py tests/test_disk_full.py \
 	tests/test_helm_security.py
 
