@@ -322,11 +322,19 @@ def test_a_streak_of_failed_saves_carried_from_an_earlier_generation_counts(tmp_
             r"(\d+): write failed .*No space left on device", last)
         assert stopped, last
         count, at, last_failed = map(int, stopped.groups())
-        assert count == last_failed // 2 + 1 and last_failed <= at < 8, last  # the carried one
-        lines = map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+        assert last_failed <= at < 8, last
+        lines = list(map(json.loads,
+                         (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()))
         carried = [m for m in lines if m.get("event") == "checkpoint"
                    and m.get("failed_in_a_row") == 1 and "earlier" in m["message"]]
         assert carried, "no event says that the streak was carried"
+        # The carried one counts: this run's first failure is the second in a row. (How many
+        # fail before the stop lands depends on the machine: a save still being written when
+        # the limit is reached is waited for, and one due meanwhile may be skipped.)
+        failures = [m["failed_in_a_row"] for m in lines if m.get("event") == "checkpoint"
+                    and m["message"].startswith("checkpoint of step")
+                    and "write failed" in m["message"]]
+        assert failures == list(range(2, count + 1)), (failures, last)
     finally:
         subprocess.run(["umount", str(disk)], check=False)
 
