@@ -140,8 +140,8 @@ def run_local(job: JobConfig, job_file: str, overrides: list[str], *, nodes: int
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         url = redis_url or os.environ.get("REDIS_URL")
-        operators = ""
-        if not url:  # a private Redis: its URL, for an operator's commands, in a mode-600 file
+        operators, private = "", not url
+        if private:  # a private Redis: its URL, for an operator's commands, in a mode-600 file
             url = start_redis(cluster)
             env_file = control_dir / "redis.env"
             _write_private(env_file, f"export REDIS_URL={url}\nexport OPTIMUS_JOB={job.name}\n")
@@ -161,7 +161,7 @@ def run_local(job: JobConfig, job_file: str, overrides: list[str], *, nodes: int
         names = [f"node{i}" for i in range(nodes + spares)]
         # Each agent of the private Redis its own user (controller/store/acl.py): one node's
         # password reaches its own keys only. A Redis of the site's: its URL, as given.
-        agent_urls = dict.fromkeys(names, url) if operators == "" else _node_urls(store, names)
+        agent_urls = _node_urls(store, names) if private else dict.fromkeys(names, url)
         snapshot_secret = secrets.token_hex(32)
         for name in names:
             cluster.start(f"agent-{name}", [*py, "agent", "--job", job.name, "--node", name,
