@@ -23,6 +23,7 @@ takes over relays nothing twice and skips nothing.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 
@@ -34,12 +35,9 @@ DISCOVER_S = 1.0
 DRAIN_S = 10.0  # once the job ended: how long the relay waits for the agents' goodbyes
 FIELD_MAX = 8_192  # characters of one relayed event field
 EVENT_FIELDS = 32  # fields of one relayed event
+# A row's summary field -> the job-wide sorted set it is relayed into (SUMMARY_SETS' order).
 _SUMMARY = dict(zip(("max_step", "min_step", "outside", "compute_s", "paused", "oldest",
-                     "peak_allocated", "peak_reserved"), ("steps", "minsteps", "outside",
-                                                          "compute", "paused", "oldest",
-                                                          "peak_allocated", "peak_reserved"),
-                    strict=True))
-assert set(_SUMMARY.values()) == set(SUMMARY_SETS)
+                     "peak_allocated", "peak_reserved"), SUMMARY_SETS, strict=True))
 
 
 def parse_row(text: str | None) -> dict | None:
@@ -60,7 +58,7 @@ def parse_row(text: str | None) -> dict | None:
                 row[name] = float(word)
             except ValueError:
                 return None
-            if row[name] != row[name] or abs(row[name]) == float("inf"):
+            if not math.isfinite(row[name]):
                 return None  # NaN or infinite: no score
     return row
 
