@@ -43,7 +43,7 @@ CUSTOM = {
     "agents": {"accelerator": {"resource": "gpu.intel.com/i915", "count": 8},
                "hostNetwork": True, "env": [{"name": "ZE_FLAT_DEVICE_HIERARCHY", "value": "FLAT"}],
                "nodeSelector": {"pool": "gpu"}},
-    "redis": {"passwords": {"controller": "c-secret", "agent": "a-secret", "operator": "o-secret"}},
+    "redis": {"passwords": {"controller": "c-secret", "operator": "o-secret"}},
     "shared": {"existingClaim": "lustre-scratch", "mountPath": "/lustre/optimus"},
     "networkPolicy": {"extraFrom": [{"ipBlock": {"cidr": "10.0.0.0/16"}}]},
     "monitoring": {"port": 9800,
@@ -83,6 +83,15 @@ def one(objects: list[dict], kind: str, suffix: str = "") -> dict:
     found = [o for o in objects if o["kind"] == kind and o["metadata"]["name"].endswith(suffix)]
     assert len(found) == 1, (kind, suffix, [o["metadata"]["name"] for o in found])
     return found[0]
+
+
+def agent_jobs(objects: list[dict]) -> list[dict]:
+    """The agents' Jobs, in index order."""
+    jobs = [o for o in objects if o["kind"] == "Job"]
+    return sorted(jobs, key=lambda o: int(o["metadata"]["labels"]["optimus.dev/agent-index"]))
+
+
+AGENT0 = "-agents-0"  # one(objects, "Job", AGENT0): the first agent's Job
 
 
 def selects(selector: dict, labels: dict) -> bool:
@@ -133,8 +142,10 @@ def test_every_object_matches_the_kubernetes_schemas(default, custom):
                 continue  # a CRD: no schema offline; test_monitoring checks its fields
             kubernetes_validate.validate(obj, KUBERNETES, strict=True)
     kinds = sorted(o["kind"] for o in custom)
-    assert kinds == sorted(["ConfigMap"] * 3 + ["NetworkPolicy"] * 3 + ["Secret"] * 2 + [
-                            "Deployment", "Job", "PodDisruptionBudget", "PrometheusRule",
+    agents = CUSTOM["job"]["nodes"] + CUSTOM["job"]["spares"]
+    assert kinds == sorted(["ConfigMap"] * 3 + ["NetworkPolicy"] * 3 + ["Secret"] * (2 + agents)
+                           + ["Job"] * agents + [
+                            "Deployment", "PodDisruptionBudget", "PrometheusRule",
                             "Service", "Service", "Service", "ServiceAccount", "ServiceMonitor",
                             "StatefulSet"])
     # the default creates the shared volume itself (the custom values name an existing one)
@@ -149,7 +160,8 @@ def test_every_object_matches_the_kubernetes_schemas(default, custom):
     ({"job": {"file": "seed: 1\n"}}, "at '/job/file'"),
     ({"agents": {"replicas": 3}}, "additional properties 'replicas' not allowed"),
     ({"agents": {"hostNetwork": "yes"}}, "at '/agents/hostNetwork': got string, want boolean"),
-    ({"redis": {"passwords": {"agent": "p@ss/word"}}}, "at '/redis/passwords/agent'"),
+    ({"redis": {"passwords": {"operator": "p@ss/word"}}}, "at '/redis/passwords/operator'"),
+    ({"redis": {"passwords": {"agent": "shared"}}}, "additional properties 'agent' not allowed"),
     ({"monitoring": {"port": 70000}}, "at '/monitoring/port': maximum"),
     ({"nodes": 4}, "additional properties 'nodes' not allowed"),
 ])
@@ -164,38 +176,60 @@ def test_bad_values_are_refused_by_the_schema(tmp_path, values, error):
 def test_one_agent_per_node_nodes_plus_spares(which, request):
     objects = request.getfixturevalue(which)
     values = CUSTOM["job"] if which == "custom" else {"nodes": 2, "spares": 1}
-    job = one(objects, "Job", "-agents")
-    spec, pod = job["spec"], job["spec"]["template"]["spec"]
-    assert spec["completionMode"] == "Indexed"
-    assert spec["completions"] == spec["parallelism"] == values["nodes"] + values["spares"]
-    (term,) = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert term["topologyKey"] == "kubernetes.io/hostname"
-    assert selects(term["labelSelector"], pod_labels(job))  # repels the other agents...
-    for other in ("Deployment", "StatefulSet"):  # ...and no other pod of the job
-        assert not selects(term["labelSelector"], pod_labels(one(objects, other)))
-    agent = container(job)
-    assert agent["command"] == ["optimus", "agent"]
-    args = agent["args"]
+    jobs = agent_jobs(objects)
+    assert len(jobs) == values["nodes"] + values["spares"]
     job_file = yaml.safe_load(one(objects, "ConfigMap", "-job")["data"]["job.yaml"])
-    assert args[args.index("--job") + 1] == job_file["name"]
-    assert args[args.index("--node") + 1] == "$(NODE_NAME)"
-    assert env(agent)["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-    assert env(agent)["REDIS_URL"]["value"].startswith("redis://optimus-agent:$(REDIS_PASSWORD)@")
-    # rendezvous: the pods' subdomain is the headless Service that selects them
     service = one(objects, "Service", "-agents")
     assert service["spec"]["clusterIP"] == "None"
-    assert pod["subdomain"] == service["metadata"]["name"]
-    assert selects({"matchLabels": service["spec"]["selector"]}, pod_labels(job))
+    secrets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Secret"}
+    referred: dict[str, str] = {}  # Secret -> the one Job whose pods refer to it
+    for i, job in enumerate(jobs):
+        name = f"{RELEASE}-optimus-agents-{i}"
+        spec, pod = job["spec"], job["spec"]["template"]["spec"]
+        assert job["metadata"]["name"] == name and "completionMode" not in spec
+        assert spec["completions"] == spec["parallelism"] == 1
+        assert spec["backoffLimit"] == 3
+        (term,) = pod["affinity"]["podAntiAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        for other in jobs:  # repels every agent...
+            assert selects(term["labelSelector"], pod_labels(other))
+        for other in ("Deployment", "StatefulSet"):  # ...and no other pod of the job
+            assert not selects(term["labelSelector"], pod_labels(one(objects, other)))
+        agent = container(job)
+        assert agent["command"] == ["optimus", "agent"]
+        args = agent["args"]
+        assert args[args.index("--job") + 1] == job_file["name"]
+        assert args[args.index("--node") + 1] == name  # the name its Redis user is made for
+        assert env(agent)["REDIS_URL"]["value"] == (
+            f"redis://optimus-node-{name}:$(REDIS_PASSWORD)@{RELEASE}-optimus-redis:6379/0")
+        ref = env(agent)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": name, "key": "password"} and name in secrets
+        for secret in secrets:  # no other Secret holding a Redis password is in its spec
+            if secret != f"{RELEASE}-optimus-snapshot" and secret in json.dumps(job):
+                assert referred.setdefault(secret, name) == name, (secret, name)
+        # rendezvous: its hostname is its name, in the headless Service that selects it
+        assert pod["hostname"] == name and pod["subdomain"] == service["metadata"]["name"]
+        assert selects({"matchLabels": service["spec"]["selector"]}, pod_labels(job))
+    assert referred == {f"{RELEASE}-optimus-agents-{i}": f"{RELEASE}-optimus-agents-{i}"
+                        for i in range(len(jobs))}
+    # the agents differ in their name and index only
+    def generic(i: int) -> str:
+        return (json.dumps(jobs[i]).replace(f"{RELEASE}-optimus-agents-{i}", "NAME")
+                .replace(f'"optimus.dev/agent-index": "{i}"', "INDEX"))
+    assert all(generic(i) == generic(0) for i in range(len(jobs)))
 
 
 def test_agents_accelerators_and_host_network(default, custom):
-    pod = one(custom, "Job")["spec"]["template"]["spec"]
-    assert container(one(custom, "Job"))["resources"]["limits"] == {"gpu.intel.com/i915": 8}
+    pod = one(custom, "Job", AGENT0)["spec"]["template"]["spec"]
+    assert container(one(custom, "Job", AGENT0))["resources"]["limits"] == {
+        "gpu.intel.com/i915": 8}
     assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert pod["nodeSelector"] == {"pool": "gpu"}
-    assert env(container(one(custom, "Job")))["ZE_FLAT_DEVICE_HIERARCHY"]["value"] == "FLAT"
-    pod = one(default, "Job")["spec"]["template"]["spec"]
-    assert "limits" not in container(one(default, "Job"))["resources"]  # count 0: CPU only
+    assert env(container(one(custom, "Job", AGENT0)))["ZE_FLAT_DEVICE_HIERARCHY"]["value"] == (
+        "FLAT")
+    pod = one(default, "Job", AGENT0)["spec"]["template"]["spec"]
+    assert "limits" not in container(one(default, "Job", AGENT0))["resources"]  # CPU only
     assert "hostNetwork" not in pod
     assert pod["dnsConfig"]["searches"] == [
         f"{RELEASE}-optimus-agents.{NAMESPACE}.svc.cluster.local"]
@@ -217,7 +251,7 @@ def test_controllers_leader_and_standby(custom):
         f"redis://optimus-controller:$(REDIS_PASSWORD)@{RELEASE}-optimus-redis:6379/0")
     assert ctl["ports"] == [{"name": "metrics", "containerPort": 9800}]
     # the job file and the shared volume at the same paths for controllers and agents
-    for obj in (deployment, one(custom, "Job")):
+    for obj in (deployment, one(custom, "Job", AGENT0)):
         volumes = {v["name"]: v for v in obj["spec"]["template"]["spec"]["volumes"]}
         assert volumes["shared"]["persistentVolumeClaim"]["claimName"] == "lustre-scratch"
         mounts = {m["name"]: m["mountPath"] for m in container(obj)["volumeMounts"]}
@@ -242,20 +276,31 @@ def _acl_rules(text: str) -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("which", ["default", "custom"])
 def test_redis_users_are_the_acl_files_and_none_is_unauthenticated(which, request):
+    from controller.store.acl import file_lines
+
     objects = request.getfixturevalue(which)
     data = secret_data(objects)
     acl = data["users.acl"]
-    assert _acl_rules(acl) == _acl_rules((ROOT / "deploy" / "redis-users.acl").read_text())
+    job = yaml.safe_load(one(objects, "ConfigMap", "-job")["data"]["job.yaml"])["name"]
+    agents = [f"{RELEASE}-optimus-agents-{i}" for i in range(len(agent_jobs(objects)))]
+    site = _acl_rules((ROOT / "deploy" / "redis-users.acl").read_text())
+    del site["optimus-agent"]  # no shared agent user: one per agent
+    assert _acl_rules(acl) == {**site, **_acl_rules("\n".join(file_lines(job, agents)))}
     assert "user default off" in acl.splitlines()
     assert "nopass" not in acl
-    for user in ("controller", "agent", "operator"):
-        (line,) = [x for x in acl.splitlines() if x.startswith(f"user optimus-{user} ")]
+    secrets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Secret"}
+    passwords = {f"optimus-{u}": data[f"{u}-password"] for u in ("controller", "operator")}
+    passwords |= {f"optimus-node-{a}": base64.b64decode(secrets[a]["data"]["password"]).decode()
+                  for a in agents}
+    for user, password in passwords.items():
+        (line,) = [x for x in acl.splitlines() if x.startswith(f"user {user} ")]
         (hashed,) = [r for r in line.split() if r.startswith("#")]
-        password = data[f"{user}-password"]
         assert len(password) >= 8 and hashed[1:] == hashlib.sha256(password.encode()).hexdigest()
         assert ">" + password not in acl  # never in clear
+    assert len(set(passwords.values())) == len(passwords)  # one password each
+    assert set(data) == {"controller-password", "operator-password", "users.acl"}
     if which == "custom":
-        assert data["agent-password"] == "a-secret"
+        assert data["operator-password"] == "o-secret"
     # the server reads that file: redis.conf names it where the Secret is mounted
     conf = one(objects, "ConfigMap", "-redis")["data"]["redis.conf"].splitlines()
     assert "appendonly yes" in conf
@@ -296,13 +341,27 @@ def test_a_real_redis_with_the_rendered_acl_refuses_anonymous_clients(custom, tm
                 time.sleep(0.05)
         else:
             pytest.fail("redis-server did not start")
-        agent = redis.Redis(port=port, username="optimus-agent",
-                            password=data["agent-password"], socket_timeout=5)
-        agent.set("optimus:tiny-gpt:node:n0:row", "1")  # a node's own keys
-        with pytest.raises(redis.exceptions.NoPermissionError):
-            agent.set("optimus:tiny-gpt:plan", "x")  # read-only to agents
-        with pytest.raises(redis.exceptions.NoPermissionError):
-            agent.zadd("optimus:tiny-gpt:beats", {"n0": 1})  # the controller relays these
+        job = yaml.safe_load(CUSTOM["job"]["file"])["name"]
+        secrets = {o["metadata"]["name"]: o for o in custom if o["kind"] == "Secret"}
+
+        def agent(i: int):
+            name = f"{RELEASE}-optimus-agents-{i}"
+            password = base64.b64decode(secrets[name]["data"]["password"]).decode()
+            return name, redis.Redis(port=port, username=f"optimus-node-{name}",
+                                     password=password, socket_timeout=5)
+        (me, mine), (other, _) = agent(0), agent(1)
+        mine.set(f"optimus:{{{job}}}:node:{me}:row", "1")  # its node's own keys
+        mine.lpop(f"optimus:{{{job}}}:commands:{me}")
+        for write in (lambda: mine.set(f"optimus:{{{job}}}:node:{other}:row", "1"),
+                      lambda: mine.lpop(f"optimus:{{{job}}}:commands:{other}"),
+                      lambda: mine.rpush(f"optimus:{{{job}}}:commands:{other}", "kill_node"),
+                      lambda: mine.set(f"optimus:{{{job}}}:plan", "x"),  # read-only to agents
+                      lambda: mine.zadd(f"optimus:{{{job}}}:beats", {me: 1})):  # relayed
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                write()
+        with pytest.raises(redis.AuthenticationError):  # one agent's password is not another's
+            redis.Redis(port=port, username=f"optimus-node-{other}",
+                        password=mine.connection_pool.connection_kwargs["password"]).ping()
         ctl = redis.Redis(port=port, username="optimus-controller",
                           password=data["controller-password"], socket_timeout=5)
         ctl.set("optimus:tiny-gpt:plan", "x")
@@ -326,8 +385,9 @@ def test_only_the_jobs_pods_reach_redis(which, request):
     assert not any("namespaceSelector" in peer for peer in rule["from"])  # this namespace only
     allowed = lambda labels: selects(selector, labels)  # noqa: E731
     assert allowed(pod_labels(one(objects, "Deployment")))
-    assert allowed(pod_labels(one(objects, "Job")))
-    other_release = {**pod_labels(one(objects, "Job")), "app.kubernetes.io/instance": "other"}
+    assert all(allowed(pod_labels(job)) for job in agent_jobs(objects))
+    other_release = {**pod_labels(one(objects, "Job", AGENT0)),
+                     "app.kubernetes.io/instance": "other"}
     assert not allowed(other_release) and not allowed({"app": "anything"})
     assert not allowed(redis_pods)  # nor any other pod of this release
     extra = [peer for peer in rule["from"] if "podSelector" not in peer]

@@ -16,6 +16,7 @@ import json
 
 import pytest
 from test_helm_chart import (
+    AGENT0,
     CHART,
     CUSTOM,
     HELM,
@@ -23,16 +24,24 @@ from test_helm_chart import (
     NAMESPACE,
     RELEASE,
     helm,
-    one,
     pod_labels,
     render,
     selects,
 )
+from test_helm_chart import one as chart_one
 
 pytestmark = pytest.mark.skipif(HELM is None, reason="helm is not installed (`make helm`, or "
                                 "$HELM naming the binary)")
 
 PODS = ("Deployment", "Job", "StatefulSet")  # the controllers, the agents, Redis
+
+
+def one(objects: list[dict], kind: str, suffix: str = "") -> dict:
+    """As test_helm_chart's, and the Job is the first agent's: the agents' Jobs differ in their
+    name and index only (test_helm_chart.test_one_agent_per_node_nodes_plus_spares)."""
+    return chart_one(objects, kind, suffix or (AGENT0 if kind == "Job" else ""))
+
+
 ROOT_AGENTS = {"agents": {"runAsNonRoot": False, "supplementalGroups": [109]},
                "security": {"runAsUser": 4242, "runAsGroup": 4242, "fsGroup": 4343}}
 PROMETHEUS = {"app.kubernetes.io/name": "prometheus"}

@@ -40,6 +40,21 @@ has written it to Redis. */}}
 {{ include "optimus.fullname" . }}-redis
 {{- end -}}
 
+{{/* Agent <index>'s name: its Job's, its pod's hostname, its Secret's and its --node, so
+that everything of one agent reads alike. Call with (list $ index). */}}
+{{- define "optimus.agentName" -}}
+{{ include "optimus.fullname" (index . 0) }}-agents-{{ index . 1 }}
+{{- end -}}
+
+{{/* The ACL rules of node NODE's own Redis user, password aside: the same, word for word, as
+controller/store/acl.py's node_rules (tests/test_helm_chart.py compares them). Node and job
+names hold no glob character. Call with (dict "job" JOB "node" NODE). */}}
+{{- define "optimus.nodeRules" -}}
+{{- $head := printf "optimus:{%s}:" .job -}}
+resetkeys ~{{ $head }}node:{{ .node }}:* {{ range list "plan" "plan:stamp" "control" "gen:*" }}%R~{{ $head }}{{ . }} {{ end -}}
+resetchannels -@all +@read +@write +@stream +@transaction +@connection -@dangerous -@scripting (~{{ $head }}commands:{{ .node }} +lpop)
+{{- end -}}
+
 {{- define "optimus.authSecret" -}}
 {{ include "optimus.fullname" . }}-redis-auth
 {{- end -}}
@@ -48,16 +63,18 @@ has written it to Redis. */}}
 {{ .Values.shared.existingClaim | default (printf "%s-shared" (include "optimus.fullname" .)) }}
 {{- end -}}
 
-{{/* REDIS_PASSWORD from the Secret, then REDIS_URL built from it (Kubernetes expands
-$(REDIS_PASSWORD) because it is defined first). Call with (dict "root" $ "user" "agent"). */}}
+{{/* REDIS_PASSWORD from a Secret, then REDIS_URL built from it (Kubernetes expands
+$(REDIS_PASSWORD) because it is defined first). Call with (dict "root" $ "user" "controller")
+for the user optimus-<user> of the release's auth Secret, or with "username" NAME, "secret" SECRET
+and "key" KEY for a user whose password is elsewhere (an agent's, in its own Secret). */}}
 {{- define "optimus.redisEnv" -}}
 - name: REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ include "optimus.authSecret" .root }}
-      key: {{ .user }}-password
+      name: {{ .secret | default (include "optimus.authSecret" .root) }}
+      key: {{ .key | default (printf "%s-password" .user) }}
 - name: REDIS_URL
-  value: redis://optimus-{{ .user }}:$(REDIS_PASSWORD)@{{ include "optimus.redisHost" .root }}:6379/0
+  value: redis://{{ .username | default (printf "optimus-%s" .user) }}:$(REDIS_PASSWORD)@{{ include "optimus.redisHost" .root }}:6379/0
 {{- end -}}
 
 {{/* The job file and the shared volume, mounted at the same paths in controllers and agents:
