@@ -10,14 +10,17 @@ seconds of imports.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import pickle
 import queue
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 # Launcher variables a child must not inherit: they would outrank or contradict RANK/WORLD_SIZE.
@@ -48,7 +51,20 @@ def _context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-def _child(fn: Callable, rank: int, world_size: int, args: tuple, port: int, results) -> None:
+def _last_words(port: int, rank: int, parent: int | None = None) -> Path:
+    """Where rank `rank` of the run on `port` started by process `parent` (this one) writes its
+    stacks if it dies of a signal."""
+    parent = os.getpid() if parent is None else parent
+    return Path(tempfile.gettempdir()) / f"optimus-ranks-{parent}-{port}-{rank}.stacks"
+
+
+def _child(fn: Callable, rank: int, world_size: int, args: tuple, port: int, results,
+           parent: int) -> None:
+    # A rank killed by SIGABRT, SIGSEGV, SIGBUS or SIGFPE (a native crash) leaves its Python
+    # stacks here, and the parent adds them to the failure: "exited with code -6" alone says
+    # nothing about where.
+    faulthandler.enable(file=open(_last_words(port, rank, parent), "w"),  # noqa: SIM115
+                        all_threads=True)
     for name in [n for n in os.environ if n.startswith(_INHERITED)]:
         del os.environ[name]
     os.environ.update(
@@ -85,7 +101,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0) 
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_child, args=(fn, rank, world_size, args, port, results), daemon=True)
+        ctx.Process(target=_child, args=(fn, rank, world_size, args, port, results, os.getpid()),
+                    daemon=True)
         for rank in range(world_size)
     ]
     for proc in procs:
@@ -109,7 +126,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0) 
                 if not board.has(rank) and proc.exitcode is not None:
                     board.read(results, timeout=0.5, until=rank)  # its message may be in flight
                     if not board.has(rank):
-                        board.fail(rank, f"rank {rank} exited with code {proc.exitcode}")
+                        board.fail(rank, f"rank {rank} exited with code {proc.exitcode}"
+                                   + _read_words(_last_words(port, rank)))
             if board.errors:
                 give_up_at = min(give_up_at, now + _GRACE_S)
         if board.errors:
@@ -120,6 +138,16 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0) 
     finally:
         _stop(procs, grace_s=0.0 if board.errors or len(board.done) < world_size else _GRACE_S)
         results.close()
+        for rank in range(world_size):
+            _last_words(port, rank).unlink(missing_ok=True)
+
+
+def _read_words(path: Path) -> str:
+    try:
+        text = path.read_text(errors="replace")[-20_000:]
+    except OSError:
+        return ""
+    return f"; its last stacks (faulthandler):\n{text}" if text.strip() else ""
 
 
 class _Board:

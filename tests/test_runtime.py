@@ -1,6 +1,7 @@
 """Launch environments, device and backend choice, the layout's mesh, and the rank harness."""
 
 import os
+import signal
 import time
 
 import pytest
@@ -377,6 +378,12 @@ def _dies_on_rank_0(rank, world_size):
     return rank
 
 
+def _aborts_on_rank_1(rank, world_size):
+    if rank == 1:
+        os.abort()  # a native crash, as a C++ assertion in a kernel would be
+    return rank
+
+
 def _hangs_on_rank_2(rank, world_size):
     if rank == 2:
         time.sleep(60)
@@ -400,6 +407,14 @@ def test_harness_shows_a_failing_rank_traceback(run_ranks):
 def test_harness_reports_a_rank_that_died(run_ranks):
     with pytest.raises(RanksFailed, match="rank 0 exited with code 7"):
         run_ranks(_dies_on_rank_0, 2)
+
+
+def test_harness_shows_where_a_rank_crashed_natively(run_ranks):
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_aborts_on_rank_1, 2)
+    text = str(info.value)
+    assert f"rank 1 exited with code -{signal.SIGABRT}; its last stacks" in text
+    assert "Fatal Python error: Aborted" in text and "in _aborts_on_rank_1" in text
 
 
 def test_harness_kills_a_hung_rank_at_the_timeout(run_ranks):
