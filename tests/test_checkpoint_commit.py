@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import resource
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from test_checkpoint_saver import Trainer, _assert_bitwise, _load_elsewhere
@@ -145,6 +147,39 @@ def test_failed_write_keeps_the_previous_checkpoint(run_ranks, tmp_path):
         assert stats["failed_in_a_row"] == 0  # the commits after it ended the streak
         # keep_last=1 keeps 4, keep_every=3 keeps 3; step 1 is gone
         assert result["committed"] == [3, 4]
+
+
+def _every_failure_is_told(rank: int, world: int, root: str, mode: str) -> list[dict]:
+    """Every save fails; each save waits for the one before it, so that one ends inside the
+    next save (or, in sync mode, each ends inside its own)."""
+    from optimus.checkpoint.policy import RunCheckpoints
+    from optimus.metrics import MetricsLog
+
+    run = Trainer(rank, world, {})
+    ckpt = Checkpointer(root, rank=rank, world_size=world, keep_last=1, mode=mode,
+                        on_overlap="wait",
+                        writer=lambda path: FileSizeLimitedWriter(path, overwrite=False))
+    job = run.job.model_copy(update={"checkpoint": run.job.checkpoint.model_copy(
+        update={"interval": 1, "max_failed_saves": 0})})
+    metrics = Path(root) / "metrics.jsonl"
+    log = MetricsLog(metrics, 10, 1, None, world)
+    saves = RunCheckpoints(ckpt, log, job, run.layout, run.state, run.progress)
+    for step in (1, 2, 3, 4):
+        run.train(1)
+        saves.after_step(step)
+    saves.finish(4, final=False)  # the last one lands and is told here
+    log.close()
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("mode", ["thread", "sync"])
+def test_every_failed_save_is_told_once_with_its_place_in_the_streak(run_ranks, tmp_path, mode):
+    (lines,) = run_ranks(_every_failure_is_told, 1, str(tmp_path), mode, timeout=120)
+    told = [(m["failed_in_a_row"], m["message"]) for m in lines if m.get("event") == "checkpoint"]
+    assert [in_a_row for in_a_row, _ in told] == [1, 2, 3, 4], told
+    for (_, message), step in zip(told, (1, 2, 3, 4), strict=True):
+        assert message.startswith(f"checkpoint of step {step}: write failed"), message
+        assert "File too large" in message
 
 
 def _sync_and_exists(rank: int, world: int, root: str) -> dict:

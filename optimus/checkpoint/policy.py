@@ -51,14 +51,17 @@ class RunCheckpoints:
         ckpt = self.ckpt
         if ckpt is None:
             return
-        if ckpt.poll() == "failed":
-            self._failed()
+        ckpt.poll()
+        self._failed()
         if step == self.job.optim.steps:
             return
         interval = self.job.checkpoint.interval
-        if interval and step % interval == 0 and self._save(step) == "skipped":
-            self.log.event("checkpoint", f"save of step {step} skipped: the previous one is "
-                           "still being written", **ckpt.stats.as_dict())
+        if interval and step % interval == 0:
+            outcome = self._save(step)
+            self._failed()  # the one before it may have ended inside, or this one (sync)
+            if outcome == "skipped":
+                self.log.event("checkpoint", f"save of step {step} skipped: the previous one "
+                               "is still being written", **ckpt.stats.as_dict())
 
     def check_failed_saves(self, step: int) -> None:
         """Stop training (CheckpointFailed) after `max_failed_saves` failed saves in a row: hours
@@ -69,8 +72,8 @@ class RunCheckpoints:
             return
         if not limit or ckpt.stats.failed_in_a_row < limit:
             return
-        if ckpt.wait() == "failed":  # one started since then decides too: a commit ends it
-            self._failed()
+        ckpt.wait()  # one started since then decides too: a commit ends it
+        self._failed()
         if ckpt.stats.failed_in_a_row < limit:
             return
         self._give_up(step, f"{ckpt.stats.failed_in_a_row} checkpoint saves failed in a row "
@@ -84,11 +87,12 @@ class RunCheckpoints:
         ckpt = self.ckpt
         if ckpt is None:
             return
-        if ckpt.wait() == "failed":
-            self._failed()
+        ckpt.wait()
+        self._failed()
         if final and self.job.checkpoint.interval:
             outcome = self._save(step)  # "exists": a stop saved it
             outcome = ckpt.wait() or outcome
+            self._failed()
             if outcome not in ("committed", "exists"):
                 why = (ckpt.last_error or "not saved").removeprefix(
                     f"checkpoint of step {step}: ")
@@ -111,12 +115,11 @@ class RunCheckpoints:
             log.event("stopped", f"stopped after step {step} (SIGTERM); checkpointing is off, "
                       "so nothing was saved", step=step, checkpoint_step=None)
             return
-        if ckpt.wait() == "failed":  # the save in flight lands first
-            self._failed()
+        ckpt.wait()  # the save in flight lands first
+        self._failed()
         outcome = self._save(step)  # "exists": just saved
         outcome = ckpt.wait() or outcome
-        if outcome == "failed":
-            self._failed()
+        self._failed()
         saved = step if outcome in ("committed", "exists") else None
         where = (f"checkpoint of step {step} committed" if saved is not None
                  else "its checkpoint failed, a restart resumes from an older one")
@@ -131,13 +134,13 @@ class RunCheckpoints:
                       "off (checkpoint.interval 0 and nothing to resume): nothing saved",
                       step=step)
             return
-        if ckpt.wait() == "failed":  # the save in flight lands first
-            self._failed()
+        ckpt.wait()  # the save in flight lands first
+        self._failed()
         outcome = self._save(step)  # "exists": just saved
         if wait:
             outcome = ckpt.wait() or outcome
+        self._failed()
         if outcome == "failed":
-            self._failed()
             return
         log.event("checkpoint", f"checkpoint of step {step} asked by an operator: "
                   + ("committed" if wait or outcome == "exists" else "writing in the background"),
@@ -157,7 +160,10 @@ class RunCheckpoints:
                 "workdir": os.getcwd()}  # where the job's relative paths start (the export's)
 
     def _failed(self) -> None:
-        self.log.event("checkpoint", self.ckpt.last_error, **self.ckpt.stats.as_dict())
+        """One event for each save that failed since the last call, with its own counts
+        (failed_in_a_row: its place in the streak), wherever it ended."""
+        for failure in self.ckpt.take_failures():
+            self.log.event("checkpoint", **failure)
 
     def _give_up(self, step: int, message: str) -> None:
         self.ckpt.close()
