@@ -33,11 +33,15 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 def run(redis_server, job: Path, *, nodes: int = 2, spares: int = 1,
         timeout: float = 240) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "controller", "run", str(job), "--nodes",
-                          str(nodes), "--ranks-per-node", "1", "--spares", str(spares)],
-                         cwd=ROOT, env={**os.environ, **ONE_THREAD,
-                                        "REDIS_URL": redis_server.url},
-                         capture_output=True, text=True, timeout=timeout)
+    try:
+        out = subprocess.run([sys.executable, "-m", "controller", "run", str(job), "--nodes",
+                              str(nodes), "--ranks-per-node", "1", "--spares", str(spares)],
+                             cwd=ROOT, env={**os.environ, **ONE_THREAD,
+                                            "REDIS_URL": redis_server.url},
+                             capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # what it had done by then, to say why
+        said = (e.stdout or b"").decode(errors="replace")[-8000:]
+        pytest.fail(f"the job did not end within {timeout:g} s; its output:\n{said}")
     assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-3000:]
     return out
 
