@@ -74,9 +74,10 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 
 from controller.cli.run import LocalCluster, start_redis
-from controller.control.controller import TICK_S, Controller, settings_for
+from controller.control.controller import TICK_S, Controller
 from controller.control.decide import Settings
 from controller.control.decide import names as decide_names
+from controller.control.settings import settings_for
 from controller.exporter import JobCollector
 from controller.store.store import Store
 from optimus.config import validate_job

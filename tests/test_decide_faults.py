@@ -125,6 +125,27 @@ def test_a_straggler_is_reported_once_and_excluded_only_when_the_policy_says_so(
     assert decide(running(compute={"n0": 0.10, "n1": 0.15}), H).events == []
 
 
+def test_a_straggler_is_excluded_only_when_a_generation_could_run_without_it():
+    compute = {"n0": 0.10, "n1": 0.35}
+    strict = Settings(**{**H.__dict__, "straggler_action": "exclude"})
+    d = decide(running(compute=compute, spare_count=1), strict)  # a spare takes its place
+    assert [n for n, _ in d.exclude] == ["n1"] and d.plan["action"] == "stop"
+    d = decide(running(compute=compute, spare_count=0), strict)  # none: a slow job goes on
+    assert d.exclude == [] and d.plan is None and d.job["stragglers"] == ["n1"]
+    (kind, message, fields), = d.events
+    assert kind == "straggler" and fields == {"node": "n1"}
+    assert message.endswith("straggler_action=exclude, but nothing could take its place "
+                            "(0 spare(s)): it stays in the job until a node can")
+    # a spare registers later: the same straggler is excluded then, without a second report
+    d = decide(running(compute=compute, spare_count=1, job=busy(stragglers=("n1",))), strict)
+    assert [n for n, _ in d.exclude] == ["n1"]
+    assert "straggler" not in [k for k, *_ in d.events]
+    # a job that may shrink runs on the one node left
+    shrinks = Settings(**{**strict.__dict__, "node_counts": (2, 1)})
+    d = decide(running(compute=compute, spare_count=0), shrinks)
+    assert [n for n, _ in d.exclude] == ["n1"]
+
+
 def test_a_stop_of_a_running_generation_drains_it_without_the_per_node_view():
     obs = running(job=busy(desired="stop", desired_by="bob"))
     obs = Observed(**{**obs.__dict__, "nodes": {}})  # as observed while RUNNING

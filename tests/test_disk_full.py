@@ -32,8 +32,9 @@ import pytest
 import yaml
 from cluster import relay, write_job
 
-from controller.control.controller import Controller, settings_for
+from controller.control.controller import Controller
 from controller.control.journal import read_journal
+from controller.control.settings import settings_for
 from controller.store.store import Store
 from optimus.config import validate_job
 

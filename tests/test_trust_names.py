@@ -19,8 +19,9 @@ from click.testing import CliRunner
 from cluster import write_job
 
 from controller.cli.main import main
-from controller.control.controller import Controller, settings_for
+from controller.control.controller import Controller
 from controller.control.journal import read_journal
+from controller.control.settings import settings_for
 from controller.schedulers.slurm import known_bad
 from controller.store.names import is_node_name
 from controller.store.store import Store

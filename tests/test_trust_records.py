@@ -14,7 +14,8 @@ import time
 import yaml
 from cluster import wait_for, write_job
 
-from controller.control.controller import Controller, settings_for
+from controller.control.controller import Controller
+from controller.control.settings import settings_for
 from controller.store.store import Store
 from optimus.config import validate_job
 

@@ -118,7 +118,8 @@ def controller(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node
     """Supervise JOB: plan generations, detect failures, restart without the culprit.
 
     Run two for high availability: one leads, the other takes over if it dies."""
-    from controller.control.controller import Controller, settings_for
+    from controller.control.controller import Controller
+    from controller.control.settings import settings_for
 
     _logging()
     config = load_job(job, list(overrides))

@@ -52,7 +52,7 @@ from controller.disk import Rewritten
 from controller.store.names import RULE
 from controller.store.store import Store, StoreUnavailable
 from optimus.checkpoint.manifest import committed_steps
-from optimus.config import ConfigError, JobConfig, check_job
+from optimus.config import ConfigError, JobConfig
 
 log = logging.getLogger("optimus.controller")
 
@@ -65,42 +65,6 @@ REFUSAL_CHECK_S = 5.0  # how often the plan's agents are asked whether they refu
 VOLATILE = frozenset({"progress_gen", "progress_step", "progress_at", "progress_moves",
                       "step_times", "hang_since", "failure_since", "latest_checkpoint",
                       "memory_snapshot"})
-
-
-def node_counts(job: JobConfig, nodes: int, ranks_per_node: int) -> tuple[int, ...]:
-    """Node counts the job may run on, largest first: from `nodes` down to
-    supervision.min_nodes, those whose world size the layout accepts (dp shrinks)."""
-    lowest = min(job.supervision.min_nodes or nodes, nodes)
-    counts = []
-    for n in range(nodes, lowest - 1, -1):
-        try:
-            check_job(job, world=n * ranks_per_node)
-        except ConfigError:
-            continue
-        counts.append(n)
-    return tuple(counts) or (nodes,)
-
-
-def settings_for(job: JobConfig, job_file: str, overrides: list[str], nodes: int,
-                 ranks_per_node: int) -> Settings:
-    s = job.supervision
-    faults = [{"node": f.node, "step": f.step, "generation": f.generation}
-              for f in job.fault_injection.faults if f.kind == "kill_node"]
-    return Settings(
-        nodes=nodes, ranks_per_node=ranks_per_node,
-        heartbeat_interval_s=s.heartbeat_interval_s, hang_timeout_s=s.hang_timeout_s,
-        hang_step_factor=s.hang_step_factor, straggler_factor=s.straggler_factor,
-        straggler_window=s.straggler_window, straggler_action=s.straggler_action,
-        flaky_failures=s.flaky_failures, flaky_window_s=s.flaky_window_s,
-        heartbeat_timeout_s=s.heartbeat_timeout_s, startup_timeout_s=s.startup_timeout_s,
-        agent_timeout_s=s.heartbeat_timeout_s, max_restarts=s.max_restarts,
-        backoff_s=s.restart_backoff_s, backoff_max_s=s.restart_backoff_max_s,
-        failure_grace_s=s.failure_grace_s, stop_grace_s=s.stop_grace_s,
-        final_step=job.optim.steps if job.checkpoint.interval else None,
-        node_counts=node_counts(job, nodes, ranks_per_node),
-        launch={"job_file": str(Path(job_file).resolve()), "overrides": list(overrides),
-                "log_dir": str(Path(job.resolved_run_dir).resolve() / "logs"),
-                "node_faults": faults, "straggler_window": s.straggler_window})
 
 
 class Controller:
@@ -123,6 +87,7 @@ class Controller:
         # (registrations, excluded, unhealthy) when the spares were last read: any change, a
         # node registering, back under its name, included again or healthy again, reads them.
         self._agents_seen: tuple | None = None
+        self._eligible: frozenset[str] = frozenset()  # could be spares, as _spares last read
         self._unhealthy_seen: frozenset = frozenset()
         self._memory_shown: int | None = None
         self.checkpoints = CheckpointView(self.checkpoint_dir, store)
@@ -291,6 +256,8 @@ class Controller:
         agent_beats = {n: None if b is None else self._excused(b)
                        for n, b in sweep.agent_beats.items()}
         spares = self._spares(plan, excluded, now, compute is not None)
+        spare_count = (None if compute is None else
+                       len(self._eligible - set(plan["nodes"])))  # for decide._stragglers
         return Observed(now=now, job=job, plan=plan, nodes={}, exits=exits,
                         overdue=self._overdue(plan, now, sweep.agent_beats),
                         latest_step=latest,
@@ -298,7 +265,8 @@ class Controller:
                         unhealthy=unhealthy, unhealthy_idle=idle,
                         nonfinite=frozenset(sweep.nonfinite),
                         suspects=suspects, waiting_in_collective=waiting, stacks=stacks,
-                        compute=compute, excluded=excluded, resumed=resumed,
+                        compute=compute, spare_count=spare_count, excluded=excluded,
+                        resumed=resumed,
                         paused_nodes=sweep.paused_nodes, spares=spares,
                         **operator)
 
@@ -306,7 +274,8 @@ class Controller:
         """The snapshot addresses of the plan's nodes and of the spares, read when an agent
         registered, or the exclusions or the unhealthy nodes changed (checked every
         STRAGGLER_CHECK_S, one GET): a spare that arrives after the plan becomes a buddy
-        (decide._rebuddy). None when not read."""
+        (decide._rebuddy). None when not read. Keeps the nodes that could be spares
+        (`self._eligible`: registered, healthy, beating, not excluded) for `spare_count`."""
         if not due:
             return None
         seen = (self.store.registrations(), frozenset(excluded), self._unhealthy_seen)
@@ -315,11 +284,12 @@ class Controller:
         self._agents_seen = seen
         in_plan = set(plan["nodes"])
         info, beats = self.store.nodes(), self.store.agent_beats()
+        self._eligible = frozenset(
+            n for n, i in info.items() if n not in excluded and i.get("health") == "ok"
+            and n in beats and now - self._excused(beats[n]) <= self.s.agent_timeout_s)
         return {n: i["snapshot_addr"] for n, i in sorted(info.items())
                 if isinstance(i.get("snapshot_addr"), str) and i["snapshot_addr"]
-                and (n in in_plan or (
-                    n not in excluded and i.get("health") == "ok" and n in beats
-                    and now - self._excused(beats[n]) <= self.s.agent_timeout_s))}
+                and (n in in_plan or n in self._eligible)}
 
     def _overdue(self, plan: dict, now: float,
                  agent_beats: dict[str, float | None]) -> list[Overdue]:

@@ -127,7 +127,7 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
     found = detect.evidence(obs, s)
     training = job.state == RUNNING and job.desired != "pause"  # no stall or straggler paused
     slow = _stragglers(obs, s, d) if obs.compute is not None and training else {}
-    if s.straggler_action == "exclude":
+    if s.straggler_action == "exclude" and _replaceable(obs, s, slow):
         found += [Evidence(n, why, HARD, obs.now, "straggler") for n, why in sorted(slow.items())]
     hang_fields: dict = {}
     moved = obs.progress is not None and obs.progress > job.progress_step
@@ -374,12 +374,25 @@ def _hang(obs: Observed, s: Settings, d: Decision) -> tuple[list[Evidence], dict
 def _stragglers(obs: Observed, s: Settings, d: Decision) -> dict[str, str]:
     """Report nodes that turned slow (an event each); keep the list in the job record."""
     slow = detect.straggling(obs, s)
+    kept = "" if s.straggler_action != "exclude" or _replaceable(obs, s, slow) else (
+        f", but nothing could take its place ({obs.spare_count} spare(s)): it stays in the job "
+        "until a node can")
     for node in sorted(set(slow) - set(obs.job.stragglers)):
-        d.note("straggler", slow[node] + (f"; straggler_action={s.straggler_action}"),
+        d.note("straggler", slow[node] + f"; straggler_action={s.straggler_action}" + kept,
                node=node)
     if set(slow) != set(obs.job.stragglers):
         d.job["stragglers"] = sorted(slow)
     return slow
+
+
+def _replaceable(obs: Observed, s: Settings, slow: dict[str, str]) -> bool:
+    """Whether a generation could run without the slow nodes: on the plan's other nodes and
+    the spares, at a node count the job allows. A slow job is better than one that waits for
+    nodes (unknown spares, as in a hand-made Observed: assumed replaceable)."""
+    if not slow or obs.spare_count is None:
+        return True
+    left = len(obs.plan["nodes"]) - len(slow) + obs.spare_count
+    return any(c <= left for c in s.allowed_nodes)
 
 
 def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:

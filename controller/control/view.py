@@ -179,6 +179,9 @@ class Observed:
     waiting_in_collective: int = 0  # plan nodes whose ranks all wait in a collective
     stacks: dict[int, str] = field(default_factory=dict)  # rank -> stack dump (a hang)
     compute: dict[str, float] | None = None  # node -> compute score, when read this tick
+    # When compute is read: how many nodes outside the plan could replace one of it (registered,
+    # healthy, beating, not excluded), as the controller last read them; None: not read.
+    spare_count: int | None = None
     excluded: dict[str, str] = field(default_factory=dict)  # node -> reason (draining too)
     draining: frozenset[str] = frozenset()  # excluded from future generations only
     requests: list[Request] = field(default_factory=list)  # new operator requests, in order
