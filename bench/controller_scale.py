@@ -1,7 +1,7 @@
 """The controller at 1,024, 16,384 and 131,072 ranks: simulated agents beating into a real Redis.
 
 Per size (nodes of 12 ranks: 86, 1,366 and 10,923 nodes; the world is nodes x 12), with
-supervision heartbeat_interval_s 1 s, heartbeat_timeout_s 2 s, hang_timeout_s 2 s,
+supervision heartbeat_interval_s 1 s, heartbeat_timeout_s 2 s, hang_timeout_s and hang_floor_s 2 s,
 hang_step_factor 2:
 
 1. loop: a real `Controller` (a validated job, `settings_for`) calling `tick()` at its own
@@ -119,7 +119,8 @@ def bench_job(run_dir: Path, world: int) -> dict:
         "optim": {"steps": 1_000_000, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5},
         "data": {"source": "synthetic", "seq_len": 64, "batch_size": world, "microbatches": 1},
         "supervision": {"heartbeat_interval_s": INTERVAL_S, "heartbeat_timeout_s": TIMEOUT_S,
-                        "hang_timeout_s": HANG_TIMEOUT_S, "hang_step_factor": HANG_STEP_FACTOR,
+                        "hang_timeout_s": HANG_TIMEOUT_S, "hang_floor_s": HANG_TIMEOUT_S,
+                        "hang_step_factor": HANG_STEP_FACTOR,
                         "restart_backoff_s": 0.0, "max_restarts": 1000},
     }
 

@@ -72,7 +72,11 @@ class Inputs:
               "watchdog timeouts 1.7%, plus GPU faults that hang rather than exit)")
     # -- job settings ----------------------------------------------------------------------
     heartbeat_timeout_s: float = assumed(30.0, "the job's setting: the project's default")
-    hang_timeout_s: float = assumed(600.0, "the job's setting: the project's default")
+    hang_timeout_s: float = assumed(600.0, "the job's setting: the project's default (the "
+                                           "bound of a generation's first steps and of saves)")
+    hang_floor_s: float = assumed(
+        30.0, "the job's setting: the project's default (the adaptive bound's floor; a hang is "
+              "assumed in steady training, past a generation's first hang_history steps)")
     hang_step_factor: float = assumed(10.0, "the job's setting: the project's default")
     failure_grace_s: float = assumed(3.0, "the job's setting: the project's default")
     snapshot_budget: float = assumed(0.02, "the issue: snapshots as often as cost <= 2% step")
@@ -158,7 +162,7 @@ def costs(i: Inputs, ranks: int, ranks_per_node: int, mttf_min: float | None = N
     state = i.params * i.state_bytes_per_param
     shard = state / ranks
     per_byte = shard / i.save_bytes
-    hang_threshold = max(i.hang_timeout_s, i.hang_step_factor * step)
+    hang_threshold = max(i.hang_floor_s, i.hang_step_factor * step)  # detect.stall_threshold
     detect = {
         "kill_rank": i.decision_kill_rank_s + i.loop_p99_s,
         "kill_node": i.decision_kill_node_s - i.recovery_timeout_s + i.heartbeat_timeout_s,

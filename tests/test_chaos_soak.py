@@ -29,7 +29,8 @@ from optimus.data.audit import audit_run
 
 STEPS = 160
 EVERY = 2
-SOAK = {"heartbeat_timeout_s": 6.0, "hang_timeout_s": 6.0, "flaky_failures": 100,
+SOAK = {"heartbeat_timeout_s": 6.0, "hang_timeout_s": 6.0, "hang_floor_s": 6.0,
+        "flaky_failures": 100,
         "max_restarts": 20}
 # One OpenMP thread per rank: with torch's default (one thread per core) ranks on a 2-core
 # machine spin-wait for each other's cores.

@@ -74,6 +74,22 @@ def test_startup_has_its_own_timeout_until_the_generations_second_move():
                          H)) != []
 
 
+def test_with_a_history_the_stall_bound_adapts_and_a_save_keeps_the_fixed_one():
+    """hang_floor_s 2, k 4, 8 timed steps of 0.5 s: a stall of 3 s is a hang (not 10 s), but
+    not while a rank reports saving or evaluating (then T = 10 s)."""
+    adaptive = Settings(**{**H.__dict__, "hang_floor_s": 2.0})
+    timed = busy(progress_moves=2 + 8, step_times=(0.5,) * 8, progress_at=NOW - 3)
+    d = decide(running(job=timed, progress=5), adaptive)
+    assert dumped(d) != [] and "(threshold 2.0 s)" in d.events[0][1]
+    assert dumped(decide(running(job=timed, progress=5, long_phase=True), adaptive)) == []
+    saving_long = busy(progress_moves=10, step_times=(0.5,) * 8, progress_at=NOW - 10.5)
+    d = decide(running(job=saving_long, progress=5, long_phase=True), adaptive)
+    assert dumped(d) != [] and "(threshold 10.0 s)" in d.events[0][1]
+    # one timed step short of the history: still the fixed bound
+    young = busy(progress_moves=2 + 7, step_times=(0.5,) * 8, progress_at=NOW - 3)
+    assert dumped(decide(running(job=young, progress=5), adaptive)) == []
+
+
 def test_the_stall_clock_of_an_older_generation_is_never_read():
     job = busy(generation=1, progress_gen=0, progress_at=NOW - 100)
     d = decide(running(job=job, plan=running_plan(gen=1), progress=5), H)

@@ -8,6 +8,7 @@ node's window, each pinned at its boundary.
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 
 from controller.control.detect import (
     COLLATERAL,
@@ -20,6 +21,7 @@ from controller.control.detect import (
     exit_evidence,
     flaky,
     hang_culprits,
+    in_long_phase,
     stall_threshold,
     straggling,
 )
@@ -158,10 +160,43 @@ def test_evidence_lists_exits_then_bad_tiles_then_lost_nodes_then_frozen_ranks()
 
 # --- a hang ------------------------------------------------------------------------------------
 
-def test_the_hang_threshold_is_the_timeout_or_k_times_the_median_step_whichever_is_longer():
+def test_the_hang_threshold_is_fixed_until_the_generation_has_a_history():
+    """Before `hang_history` timed steps of this generation (its first steps, compiles):
+    max(T, k x p99); T = 10, k = 4 here."""
     assert stall_threshold(JobView(), S) == 10  # no step timed yet
-    assert stall_threshold(JobView(step_times=(1.0,)), S) == 10  # 4 x 1 s is shorter
-    assert stall_threshold(JobView(step_times=(1.0, 5.0, 3.0)), S) == 12  # 4 x median 3 s
+    assert stall_threshold(JobView(step_times=(1.0,), progress_moves=3), S) == 10  # 4 s < T
+    # the p99 of 3 samples is their largest: 4 x 5 s
+    assert stall_threshold(JobView(step_times=(1.0, 5.0, 3.0), progress_moves=5), S) == 20
+
+
+def test_then_it_adapts_to_the_step_times_down_to_the_floor():
+    """From `hang_history` (8) timed steps on: max(floor, k x p99), far under T for fast
+    steps: a 5 s step is judged hung after 50 s, not 600."""
+    s = replace(S, hang_timeout_s=600, hang_floor_s=30, hang_step_factor=10)
+    history = JobView(step_times=(5.0,) * 32, progress_moves=2 + 8)
+    assert stall_threshold(history, s) == 50
+    assert stall_threshold(replace(history, progress_moves=2 + 7), s) == 600  # one short
+    fast = replace(history, step_times=(0.2,) * 32)
+    assert stall_threshold(fast, s) == 30  # 10 x 0.2 s: the floor
+    # p99, not the median: one slow step in a hundred does not move it, two do
+    times = (1.0,) * 98 + (9.0,)
+    assert stall_threshold(replace(history, step_times=times[-32:]), s) == 90  # 1 in 32
+    hundred = replace(history, step_times=(1.0,) * 99 + (9.0,))
+    assert stall_threshold(hundred, s) == 30
+    assert stall_threshold(replace(hundred, step_times=(1.0,) * 98 + (9.0, 9.0)), s) == 90
+    # a save or an evaluation has no history of its own: the fixed bound
+    assert stall_threshold(history, s, long_phase=True) == 600
+    slow = replace(history, step_times=(90.0,) * 32)  # steps longer than T/k: k x p99 wins
+    assert stall_threshold(slow, s) == stall_threshold(slow, s, long_phase=True) == 900
+
+
+def test_a_save_or_an_evaluation_is_what_a_rank_heartbeat_says():
+    saving = {"n0": {0: beat(0, 10, "checkpoint")}, "n1": {0: beat(2, 10, "checkpoint_sync")}}
+    assert in_long_phase(saving, 1)
+    assert in_long_phase({"n1": {1: beat(3, 10, "eval")}}, 1)
+    assert not in_long_phase(saving, 2)  # another generation's beats say nothing of this one
+    assert not in_long_phase({"n0": {0: beat(0, 10, "grad_sync")}}, 1)
+    assert not in_long_phase({}, 1)
 
 
 def test_a_hang_blames_the_ranks_behind_the_furthest_step_in_node_order():

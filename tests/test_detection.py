@@ -24,7 +24,10 @@ from optimus.checkpoint.quarantine import quarantined
 # The last planned fault fires at step 14, after the checkpoint of step 10: two steps more
 # let its next generation finish.
 STEPS = 16
-HANG = {"hang_timeout_s": 4.0, "hang_step_factor": 5.0}
+HANG = {"hang_timeout_s": 4.0, "hang_floor_s": 4.0, "hang_step_factor": 5.0}
+# The adaptive bound: a hang once the generation has 2 timed steps is judged by max(4 s, 5 x
+# p99 step time), not by the 120 s of its first steps (nor the 600 s default).
+ADAPTIVE = {**HANG, "hang_timeout_s": 120.0, "hang_history": 2}
 # One OpenMP thread per rank (agents pass their environment on to their ranks): with torch's
 # default of one thread per core, two ranks on a 2-core machine spin-wait for each other's
 # cores. Nothing asserted here depends on the number of threads.
@@ -57,18 +60,19 @@ def generation_nodes(store: Store, generation: int) -> list[str]:
     return names.split(", ")
 
 
-@pytest.mark.parametrize("fault,culprit_says,stack_says,steps", [
+@pytest.mark.parametrize("fault,culprit_says,stack_says,steps,rule", [
     ({"kind": "stall_rank", "seconds": 3600, "step": 8}, "phase backward", "after_backward",
-     STEPS),
+     STEPS, ADAPTIVE),
     # While the save of step 10 is in flight: rank 0 waits in its agreement (checkpoint_sync).
     # Rank 1 ignores SIGUSR1 (as one stuck in the kernel would): py-spy reads its stack. The
-    # save never commits (rank 1 never agrees): the next generation starts from scratch.
-    ({"kind": "hang_rank", "step": 11, "deaf": True}, "phase optim", "in_optimizer", 12),
+    # save never commits (rank 1 never agrees): the next generation starts from scratch. A
+    # save has no history: the fixed bound judges it.
+    ({"kind": "hang_rank", "step": 11, "deaf": True}, "phase optim", "in_optimizer", 12, HANG),
 ], ids=["sleep_before_grad_reduction", "blocked_device_sync_while_a_save_is_in_flight"])
 def test_a_hang_names_the_rank_holding_the_others_with_its_stack(
-        fault, culprit_says, stack_says, steps, redis_server, tmp_path):
+        fault, culprit_says, stack_says, steps, rule, redis_server, tmp_path):
     job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=steps,
-                    faults=[{**fault, "rank": 1}], **HANG)
+                    faults=[{**fault, "rank": 1}], **rule)
     run(redis_server, job)
     store = Store(redis_server.url, "e2e")
     culprit = generation_nodes(store, 0)[1]  # holds rank 1
@@ -77,6 +81,9 @@ def test_a_hang_names_the_rank_holding_the_others_with_its_stack(
     reason = store.excluded()[culprit]["reason"]
     assert reason.startswith("hung: no step past ")
     assert f"rank 1 on {culprit} (local 0)" in reason and culprit_says in reason
+    threshold = float(re.search(r"\(threshold ([\d.]+) s\)", reason).group(1))
+    if rule is ADAPTIVE:  # the generation had its 2 timed steps by step 8
+        assert 4.0 <= threshold < ADAPTIVE["hang_timeout_s"], reason
     (suspect,) = events(store, "suspect")
     assert "holding the others up: rank 1" in suspect["message"]
     failure = events(store, "failure")[0]
@@ -343,10 +350,12 @@ def test_a_node_is_excluded_on_its_second_failure_in_the_window(redis_server, tm
 def test_no_false_alarm_on_a_loaded_machine(redis_server, tmp_path):
     # Stragglers are only reported (the default): with a busy process on one of two cores,
     # one rank really is slower, and reporting it is right; excluding its node is not.
-    # 40 steps: four straggler windows, each a chance for a false alarm.
+    # 40 steps: four straggler windows, each a chance for a false alarm. The hang bound is
+    # the adaptive one with a floor of 3 s (10 x the p99 step time, once 8 steps are timed):
+    # it follows what the loaded machine does, and must not call a slow step a hang.
     job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=40,
-                    hang_timeout_s=10.0, hang_step_factor=10.0, straggler_window=10,
-                    straggler_factor=3.0)
+                    hang_timeout_s=60.0, hang_floor_s=3.0, hang_step_factor=10.0,
+                    straggler_window=10, straggler_factor=3.0)
     # A busy process competes with the two ranks for the two cores all along.
     load = [subprocess.Popen([sys.executable, "-c", "while True: pass"])]
     try:

@@ -45,6 +45,7 @@ from controller.control.decide import (
     Settings,
     decide,
 )
+from controller.control.detect import in_long_phase, stall_threshold
 from controller.control.event_log import EventLog
 from controller.control.journal import read_journal
 from controller.control.relay import Relay
@@ -233,9 +234,12 @@ class Controller:
             latest = steps[-1] if steps else None
         index = self._node_index(plan)
         suspects = self.store.rank_beats_of([n for n in sweep.nonfinite if n in index])
-        waiting = 0
+        waiting, long_phase = 0, False
+        # Past the least bound a stall may be judged by (detect.stall_threshold): read who
+        # holds it up, and whether a rank saves or evaluates (its own, longer bound).
         stalled_job = (job.progress_at is not None and job.progress_gen == gen and now
-                       - job.progress_at > min(self.s.hang_timeout_s, self.s.startup_timeout_s))
+                       - job.progress_at > min(stall_threshold(job, self.s),
+                                               self.s.startup_timeout_s))
         if stalled_job and sweep.max_step is not None:
             # Only the plan's members: a lost node's rows may outlive it until the next plan.
             candidates = [n for n in self.store.behind(sweep.max_step) if n in index] or [
@@ -244,9 +248,12 @@ class Controller:
             if len(candidates) <= HANG_CANDIDATES:  # more: nobody stands out
                 waiting = len(plan["nodes"]) - len(candidates)
                 suspects.update(self.store.rank_beats_of(candidates))
+            else:  # but a sample says whether they save or evaluate (every rank, at scale)
+                long_phase = in_long_phase(self.store.rank_beats_of(candidates[:2]), gen)
         # Only this generation's beats: a node's older ranks said nothing about this one.
         suspects = {n: {lr: b for lr, b in beats.items() if b.get("generation") == gen}
                     for n, beats in suspects.items()}
+        long_phase = long_phase or in_long_phase(suspects, gen)
         stacks = self.store.stacks(gen) if job.hang_since is not None else {}
         resumed = self.checkpoints.report(plan) if job.resumed_gen != gen else None
         compute = None
@@ -265,6 +272,7 @@ class Controller:
                         unhealthy=unhealthy, unhealthy_idle=idle,
                         nonfinite=frozenset(sweep.nonfinite),
                         suspects=suspects, waiting_in_collective=waiting, stacks=stacks,
+                        long_phase=long_phase,
                         compute=compute, spare_count=spare_count, excluded=excluded,
                         resumed=resumed,
                         paused_nodes=sweep.paused_nodes, spares=spares,

@@ -324,7 +324,7 @@ def _stalled(obs: Observed, s: Settings) -> bool:
     job = obs.job
     if job.progress_at is None or job.progress_gen != obs.plan["generation"]:
         return False
-    limit = detect.stall_threshold(job, s)
+    limit = detect.stall_threshold(job, s, obs.long_phase)
     if job.progress_moves < 2:  # not past the first step yet: startup takes its time
         limit = max(limit, s.startup_timeout_s)
     return obs.now - job.progress_at > limit
@@ -337,7 +337,7 @@ def _hang(obs: Observed, s: Settings, d: Decision) -> tuple[list[Evidence], dict
     job, plan = obs.job, obs.plan
     culprits = detect.hang_culprits(obs)
     stalled_for = obs.now - job.progress_at
-    threshold = detect.stall_threshold(job, s)
+    threshold = detect.stall_threshold(job, s, obs.long_phase)
     named = "; ".join(detect.describe_rank(n, lr, b, obs.now) for n, lr, b in culprits)
     if job.hang_since is None:
         by_node: dict[str, list[int]] = {}

@@ -15,8 +15,8 @@ sure it is about its node:
 
 from __future__ import annotations
 
+import math
 import re
-import statistics
 from dataclasses import dataclass
 
 # Exit statuses of `optimus train` (optimus/health.py; the controller must not import optimus
@@ -121,10 +121,32 @@ def evidence(obs, s) -> list[Evidence]:
     return found
 
 
-def stall_threshold(job, s) -> float:
-    """A hang: no rank has moved past its step for max(T, k x the median step time)."""
-    median = statistics.median(job.step_times) if job.step_times else 0.0
-    return max(s.hang_timeout_s, s.hang_step_factor * median)
+# Phases whose steps take longer than training steps and have no history of their own: a
+# save (writing, and the agreements around it) and an evaluation. A stall in one of them is
+# judged by the fixed bound (hang_timeout_s), not by the step times.
+LONG_PHASES = ("checkpoint", "checkpoint_sync", "eval")
+
+
+def stall_threshold(job, s, long_phase: bool = False) -> float:
+    """A hang: no rank has moved past its step for this long. Adaptive once the generation has
+    timed `hang_history` steps: max(floor, k x the p99 step time), so that a 5 s step is judged
+    hung after ~50 s, not 600. Before that (a generation's first steps, its compiles), and while
+    a rank saves a checkpoint or evaluates (`long_phase`): max(T, k x p99), T = hang_timeout_s.
+    The p99 is over the last 32 samples (job.step_times), every generation's: their largest
+    but for one in a hundred."""
+    times = sorted(job.step_times)
+    p99 = times[max(0, math.ceil(0.99 * len(times)) - 1)] if times else 0.0
+    timed = job.progress_moves - 2  # the first two moves are a resume and a first step
+    if long_phase or timed < s.hang_history or not times:
+        return max(s.hang_timeout_s, s.hang_step_factor * p99)
+    return max(s.hang_floor_s, s.hang_step_factor * p99)
+
+
+def in_long_phase(beats: dict[str, dict[int, dict]], generation: int) -> bool:
+    """Whether one of these ranks' heartbeats (node -> local rank -> beat) of `generation`
+    says it saves a checkpoint or evaluates."""
+    return any(b.get("phase") in LONG_PHASES for node_beats in beats.values()
+               for b in node_beats.values() if b.get("generation") == generation)
 
 
 def hang_culprits(obs) -> list[tuple[str, int, dict]]:

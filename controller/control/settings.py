@@ -31,6 +31,7 @@ def settings_for(job: JobConfig, job_file: str, overrides: list[str], nodes: int
     return Settings(
         nodes=nodes, ranks_per_node=ranks_per_node,
         heartbeat_interval_s=s.heartbeat_interval_s, hang_timeout_s=s.hang_timeout_s,
+        hang_floor_s=s.hang_floor_s, hang_history=s.hang_history,
         hang_step_factor=s.hang_step_factor, straggler_factor=s.straggler_factor,
         straggler_window=s.straggler_window, straggler_action=s.straggler_action,
         flaky_failures=s.flaky_failures, flaky_window_s=s.flaky_window_s,

@@ -33,8 +33,10 @@ class Settings:
     backoff_max_s: float = 60.0
     failure_grace_s: float = 3.0  # SIGTERM -> SIGKILL when a generation failed
     stop_grace_s: float = 60.0  # ... when an operator stops the job (a checkpoint is saved)
-    hang_timeout_s: float = 600.0
+    hang_timeout_s: float = 600.0  # the bound with no history, and of saves and evaluations
+    hang_floor_s: float = 30.0  # the least bound once adaptive (detect.stall_threshold)
     hang_step_factor: float = 10.0
+    hang_history: int = 8  # timed steps of a generation before its bound adapts
     straggler_factor: float = 2.0
     straggler_window: int = 20
     straggler_action: str = "report"
@@ -182,6 +184,9 @@ class Observed:
     # When compute is read: how many nodes outside the plan could replace one of it (registered,
     # healthy, beating, not excluded), as the controller last read them; None: not read.
     spare_count: int | None = None
+    # A stalled generation's ranks read (the hang's candidates, or a sample of them) save a
+    # checkpoint or evaluate: the stall is judged by the fixed bound (detect.LONG_PHASES).
+    long_phase: bool = False
     excluded: dict[str, str] = field(default_factory=dict)  # node -> reason (draining too)
     draining: frozenset[str] = frozenset()  # excluded from future generations only
     requests: list[Request] = field(default_factory=list)  # new operator requests, in order

@@ -214,8 +214,17 @@ class SupervisionConfig(Section):
     stop_grace_s: PositiveFloat = Field(
         120.0, description="SIGTERM -> SIGKILL on an operator's stop: time to save")
     hang_timeout_s: PositiveFloat = Field(
-        600.0, description="T: no step anywhere for max(T, k x median step time) is a hang")
+        600.0, description="T: the hang bound of what has no history yet (a generation's "
+                           "first hang_history timed steps: compiles) and of steps that save "
+                           "a checkpoint or evaluate: no step anywhere for max(T, k x p99 "
+                           "step time)")
+    hang_floor_s: PositiveFloat = Field(
+        30.0, description="once a generation has hang_history timed steps, no step anywhere "
+                          "for max(this, k x p99 step time) is a hang")
     hang_step_factor: PositiveFloat = Field(10.0, description="k of the hang rule")
+    hang_history: PositiveInt = Field(
+        8, description="timed steps (heartbeat samples) of a generation before its hang "
+                       "bound adapts to its step times")
     straggler_factor: float = Field(
         2.0, gt=1.0, description="a node whose compute time per step exceeds this x the "
                                  "median of the others is a straggler")
