@@ -246,7 +246,10 @@ def test_health_checks_on_demand_and_before_each_generation_exclude_bad_tiles(
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     store = Store(redis_server.url, "e2e")
     try:
-        wait_for(lambda: 10 in committed_steps(ckpts), 120, "generation 0's step 10 committed")
+        # Generation 0 starts once two agents are in; the spares may register later on a
+        # loaded machine (each imports torch for its check): wait for all four.
+        wait_for(lambda: 10 in committed_steps(ckpts) and len(store.nodes()) == 4, 120,
+                 "generation 0's step 10 committed and the two spares registered")
         running, spares = store.plan()["nodes"], sorted(set(store.nodes())
                                                         - set(store.plan()["nodes"]))
         victim, first_spare, last_spare = running[1], spares[0], spares[1]
