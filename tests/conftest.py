@@ -12,6 +12,7 @@ import multiprocessing.process
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 # One OpenMP thread in every process the suite starts (ranks, agents' warm processes, the
@@ -76,6 +77,30 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         (subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start,
          os.fork) = saved
+
+
+# A file: where each test ran, and when. Written by pytest-xdist's workers only (the main
+# process hears of every test too).
+TIMELINE = os.environ.get("OPTIMUS_TEST_TIMELINE") if os.environ.get("PYTEST_XDIST_WORKER") \
+    else None
+
+
+_started: dict[str, float] = {}
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if TIMELINE:
+        _started[nodeid] = time.time()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    """With OPTIMUS_TEST_TIMELINE, one JSON line per test (set-up and tear-down included): its
+    worker, start and end: how the workers were kept busy (docs/benchmarks.md)."""
+    if TIMELINE and nodeid in _started:
+        with open(TIMELINE, "a") as out:
+            out.write(json.dumps({"worker": os.environ["PYTEST_XDIST_WORKER"],
+                                  "test": nodeid, "start": _started.pop(nodeid),
+                                  "end": time.time()}) + "\n")
 
 
 # The files whose tests take longest (measured: docs/benchmarks.md), started first: with
