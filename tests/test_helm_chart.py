@@ -172,6 +172,13 @@ def test_bad_values_are_refused_by_the_schema(tmp_path, values, error):
     assert error in done.stderr, done.stderr
 
 
+def test_more_agents_than_one_secret_holds_users_for_are_refused_in_one_line(tmp_path):
+    done = helm("template", RELEASE, str(CHART), values={"job": {"nodes": 2000}}, tmp=tmp_path)
+    assert done.returncode != 0
+    assert ("job.nodes + job.spares = 2001 agents: their Redis users (" in done.stderr
+            and "do not fit the 1 MiB of one Secret" in done.stderr), done.stderr
+
+
 @pytest.mark.parametrize("which", ["default", "custom"])
 def test_one_agent_per_node_nodes_plus_spares(which, request):
     objects = request.getfixturevalue(which)
