@@ -54,7 +54,15 @@ from controller.disk import Rewritten
 from controller.node.checks import Checks
 from controller.node.commands import Commands, signal_group
 from controller.node.folders import private_folder
-from controller.node.ranks import RankProcess, deadline, log_age, rank_states, summary, tail
+from controller.node.ranks import (
+    RankProcess,
+    deadline,
+    log_age,
+    rank_states,
+    sample_compute,
+    summary,
+    tail,
+)
 from controller.node.snapshots import SnapshotKeeper, default_root, job_secret, node_folder
 from controller.node.spawn import Spawner, start_mode
 from controller.store.store import Store, StoreUnavailable
@@ -441,9 +449,7 @@ class Agent(Commands, Checks):
             self.beats[local_rank] = beat
             if isinstance(beat.get("failed_saves"), int):  # agreed: every rank says the same
                 self.failed_saves = beat["failed_saves"]
-            if beat.get("step", 0) != p.sampled_step and beat.get("compute_s", 0) > 0:
-                p.sampled_step = beat["step"]  # one sample per step seen
-                p.compute.append(beat["compute_s"])
+            sample_compute(p, beat)
 
     def _write_control(self, control: dict) -> None:
         """The control word for this node's ranks, replaced atomically (they stat it), with

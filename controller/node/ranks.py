@@ -34,6 +34,24 @@ class RankProcess:
     stacks_path: Path | None = None
     compute: deque = field(default_factory=lambda: deque(maxlen=20))  # per sampled step
     sampled_step: int = -1
+    steps_seen: int = 0  # steps this process has reported a compute time for
+
+
+# A rank process's first steps (its first step after a start or a resume: allocations, the
+# optimizer's state, compiles) are no measure of the node's speed: a new generation's ranks
+# would be called stragglers for them.
+WARMUP_STEPS = 2
+
+
+def sample_compute(p: RankProcess, beat: dict) -> None:
+    """Keep one compute-time sample per step this rank reports, past its warm-up steps."""
+    step, compute = beat.get("step", 0), beat.get("compute_s", 0)
+    if step == p.sampled_step or not isinstance(compute, (int, float)) or not compute > 0:
+        return
+    p.sampled_step = step
+    p.steps_seen += 1
+    if p.steps_seen > WARMUP_STEPS:
+        p.compute.append(float(compute))
 
 
 def deadline(live: list[RankProcess], beats: dict[int, dict], plan: dict | None) -> float | None:
