@@ -249,7 +249,14 @@ def test_a_node_back_under_its_own_name_keeps_the_proof_of_what_it_held(tmp_path
     assert store.job_record()["state"] == "COMPLETED", store.job_record()
     (generation,) = [e["message"] for e in _events(store, "generation")
                      if e["message"].startswith("generation 1 ")]
-    assert "from the memory snapshot of step" in generation, generation
+    # What the controller planned with, should it not resume from memory (seen once under a
+    # CPU hog, not understood yet: docs/benchmarks.md).
+    reports = {n: {k: r.get(k) for k in ("incarnation", "own", "held", "replicated")}
+               for n, r in store.snapshots().items()}
+    assert "from the memory snapshot of step" in generation, (
+        f"{generation}\nreports: {json.dumps(reports, sort_keys=True)}\n"
+        f"controller: {procs.log('controller')[-4000:]}\n"
+        f"node1: {procs.log('agent-node1')[-3000:]}")
     resume = _resumes(run)[1]
     assert resume["source"] == "memory", resume
     fetched = [e["message"] for e in _events(store, "snapshot") if "fetched" in e["message"]]
