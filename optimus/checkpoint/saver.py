@@ -165,10 +165,7 @@ class Checkpointer:
         self._key: bytes | None = None  # rank 0's, read at its first commit
         self.stats = CheckpointStats()
         self.last_error: str | None = None
-        # Failed saves not yet taken by the caller (take_failures), each with the counts as they
-        # stood then: a save may end inside another call (a poll at the start of the next save,
-        # its wait for the one in flight), whose return value speaks of the new save.
-        self._failures: list[dict[str, Any]] = []
+        self._failures: list[dict[str, Any]] = []  # not yet taken: see take_failures
         self.skipped: list[str] = []  # corrupt checkpoints the last load_latest passed over
         self.quarantined: list[dict] = []  # ... and set aside (quarantine.py): step, path, reason
         # Two writer threads: one file per thread, so the write and the commit's hashing
@@ -378,7 +375,9 @@ class Checkpointer:
     def take_failures(self) -> list[dict[str, Any]]:
         """The saves that failed since the last call, oldest first: their error ("message")
         and the stats as they were when each failed (failed_in_a_row: its place in the
-        streak). Each is returned once."""
+        streak). Each is returned once. A save may end inside another call (the poll at the
+        start of the next save, its wait for the one in flight), whose return value speaks of
+        the new save: this is how its failure is still told."""
         failures, self._failures = self._failures, []
         return failures
 
