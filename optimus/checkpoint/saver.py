@@ -375,9 +375,8 @@ class Checkpointer:
     def take_failures(self) -> list[dict[str, Any]]:
         """The saves that failed since the last call, oldest first: their error ("message")
         and the stats as they were when each failed (failed_in_a_row: its place in the
-        streak). Each is returned once. A save may end inside another call (the poll at the
-        start of the next save, its wait for the one in flight), whose return value speaks of
-        the new save: this is how its failure is still told."""
+        streak). Each once. A save may end inside another call (the next save's poll or wait),
+        whose return value speaks of the new save: this is how its failure is still told."""
         failures, self._failures = self._failures, []
         return failures
 
