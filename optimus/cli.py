@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import traceback
 from pathlib import Path
 
 import click
@@ -56,21 +57,46 @@ def main() -> None:
                    "its files are still read without running code.")
 def train(job: Path, overrides: tuple[str, ...], trust: bool) -> None:
     """Train JOB as one rank (or as each rank under torchrun / srun / mpiexec)."""
+    from optimus import inprocess
     from optimus.health import CheckpointFailed, NonFinite
     from optimus.parallel.float8 import check_float8_here
     from optimus.train import train as run_training  # torch loads only when training
 
     config = load_job(job, list(overrides))
     check_float8_here(config, source=str(job))  # every rank, before the rendezvous
-    try:
-        run_training(config, trust_checkpoint=trust)
-    except (NonFinite, CheckpointFailed) as e:  # the agent reads the exit status (87, 88, 89)
-        click.secho(f"error: {e}", fg="red", err=True)
+    inprocess.hold_sigterm()
+    while True:  # one generation a turn: more only when its agent restarts it in process
+        try:
+            result = run_training(config, trust_checkpoint=trust)
+            code = 0
+            if not inprocess.enabled() or getattr(result, "stopped_at", None) is None:
+                return  # trained to the end, or stopped with no agent to wait for
+            print(f"generation {_generation()} stopped after step {result.stopped_at}; "
+                  "this rank waits in process for the next", flush=True)
+        except (NonFinite, CheckpointFailed) as e:  # the agent reads the status (87, 88, 89)
+            click.secho(f"error: {e}", fg="red", err=True)
+            _abandon_helpers()
+            sys.exit(e.exit_code)
+        except Exception as e:  # a bad job (said in one line, exit 2), a peer died...
+            if not (inprocess.enabled() and inprocess.peer_failure(e)):
+                _abandon_helpers()
+                raise
+            code = 1  # what it would exit with; its log says why (the agent sends the tail)
+            traceback.print_exc()
+            print(f"generation {_generation()} ended under this rank: a peer is gone; this "
+                  "rank waits in process for the next", flush=True)
         _abandon_helpers()
-        sys.exit(e.exit_code)
-    except Exception:  # a bad job (said in one line, exit 2), a peer died mid-collective...
-        _abandon_helpers()
-        raise
+        inprocess.release_memory()  # the generation's model, optimizer, loader
+        word = inprocess.wait_for_next(code, config.supervision.heartbeat_interval_s)
+        if word is None:
+            return
+        inprocess.enter(word)
+
+
+def _generation() -> str:
+    import os
+
+    return os.environ.get("OPTIMUS_GENERATION", "?")
 
 
 def _abandon_helpers() -> None:

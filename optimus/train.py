@@ -11,6 +11,7 @@ boundary all ranks agree (optimus/health.py), so all act after the same step.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import logging
 import os
@@ -95,6 +96,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
     register_stack_dumps()  # SIGUSR1 from the agent: every thread's stack, for a hang's event
     faults = RankFaults(job.fault_injection, rank=env.rank, generation=env.restart_count)
     owns_group = not dist.is_initialized()
+    dropped = []  # what to stop if the generation ends under this rank (see `finally`)
     try:
         with heartbeat.phase("sync"):  # the rendezvous, the mesh's process groups
             if owns_group:
@@ -114,6 +116,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             peak_flops_per_device=peak_flops(device_name(device), job.supervision.peak_tflops),
             world_size=env.world_size,
             enabled=env.rank == 0 and not quiet)
+        dropped.append(log.close)
         result = TrainResult(losses=[], metrics=log.history)
         compiles = CompileLog(log) if job.training.compile else None
         if job.training.float8 != "off":
@@ -134,12 +137,16 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                 resumed, not_used = load_agreed(state, resume_request(), rank=env.rank,
                                                 layout=key)
         ckpt = _checkpointer(job, env, heartbeat, trust_checkpoint)
+        if ckpt is not None:
+            dropped.append(ckpt.drop)
         if resumed is None and ckpt and job.checkpoint.resume == "auto":
             resumed = ckpt.load_latest(state, job.checkpoint.verify_on_load)
         _log_resume(log, ckpt, resumed, not_used)
         snapshots = Snapshots.for_job(job.checkpoint.memory_every, rank=env.rank,
                                       generation=env.restart_count,
                                       layout=key, agree_device=agree_on)
+        if snapshots is not None:
+            dropped.append(snapshots.close)
         init_from(job, model, resumed, log)  # model.init_from: a Hugging Face start, unless resumed
         if progress.step >= job.optim.steps:
             log.event("done", f"nothing to train: the checkpoint is at step {progress.step} of "
@@ -281,6 +288,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             if snapshots is not None:
                 snapshots.close()
         log.close()
+        dropped.clear()
         with heartbeat.phase("sync"):
             if keep_state:
                 result.state = {k: v for part in model.parts
@@ -289,6 +297,11 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         heartbeat.finish()
         return result
     finally:
+        # A generation that ended under this rank (a peer died mid-collective) leaves nothing
+        # running: the rank may go on in process (optimus/inprocess.py), or it exits.
+        for stop in reversed(dropped):
+            with contextlib.suppress(Exception):
+                stop()
         heartbeat.close()
         commands.close()
         if owns_group:

@@ -264,7 +264,7 @@ class Controller:
                        for n, b in sweep.agent_beats.items()}
         spares = self._spares(plan, excluded, now, compute is not None)
         spare_count = (None if compute is None else
-                       len(self._eligible - set(plan["nodes"])))  # for decide._stragglers
+                       len(self._eligible - set(plan["nodes"])))  # for watching.stragglers
         return Observed(now=now, job=job, plan=plan, nodes={}, exits=exits,
                         overdue=self._overdue(plan, now, sweep.agent_beats),
                         latest_step=latest,

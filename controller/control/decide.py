@@ -30,10 +30,9 @@ silent) and then restarts without excluding anyone.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from controller.control import detect, operator, recovery
+from controller.control import detect, operator, recovery, watching
 from controller.control.detect import COLLATERAL, HARD, Evidence
 from controller.control.shortage import names, shortage
 from controller.control.view import (  # noqa: F401 (re-exported: the rules' vocabulary)
@@ -118,7 +117,7 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
         return
     if _checkpoints_failed(obs, s, d) or _input_refused(obs, s, d):
         return
-    _track_progress(obs, s, d)
+    watching.track_progress(obs, s, d)
     recovery.loaded(obs, d)
     operator.pause_transition(obs, d)
     if _leave(obs, s, d):
@@ -126,13 +125,13 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
     _rebuddy(obs, d)
     found = detect.evidence(obs, s)
     training = job.state == RUNNING and job.desired != "pause"  # no stall or straggler paused
-    slow = _stragglers(obs, s, d) if obs.compute is not None and training else {}
-    if s.straggler_action == "exclude" and _replaceable(obs, s, slow):
+    slow = watching.stragglers(obs, s, d) if obs.compute is not None and training else {}
+    if s.straggler_action == "exclude" and watching.replaceable(obs, s, slow):
         found += [Evidence(n, why, HARD, obs.now, "straggler") for n, why in sorted(slow.items())]
     hang_fields: dict = {}
     moved = obs.progress is not None and obs.progress > job.progress_step
-    if not found and not moved and training and _stalled(obs, s):
-        found, hang_fields = _hang(obs, s, d)
+    if not found and not moved and training and watching.stalled(obs, s):
+        found, hang_fields = watching.hang(obs, s, d)
         if not found:
             return  # the agents are dumping stacks
     if not found:
@@ -189,6 +188,9 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
         return
     wait = s.backoff(restarts)
     d.plan = _with_action(plan, "stop", s.failure_grace_s, reason, obs.now, save=not wrong)
+    # Who failed: its agent kills it at the grace; the others may take longer to leave in
+    # process (controller/node/lifecycle.py).
+    d.plan["culprit"] = {"node": culprit.node, "rank": culprit.rank} if culprit else None
     d.job.update({"state": RESTARTING, "reason": reason, "restarts": restarts,
                   "failure_since": None, "next_plan_at": obs.now + wait, "hang_since": None,
                   "failures": failures, "restart_causes": _counted(job, cause)})
@@ -300,99 +302,6 @@ def _rebuddy(obs: Observed, d: Decision) -> None:
 
 def _counted(job: JobView, cause: str) -> dict:
     return {**job.restart_causes, cause: job.restart_causes.get(cause, 0) + 1}
-
-
-def _track_progress(obs: Observed, s: Settings, d: Decision) -> None:
-    """Keep the furthest step and when it was reached; sample the time per step."""
-    job, plan = obs.job, obs.plan
-    if job.progress_gen != plan["generation"]:  # a new generation: its clock starts now
-        d.job.update({"progress_gen": plan["generation"], "progress_step": -1,
-                      "progress_at": obs.now, "progress_moves": 0, "hang_since": None})
-        return
-    if obs.progress is None or obs.progress <= job.progress_step:
-        return
-    moves = job.progress_moves + 1
-    # The first two moves of a generation are its resume and its first step, not step times.
-    if moves > 2:
-        per_step = (obs.now - job.progress_at) / (obs.progress - job.progress_step)
-        d.job["step_times"] = [*job.step_times, per_step][-32:]
-    d.job.update({"progress_step": obs.progress, "progress_at": obs.now,
-                  "progress_moves": moves, "hang_since": None})
-
-
-def _stalled(obs: Observed, s: Settings) -> bool:
-    job = obs.job
-    if job.progress_at is None or job.progress_gen != obs.plan["generation"]:
-        return False
-    limit = detect.stall_threshold(job, s, obs.long_phase)
-    if job.progress_moves < 2:  # not past the first step yet: startup takes its time
-        limit = max(limit, s.startup_timeout_s)
-    return obs.now - job.progress_at > limit
-
-
-def _hang(obs: Observed, s: Settings, d: Decision) -> tuple[list[Evidence], dict]:
-    """Progress stalled while every heartbeat is fresh. First ask the agents for the stacks of
-    the culprits and of a sample of the others; decide once they are in (or after
-    stack_wait_s). Returns the evidence and the failure event's extra fields (none: wait)."""
-    job, plan = obs.job, obs.plan
-    culprits = detect.hang_culprits(obs)
-    stalled_for = obs.now - job.progress_at
-    threshold = detect.stall_threshold(job, s, obs.long_phase)
-    named = "; ".join(detect.describe_rank(n, lr, b, obs.now) for n, lr, b in culprits)
-    if job.hang_since is None:
-        by_node: dict[str, list[int]] = {}
-        for node, lr, _ in culprits:
-            by_node.setdefault(node, []).append(lr)
-        sample = [n for n in plan["nodes"] if n not in by_node][:2]
-        for node in [*by_node, *sample]:
-            d.commands.append((node, {"kind": "dump_stacks", "generation": plan["generation"],
-                                      "local_ranks": by_node.get(node, [0])}))
-        d.job["hang_since"] = obs.now
-        d.note("suspect", f"generation {plan['generation']}: no step past "
-               f"{job.progress_step} for {stalled_for:.1f} s (threshold {threshold:.1f} s) "
-               f"while heartbeats are fresh; "
-               + (f"holding the others up: {named}" if culprits else "no rank stands out")
-               + "; collecting stacks")
-        return [], {}
-    rpn = plan["ranks_per_node"]
-    culprit_nodes = {n for n, *_ in culprits}
-    sample = [n for n in plan["nodes"] if n not in culprit_nodes][:2]
-    wanted = {b.get("rank") for *_, b in culprits} | {
-        plan["nodes"].index(n) * rpn for n in sample}  # their local rank 0
-    if obs.now - job.hang_since < s.stack_wait_s and not wanted <= set(obs.stacks):
-        return [], {}
-    fields = {"stacks": json.dumps({str(r): t[-4000:] for r, t in sorted(obs.stacks.items())})}
-    what = (f"hung: no step past {job.progress_step} for {stalled_for:.1f} s (threshold "
-            f"{threshold:.1f} s)")
-    if not culprits:
-        return [Evidence("", f"{what}, every rank waiting", COLLATERAL, obs.now, "hang")], fields
-    node, _, beat = culprits[0]
-    return [Evidence(node, f"{what}: {named}, while the others wait in a collective", "soft",
-                     obs.now, "hang", beat.get("rank"))], fields
-
-
-def _stragglers(obs: Observed, s: Settings, d: Decision) -> dict[str, str]:
-    """Report nodes that turned slow (an event each); keep the list in the job record."""
-    slow = detect.straggling(obs, s)
-    kept = "" if s.straggler_action != "exclude" or _replaceable(obs, s, slow) else (
-        f", but nothing could take its place ({obs.spare_count} spare(s)): it stays in the job "
-        "until a node can")
-    for node in sorted(set(slow) - set(obs.job.stragglers)):
-        d.note("straggler", slow[node] + f"; straggler_action={s.straggler_action}" + kept,
-               node=node)
-    if set(slow) != set(obs.job.stragglers):
-        d.job["stragglers"] = sorted(slow)
-    return slow
-
-
-def _replaceable(obs: Observed, s: Settings, slow: dict[str, str]) -> bool:
-    """Whether a generation could run without the slow nodes: on the plan's other nodes and
-    the spares, at a node count the job allows. A slow job is better than one that waits for
-    nodes (unknown spares, as in a hand-made Observed: assumed replaceable)."""
-    if not slow or obs.spare_count is None:
-        return True
-    left = len(obs.plan["nodes"]) - len(slow) + obs.spare_count
-    return any(c <= left for c in s.allowed_nodes)
 
 
 def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:

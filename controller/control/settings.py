@@ -43,4 +43,5 @@ def settings_for(job: JobConfig, job_file: str, overrides: list[str], nodes: int
         node_counts=node_counts(job, nodes, ranks_per_node),
         launch={"job_file": str(Path(job_file).resolve()), "overrides": list(overrides),
                 "log_dir": str(Path(job.resolved_run_dir).resolve() / "logs"),
-                "node_faults": faults, "straggler_window": s.straggler_window})
+                "node_faults": faults, "straggler_window": s.straggler_window,
+                "restart": s.restart})

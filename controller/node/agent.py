@@ -31,8 +31,9 @@ generation with `"save": false`, on evidence of wrong arithmetic, adds `"save": 
 before the SIGTERM: the ranks then stop without a checkpoint); and an operator's
 `chaos hang-rank|stall-rank|nan-rank` into another (OPTIMUS_CHAOS_FILE, see optimus/faults.py).
 
-Beside this module: the commands it takes (commands.py: stacks, faults), its node's checks
-(checks.py) and what it sums up of its ranks (ranks.py).
+Beside this module: how it follows plans and runs its ranks (lifecycle.py: launches, stops,
+exits, heartbeats, in-process restarts), the commands it takes (commands.py: stacks, faults),
+its node's checks (checks.py) and what it sums up of its ranks (ranks.py).
 """
 
 from __future__ import annotations
@@ -47,21 +48,18 @@ import socket
 import tempfile
 import threading
 import time
-from collections import deque
 from pathlib import Path
 
 from controller.disk import Rewritten
 from controller.node.checks import Checks
-from controller.node.commands import Commands, signal_group
+from controller.node.commands import Commands
 from controller.node.folders import private_folder
+from controller.node.lifecycle import Lifecycle
 from controller.node.ranks import (
     RankProcess,
     deadline,
-    log_age,
     rank_states,
-    sample_compute,
     summary,
-    tail,
 )
 from controller.node.snapshots import SnapshotKeeper, default_root, job_secret, node_folder
 from controller.node.spawn import Spawner, start_mode
@@ -72,7 +70,7 @@ log = logging.getLogger("optimus.agent")
 POLL_S = 0.05
 
 
-class Agent(Commands, Checks):
+class Agent(Lifecycle, Commands, Checks):
     def __init__(self, store: Store, node: str, *, interval_s: float = 1.0,
                  host: str | None = None, socket_dir: str | None = None,
                  snapshot_root: Path | None = None):
@@ -80,6 +78,8 @@ class Agent(Commands, Checks):
         store.speak_as(node)  # every write under this node's own keys (controller/store/own.py)
         self.host = host or socket.gethostname()
         self.procs: dict[int, RankProcess] = {}
+        self.leaving: list[RankProcess] = []  # told to exit, no longer of any generation
+        self.next_files: set[Path] = set()  # words to ranks waiting in process (lifecycle.py)
         self.ran_since_ok = False  # ranks ran here since the last passing health check
         self.beats: dict[int, dict] = {}
         self.generation: int | None = None  # the generation launched here, if any
@@ -160,13 +160,13 @@ class Agent(Commands, Checks):
             self.sock.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
-            for path in (self.control_path, self.chaos_path):
+            for path in (self.control_path, self.chaos_path, *self.next_files):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
 
     def stop_all_now(self) -> None:
         """On the agent's own SIGTERM/SIGINT: terminate the ranks, then go (they die with us)."""
-        for p in self.procs.values():
+        for p in [*self.procs.values(), *self.leaving]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.popen.pid, signal.SIGTERM)
 
@@ -184,13 +184,14 @@ class Agent(Commands, Checks):
                 time.sleep(self.interval_s)
 
     def _tick(self) -> None:
-        live = [p for p in self.procs.values() if p.popen.returncode is None]
+        live = [p for p in self.procs.values() if p.running]
         state = ("stopping" if any(p.stop_sent for p in live) else "running" if live
                  else "starting" if self.waiting_port else "idle")
         status = {"generation": -1 if self.generation is None else self.generation,
                   "state": state, "live_ranks": len(live), "host": self.host,
                   "pids": [p.popen.pid for p in live], "rank_states": rank_states(live, self.beats),
-                  "failed_saves": self.failed_saves, "refused": self.refusal or ""}
+                  "failed_saves": self.failed_saves, "refused": self.refusal or "",
+                  "waiting_ranks": len(self._waiting())}
         try:
             self._flush_exits()
             tick = self.store.agent_tick(self.node, status, dict(self.beats),
@@ -234,7 +235,7 @@ class Agent(Commands, Checks):
         generation, on spares and on nodes whose ranks run. A used one is replaced only once
         every rank here has taken a step: its imports would slow this generation's start."""
         rpn = self.latest_plan.get("ranks_per_node")
-        live = [p for p in self.procs.values() if p.popen.returncode is None]
+        live = [p for p in self.procs.values() if p.running]
         if rpn and all(self.beats.get(p.local_rank, {}).get("step", 0) >= 1 for p in live):
             self.spawner.keep_ready(rpn)
 
@@ -254,202 +255,6 @@ class Agent(Commands, Checks):
         if not self.redis_down:
             log.warning("Redis unreachable; the ranks keep running: %s", e)
         self.redis_down = True
-
-    # --- plans ---------------------------------------------------------------------------------
-
-    def _follow(self, plan: dict) -> None:
-        gen, action = plan["generation"], plan["action"]
-        mine = self.node in plan.get("nodes", [])
-        save = plan.get("save", True) or gen != self.generation  # about its own generation
-        if action == "end":
-            self._stop(plan.get("grace_s", 3.0), plan.get("reason", "the job ended"), save)
-            self.ended = True
-            return
-        if self.generation is not None and (gen != self.generation or action == "stop"):
-            self._stop(plan.get("grace_s", 3.0), plan.get("reason", ""), save)
-        if action == "run" and mine and gen == self.generation:
-            self.plan = plan  # the same generation, re-issued: new buddies (a spare arrived)
-        if action == "run" and mine and gen != self.generation and not self._live():
-            if self.checked_for != gen:
-                self.checked_for = gen
-                self.fit_for = self._healthy_for(gen) and self._can_run(plan)
-            if not self.fit_for:
-                return  # the node record or the stop request says why
-            if self.spawner.warming():
-                return  # its imports are nearly done: ranks then start in milliseconds
-            if self.snapshots.resume_dir(plan)[0] == "waiting":
-                return  # a lost node's shards are on their way from the node that holds them
-            self._launch(plan)
-
-    def _live(self) -> bool:
-        return any(p.popen.returncode is None for p in self.procs.values())
-
-    def _launch(self, plan: dict) -> None:
-        gen = plan["generation"]
-        node_rank = plan["nodes"].index(self.node)
-        port = plan.get("master_port") or 0
-        if not port:
-            if node_rank == 0:
-                port = _free_port()
-                try:
-                    self.store.set_master_port(gen, port)
-                except StoreUnavailable as e:
-                    self._note_outage(e)
-                    return
-            else:
-                try:
-                    port = self.store.master_port(gen) or 0
-                except StoreUnavailable as e:
-                    self._note_outage(e)
-                    return
-                if not port:
-                    self.waiting_port = plan  # node 0 has not picked it yet: next tick
-                    return
-        self.waiting_port = None
-        if self.no_save:  # that was the last generation's
-            self.no_save = False
-            self._write_control(self.control)
-        self.generation, self.plan = gen, plan
-        carried = plan.get("failed_saves")
-        self.failed_saves = carried if isinstance(carried, int) and carried > 0 else 0
-        self.ran_since_ok = True
-        self.procs.clear()
-        self.beats.clear()
-        self.reset_ranks = True
-        self._write_chaos([])  # an operator's faults were for the last generation
-        rpn = plan["ranks_per_node"]
-        log_dir = Path(plan["log_dir"]) / f"gen_{gen:04d}"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        command = ["optimus", "train", plan["job_file"]]
-        for override in plan.get("overrides", []):
-            command += ["--set", override]
-        snapshot_env = self._snapshot_env(plan)
-        for local_rank in range(rpn):
-            rank = node_rank * rpn + local_rank
-            env = {**os.environ,
-                   "OPTIMUS_RANK": str(rank), "OPTIMUS_WORLD_SIZE": str(plan["world_size"]),
-                   "OPTIMUS_LOCAL_RANK": str(local_rank), "OPTIMUS_LOCAL_WORLD_SIZE": str(rpn),
-                   "OPTIMUS_NODE_RANK": str(node_rank),
-                   "OPTIMUS_NUM_NODES": str(len(plan["nodes"])),
-                   "OPTIMUS_JOB_ID": self.store.job, "OPTIMUS_GENERATION": str(gen),
-                   "OPTIMUS_MASTER_ADDR": plan["master_addr"], "OPTIMUS_MASTER_PORT": str(port),
-                   "OPTIMUS_AGENT_SOCKET": self.socket_path,
-                   "OPTIMUS_CONTROL_FILE": str(self.control_path),
-                   "OPTIMUS_CHAOS_FILE": str(self.chaos_path),
-                   "OPTIMUS_AGENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
-                   "OPTIMUS_FAILED_SAVES": str(self.failed_saves),
-                   **snapshot_env}
-            path = log_dir / f"rank_{rank:05d}.log"
-            env["OPTIMUS_STACKS_FILE"] = str(log_dir / f"rank_{rank:05d}.stacks")
-            popen = self.spawner.start(command, env, path)
-            self.procs[local_rank] = RankProcess(
-                rank, local_rank, popen, path, time.time(),
-                stacks_path=log_dir / f"rank_{rank:05d}.stacks",
-                compute=deque(maxlen=plan.get("straggler_window", 20)))
-        self._event("launch", f"generation {gen}: ranks {node_rank * rpn}-"
-                    f"{node_rank * rpn + rpn - 1} started on {self.node}")
-
-    def _snapshot_env(self, plan: dict) -> dict[str, str]:
-        """Where this generation's ranks write snapshots, and the point they resume from when
-        the plan names one (every rank gets it; a rank whose shard is missing says so, and all
-        then resume from disk)."""
-        env = {"OPTIMUS_SNAPSHOT_DIR": str(self.snapshots.own)}
-        _, folder = self.snapshots.resume_dir(plan)
-        memory = plan.get("memory")
-        if folder is None or not memory:
-            return env
-        env["OPTIMUS_SNAPSHOT_RESUME"] = json.dumps(
-            {"step": memory["step"], "generation": memory["generation"], "dir": str(folder)})
-        holder = memory.get("holders", {}).get(self.node)
-        if holder is not None:
-            problem = self.snapshots.fetch_error()
-            self._event("snapshot", f"generation {plan['generation']}: {self.node} "
-                        + (f"could not fetch the shards of step {memory['step']} from "
-                           f"{holder['node']}: {problem}" if problem else
-                           f"fetched the shards of step {memory['step']} from {holder['node']}"),
-                        step=memory["step"], holder=holder["node"], ok=problem is None)
-        return env
-
-    def _stop(self, grace_s: float, reason: str, save: bool = True) -> None:
-        if not save and not self.no_save and self._live():
-            self.no_save = True  # in the control file before the SIGTERM: see optimus/health.py
-            self._write_control(self.control)
-        # A rank learns "do not save" from the control file only: while the disk refuses that
-        # word, a SIGTERM would let it save the very state this stop drops. Killed instead;
-        # the next generation resumes from the last good point either way.
-        unsaid = not save and self.control_writes.failing is not None
-        now = time.monotonic()
-        for p in self.procs.values():
-            if p.popen.returncode is None and p.stop_sent is None and unsaid:
-                p.stop_sent, p.kill_sent = now, True
-                signal_group(p.popen, signal.SIGKILL)
-                self._event("stop", f"rank {p.rank} on {self.node} killed, not stopped: the "
-                            "word not to save could not be written (disk)", rank=p.rank)
-            elif p.popen.returncode is None and p.stop_sent is None:
-                p.stop_sent = now + grace_s  # the time to escalate to SIGKILL
-                # The rank alone: its helpers (DCP's writer process, DataLoader workers) die on
-                # a SIGTERM their parent did not send, and the rank's clean stop needs them.
-                # SIGKILL, later, goes to the whole group.
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.popen.pid, signal.SIGTERM)
-                    os.killpg(p.popen.pid, signal.SIGCONT)  # a frozen rank, to take the TERM
-
-    def _escalate(self) -> None:
-        now = time.monotonic()
-        for p in self.procs.values():
-            if (p.popen.returncode is None and p.stop_sent is not None and not p.kill_sent
-                    and now >= p.stop_sent):
-                p.kill_sent = True
-                signal_group(p.popen, signal.SIGKILL)
-
-    # --- ranks ---------------------------------------------------------------------------------
-
-    def _reap(self) -> None:
-        for p in list(self.procs.values()):
-            if p.popen.returncode is not None or p.popen.poll() is None:
-                continue
-            code = p.popen.returncode
-            record = {"node": self.node, "rank": p.rank, "local_rank": p.local_rank,
-                      "generation": self.generation, "pid": p.popen.pid,
-                      "code": code if code >= 0 else None,
-                      "signal": -code if code < 0 else None,
-                      "by_agent": p.stop_sent is not None, "time": time.time(),
-                      "tail": tail(p.log_path), "tail_age": log_age(p.log_path)}
-            self.unreported.append(record)
-            self.beats.pop(p.local_rank, None)
-        if self.unreported:
-            try:
-                self._flush_exits()
-            except StoreUnavailable as e:
-                self._note_outage(e)
-        # Forget the finished ones once none is left running (their records are sent).
-        if self.procs and not self._live() and not self.unreported:
-            self.procs.clear()
-
-    def _flush_exits(self) -> None:
-        while self.unreported:
-            self.store.report_exit(self.unreported[0])
-            self.unreported.pop(0)
-
-    def _drain_heartbeats(self) -> None:
-        while True:
-            try:
-                data = self.sock.recv(65536)
-            except (BlockingIOError, InterruptedError):
-                return
-            try:
-                beat = json.loads(data)
-                local_rank = int(beat["local_rank"])
-            except (ValueError, KeyError, TypeError):
-                continue  # not a heartbeat: ignore it
-            p = self.procs.get(local_rank)
-            if p is None or beat.get("pid") != p.popen.pid or p.popen.returncode is not None:
-                continue  # from a rank of an older generation
-            beat["received"] = time.time()
-            self.beats[local_rank] = beat
-            if isinstance(beat.get("failed_saves"), int):  # agreed: every rank says the same
-                self.failed_saves = beat["failed_saves"]
-            sample_compute(p, beat)
 
     def _write_control(self, control: dict) -> None:
         """The control word for this node's ranks, replaced atomically (they stat it), with
@@ -471,8 +276,3 @@ class Agent(Commands, Checks):
         except StoreUnavailable as e:
             self._note_outage(e)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]

@@ -35,6 +35,14 @@ class RankProcess:
     compute: deque = field(default_factory=lambda: deque(maxlen=20))  # per sampled step
     sampled_step: int = -1
     steps_seen: int = 0  # steps this process has reported a compute time for
+    ready: bool = False  # it left its generation and waits in process (optimus/inprocess.py)
+    grace_s: float = 0.0  # of the stop sent to it
+    spared: bool = False  # its stop's grace was extended once (lifecycle.py `_escalate`)
+
+    @property
+    def running(self) -> bool:
+        """Alive and one of its generation's ranks (not waiting for the next)."""
+        return self.popen.returncode is None and not self.ready
 
 
 # A rank process's first steps (its first step after a start or a resume: allocations, the

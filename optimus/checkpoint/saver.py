@@ -16,7 +16,7 @@ background. `poll` agrees, with one tiny all-reduce while a save is in flight (n
 whether every rank's write finished; then rank 0 commits in a background thread (hashes every
 file, writes the manifest, renames the marker in), applies retention and removes partial
 directories. The next save starts only after that. Every decision is agreed by all ranks, so the
-saver's state is the same everywhere.
+saver's state is the same everywhere. The loads are in loading.py.
 
 Every collective the checkpointer runs on the caller's thread (the agreements, the load's
 broadcast and DCP's collective load, a synchronous save, its process group's creation) runs
@@ -57,7 +57,6 @@ import concurrent.futures
 import contextlib
 import logging
 import multiprocessing
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -71,23 +70,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, StorageWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from optimus.checkpoint import writer_process
+from optimus.checkpoint.loading import Loading
 from optimus.checkpoint.manifest import (
-    CheckpointError,
     apply_retention,
     clean_partial,
     commit,
     is_committed,
     step_dir,
-    verify,
 )
-from optimus.checkpoint.quarantine import pick_loadable
-from optimus.checkpoint.safe_pickle import refusal
-from optimus.checkpoint.state import PER_RANK
-from optimus.checkpoint.storage import TensorFileReader, TensorFileWriter
+from optimus.checkpoint.storage import TensorFileWriter
 from optimus.checkpoint.trust import Trust, key_file_for
 
 log = logging.getLogger(__name__)
@@ -133,7 +127,7 @@ class _Save:
     events: list[str] = field(default_factory=list)
 
 
-class Checkpointer:
+class Checkpointer(Loading):
     """Saves `training_state` dicts under `root/step_<n>` and loads the newest good one.
 
     Every method but `stats`/`last_error` is collective: call it on all ranks at the same point.
@@ -303,6 +297,21 @@ class Checkpointer:
             concurrent.futures.wait([save.future])
             log.warning("checkpoint of step %d abandoned, not committed", save.step)
 
+    def drop(self) -> None:
+        """The generation ended under it (a peer died; the rank goes on in process): stop
+        without waiting for anything that needs the peers. The save in flight is left
+        uncommitted (the next generation's rank 0 removes it as partial), a commit not yet
+        begun is cancelled, and DCP's writer process stops."""
+        save, self._inflight = self._inflight, None
+        if save is not None:
+            log.warning("checkpoint of step %d dropped with its generation", save.step)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.mode == "process":
+            writer_process.stop(kill=True)
+        if self._stager is not None:
+            self._stager.release()
+            self._stager = None
+
     def close(self) -> None:
         """Finish the save in flight, then stop, in this order, the commit thread and DCP's
         writer process (PROCESS mode: the rank's one, whichever checkpointer started it), and
@@ -391,98 +400,6 @@ class Checkpointer:
             return (f"checkpoint of step {save.step}: write failed on rank(s) {ranks}: "
                     f"{_one_line(first)}")
         return f"checkpoint of step {save.step}: write failed: {_one_line(exc)}"
-
-    # --- loading -------------------------------------------------------------------------------
-
-    def load_latest(self, state: dict, deep_verify: bool = True) -> dict | None:
-        """Load the newest committed checkpoint that verifies into `state`, on every rank.
-
-        Rank 0 picks it, sets aside (quarantine.py) each newer one that fails verification, and
-        tells the others. Returns its manifest (without the file table) plus "path", "skipped"
-        (newer checkpoints passed over as corrupt: log "fell back to ..."), "quarantined" (those
-        of them set aside: step, path, reason), "notes" (what did not carry over, e.g. RNG
-        states under another layout) and "untrusted" (None, or why this run's key does not
-        authenticate the checkpoint the operator trusted); None when there is no loadable
-        checkpoint (`self.skipped` and `self.quarantined` still say why, if some were corrupt).
-        A newest good checkpoint this run did not write, and the operator does not trust, is
-        refused (CheckpointError, on every rank): it is not skipped for an older one.
-        """
-        choice: list[Any] = [None, [], [], None, None]
-        if self.rank == 0:
-            path, skipped, aside = pick_loadable(self.root, deep=deep_verify,
-                                                 by=f"rank 0 (pid {os.getpid()}) at resume")
-            choice = [str(path) if path else None, skipped, aside, None, None]
-            if path:
-                choice[3:] = self._authenticated(path)
-        path, self.skipped, self.quarantined, manifest, refused = self._broadcast(choice)
-        if refused:
-            raise CheckpointError(refused)
-        if path is None:
-            return None
-        return self._load(Path(path), state, manifest)
-
-    def load(self, step_path: str | Path, state: dict, deep_verify: bool = True) -> dict:
-        """Load one committed checkpoint; CheckpointError (on every rank) if it does not verify."""
-        reply: list[Any] = [None, None]
-        if self.rank == 0:
-            problems = verify(step_path, deep=deep_verify)
-            reply = ([None, f"cannot load {step_path}: {'; '.join(problems)}"] if problems
-                     else self._authenticated(step_path))
-        manifest, problem = self._broadcast(reply)
-        if problem:
-            raise CheckpointError(problem)
-        self.skipped, self.quarantined = [], []
-        return self._load(Path(step_path), state, manifest)
-
-    def _load(self, path: Path, state: dict, manifest: dict) -> dict:
-        if self._inflight is not None:
-            raise RuntimeError("a checkpoint is being saved; wait() for it before loading")
-        reader = TensorFileReader(path)
-        # A refused .metadata says so here, in one line, on every rank alike; an I/O error is
-        # left to DCP, which reads it again and tells every rank what failed on any.
-        with contextlib.suppress(OSError):
-            reader.read_metadata()
-        with self.collective():
-            try:
-                dcp.load(state, storage_reader=reader, planner=_Planner(),
-                         process_group=self._io_group)
-            except CheckpointException as e:  # a refused entry, on any rank: its one line
-                if (refused := refusal(e)) is None:
-                    raise
-                raise refused from None
-        notes = [note for obj in state.values() if (note := getattr(obj, "load_note", None))]
-        return {**manifest, "path": str(path), "skipped": list(self.skipped),
-                "quarantined": list(self.quarantined), "notes": notes}
-
-    def _authenticated(self, path: Path | str) -> list[Any]:
-        """Rank 0: [the manifest's summary, with "untrusted", None], or [None, why it is
-        refused] for a checkpoint neither this run's key nor the operator vouches for."""
-        try:
-            manifest, untrusted = self.trust.manifest(path)
-        except CheckpointError as e:
-            return [None, str(e)]
-        return [{**_summary(manifest), "untrusted": untrusted}, None]
-
-    def _broadcast(self, values: list[Any]) -> list[Any]:
-        if self._collective:
-            with self.collective():
-                dist.broadcast_object_list(values, src=0, group=self._io_group)
-        return values
-
-
-class _Planner(DefaultLoadPlanner):
-    """DCP's planner, but per-rank entries the checkpoint lacks are skipped, not an error."""
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
-        super().set_up_planner(state_dict, metadata, is_coordinator)
-        saved = metadata.state_dict_metadata if metadata is not None else {}
-        for key in [k for k in self.state_dict if f".{PER_RANK}." in k and k not in saved]:
-            del self.state_dict[key]
-
-
-def _summary(manifest: dict) -> dict:
-    """The manifest without its file table (one entry per file: large at scale)."""
-    return {k: v for k, v in manifest.items() if k != "files"}
 
 
 def _one_line(exc: BaseException) -> str:

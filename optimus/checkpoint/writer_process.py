@@ -71,24 +71,26 @@ def install() -> None:
         _executor._AsyncCheckpointProcess = QuietWriterProcess
 
 
-def stop() -> None:
+def stop(kill: bool = False) -> None:
     """Ask this process's DCP writer process, if it started one, to exit, and wait for it.
 
     Call it with no save in flight (the writer answers TERMINATE only between requests). A
-    writer that does not exit within STOP_TIMEOUT_S is killed."""
+    writer that does not exit within STOP_TIMEOUT_S is killed; `kill`: at once (its save is
+    dropped, and it may be blocked in a collective with a dead peer)."""
     if _executor is None:
         return
     writer, _executor._CHECKPOINT_PROCESS = getattr(_executor, "_CHECKPOINT_PROCESS", None), None
     if writer is None:
         return
     process = writer._save_process
-    if process.is_alive():
+    if process.is_alive() and not kill:
         with contextlib.suppress(OSError):  # it died meanwhile: its pipe is closed
             writer._send(_executor._CheckpointSaveProcessControlOpts.TERMINATE)
         process.join(STOP_TIMEOUT_S)
-    if process.is_alive():
+    if process.is_alive() and not kill:
         log.warning("DCP's checkpoint writer process %d did not exit within %.0f s; killed",
                     process.pid, STOP_TIMEOUT_S)
+    if process.is_alive():
         process.kill()
         process.join()
     writer._process_pipe.close()

@@ -206,6 +206,9 @@ class SupervisionConfig(Section):
     startup_timeout_s: PositiveFloat = Field(
         300.0, description="from spawn to a rank's first heartbeat")
     max_restarts: NonNegativeInt = Field(10, description="then the job is FAILED")
+    restart: Literal["in_process", "process"] = Field(
+        "in_process", description="in_process: a rank a fault did not touch stays for the "
+        "next generation (optimus/inprocess.py); process: every rank restarts as a new one")
     restart_backoff_s: NonNegativeFloat = Field(
         1.0, description="wait before restart n: this x 2^(n-1), capped")
     restart_backoff_max_s: NonNegativeFloat = 60.0

@@ -1,0 +1,345 @@
+"""How the node agent follows plans and runs its ranks: launches a generation's ranks, stops
+them, escalates to SIGKILL, reaps their exits, drains their heartbeats, and hands ranks that
+wait between generations the next one (in-process restart, optimus/inprocess.py). A mixin of
+`Agent` (agent.py), whose state it reads and writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import time
+from collections import deque
+from pathlib import Path
+
+from controller.node.commands import signal_group
+from controller.node.ranks import RankProcess, log_age, sample_compute, tail
+from controller.node.spawn import rank_environment
+from controller.store.store import StoreUnavailable
+from optimus.inprocess import READY
+
+DISMISS_S = 10.0  # a waiting rank told to exit is killed if it has not within this
+LEAVE_S = 10.0  # at least this more, past a failed generation's grace, for the ranks the fault
+# did not touch to leave it in process (their way out: a failed collective, a traceback, the
+# release of the generation's memory; seconds on a loaded machine)
+
+
+class Lifecycle:
+    # --- plans ---------------------------------------------------------------------------------
+
+    def _follow(self, plan: dict) -> None:
+        gen, action = plan["generation"], plan["action"]
+        mine = self.node in plan.get("nodes", [])
+        save = plan.get("save", True) or gen != self.generation  # about its own generation
+        if action == "end":
+            self._stop(plan.get("grace_s", 3.0), plan.get("reason", "the job ended"), save)
+            self.ended = True
+            self._dismiss()
+            return
+        if self.generation is not None and (gen != self.generation or action == "stop"):
+            self._stop(plan.get("grace_s", 3.0), plan.get("reason", ""), save)
+        if action == "run" and mine and gen == self.generation:
+            self.plan = plan  # the same generation, re-issued: new buddies (a spare arrived)
+        if action == "run" and mine and gen != self.generation and not self._live():
+            if self.checked_for != gen:
+                self.checked_for = gen
+                self.fit_for = self._healthy_for(gen) and self._can_run(plan)
+            if not self.fit_for:
+                return  # the node record or the stop request says why
+            if self.spawner.warming():
+                return  # its imports are nearly done: ranks then start in milliseconds
+            if self.snapshots.resume_dir(plan)[0] == "waiting":
+                return  # a lost node's shards are on their way from the node that holds them
+            self._launch(plan)
+        elif action == "run" and gen != self.generation and not mine:
+            self._dismiss()  # ranks waiting in process here: no next generation for them
+
+    def _live(self) -> bool:
+        """Whether a rank of this node's generation still runs (waiting ones do not)."""
+        return any(p.running for p in self.procs.values())
+
+    def _waiting(self) -> dict[int, RankProcess]:
+        """Ranks that left their generation and wait in process for the next (local rank ->)."""
+        return {lr: p for lr, p in self.procs.items()
+                if p.ready and p.popen.returncode is None}
+
+    def _dismiss(self, ranks: list[RankProcess] | None = None) -> None:
+        """Tell waiting ranks (all of them by default) that no generation comes for them: the
+        word {"exit": true} in their file, and SIGKILL if they have not exited 10 s later (a
+        SIGTERM would not do: one meant for the generation they left may reach a rank that
+        already waits, which must not take it for this). Reaped, with nothing more reported:
+        their leaving the generation was."""
+        for p in list(self._waiting().values()) if ranks is None else ranks:
+            if p.stop_sent is None:
+                p.stop_sent = time.monotonic() + DISMISS_S  # then SIGKILL (_escalate)
+                if not self._write_next(p, {"exit": True}):
+                    p.stop_sent = time.monotonic()
+
+    def _next_path(self, local_rank: int) -> Path:
+        return self.control_path.with_suffix(f".next{local_rank}")
+
+    def _hand_over(self, p: RankProcess, gen: int, env: dict[str, str], log_path: Path) -> bool:
+        """Give a waiting rank the next generation (optimus/inprocess.py): its launch
+        environment (the OPTIMUS_* variables, less what only the agent holds) and its log."""
+        word = {"generation": gen, "log": str(log_path),
+                "env": {k: v for k, v in rank_environment(env).items()
+                        if k.startswith("OPTIMUS_")}}
+        if self._write_next(p, word):
+            return True
+        self._dismiss([p])
+        self.leaving.append(p)
+        return False
+
+    def _write_next(self, p: RankProcess, word: dict) -> bool:
+        """Replace a waiting rank's word (atomically: it polls the file); False if the disk
+        refused it (said in an event: the rank then restarts as a new process)."""
+        path = self._next_path(p.local_rank)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        self.next_files |= {path, tmp}
+        try:
+            tmp.write_text(json.dumps(word))
+            os.replace(tmp, path)
+        except OSError as e:
+            self._event("restart", f"rank {p.rank} on {self.node} could not be told its next "
+                        f"generation in process ({e}): it restarts as a new process",
+                        rank=p.rank, restart="process")
+            return False
+        return True
+
+    def _launch(self, plan: dict) -> None:
+        gen = plan["generation"]
+        node_rank = plan["nodes"].index(self.node)
+        port = plan.get("master_port") or 0
+        if not port:
+            if node_rank == 0:
+                port = _free_port()
+                try:
+                    self.store.set_master_port(gen, port)
+                except StoreUnavailable as e:
+                    self._note_outage(e)
+                    return
+            else:
+                try:
+                    port = self.store.master_port(gen) or 0
+                except StoreUnavailable as e:
+                    self._note_outage(e)
+                    return
+                if not port:
+                    self.waiting_port = plan  # node 0 has not picked it yet: next tick
+                    return
+        self.waiting_port = None
+        if self.no_save:  # that was the last generation's
+            self.no_save = False
+            self._write_control(self.control)
+        self.generation, self.plan = gen, plan
+        carried = plan.get("failed_saves")
+        self.failed_saves = carried if isinstance(carried, int) and carried > 0 else 0
+        self.ran_since_ok = True
+        waiting = {lr: p for lr, p in self._waiting().items()
+                   if plan.get("restart") == "in_process" and lr < plan["ranks_per_node"]}
+        self._dismiss([p for lr, p in self._waiting().items() if lr not in waiting])
+        self.leaving += [p for p in self.procs.values() if p.popen.returncode is None
+                         and all(p is not w for w in waiting.values())]
+        self.procs.clear()
+        self.beats.clear()
+        self.reset_ranks = True
+        self._write_chaos([])  # an operator's faults were for the last generation
+        rpn = plan["ranks_per_node"]
+        log_dir = Path(plan["log_dir"]) / f"gen_{gen:04d}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        command = ["optimus", "train", plan["job_file"]]
+        for override in plan.get("overrides", []):
+            command += ["--set", override]
+        snapshot_env = self._snapshot_env(plan)
+        reused = 0
+        for local_rank in range(rpn):
+            rank = node_rank * rpn + local_rank
+            env = {**os.environ,
+                   "OPTIMUS_RANK": str(rank), "OPTIMUS_WORLD_SIZE": str(plan["world_size"]),
+                   "OPTIMUS_LOCAL_RANK": str(local_rank), "OPTIMUS_LOCAL_WORLD_SIZE": str(rpn),
+                   "OPTIMUS_NODE_RANK": str(node_rank),
+                   "OPTIMUS_NUM_NODES": str(len(plan["nodes"])),
+                   "OPTIMUS_JOB_ID": self.store.job, "OPTIMUS_GENERATION": str(gen),
+                   "OPTIMUS_MASTER_ADDR": plan["master_addr"], "OPTIMUS_MASTER_PORT": str(port),
+                   "OPTIMUS_AGENT_SOCKET": self.socket_path,
+                   "OPTIMUS_CONTROL_FILE": str(self.control_path),
+                   "OPTIMUS_CHAOS_FILE": str(self.chaos_path),
+                   "OPTIMUS_AGENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
+                   "OPTIMUS_FAILED_SAVES": str(self.failed_saves),
+                   **snapshot_env}
+            path = log_dir / f"rank_{rank:05d}.log"
+            env["OPTIMUS_STACKS_FILE"] = str(log_dir / f"rank_{rank:05d}.stacks")
+            if plan.get("restart") == "in_process":
+                env["OPTIMUS_NEXT_FILE"] = str(self._next_path(local_rank))
+            kept = waiting.pop(local_rank, None)
+            if kept is not None and self._hand_over(kept, gen, env, path):
+                popen, reused = kept.popen, reused + 1
+            else:
+                popen = self.spawner.start(command, env, path)
+            self.procs[local_rank] = RankProcess(
+                rank, local_rank, popen, path, time.time(),
+                stacks_path=log_dir / f"rank_{rank:05d}.stacks",
+                compute=deque(maxlen=plan.get("straggler_window", 20)))
+        kept = f" ({reused} of them in process)" if reused else ""
+        self._event("launch", f"generation {gen}: ranks {node_rank * rpn}-"
+                    f"{node_rank * rpn + rpn - 1} started on {self.node}{kept}",
+                    in_process=reused)
+
+    def _snapshot_env(self, plan: dict) -> dict[str, str]:
+        """Where this generation's ranks write snapshots, and the point they resume from when
+        the plan names one (every rank gets it; a rank whose shard is missing says so, and all
+        then resume from disk)."""
+        env = {"OPTIMUS_SNAPSHOT_DIR": str(self.snapshots.own)}
+        _, folder = self.snapshots.resume_dir(plan)
+        memory = plan.get("memory")
+        if folder is None or not memory:
+            return env
+        env["OPTIMUS_SNAPSHOT_RESUME"] = json.dumps(
+            {"step": memory["step"], "generation": memory["generation"], "dir": str(folder)})
+        holder = memory.get("holders", {}).get(self.node)
+        if holder is not None:
+            problem = self.snapshots.fetch_error()
+            self._event("snapshot", f"generation {plan['generation']}: {self.node} "
+                        + (f"could not fetch the shards of step {memory['step']} from "
+                           f"{holder['node']}: {problem}" if problem else
+                           f"fetched the shards of step {memory['step']} from {holder['node']}"),
+                        step=memory["step"], holder=holder["node"], ok=problem is None)
+        return env
+
+    def _stop(self, grace_s: float, reason: str, save: bool = True) -> None:
+        if not save and not self.no_save and self._live():
+            self.no_save = True  # in the control file before the SIGTERM: see optimus/health.py
+            self._write_control(self.control)
+        # A rank learns "do not save" from the control file only: while the disk refuses that
+        # word, a SIGTERM would let it save the very state this stop drops. Killed instead;
+        # the next generation resumes from the last good point either way.
+        unsaid = not save and self.control_writes.failing is not None
+        now = time.monotonic()
+        for p in self.procs.values():
+            if not p.running:
+                continue  # exited, or waits in process for the next generation
+            if p.stop_sent is None and unsaid:
+                p.stop_sent, p.kill_sent = now, True
+                signal_group(p.popen, signal.SIGKILL)
+                self._event("stop", f"rank {p.rank} on {self.node} killed, not stopped: the "
+                            "word not to save could not be written (disk)", rank=p.rank)
+            elif p.stop_sent is None:
+                p.stop_sent = now + grace_s  # the time to escalate to SIGKILL
+                p.grace_s = grace_s
+                # The rank alone: its helpers (DCP's writer process, DataLoader workers) die on
+                # a SIGTERM their parent did not send, and the rank's clean stop needs them.
+                # SIGKILL, later, goes to the whole group.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.popen.pid, signal.SIGTERM)
+                    os.killpg(p.popen.pid, signal.SIGCONT)  # a frozen rank, to take the TERM
+
+    def _escalate(self) -> None:
+        now = time.monotonic()
+        in_process = (self.plan or {}).get("restart") == "in_process"
+        for p in [*self.procs.values(), *self.leaving]:
+            if (p.popen.returncode is None and p.stop_sent is not None and not p.kill_sent
+                    and now >= p.stop_sent):
+                if in_process and p.running and not p.spared and not self._culprit(p):
+                    # A rank the fault did not touch may be blocked in a collective with the
+                    # culprit (gloo cannot be interrupted), or still on its way out after its
+                    # collective failed: the culprit is killed at its grace, which frees it.
+                    p.spared, p.stop_sent = True, now + max(p.grace_s, LEAVE_S)
+                    continue
+                p.kill_sent = True
+                signal_group(p.popen, signal.SIGKILL)
+                if in_process and p.running and not self._culprit(p):
+                    phase = self.beats.get(p.local_rank, {}).get("phase")
+                    self._event("restart", f"rank {p.rank} on {self.node} did not leave its "
+                                f"generation in process within its stop's grace (phase "
+                                f"{phase}): killed, it restarts as a new process",
+                                rank=p.rank, restart="process")
+
+    def _culprit(self, p: RankProcess) -> bool:
+        """Whether the plan's stop names this rank (or its node, for a node's fault)."""
+        named = (self.latest_plan or {}).get("culprit") or {}
+        return named.get("node") == self.node and named.get("rank") in (None, "", p.rank)
+
+    # --- ranks ---------------------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        self.leaving = [p for p in self.leaving if p.popen.poll() is None]
+        for p in list(self.procs.values()):
+            if p.popen.returncode is not None or p.popen.poll() is None:
+                continue
+            if p.ready:  # its leaving the generation was reported; its exit adds nothing
+                continue
+            code = p.popen.returncode
+            record = {"node": self.node, "rank": p.rank, "local_rank": p.local_rank,
+                      "generation": self.generation, "pid": p.popen.pid,
+                      "code": code if code >= 0 else None,
+                      "signal": -code if code < 0 else None,
+                      "by_agent": p.stop_sent is not None, "time": time.time(),
+                      "tail": tail(p.log_path), "tail_age": log_age(p.log_path)}
+            self.unreported.append(record)
+            self.beats.pop(p.local_rank, None)
+        if self.unreported:
+            try:
+                self._flush_exits()
+            except StoreUnavailable as e:
+                self._note_outage(e)
+        # Forget the finished ones once none is left running (their records are sent); ranks
+        # waiting in process stay, for the next generation or their dismissal.
+        if self.procs and not self._live() and not self.unreported:
+            self.procs = {lr: p for lr, p in self.procs.items() if p.popen.returncode is None}
+
+    def _flush_exits(self) -> None:
+        while self.unreported:
+            self.store.report_exit(self.unreported[0])
+            self.unreported.pop(0)
+
+    def _drain_heartbeats(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            try:
+                beat = json.loads(data)
+                local_rank = int(beat["local_rank"])
+            except (ValueError, KeyError, TypeError):
+                continue  # not a heartbeat: ignore it
+            p = self.procs.get(local_rank)
+            if (p is None or beat.get("pid") != p.popen.pid or p.popen.returncode is not None
+                    or p.ready or beat.get("generation") != self.generation):
+                continue  # from a rank of an older generation, or one between generations
+            if beat.get("phase") == READY:
+                self._left(p, beat)
+                continue
+            beat["received"] = time.time()
+            self.beats[local_rank] = beat
+            if isinstance(beat.get("failed_saves"), int):  # agreed: every rank says the same
+                self.failed_saves = beat["failed_saves"]
+            sample_compute(p, beat)
+
+    def _left(self, p: RankProcess, beat: dict) -> None:
+        """A rank left its generation and waits in process for the next: reported as its exit
+        would have been (with the status it would have had, and its log's last lines, which
+        say why), so the controller judges it alike; then it is no longer one of the
+        generation's ranks."""
+        p.ready = True
+        code = beat.get("exit_code")
+        code = code if isinstance(code, int) and not isinstance(code, bool) and \
+            0 <= code < 256 else 1
+        self.beats.pop(p.local_rank, None)
+        self.unreported.append({
+            "node": self.node, "rank": p.rank, "local_rank": p.local_rank,
+            "generation": self.generation, "pid": p.popen.pid, "code": code, "signal": None,
+            "by_agent": p.stop_sent is not None, "time": time.time(), "in_process": True,
+            "tail": tail(p.log_path), "tail_age": log_age(p.log_path)})
+        p.stop_sent, p.spared = None, False  # a stop it was sent is done: no SIGKILL for it
+        if self.ended:
+            self._dismiss([p])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,158 @@
+"""In-process restart: a rank that outlives its generation.
+
+Under an agent that restarts in process (supervision.restart "in_process", the default: the
+agent then gives each rank OPTIMUS_NEXT_FILE), a rank whose generation ends without a fault of
+its own does not exit. It ends the generation's work (its process groups destroyed, the save in
+flight dropped, its helpers stopped: optimus/train.py), says so in a heartbeat of phase "ready"
+that carries the exit status it would otherwise have had, and waits. The agent then writes the
+next generation's word into that file, one JSON object, replaced atomically:
+
+    {"generation": 3, "env": {"OPTIMUS_RANK": "5", ...}, "log": "<log_dir>/gen_0003/rank_00005.log"}
+
+and the rank takes that environment (the OPTIMUS_* variables of a launch: its new rank, world,
+rendezvous, resume point), appends its output to the new log and trains the next generation:
+the same process, past its imports, device context and compile caches. {"exit": true}, and it
+exits 0 (a SIGTERM outside training does nothing: `hold_sigterm`). So a fault costs the
+healthy ranks a new rendezvous and a load, not a new process each.
+
+A rank's own fault still ends it: only the error a collective raises because a peer is gone
+(`peer_failure`: the text gloo, NCCL and the TCP store give, e.g. "Connection closed by peer")
+is the peers' fault. Anything else exits as before (NaN/Inf 87/88, a failed final save 89, a
+user error 2, any other exception 1) and the agent starts a new process in its place. A
+generation stopped by the agent (a SIGTERM: every rank stops after one same step, with its
+checkpoint) ends in "ready" too, with status 0.
+
+This module imports no torch: the controller reads `PEER_FAILURE` too (a rank that exits on one
+is collateral, not a culprit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+NEXT_ENV = "OPTIMUS_NEXT_FILE"
+READY = "ready"  # the heartbeat phase of a rank between generations
+POLL_S = 0.02
+_NEXT_LIMIT = 1 << 20  # bytes of the agent's word (a launch environment: a few KiB)
+# Variables a launch may set that the next one may leave out: not carried over.
+_LAUNCH_ONLY = ("OPTIMUS_SNAPSHOT_RESUME",)
+
+# What a collective (or the rendezvous) says when a peer is gone, not this rank's own fault.
+PEER_FAILURE = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|ECONNREFUSED|Connection refused|"
+    r"Socket Timeout|timed out|Timeout|DistNetworkError|DistStoreError|gloo::IoException|"
+    r"NCCL (error|communicator)|ProcessGroup.*(abort|error)|peer .*(died|exited|closed)|"
+    r"Read error|Write error",
+    re.IGNORECASE)
+
+
+def enabled() -> bool:
+    """Whether this rank's agent restarts it in process."""
+    return bool(os.environ.get(NEXT_ENV))
+
+
+def peer_failure(exc: BaseException) -> bool:
+    """Whether `exc` (or what it was raised from) is a collective's report of a lost peer."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, (RuntimeError, OSError, TimeoutError)) and \
+                PEER_FAILURE.search(str(exc)[:4096]):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+class Word:
+    """The agent's word for the next generation: an environment and a log, or exit."""
+
+    def __init__(self, generation: int, env: dict[str, str], log: str):
+        self.generation, self.env, self.log = generation, env, log
+
+
+def read_word(path: Path, after: int) -> Word | None:
+    """The word in `path` if it names a generation after `after`; Word(-1, ...) for exit;
+    None while there is none (or it is not yet whole). A word that is not what the agent
+    writes is ignored (the file is the agent's; this is a bound, not a trust decision)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_NEXT_LIMIT + 1)
+    except OSError:
+        return None
+    if len(data) > _NEXT_LIMIT:
+        return None
+    try:
+        word = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(word, dict):
+        return None
+    if word.get("exit") is True:
+        return Word(-1, {}, "")
+    gen, env, log = word.get("generation"), word.get("env"), word.get("log")
+    if (not isinstance(gen, int) or isinstance(gen, bool) or gen <= after
+            or not isinstance(env, dict) or not isinstance(log, str)
+            or not all(isinstance(k, str) and k.startswith("OPTIMUS_") and isinstance(v, str)
+                       for k, v in env.items())):
+        return None
+    return Word(gen, env, log)
+
+
+def hold_sigterm() -> None:
+    """Under an agent that restarts in process, a SIGTERM outside training does nothing (in
+    training, optimus/health.py's handler makes it a stop after one same step). The agent's
+    SIGTERM stops a generation; one that reaches a rank after it left that generation (a
+    peer died under it first) must not end the process the next generation is to reuse.
+    The agent tells a waiting rank to exit in its file instead, and dies with its ranks."""
+    if enabled():
+        signal.signal(signal.SIGTERM, lambda *_: None)
+
+
+def release_memory() -> None:
+    """Between generations: the last one's objects freed (its model, optimizer, loader: they sit
+    in reference cycles), and the heap's free pages handed back to the system (glibc keeps
+    them otherwise, and a rank's resident memory would creep up generation by generation)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def wait_for_next(exit_code: int, interval_s: float) -> Word | None:
+    """Between generations: heartbeats of phase "ready" (carrying `exit_code`) until the agent
+    names the next generation (its Word) or says exit (None)."""
+    from optimus.health import start_heartbeat  # its import is the trainer's, already paid
+    from optimus.runtime import launch_env
+
+    env = launch_env()
+    beat = start_heartbeat(env, interval_s)
+    beat.left(exit_code)
+    try:
+        path = Path(os.environ[NEXT_ENV])
+        while True:
+            word = read_word(path, env.restart_count)
+            if word is not None:
+                return None if word.generation < 0 else word
+            time.sleep(POLL_S)
+    finally:
+        beat.close()
+
+
+def enter(word: Word) -> None:
+    """Become the next generation's rank: its environment, its log on stdout and stderr."""
+    for name in _LAUNCH_ONLY:
+        if name not in word.env:
+            os.environ.pop(name, None)
+    os.environ.update(word.env)
+    fd = os.open(word.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    finally:
+        os.close(fd)
