@@ -16,8 +16,9 @@ sure it is about its node:
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
+
+from optimus.inprocess import PEER_FAILURE
 
 # Exit statuses of `optimus train` (optimus/health.py; the controller must not import optimus
 # modules that load torch, so the numbers are repeated here).
@@ -31,13 +32,9 @@ EXIT_USER_ERROR = 2  # optimus/cli.py: a setting, the data, the launch or a chec
 COLLECTIVE_PHASES = ("grad_sync", "checkpoint_sync", "sync")
 
 # Last lines of a rank that failed because a peer did: its collective or the rendezvous store
-# lost a partner. Gloo, NCCL, XCCL and the TCPStore word these differently.
-_PEER_FAILURE = re.compile(
-    r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|ECONNREFUSED|Connection refused|"
-    r"Socket Timeout|timed out|Timeout|DistNetworkError|DistStoreError|gloo::IoException|"
-    r"NCCL (error|communicator)|ProcessGroup.*(abort|error)|peer .*(died|exited|closed)|"
-    r"Read error|Write error",
-    re.IGNORECASE)
+# lost a partner (gloo, NCCL, XCCL and the TCPStore word it differently). The rank's own test
+# of whether it may go on in process (optimus/inprocess.py) is the same.
+_PEER_FAILURE = PEER_FAILURE
 
 HARD, SOFT, COLLATERAL = "hard", "soft", "collateral"
 # Why a generation ended, for the restarts counter (bounded: these values only).
