@@ -23,14 +23,18 @@ The whole measurement runs once per mode (`--modes`), each `<start>-<recovery>`:
   (OPTIMUS_WARM_START=0): every rank is a fresh `python -m optimus train`;
 - recovery `memory`: in-memory snapshots (`checkpoint.memory_every`, auto unless
   `--memory-every`), replicated to a buddy node, the next generation resumes from the newest
-  usable one; `disk`: snapshots off, it resumes from the newest disk checkpoint (every 10 steps).
+  usable one; `disk`: snapshots off, it resumes from the newest disk checkpoint (every 10 steps);
+- and `-inprocess` at the end (`warm-memory-inprocess`): `supervision.restart: in_process`, the
+  ranks the fault did not touch wait in process for the next generation (optimus/inprocess.py);
+  without it, `process`: every rank restarts as a new one (how Optimus restarted before).
 Per trial it also records the steps lost (the last step the failed generation logged, minus the
 step the next one resumed from) and where the next generation's state came from. The last lines
 compare every mode's fault-to-next-step medians with the first mode's (the reference:
 `cold-disk`, how Optimus recovered before in-memory snapshots and warm starts).
 
     .venv/bin/python bench/recovery.py [--trials 5] [--faults kill_rank,freeze_rank,kill_node]
-                                       [--modes cold-disk,warm-disk,warm-memory]
+                                       [--modes cold-disk,warm-disk,warm-memory,
+                                                warm-memory-inprocess]
                                        [--memory-every auto]
 
 Settings (printed): heartbeat every 0.5 s, timeout 3 s; a frozen rank's decision cannot come
@@ -65,7 +69,7 @@ TRIAL_STEPS = 13  # a fault comes once the generation has logged this many steps
 TARGET_DECISION_S, TARGET_NEXT_STEP_S = 5.0, 30.0
 
 
-def bench_job(run_dir: Path, memory_every: int | str = 0) -> dict:
+def bench_job(run_dir: Path, memory_every: int | str = 0, restart: str = "process") -> dict:
     return {
         "name": "bench-recovery", "seed": 1234, "run_dir": str(run_dir),
         "model": {"vocab_size": 264, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
@@ -76,15 +80,15 @@ def bench_job(run_dir: Path, memory_every: int | str = 0) -> dict:
         "supervision": {"log_every": 1, "heartbeat_interval_s": INTERVAL_S,
                         "heartbeat_timeout_s": TIMEOUT_S, "restart_backoff_s": 0.0,
                         "restart_backoff_max_s": 0.0, "failure_grace_s": 1.0,
-                        "max_restarts": 1000, "stop_grace_s": 30.0},
+                        "max_restarts": 1000, "stop_grace_s": 30.0, "restart": restart},
     }
 
 
 class Run:
-    def __init__(self, tmp: Path, memory_every: int | str):
+    def __init__(self, tmp: Path, memory_every: int | str, restart: str = "process"):
         self.run_dir = tmp / "run"
         self.job_file = tmp / "job.yaml"
-        self.job_file.write_text(yaml.safe_dump(bench_job(self.run_dir, memory_every)))
+        self.job_file.write_text(yaml.safe_dump(bench_job(self.run_dir, memory_every, restart)))
         (self.run_dir / "control").mkdir(parents=True)
         self.cluster = LocalCluster(self.run_dir / "control")
         self.url = start_redis(self.cluster)
@@ -169,9 +173,11 @@ class Run:
             self.cluster.procs[f"agent-{culprit}"].wait(timeout=10)
             self.start_agent(culprit)
         self.store.include(culprit)
+        kept = sum(int(e.get("in_process") or 0) for e in self.events("launch")
+                   if e["message"].startswith(f"generation {new['generation']}:"))
         return {"decision": decided - injected, "next_step": nxt - injected,
                 "reason": failure["message"], "lost": reached - resumed, "source": source,
-                "resumed": resumed}
+                "resumed": resumed, "in_process": kept}
 
     def cold_start(self) -> float:
         plan = self.wait(self.running_generation, 120, "generation 0")
@@ -192,8 +198,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--faults", default="kill_rank,freeze_rank,kill_node")
     parser.add_argument("--modes", default="cold-disk,warm-disk,warm-memory",
-                        help="<warm|standby|cold>-<memory|disk>, comma-separated; the first "
-                             "is the reference of the ratios")
+                        help="<warm|standby|cold>-<memory|disk>[-inprocess], comma-separated; "
+                             "the first is the reference of the ratios")
     parser.add_argument("--memory-every", default="auto",
                         help="checkpoint.memory_every for the memory modes")
     args = parser.parse_args()
@@ -201,19 +207,22 @@ def main() -> None:
     modes = args.modes.split(",")
     for mode in modes:
         start, _, recovery = mode.partition("-")
-        if start not in STARTS or recovery not in ("memory", "disk"):
-            parser.error(f"mode {mode!r}: write <{'|'.join(STARTS)}>-<memory|disk>, e.g. "
-                         "warm-memory")
+        recovery, _, restart = recovery.partition("-")
+        if start not in STARTS or recovery not in ("memory", "disk") or restart not in (
+                "", "inprocess"):
+            parser.error(f"mode {mode!r}: write <{'|'.join(STARTS)}>-<memory|disk>"
+                         "[-inprocess], e.g. warm-memory-inprocess")
     every = args.memory_every if args.memory_every == "auto" else int(args.memory_every)
     print(f"2 nodes x 1 rank + 1 spare on one machine; heartbeat {INTERVAL_S} s, timeout "
           f"{TIMEOUT_S} s, failure grace 1 s, no backoff; {args.trials} trial(s) per fault",
           flush=True)
     medians: dict[str, dict[str, float]] = {}
     for mode in modes:
-        start, recovery = mode.split("-")
+        start, recovery, *inprocess = mode.split("-")
         os.environ[WARM_ENV] = STARTS[start]  # the agents inherit it
         medians[mode] = measure(mode, args.trials, faults,
-                                every if recovery == "memory" else 0)
+                                every if recovery == "memory" else 0,
+                                "in_process" if inprocess else "process")
     reference = modes[0]
     for mode in modes[1:]:
         print(f"\n{mode} / {reference}, fault -> next step medians:")
@@ -222,12 +231,12 @@ def main() -> None:
             print(f"  {fault:12s} {this:.2f} s / {ref:.2f} s = {this / ref:.2f}x")
 
 
-def measure(mode: str, trials: int, faults: list[str],
-            memory_every: int | str) -> dict[str, float]:
+def measure(mode: str, trials: int, faults: list[str], memory_every: int | str,
+            restart: str = "process") -> dict[str, float]:
     """One whole run in `mode`; the fault-to-next-step median per fault."""
     (REPO / "runs").mkdir(exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-recovery-", dir=REPO / "runs"))
-    run = Run(tmp, memory_every)
+    run = Run(tmp, memory_every, restart)
     print(f"\n{mode} starts", flush=True)
     try:
         first = run.cold_start()
@@ -239,8 +248,10 @@ def measure(mode: str, trials: int, faults: list[str],
                 r = run.trial(fault)
                 results[fault].append(r)
                 print(f"trial {trial + 1} {fault}: decision {r['decision']:.2f} s, next step "
-                      f"{r['next_step']:.2f} s, {r['lost']} step(s) lost (resumed from "
-                      f"{r['source']} at step {r['resumed']}) ({r['reason']})", flush=True)
+                      f"{r['next_step']:.2f} s (after the decision "
+                      f"{r['next_step'] - r['decision']:.2f} s), {r['lost']} step(s) lost "
+                      f"(resumed from {r['source']} at step {r['resumed']}), "
+                      f"{r['in_process']} rank(s) in process ({r['reason']})", flush=True)
         every = [m for m in run.rows() if m.get("event") == "snapshot"]
         if every:
             print(f"snapshots: {every[0]['message']}")
@@ -249,6 +260,7 @@ def measure(mode: str, trials: int, faults: list[str],
         for fault, rs in results.items():
             d = [r["decision"] for r in rs]
             n = [r["next_step"] for r in rs]
+            after = [r["next_step"] - r["decision"] for r in rs]
             d_target = (f"target <= {TARGET_DECISION_S:g} s: "
                         f"{'met' if p99(d) <= TARGET_DECISION_S else 'MISSED'}"
                         if fault != "kill_node" else "no target")
@@ -259,7 +271,9 @@ def measure(mode: str, trials: int, faults: list[str],
                   f"next step / first start {statistics.median(n) / first:.2f}x; steps lost "
                   f"median {statistics.median(r['lost'] for r in rs):g} max "
                   f"{max(r['lost'] for r in rs)}; resumed from "
-                  f"{', '.join(sorted({r['source'] for r in rs}))}")
+                  f"{', '.join(sorted({r['source'] for r in rs}))}; after the decision "
+                  f"median {statistics.median(after):.2f} p99 {p99(after):.2f}; ranks kept "
+                  f"in process median {statistics.median(r['in_process'] for r in rs):g}")
         return {fault: statistics.median(r["next_step"] for r in rs)
                 for fault, rs in results.items()}
     finally:

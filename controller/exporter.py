@@ -38,7 +38,8 @@ log = logging.getLogger("optimus.exporter")
 AGE_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 RANK_STATES = ("startup", "training", "checkpoint", "paused", "stopping", "done")
 NODE_STATES = ("active", "spare", "excluded", "draining", "silent", "unhealthy")
-UNREADABLE = ("rank_states", "rank_beat")  # agents' records a scrape parses
+UNREADABLE = ("rank_states", "rank_beat", "restarts")  # agents' records a scrape parses
+RESTART_KINDS = ("in_process", "process")
 TRAINING = (  # rank 0's logged figures (its heartbeat's `metrics`), as gauges; and "tokens"
     ("loss", "optimus_loss", "The last logged training loss"),
     ("tokens_per_s", "optimus_tokens_per_second", "Tokens per second, whole job"),
@@ -109,6 +110,7 @@ class JobCollector(Collector):
             restarts.add_metric([cause], float(causes.get(cause, 0)))
         yield restarts
 
+        yield from self._rank_restarts(unreadable)
         yield from self._ranks_and_nodes(plan if running else {}, now, unreadable)
         yield _gauge("optimus_stragglers", "Nodes reported as stragglers now",
                      len(_json(record.get("stragglers"), [])))
@@ -162,6 +164,27 @@ class JobCollector(Collector):
         yield _gauge("optimus_memory_peak_reserved_bytes", "The largest peak memory reserved "
                      "by the allocator on any rank in its last logged step (CPU: peak RSS so "
                      "far)", peak["reserved_bytes"])
+
+    def _rank_restarts(self, unreadable: Counter) -> Iterator:
+        """Ranks of generations after the first, by how they started: in the process of the
+        last generation (supervision.restart in_process) or as a new one. Summed over the
+        agents that beat (an agent's counts start again with it)."""
+        kinds = dict.fromkeys(RESTART_KINDS, 0)
+        for raw in self.store.agent_field(sorted(self.store.agent_beats()), "restarts").values():
+            counts = _json(raw, None)
+            if not isinstance(counts, dict) or not all(
+                    isinstance(counts.get(k), int) and 0 <= counts[k] < 10**9
+                    for k in RESTART_KINDS):
+                unreadable["restarts"] += 1
+                continue
+            for kind in RESTART_KINDS:
+                kinds[kind] += counts[kind]
+        family = CounterMetricFamily("optimus_rank_restarts", "Ranks of later generations, by "
+                                     "how they started: in_process or a new process",
+                                     labels=["kind"])
+        for kind, count in kinds.items():
+            family.add_metric([kind], float(count))
+        yield family
 
     def _ranks_and_nodes(self, plan: dict, now: float, unreadable: Counter) -> Iterator:
         store = self.store

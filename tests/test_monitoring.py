@@ -46,6 +46,7 @@ CONTRACT = {
     "optimus_heartbeat_timeout_seconds",
     "optimus_heartbeat_overdue_nodes",
     "optimus_restarts_total",
+    "optimus_rank_restarts_total",
     "optimus_nodes",
     "optimus_excluded_nodes",
     "optimus_stragglers",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 import urllib.request
 
 import pytest
@@ -125,3 +126,18 @@ def test_a_scrape_skips_and_counts_an_unreadable_rank_0_heartbeat(redis_server, 
     assert samples[("optimus_ranks", (("state", "training"),))] == 2.0
     assert samples[("optimus_exporter_unreadable_records", (("record", "rank_beat"),))] == 1.0
     assert ("optimus_loss", ()) not in samples and ("optimus_tokens_per_second", ()) not in samples
+
+
+def test_a_scrape_sums_the_agents_rank_restarts_and_skips_a_malformed_count(redis_server,
+                                                                          tmp_path):
+    store = _running(redis_server.url)
+    counts = {"n0": {"in_process": 3, "process": 1}, "n1": {"in_process": 2, "process": 4},
+              "n2": {"in_process": "9", "process": 1}, "n3": {"in_process": -5, "process": 0}}
+    for node, count in counts.items():
+        store.r.zadd(store.k("agents"), {node: time.time()})
+        store.r.hset(store.k(f"node:{node}:status"), "restarts", json.dumps(count))
+    status, samples = _scrape(_exporter(store, tmp_path))
+    assert status == 200
+    assert samples[("optimus_rank_restarts_total", (("kind", "in_process"),))] == 5.0
+    assert samples[("optimus_rank_restarts_total", (("kind", "process"),))] == 5.0
+    assert samples[("optimus_exporter_unreadable_records", (("record", "restarts"),))] == 2.0

@@ -80,6 +80,7 @@ class Agent(Lifecycle, Commands, Checks):
         self.procs: dict[int, RankProcess] = {}
         self.leaving: list[RankProcess] = []  # told to exit, no longer of any generation
         self.next_files: set[Path] = set()  # words to ranks waiting in process (lifecycle.py)
+        self.restarts = {"in_process": 0, "process": 0}  # ranks of generations after the first
         self.ran_since_ok = False  # ranks ran here since the last passing health check
         self.beats: dict[int, dict] = {}
         self.generation: int | None = None  # the generation launched here, if any
@@ -191,7 +192,7 @@ class Agent(Lifecycle, Commands, Checks):
                   "state": state, "live_ranks": len(live), "host": self.host,
                   "pids": [p.popen.pid for p in live], "rank_states": rank_states(live, self.beats),
                   "failed_saves": self.failed_saves, "refused": self.refusal or "",
-                  "waiting_ranks": len(self._waiting())}
+                  "waiting_ranks": len(self._waiting()), "restarts": self.restarts}
         try:
             self._flush_exits()
             tick = self.store.agent_tick(self.node, status, dict(self.beats),

@@ -183,6 +183,9 @@ class Lifecycle:
                 rank, local_rank, popen, path, time.time(),
                 stacks_path=log_dir / f"rank_{rank:05d}.stacks",
                 compute=deque(maxlen=plan.get("straggler_window", 20)))
+        if gen > 0:  # a rank of a later generation is a restart, of one kind or the other
+            self.restarts["in_process"] += reused
+            self.restarts["process"] += rpn - reused
         kept = f" ({reused} of them in process)" if reused else ""
         self._event("launch", f"generation {gen}: ranks {node_rank * rpn}-"
                     f"{node_rank * rpn + rpn - 1} started on {self.node}{kept}",
