@@ -97,6 +97,14 @@ def test_fault_excludes_the_culprit_and_finishes_on_the_spare(fault, evidence, m
     assert journal["plan"]["nodes"] == [survivor, spare]  # the spare took the culprit's place
     assert f"node {culprit} excluded" in out.stdout
     assert f"spares brought in: {spare}" in out.stdout
+    # The survivor's rank went on in process: the same PID in generation 1 (in-process
+    # restart); the spare's is a new process.
+    launches = {(e["node"], e["message"].split(":")[0]): e
+                for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
+                if e["kind"] == "launch"}
+    kept = launches[survivor, "generation 1"]
+    assert (kept["in_process"], kept["pids"]) == ("1", launches[survivor, "generation 0"]["pids"])
+    assert launches[spare, "generation 1"]["in_process"] == "0"
 
     resumes = [m for m in metrics(run) if m.get("event") == "resume"]
     assert len(resumes) == 1  # generation 1 resumed; generation 0 started from scratch

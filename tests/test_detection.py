@@ -91,6 +91,13 @@ def test_a_hang_names_the_rank_holding_the_others_with_its_stack(
     assert stack_says in stacks["1"]  # the culprit's own Python stack, from the agent
     assert "0" in stacks  # and a sample of the others': rank 0 waits in a collective
     assert culprit not in store.plan()["nodes"]
+    # Rank 0 waited in a collective for the culprit; once its agent killed the culprit, that
+    # collective failed and rank 0 went on in process: the same PID in generation 1.
+    survivor = generation_nodes(store, 0)[0]
+    launches = {e["message"].split(":")[0]: e for e in events(store, "launch")
+                if e["node"] == survivor}
+    assert (launches["generation 1"]["in_process"], launches["generation 1"]["pids"]) == (
+        "1", launches["generation 0"]["pids"])
     how = [e["message"] for e in events(store, "stacks")]
     if fault.get("deaf"):
         assert "_agree" in stacks["0"] and "in after_step" in stacks["0"]  # the save's

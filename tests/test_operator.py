@@ -405,6 +405,12 @@ def test_agents_credentials_cannot_act_as_an_operator(tmp_path):
         assert len(resumed) == 1 and max(m["step"] for m in metrics(run) if "loss" in m) == 40
         kinds = [e["kind"] for _, e in operator.events(count=1000)]
         assert "checkpoint" in kinds and "pause" not in kinds
+        # The rank on node0 saved, waited, and trained generation 1's new layout (world 1,
+        # half the data-parallel degree) in the same process: a reshard in process.
+        launches = [e for _, e in operator.events(count=1000) if e["kind"] == "launch"
+                    and e["node"] == "node0"]
+        assert [(e["in_process"], e["pids"]) for e in launches] == [
+            ("0", launches[0]["pids"]), ("1", launches[0]["pids"])]
     finally:
         procs.stop_all()
         server.stop()

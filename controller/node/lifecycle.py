@@ -189,7 +189,8 @@ class Lifecycle:
         kept = f" ({reused} of them in process)" if reused else ""
         self._event("launch", f"generation {gen}: ranks {node_rank * rpn}-"
                     f"{node_rank * rpn + rpn - 1} started on {self.node}{kept}",
-                    in_process=reused)
+                    in_process=reused, pids=",".join(str(self.procs[lr].popen.pid)
+                                                     for lr in sorted(self.procs)))
 
     def _snapshot_env(self, plan: dict) -> dict[str, str]:
         """Where this generation's ranks write snapshots, and the point they resume from when
