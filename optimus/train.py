@@ -15,6 +15,7 @@ import contextlib
 import gc
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -304,8 +305,8 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                 stop()
         heartbeat.close()
         commands.close()
-        if owns_group:
-            destroy_distributed()
+        if owns_group:  # abort, not drain, the groups of a generation that failed under us
+            destroy_distributed(abort=sys.exc_info()[1] is not None)
             # The groups live on in the device mesh, which sits in a reference cycle: freed only
             # by the cyclic collector, which may first run during the interpreter's finalization,
             # when gloo's worker threads can no longer take the GIL ("terminate called without

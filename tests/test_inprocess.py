@@ -197,3 +197,22 @@ def test_twenty_generations_in_the_same_processes_leak_nothing_and_train_exactly
                 until_step=last)
     reference = {m["step"]: m["loss"] for m in metrics(ref) if "loss" in m}
     assert [m["loss"] for m in steps] == [reference[m["step"]] for m in steps]
+
+
+def test_a_failed_generation_s_groups_are_aborted_then_gone(monkeypatch):
+    """The teardown after a failed collective (the accelerator's path: aborting NCCL or XCCL
+    communicators that a dead peer would hold), run on gloo on the CPU."""
+    import torch.distributed as dist
+
+    from optimus.runtime.dist import destroy_distributed
+
+    aborted = []
+    real = dist.distributed_c10d._abort_process_group
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group",
+                        lambda *a: aborted.append(True) or real(*a))
+    for abort in (True, False):
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.new_group(backend="gloo")
+        destroy_distributed(abort=abort)
+        assert not dist.is_initialized()
+    assert aborted == [True]  # only when asked

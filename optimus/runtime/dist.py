@@ -7,6 +7,7 @@ TCPStore served by rank 0 (or by the launcher itself when it already runs one).
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 
 import torch
@@ -55,7 +56,16 @@ def init_distributed(
     )
 
 
-def destroy_distributed() -> None:
-    """Tear down every process group; a no-op when there is none."""
+def destroy_distributed(abort: bool = False) -> None:
+    """Tear down every process group; a no-op when there is none. `abort`: a collective failed
+    (a peer is gone) and the rank goes on in process (optimus/inprocess.py): abort the
+    communicators rather than let them drain, which on NCCL or XCCL can wait forever on the
+    dead peer. (gloo's teardown does not wait; aborting it is as good.)"""
+    if not dist.is_initialized():
+        return
+    abort_all = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort and abort_all is not None:
+        with contextlib.suppress(RuntimeError):
+            abort_all()  # every group, the default one included
     if dist.is_initialized():
         dist.destroy_process_group()
