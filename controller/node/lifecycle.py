@@ -174,9 +174,9 @@ class Lifecycle:
             env["OPTIMUS_STACKS_FILE"] = str(log_dir / f"rank_{rank:05d}.stacks")
             if plan.get("restart") == "in_process":
                 env["OPTIMUS_NEXT_FILE"] = str(self._next_path(local_rank))
-            kept = waiting.pop(local_rank, None)
-            if kept is not None and self._hand_over(kept, gen, env, path):
-                popen, reused = kept.popen, reused + 1
+            waits = waiting.pop(local_rank, None)
+            if waits is not None and self._hand_over(waits, gen, env, path):
+                popen, reused = waits.popen, reused + 1
             else:
                 popen = self.spawner.start(command, env, path)
             self.procs[local_rank] = RankProcess(
