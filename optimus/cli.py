@@ -60,6 +60,7 @@ def train(job: Path, overrides: tuple[str, ...], trust: bool) -> None:
     from optimus import inprocess
     from optimus.health import CheckpointFailed, NonFinite
     from optimus.parallel.float8 import check_float8_here
+    from optimus.runtime.dist import forget_meshes
     from optimus.train import train as run_training  # torch loads only when training
 
     config = load_job(job, list(overrides))
@@ -86,6 +87,7 @@ def train(job: Path, overrides: tuple[str, ...], trust: bool) -> None:
             print(f"generation {_generation()} ended under this rank: a peer is gone; this "
                   "rank waits in process for the next", flush=True)
         _abandon_helpers()
+        forget_meshes()  # DTensor's cached decisions name the last generation's meshes
         inprocess.release_memory()  # the generation's model, optimizer, loader
         word = inprocess.wait_for_next(code, config.supervision.heartbeat_interval_s)
         if word is None:

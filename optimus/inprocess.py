@@ -11,9 +11,10 @@ next generation's word into that file, one JSON object, replaced atomically:
 
 and the rank takes that environment (the OPTIMUS_* variables of a launch: its new rank, world,
 rendezvous, resume point), appends its output to the new log and trains the next generation:
-the same process, past its imports, device context and compile caches. {"exit": true}, and it
-exits 0 (a SIGTERM outside training does nothing: `hold_sigterm`). So a fault costs the
-healthy ranks a new rendezvous and a load, not a new process each.
+the same process, past its imports and device context (DTensor's cached sharding decisions
+and compiled graphs are dropped: they hold the last generation's meshes, runtime/dist.py).
+{"exit": true}, and it exits 0 (a SIGTERM outside training does nothing: `hold_sigterm`). So
+a fault costs the healthy ranks a new rendezvous and a load, not a new process each.
 
 A rank's own fault still ends it: only the error a collective raises because a peer is gone
 (`peer_failure`: the text gloo, NCCL and the TCP store give, e.g. "Connection closed by peer")

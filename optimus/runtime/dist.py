@@ -8,6 +8,7 @@ TCPStore served by rank 0 (or by the launcher itself when it already runs one).
 from __future__ import annotations
 
 import contextlib
+import sys
 from datetime import timedelta
 
 import torch
@@ -69,3 +70,32 @@ def destroy_distributed(abort: bool = False) -> None:
             abort_all()  # every group, the default one included
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def forget_meshes() -> None:
+    """Empty DTensor's caches of sharding decisions (a rank going on in process, before its
+    next generation builds new meshes). A DeviceMesh equals another of the same shape and
+    names whatever rank holds it, so a cached decision made with the last generation's mesh
+    would come back for the next one's, carrying the old mesh and its coordinate: a rank that
+    changed rank would compute the old rank's shard (its saves then fail DCP's plan check,
+    its steps read the wrong rows). The caches refill in the first step. So do compiled
+    graphs, which guard on meshes the same way."""
+    from torch.distributed.tensor import DTensor
+
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:  # the C++ fast path's own cache (torch >= 2.8)
+        clear_native()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cached in (propagator.propagate_op_sharding,
+                   getattr(propagator, "_propagate_tensor_meta_cached", None)):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    from torch.distributed.tensor import _collective_utils, _redistribute
+
+    for cached in (getattr(_redistribute, "_gen_transform_infos", None),
+                   getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh",
+                           None)):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    if "torch._dynamo" in sys.modules:  # compiled graphs guard on (and bake in) meshes too;
+        torch._dynamo.reset()  # recompiling is cheap from Inductor's on-disk cache
