@@ -1,0 +1,120 @@
+"""The agent's side of in-process restart (controller/node/lifecycle.py), on real processes that
+stand in for ranks (a shell that ignores SIGTERM): who is killed at a failed generation's grace and who is given
+longer to leave, how a rank that left is reported, and how a waiting rank is told to go."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import time
+from collections import deque
+from pathlib import Path
+
+from controller.node.lifecycle import LEAVE_S
+from controller.node.ranks import RankProcess
+from controller.store.store import Store
+
+
+@contextlib.contextmanager
+def _agent(redis_server, tmp_path, monkeypatch):
+    from controller.node.agent import Agent
+
+    monkeypatch.setenv("OPTIMUS_WARM_START", "0")  # no warm process: ranks are ours here
+    store = Store(redis_server.url, "j")
+    (tmp_path / "s").mkdir()
+    agent = Agent(store, "n0", socket_dir=str(tmp_path / "s"), snapshot_root=tmp_path / "snap")
+    procs = []
+    try:
+        yield agent, store, procs
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            p.wait()
+        agent.spawner.close()
+        agent.snapshots.close()
+        agent.sock.close()
+
+
+def _rank(agent, procs, rank: int, local_rank: int, tmp_path: Path) -> RankProcess:
+    # A rank blocked where a SIGTERM cannot reach it (a collective with a dead peer).
+    popen = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 300"], start_new_session=True)
+    procs.append(popen)
+    log = tmp_path / f"rank{rank}.log"
+    log.write_text("RuntimeError: Read error [127.0.0.1]:1: Connection reset by peer\n"
+                   "generation 0 ended under this rank: a peer is gone\n")
+    p = RankProcess(rank, local_rank, popen, log, time.time(), compute=deque(maxlen=4))
+    agent.procs[local_rank] = p
+    return p
+
+
+def _own(store: Store, what: str) -> list[dict]:
+    return [f for _, f in store.r.xrange(store.k(f"node:n0:{what}"))]
+
+
+def test_the_culprit_dies_at_the_grace_and_the_others_get_longer_to_leave(
+        redis_server, tmp_path, monkeypatch):
+    with _agent(redis_server, tmp_path, monkeypatch) as (agent, store, procs):
+        agent.generation = 0
+        agent.plan = {"generation": 0, "restart": "in_process"}
+        agent.latest_plan = {**agent.plan, "action": "stop", "culprit": {"node": "n0",
+                                                                          "rank": 1}}
+        survivor, culprit = (_rank(agent, procs, r, r, tmp_path) for r in (0, 1))
+        agent._stop(1.0, "generation 0 failed")
+        assert survivor.stop_sent and culprit.stop_sent  # both were told (SIGTERM)
+        for p in (survivor, culprit):
+            p.stop_sent = time.monotonic() - 0.01  # the grace is over
+        agent._escalate()
+        assert culprit.popen.wait(timeout=10) == -9  # SIGKILL, at the grace
+        assert survivor.popen.poll() is None and survivor.spared
+        assert survivor.stop_sent - time.monotonic() > LEAVE_S - 1  # max(grace, LEAVE_S) more
+        survivor.stop_sent = time.monotonic() - 0.01  # and that is over too
+        agent._escalate()
+        assert survivor.popen.wait(timeout=10) == -9
+        agent.store.flush_events()
+        (said,) = [e for e in _own(store, "events") if e["kind"] == "restart"]
+        assert said["restart"] == "process" and said["rank"] == "0"
+        assert "did not leave its generation in process" in said["message"]
+
+
+def test_a_rank_that_left_is_reported_as_its_exit_would_be_and_runs_no_more(
+        redis_server, tmp_path, monkeypatch):
+    with _agent(redis_server, tmp_path, monkeypatch) as (agent, store, procs):
+        agent.generation = 0
+        agent.plan = {"generation": 0, "restart": "in_process"}
+        p = _rank(agent, procs, 0, 0, tmp_path)
+        agent._left(p, {"phase": "ready", "exit_code": 1, "generation": 0})
+        agent._flush_exits()
+        (record,) = [json.loads(f["json"]) for f in _own(store, "exits")]
+        assert (record["code"], record["signal"], record["by_agent"], record["in_process"]) == (
+            1, None, False, True)
+        assert "Connection reset by peer" in record["tail"]  # the controller: collateral
+        assert p.ready and not p.running and not agent._live()
+        assert agent._waiting() == {0: p}
+        agent._stop(1.0, "the generation stops")  # a stop is not for a rank that left
+        assert p.stop_sent is None and p.popen.poll() is None
+        # A forged status is refused as any: not an int in 0..255 is reported as 1.
+        q = _rank(agent, procs, 1, 1, tmp_path)
+        agent._left(q, {"phase": "ready", "exit_code": "0; rm -rf", "generation": 0})
+        agent._flush_exits()
+        assert json.loads(_own(store, "exits")[-1]["json"])["code"] == 1
+
+
+def test_a_waiting_rank_with_no_next_generation_is_told_to_exit_then_killed(
+        redis_server, tmp_path, monkeypatch):
+    with _agent(redis_server, tmp_path, monkeypatch) as (agent, store, procs):
+        agent.generation = 0
+        agent.plan = {"generation": 0, "restart": "in_process"}
+        p = _rank(agent, procs, 0, 0, tmp_path)
+        agent._left(p, {"phase": "ready", "exit_code": 0, "generation": 0})
+        # The next generation runs elsewhere: this node's waiting rank is dismissed.
+        agent._follow({"generation": 1, "action": "run", "nodes": ["n1", "n2"]})
+        assert json.loads(agent._next_path(0).read_text()) == {"exit": True}
+        assert p.popen.poll() is None  # it has its time to exit on its own
+        p.stop_sent = time.monotonic() - 0.01
+        agent._escalate()  # it did not: killed
+        assert p.popen.wait(timeout=10) == -9
+        agent._reap()
+        agent._flush_exits()
+        assert len(_own(store, "exits")) == 1  # its leaving, and not its death again
