@@ -340,7 +340,11 @@ def test_a_failed_final_save_fails_the_job_and_a_resubmission_completes_it(redis
 
 def _damage(path: Path, how: str) -> None:
     """The largest shard of a checkpoint: cut in half, or bytes flipped at the same size."""
-    shard = max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    shards = list(path.glob("*.distcp"))
+    # Once seen under a CPU hog: no shard there (stop 40). Say what the folder held then.
+    assert shards, (f"no shard in {path}: "
+                    f"{sorted(q.name for q in path.parent.rglob('*'))[:200]}")
+    shard = max(shards, key=lambda p: p.stat().st_size)
     data = bytearray(shard.read_bytes())
     if how == "truncate":
         data = data[: len(data) // 2]
