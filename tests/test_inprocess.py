@@ -231,3 +231,30 @@ def test_a_failed_generation_s_groups_are_aborted_then_gone(monkeypatch):
         destroy_distributed(abort=abort)
         assert not dist.is_initialized()
     assert aborted == [True]  # only when asked
+
+
+def test_forgetting_the_meshes_empties_dtensor_s_cached_decisions():
+    """What a rank that changed rank must not find again (the twenty-generation test shows
+    the harm: the old rank's shard): after forget_meshes, nothing of the last mesh is cached."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from optimus.runtime.dist import destroy_distributed, forget_meshes
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+        x = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+        (x * 2 + x).sum()
+        cache = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache
+        stats = getattr(torch._C, "_get_DTensor_sharding_propagator_cache_stats", None)
+        if stats is not None:  # the C++ fast path's cache, where the decisions went
+            assert stats() != (0, 0)
+        forget_meshes()
+        assert cache.cache_info().currsize == 0
+        if stats is not None:
+            assert stats() == (0, 0)
+    finally:
+        destroy_distributed()

@@ -85,8 +85,8 @@ def forget_meshes() -> None:
     clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear_native is not None:  # the C++ fast path's own cache (torch >= 2.8)
         clear_native()
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    for cached in (propagator.propagate_op_sharding,
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    for cached in (getattr(propagator, "propagate_op_sharding", None),
                    getattr(propagator, "_propagate_tensor_meta_cached", None)):
         if hasattr(cached, "cache_clear"):
             cached.cache_clear()
