@@ -1,6 +1,7 @@
-"""The agent's side of in-process restart (controller/node/lifecycle.py), on real processes that
-stand in for ranks (a shell that ignores SIGTERM): who is killed at a failed generation's grace and who is given
-longer to leave, how a rank that left is reported, and how a waiting rank is told to go."""
+"""The agent's side of in-process restart (controller/node/lifecycle.py), on real processes
+that stand in for ranks (a shell that ignores SIGTERM): who is killed at a failed generation's
+grace and who is given longer to leave, how a rank that left is reported, and how a waiting
+rank is told to go."""
 
 from __future__ import annotations
 
