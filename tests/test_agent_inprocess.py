@@ -39,14 +39,28 @@ def _agent(redis_server, tmp_path, monkeypatch):
 
 
 def _rank(agent, procs, rank: int, local_rank: int, tmp_path: Path) -> RankProcess:
-    # A rank blocked where a SIGTERM cannot reach it (a collective with a dead peer).
-    popen = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 300"], start_new_session=True)
+    # A rank blocked where a SIGTERM cannot reach it (a collective with a dead peer); it says
+    # so once SIGTERM is ignored (an ignored signal stays ignored across exec), before any
+    # stop can reach it.
+    popen = subprocess.Popen(["sh", "-c", "trap '' TERM; echo ignoring; exec sleep 300"],
+                             stdout=subprocess.PIPE, start_new_session=True)
     procs.append(popen)
+    assert popen.stdout.readline() == b"ignoring\n"
+    popen.stdout.close()
     log = tmp_path / f"rank{rank}.log"
     log.write_text("RuntimeError: Read error [127.0.0.1]:1: Connection reset by peer\n"
                    "generation 0 ended under this rank: a peer is gone\n")
     p = RankProcess(rank, local_rank, popen, log, time.time(), compute=deque(maxlen=4))
     agent.procs[local_rank] = p
+    return p
+
+
+def _left_rank(agent, procs, tmp_path: Path, exit_code: int) -> RankProcess:
+    """Rank 0 of a generation 0 that restarts in process, after its "ready" beat."""
+    agent.generation = 0
+    agent.plan = {"generation": 0, "restart": "in_process"}
+    p = _rank(agent, procs, 0, 0, tmp_path)
+    agent._left(p, {"phase": "ready", "exit_code": exit_code, "generation": 0})
     return p
 
 
@@ -82,10 +96,7 @@ def test_the_culprit_dies_at_the_grace_and_the_others_get_longer_to_leave(
 def test_a_rank_that_left_is_reported_as_its_exit_would_be_and_runs_no_more(
         redis_server, tmp_path, monkeypatch):
     with _agent(redis_server, tmp_path, monkeypatch) as (agent, store, procs):
-        agent.generation = 0
-        agent.plan = {"generation": 0, "restart": "in_process"}
-        p = _rank(agent, procs, 0, 0, tmp_path)
-        agent._left(p, {"phase": "ready", "exit_code": 1, "generation": 0})
+        p = _left_rank(agent, procs, tmp_path, exit_code=1)
         agent._flush_exits()
         (record,) = [json.loads(f["json"]) for f in _own(store, "exits")]
         assert (record["code"], record["signal"], record["by_agent"], record["in_process"]) == (
@@ -105,10 +116,7 @@ def test_a_rank_that_left_is_reported_as_its_exit_would_be_and_runs_no_more(
 def test_a_waiting_rank_with_no_next_generation_is_told_to_exit_then_killed(
         redis_server, tmp_path, monkeypatch):
     with _agent(redis_server, tmp_path, monkeypatch) as (agent, store, procs):
-        agent.generation = 0
-        agent.plan = {"generation": 0, "restart": "in_process"}
-        p = _rank(agent, procs, 0, 0, tmp_path)
-        agent._left(p, {"phase": "ready", "exit_code": 0, "generation": 0})
+        p = _left_rank(agent, procs, tmp_path, exit_code=0)
         # The next generation runs elsewhere: this node's waiting rank is dismissed.
         agent._follow({"generation": 1, "action": "run", "nodes": ["n1", "n2"]})
         assert json.loads(agent._next_path(0).read_text()) == {"exit": True}
