@@ -193,13 +193,13 @@ def test_twenty_generations_in_the_same_processes_leak_nothing_and_train_exactly
         threads, fds, rss = zip(*(u[rank] for u in use), strict=True)
         # After the second generation (the first ones start what a rank keeps: DCP's pools,
         # the gloo threads of the groups it makes) no thread or descriptor is added; memory
-        # grows over the first few (the allocator's pools fill) and then stays: the last ten
-        # generations add under 48 MiB (2-17 MiB measured, by how the steps fell). A
-        # generation's model, gradients and optimizer state left behind would add ~25 MiB
-        # each here: 250 MiB over ten.
+        # grows fast over the first few (the allocator's pools fill), then creeps: the last
+        # ten generations added 14-18 MiB, quiet (the heap's fragments; not a generation's
+        # objects). A generation's model, gradients and optimizer state left behind would add
+        # ~25 MiB each here: 250 MiB over ten; the bound is 96.
         assert max(threads[2:]) <= threads[2], threads
         assert max(fds[2:]) <= fds[2], fds
-        assert rss[-1] - rss[-11] < 48 * 1024, rss
+        assert rss[-1] - rss[-11] < 96 * 1024, rss
 
     # Exact: the steps of the twenty-one generations are those of one plain run.
     steps = [m for m in metrics(run) if "loss" in m]
