@@ -110,8 +110,9 @@ class JobCollector(Collector):
             restarts.add_metric([cause], float(causes.get(cause, 0)))
         yield restarts
 
-        yield from self._rank_restarts(unreadable)
-        yield from self._ranks_and_nodes(plan if running else {}, now, unreadable)
+        beats = store.agent_beats()  # node -> its agent's last beat: read once a scrape
+        yield from self._rank_restarts(beats, unreadable)
+        yield from self._ranks_and_nodes(plan if running else {}, now, beats, unreadable)
         yield _gauge("optimus_stragglers", "Nodes reported as stragglers now",
                      len(_json(record.get("stragglers"), [])))
         yield from self._checkpoints(now)
@@ -165,12 +166,12 @@ class JobCollector(Collector):
                      "by the allocator on any rank in its last logged step (CPU: peak RSS so "
                      "far)", peak["reserved_bytes"])
 
-    def _rank_restarts(self, unreadable: Counter) -> Iterator:
+    def _rank_restarts(self, beats: dict[str, float], unreadable: Counter) -> Iterator:
         """Ranks of generations after the first, by how they started: in the process of the
         last generation (supervision.restart in_process) or as a new one. Summed over the
         agents that beat (an agent's counts start again with it)."""
         kinds = dict.fromkeys(RESTART_KINDS, 0)
-        for raw in self.store.agent_field(sorted(self.store.agent_beats()), "restarts").values():
+        for raw in self.store.agent_field(sorted(beats), "restarts").values():
             counts = _json(raw, None)
             if not isinstance(counts, dict) or not all(
                     isinstance(counts.get(k), int) and 0 <= counts[k] < 10**9
@@ -186,7 +187,8 @@ class JobCollector(Collector):
             family.add_metric([kind], float(count))
         yield family
 
-    def _ranks_and_nodes(self, plan: dict, now: float, unreadable: Counter) -> Iterator:
+    def _ranks_and_nodes(self, plan: dict, now: float, beats: dict[str, float],
+                         unreadable: Counter) -> Iterator:
         store = self.store
         plan_nodes = plan.get("nodes", [])
         ranks = dict.fromkeys(RANK_STATES, 0)
@@ -218,7 +220,6 @@ class JobCollector(Collector):
             "its oldest rank heartbeat", buckets=buckets, sum_value=sum(ages))
 
         excluded = store.excluded()
-        beats = store.agent_beats()
         unhealthy = set(store.sweep([]).unhealthy)
         in_plan = set(plan_nodes)
         counts = dict.fromkeys(NODE_STATES, 0)

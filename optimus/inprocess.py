@@ -13,8 +13,9 @@ and the rank takes that environment (the OPTIMUS_* variables of a launch: its ne
 rendezvous, resume point), appends its output to the new log and trains the next generation:
 the same process, past its imports and device context (DTensor's cached sharding decisions
 and compiled graphs are dropped: they hold the last generation's meshes, runtime/dist.py).
-{"exit": true}, and it exits 0 (a SIGTERM outside training does nothing: `hold_sigterm`). So
-a fault costs the healthy ranks a new rendezvous and a load, not a new process each.
+{"exit": true, "generation": <the one it left>}, and it exits 0 (a SIGTERM outside training
+does nothing: `hold_sigterm`). So a fault costs the healthy ranks a new rendezvous and a load,
+not a new process each.
 
 A rank's own fault still ends it: only the error a collective raises because a peer is gone
 (`peer_failure`: the text gloo, NCCL and the TCP store give, e.g. "Connection closed by peer")
@@ -37,6 +38,7 @@ import os
 import re
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 NEXT_ENV = "OPTIMUS_NEXT_FILE"
@@ -71,16 +73,21 @@ def peer_failure(exc: BaseException) -> bool:
     return False
 
 
+@dataclass(frozen=True)
 class Word:
-    """The agent's word for the next generation: an environment and a log, or exit."""
+    """The agent's word for the next generation: an environment and a log (generation -1:
+    exit)."""
 
-    def __init__(self, generation: int, env: dict[str, str], log: str):
-        self.generation, self.env, self.log = generation, env, log
+    generation: int
+    env: dict[str, str]
+    log: str
 
 
 def read_word(path: Path, after: int) -> Word | None:
-    """The word in `path` if it names a generation after `after`; Word(-1, ...) for exit;
-    None while there is none (or it is not yet whole). A word that is not what the agent
+    """The word in `path` if it names a generation after `after`, the one the rank left;
+    Word(-1, ...) for an exit meant for that rank (its generation is `after`: a word left for
+    a rank dismissed earlier from the same slot is not this one's); None while there is none
+    (or it is not yet whole). A word that is not what the agent
     writes is ignored (the file is the agent's; this is a bound, not a trust decision)."""
     try:
         with open(path, "rb") as f:
@@ -96,7 +103,7 @@ def read_word(path: Path, after: int) -> Word | None:
     if not isinstance(word, dict):
         return None
     if word.get("exit") is True:
-        return Word(-1, {}, "")
+        return Word(-1, {}, "") if word.get("generation") == after else None
     gen, env, log = word.get("generation"), word.get("env"), word.get("log")
     if (not isinstance(gen, int) or isinstance(gen, bool) or gen <= after
             or not isinstance(env, dict) or not isinstance(log, str)
@@ -135,11 +142,18 @@ def wait_for_next(exit_code: int, interval_s: float) -> Word | None:
     beat = start_heartbeat(env, interval_s)
     beat.left(exit_code)
     try:
-        path = Path(os.environ[NEXT_ENV])
+        path, seen = Path(os.environ[NEXT_ENV]), None
         while True:
-            word = read_word(path, env.restart_count)
-            if word is not None:
-                return None if word.generation < 0 else word
+            try:  # read only what changed: the agent replaces the file whole (a new inode)
+                st = os.stat(path)
+                now = (st.st_ino, st.st_mtime_ns, st.st_size)
+            except OSError:
+                now = None
+            if now is not None and now != seen:
+                seen = now
+                word = read_word(path, env.restart_count)
+                if word is not None:
+                    return None if word.generation < 0 else word
             time.sleep(POLL_S)
     finally:
         beat.close()

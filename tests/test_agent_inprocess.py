@@ -119,7 +119,7 @@ def test_a_waiting_rank_with_no_next_generation_is_told_to_exit_then_killed(
         p = _left_rank(agent, procs, tmp_path, exit_code=0)
         # The next generation runs elsewhere: this node's waiting rank is dismissed.
         agent._follow({"generation": 1, "action": "run", "nodes": ["n1", "n2"]})
-        assert json.loads(agent._next_path(0).read_text()) == {"exit": True}
+        assert json.loads(agent._next_path(0).read_text()) == {"exit": True, "generation": 0}
         assert p.popen.poll() is None  # it has its time to exit on its own
         p.stop_sent = time.monotonic() - 0.01
         agent._escalate()  # it did not: killed

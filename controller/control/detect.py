@@ -33,8 +33,7 @@ COLLECTIVE_PHASES = ("grad_sync", "checkpoint_sync", "sync")
 
 # Last lines of a rank that failed because a peer did: its collective or the rendezvous store
 # lost a partner (gloo, NCCL, XCCL and the TCPStore word it differently). The rank's own test
-# of whether it may go on in process (optimus/inprocess.py) is the same.
-_PEER_FAILURE = PEER_FAILURE
+# of whether it may go on in process (optimus/inprocess.py) is the same: PEER_FAILURE.
 
 HARD, SOFT, COLLATERAL = "hard", "soft", "collateral"
 # Why a generation ended, for the restarts counter (bounded: these values only).
@@ -71,7 +70,7 @@ def exit_evidence(e) -> Evidence:
                         "loss or gradients were NaN/Inf", HARD, e.time, "bad_tile", e.rank,
                         f"{e.node}/{e.local_rank}")
     collateral = e.code == EXIT_NONFINITE_ELSEWHERE or (
-        bool(e.tail) and _PEER_FAILURE.search(e.tail) is not None)
+        bool(e.tail) and PEER_FAILURE.search(e.tail) is not None)
     return Evidence(e.node, e.describe(), COLLATERAL if collateral else SOFT, e.time,
                     "rank_exit", e.rank)
 

@@ -68,14 +68,14 @@ class Lifecycle:
 
     def _dismiss(self, ranks: list[RankProcess] | None = None) -> None:
         """Tell waiting ranks (all of them by default) that no generation comes for them: the
-        word {"exit": true} in their file, and SIGKILL if they have not exited 10 s later (a
-        SIGTERM would not do: one meant for the generation they left may reach a rank that
-        already waits, which must not take it for this). Reaped, with nothing more reported:
-        their leaving the generation was."""
+        word {"exit": true, "generation": <the one it left>} in their file, and SIGKILL if they
+        have not exited 10 s later (a SIGTERM would not do: one meant for the generation they
+        left may reach a rank that already waits, which must not take it for this). Reaped,
+        with nothing more reported: their leaving the generation was."""
         for p in list(self._waiting().values()) if ranks is None else ranks:
             if p.stop_sent is None:
                 p.stop_sent = time.monotonic() + DISMISS_S  # then SIGKILL (_escalate)
-                if not self._write_next(p, {"exit": True}):
+                if not self._write_next(p, {"exit": True, "generation": p.left}):
                     p.stop_sent = time.monotonic()
 
     def _next_path(self, local_rank: int) -> Path:
@@ -328,7 +328,7 @@ class Lifecycle:
         would have been (with the status it would have had, and its log's last lines, which
         say why), so the controller judges it alike; then it is no longer one of the
         generation's ranks."""
-        p.ready = True
+        p.left = self.generation
         code = beat.get("exit_code")
         code = code if isinstance(code, int) and not isinstance(code, bool) and \
             0 <= code < 256 else 1

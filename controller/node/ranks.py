@@ -35,9 +35,14 @@ class RankProcess:
     compute: deque = field(default_factory=lambda: deque(maxlen=20))  # per sampled step
     sampled_step: int = -1
     steps_seen: int = 0  # steps this process has reported a compute time for
-    ready: bool = False  # it left its generation and waits in process (optimus/inprocess.py)
+    left: int | None = None  # the generation it left, to wait in process for the next
     grace_s: float = 0.0  # of the stop sent to it
     spared: bool = False  # its stop's grace was extended once (lifecycle.py `_escalate`)
+
+    @property
+    def ready(self) -> bool:
+        """It left its generation and waits in process (optimus/inprocess.py)."""
+        return self.left is not None
 
     @property
     def running(self) -> bool:
