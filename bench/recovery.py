@@ -173,11 +173,13 @@ class Run:
             self.cluster.procs[f"agent-{culprit}"].wait(timeout=10)
             self.start_agent(culprit)
         self.store.include(culprit)
-        kept = sum(int(e.get("in_process") or 0) for e in self.events("launch")
-                   if e["message"].startswith(f"generation {new['generation']}:"))
+        launches = [e for e in self.events("launch")
+                     if e["message"].startswith(f"generation {new['generation']}:")]
+        kept = sum(int(e.get("in_process") or 0) for e in launches)
         return {"decision": decided - injected, "next_step": nxt - injected,
                 "reason": failure["message"], "lost": reached - resumed, "source": source,
-                "resumed": resumed, "in_process": kept}
+                "resumed": resumed, "in_process": kept,
+                "parts": after_the_decision(decided, new, launches, rows, nxt)}
 
     def cold_start(self) -> float:
         plan = self.wait(self.running_generation, 120, "generation 0")
@@ -186,6 +188,29 @@ class Run:
 
     def close(self) -> None:
         self.cluster.stop_all()
+
+
+PARTS = ("plan", "launch", "enter", "rendezvous", "groups", "model", "restore", "data",
+         "first_step")
+
+
+def after_the_decision(decided: float, plan: dict, launches: list[dict], rows: list[dict],
+                       first_step: float) -> dict[str, float]:
+    """Where the time from the decision to the next generation's first step went, in order:
+    the controller's stop and plan (decision -> plan issued), the agents' launch (-> the last
+    launch event), the rank's entry (-> rank 0 enters train(): a new process's start, or a
+    waiting rank's pickup of its word), rank 0's own laps (its "start" event), and the first
+    step (-> its metrics line)."""
+    start = [r for r in rows if r.get("event") == "start" and r["time"] > plan["issued"]]
+    if not start or not launches:
+        return {}
+    laps = start[-1]
+    launched = max(float(e["time"]) for e in launches)
+    parts = {"plan": plan["issued"] - decided, "launch": launched - plan["issued"],
+             "enter": laps["entered"] - launched}
+    parts.update({k: laps.get(f"{k}_s", 0.0) for k in PARTS[3:-1]})
+    parts["first_step"] = first_step - laps["time"]
+    return parts
 
 
 def p99(values: list[float]) -> float:
@@ -274,6 +299,10 @@ def measure(mode: str, trials: int, faults: list[str], memory_every: int | str,
                   f"{', '.join(sorted({r['source'] for r in rs}))}; after the decision "
                   f"median {statistics.median(after):.2f} p99 {p99(after):.2f}; ranks kept "
                   f"in process median {statistics.median(r['in_process'] for r in rs):g}")
+            parts = [r["parts"] for r in rs if r["parts"]]
+            if parts:
+                print(f"  {'':12s} after the decision, medians: " + ", ".join(
+                    f"{k} {statistics.median(p[k] for p in parts):.2f}" for k in PARTS) + " s")
         return {fault: statistics.median(r["next_step"] for r in rs)
                 for fault, rs in results.items()}
     finally:

@@ -88,8 +88,10 @@ def train(job: Path, overrides: tuple[str, ...], trust: bool) -> None:
                   "rank waits in process for the next", flush=True)
         _abandon_helpers()
         forget_meshes()  # DTensor's cached decisions name the last generation's meshes
-        inprocess.release_memory()  # the generation's model, optimizer, loader
-        word = inprocess.wait_for_next(code, config.supervision.heartbeat_interval_s)
+        # Ready first, then the generation's model, optimizer and loader freed (a collection
+        # and a trim: ~0.2 s) while the controller plans the next one.
+        word = inprocess.wait_for_next(code, config.supervision.heartbeat_interval_s,
+                                       meanwhile=inprocess.release_memory)
         if word is None:
             return
         inprocess.enter(word)

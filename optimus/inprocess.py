@@ -38,6 +38,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,9 +133,11 @@ def release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def wait_for_next(exit_code: int, interval_s: float) -> Word | None:
+def wait_for_next(exit_code: int, interval_s: float,
+                  meanwhile: Callable[[], None] | None = None) -> Word | None:
     """Between generations: heartbeats of phase "ready" (carrying `exit_code`) until the agent
-    names the next generation (its Word) or says exit (None)."""
+    names the next generation (its Word) or says exit (None). `meanwhile` runs once after the
+    first beat: what the rank can do while the next generation is planned."""
     from optimus.health import start_heartbeat  # its import is the trainer's, already paid
     from optimus.runtime import launch_env
 
@@ -142,6 +145,8 @@ def wait_for_next(exit_code: int, interval_s: float) -> Word | None:
     beat = start_heartbeat(env, interval_s)
     beat.left(exit_code)
     try:
+        if meanwhile is not None:
+            meanwhile()
         path, seen = Path(os.environ[NEXT_ENV]), None
         while True:
             try:  # read only what changed: the agent replaces the file whole (a new inode)

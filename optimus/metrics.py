@@ -18,6 +18,28 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from optimus.runtime.peaks import PEAK_TFLOPS, peak_flops  # noqa: F401
 
 
+class Laps:
+    """Seconds between named points of a rank's start (rendezvous, groups, model, restore,
+    data), from when the rank entered train(): where a generation's start goes."""
+
+    def __init__(self) -> None:
+        self.entered = time.time()
+        self._last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self._last
+        self._last = now
+
+    def fields(self) -> dict:
+        return {"entered": self.entered, **{f"{k}_s": round(v, 4)
+                                            for k, v in self.seconds.items()}}
+
+    def __str__(self) -> str:
+        return ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items())
+
+
 @dataclass
 class StepMetrics:
     step: int

@@ -43,7 +43,14 @@ from optimus.health import (
     register_stack_dumps,
     start_heartbeat,
 )
-from optimus.metrics import MetricsLog, StepMetrics, logs_step, peak_flops, sample_fingerprint
+from optimus.metrics import (
+    Laps,
+    MetricsLog,
+    StepMetrics,
+    logs_step,
+    peak_flops,
+    sample_fingerprint,
+)
 from optimus.models import flops_per_token
 from optimus.optim import build_optimizer, lr_at, set_lr
 from optimus.parallel.compile import CompileLog
@@ -83,6 +90,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
           quiet: bool = False, trust_checkpoint: bool = False) -> TrainResult:
     """Train `job` as this process's rank; the launch environment says which rank that is.
     `trust_checkpoint`: resume from the newest checkpoint even if this run did not write it."""
+    laps = Laps()  # where a generation's start goes (rank 0's "start" event)
     env = launch_env()
     cpus = cpu_binding(os.environ.get("OPTIMUS_CPU_BIND"), env.local_rank)
     if cpus:  # e.g. Aurora's 12 ranks per node, each on its own 8 cores
@@ -102,14 +110,17 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         with heartbeat.phase("sync"):  # the rendezvous, the mesh's process groups
             if owns_group:
                 init_distributed(env, backend, device)
+            laps.lap("rendezvous")
             mesh = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,
                                 world_size=env.world_size).build_mesh(device.type)
+            laps.lap("groups")
         torch.manual_seed(job.seed)
 
         # Model: the same weights on every layout, this rank's share of them, plans applied.
         model = build_parallel_model(job, layout, mesh, device)
         optimizer = build_optimizer(model.state_view(), job.optim, device)
         pp_group = mesh["pp"].get_group()
+        laps.lap("model")
 
         log = MetricsLog(
             Path(job.resolved_run_dir) / "metrics.jsonl", total_steps=job.optim.steps,
@@ -149,6 +160,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         if snapshots is not None:
             dropped.append(snapshots.close)
         init_from(job, model, resumed, log)  # model.init_from: a Hugging Face start, unless resumed
+        laps.lap("restore")
         if progress.step >= job.optim.steps:
             log.event("done", f"nothing to train: the checkpoint is at step {progress.step} of "
                       f"{job.optim.steps}; raise optim.steps to train further")
@@ -170,6 +182,9 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                     if job.eval.every else None)  # the validation windows, this rank's share
         if resumed:
             state["rng"].apply()  # making the iterator drew from the RNG; put it back
+        laps.lap("data")
+        log.event("start", f"generation {env.restart_count} ready to train: {laps}",
+                  generation=env.restart_count, **laps.fields())
         heartbeat.resumed(progress.step, resumed["step"] if resumed else None,
                           tuple(q["step"] for q in ckpt.quarantined) if ckpt else (),
                           source=resumed.get("source", "disk") if resumed else "disk")

@@ -147,3 +147,26 @@ def test_a_nodes_own_user_pops_its_own_commands_only(server):
     assert sorted(c for c, ok in own.items() if ok) == ["lpop"]
     assert [c for c, ok in _allowed(server, user, KEY.format(name="commands:node1")).items()
             if ok] == []
+
+
+def test_wake_channels_agents_hear_the_controller_and_wake_only_the_controller(server):
+    """controller/store/wake.py: a wake carries nothing that is read, but a node that could
+    publish on wake:agents would make every agent tick at will; nor may it listen on the
+    controller's channel. Other channels, another job's included, are closed to it."""
+    def may(user: str, *argv: str) -> bool:
+        return server.execute_command("ACL", "DRYRUN", user, *argv) == "OK"
+
+    agents, controller = "optimus:{j}:wake:agents", "optimus:{j}:wake:controller"
+    for user in ("optimus-agent", "optimus-node-node0"):
+        assert may(user, "SUBSCRIBE", agents) and may(user, "PUBLISH", controller, "")
+        assert not may(user, "PUBLISH", agents, "") and not may(user, "SUBSCRIBE", controller)
+        for other in ("optimus:{j}:plan", "optimus:{j}:wake:x", "news"):
+            assert not may(user, "PUBLISH", other, "") and not may(user, "SUBSCRIBE", other)
+        assert not may(user, "PSUBSCRIBE", "optimus:*")
+    # A node's own user reaches its own job's channels only; the shared one, every job's.
+    assert not may("optimus-node-node0", "PUBLISH", "optimus:{k}:wake:controller", "")
+    assert may("optimus-controller", "PUBLISH", agents, "")
+    assert may("optimus-controller", "SUBSCRIBE", controller)
+    assert not may("optimus-controller", "PUBLISH", "news", "")
+    assert not may("optimus-operator", "PUBLISH", controller, "")
+    assert not may("optimus-operator", "SUBSCRIBE", agents)

@@ -50,6 +50,7 @@ from controller.control.event_log import EventLog
 from controller.control.journal import read_journal
 from controller.control.relay import Relay
 from controller.disk import Rewritten
+from controller.store import wake
 from controller.store.names import RULE
 from controller.store.store import Store, StoreUnavailable
 from optimus.checkpoint.manifest import committed_steps
@@ -93,6 +94,7 @@ class Controller:
         self._memory_shown: int | None = None
         self.checkpoints = CheckpointView(self.checkpoint_dir, store)
         self.event_log = EventLog(store, Path(job.resolved_run_dir) / "events.jsonl")
+        self.waker = wake.Waker(store, wake.CONTROLLER)
         self.relay = Relay(store, lambda kind, message, **f: self._event(
             kind, message, send=False, **f), holder=self.ident)
 
@@ -103,7 +105,9 @@ class Controller:
             state = self.tick()
             if exit_when_done and state in TERMINAL and not self.relay.agents_left():
                 return state  # once the agents' goodbyes are relayed (or DRAIN_S passed)
-            time.sleep(max(TICK_S - (time.monotonic() - started), 0.0))
+            # Sooner when an agent's word comes (a rank exited, a node's state changed, a
+            # rendezvous port to relay) or this tick set a plan (controller/store/wake.py).
+            self.waker.wait(max(TICK_S - (time.monotonic() - started), 0.0))
 
     def tick(self) -> str | None:
         """One pass: hold the lease, then observe, decide, apply. The job's state, if leading."""
@@ -136,6 +140,7 @@ class Controller:
             return None
 
     def release(self) -> None:
+        self.waker.close()
         with contextlib.suppress(StoreUnavailable):
             self.store.release_lease(self.ident)
 
@@ -372,6 +377,7 @@ class Controller:
                 d.plan["exits_from"] = self.store.last_exit_id()
                 self.store.keep_rows(d.plan["nodes"])
             self.store.set_plan(d.plan)
+            self.waker.poke()  # what the plan starts or stops is judged next, not a tick later
         if obs.latest_step != self._latest_shown:  # None (all set aside) deletes it
             d.job["latest_checkpoint"] = obs.latest_step  # for `optimus job status`
             self._latest_shown = obs.latest_step

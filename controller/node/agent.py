@@ -63,7 +63,9 @@ from controller.node.ranks import (
 )
 from controller.node.snapshots import SnapshotKeeper, default_root, job_secret, node_folder
 from controller.node.spawn import Spawner, start_mode
+from controller.store import wake
 from controller.store.store import Store, StoreUnavailable
+from controller.store.wake import Waker
 
 log = logging.getLogger("optimus.agent")
 
@@ -92,6 +94,8 @@ class Agent(Lifecycle, Commands, Checks):
         self.latest_plan: dict | None = None
         self.ended = False
         self.redis_down = False
+        self.waker = Waker(store, wake.AGENTS, min_gap_s=POLL_S)  # controller/store/wake.py
+        self.told: tuple | None = None  # the state the controller last heard (`_told`)
         self.corrupt_tiles: set[int] = set()  # fault injection: tiles whose checks go wrong
         self.checked_for: int | None = None  # the generation the last pre-launch check was for
         self.fit_for = True
@@ -133,22 +137,23 @@ class Agent(Lifecycle, Commands, Checks):
 
     def run(self) -> int:
         self._register()
-        next_tick = 0.0
+        next_tick, woken = 0.0, False
         try:
             while not (self.ended and not self.procs):
                 self._reap()
                 self._drain_heartbeats()
                 now = time.monotonic()
-                tick = now >= next_tick
-                if tick:  # a fixed cadence: late ticks do not push the next
-                    next_tick = max(next_tick + self.interval_s, now - self.interval_s / 2)
+                tick = now >= next_tick or woken
+                if tick:  # a fixed cadence: late ticks do not push the next; a wake restarts it
+                    next_tick = (now + self.interval_s if woken else
+                                 max(next_tick + self.interval_s, now - self.interval_s / 2))
                     self._tick()
                 self._escalate()
                 # A new point goes to the buddy at once, and is reported once it is there;
                 # retention and the report run with the tick.
                 if not self.redis_down:
                     self._report_snapshots(full=tick)
-                time.sleep(POLL_S)
+                woken = self.waker.wait(POLL_S)  # a new plan, control word or port: tick now
             self._flush_exits()
             with contextlib.suppress(StoreUnavailable):
                 self.store.leave(self.node)
@@ -156,6 +161,7 @@ class Agent(Lifecycle, Commands, Checks):
                                  "the job ended")
             return 0
         finally:
+            self.waker.close()
             self.spawner.close()
             self.snapshots.close()
             self.sock.close()
@@ -184,15 +190,25 @@ class Agent(Lifecycle, Commands, Checks):
                 self._note_outage(e)
                 time.sleep(self.interval_s)
 
-    def _tick(self) -> None:
+    def _status(self) -> dict:
         live = [p for p in self.procs.values() if p.running]
         state = ("stopping" if any(p.stop_sent for p in live) else "running" if live
                  else "starting" if self.waiting_port else "idle")
-        status = {"generation": -1 if self.generation is None else self.generation,
-                  "state": state, "live_ranks": len(live), "host": self.host,
-                  "pids": [p.popen.pid for p in live], "rank_states": rank_states(live, self.beats),
-                  "failed_saves": self.failed_saves, "refused": self.refusal or "",
-                  "waiting_ranks": len(self._waiting()), "restarts": self.restarts}
+        return {"generation": -1 if self.generation is None else self.generation,
+                "state": state, "live_ranks": len(live), "host": self.host,
+                "pids": [p.popen.pid for p in live], "rank_states": rank_states(live, self.beats),
+                "failed_saves": self.failed_saves, "refused": self.refusal or "",
+                "waiting_ranks": len(self._waiting()), "restarts": self.restarts}
+
+    @staticmethod
+    def _told(status: dict) -> tuple:
+        """What the controller plans on: a change of it wakes the controller."""
+        return tuple(status[k] for k in ("generation", "state", "live_ranks", "waiting_ranks",
+                                         "refused"))
+
+    def _tick(self) -> None:
+        status = self._status()
+        live = [p for p in self.procs.values() if p.running]
         try:
             self._flush_exits()
             tick = self.store.agent_tick(self.node, status, dict(self.beats),
@@ -226,10 +242,16 @@ class Agent(Lifecycle, Commands, Checks):
                 self._note_outage(e)
                 return
             self.plan_stamp = tick.plan_stamp
+        told = self._told(status)
+        if told != self.told:  # the controller looks now, not at its next tick
+            wake.publish(self.store, wake.CONTROLLER)
+            self.told = told
         if self.latest_plan is not None:
             self._follow(self.latest_plan)
             self._keep_standbys()
         self._check_node_faults()
+        if self._told(self._status()) != told:  # launched, stopped: say so at the next turn
+            self.waker.poke()
 
     def _keep_standbys(self) -> None:
         """Standby mode: a ready process per local rank of the job's layout for the next

@@ -295,6 +295,8 @@ class Lifecycle:
             self.procs = {lr: p for lr, p in self.procs.items() if p.popen.returncode is None}
 
     def _flush_exits(self) -> None:
+        if self.unreported:  # the node's state changed: the next turn ticks and says so
+            self.waker.poke()
         while self.unreported:
             self.store.report_exit(self.unreported[0])
             self.unreported.pop(0)

@@ -4,6 +4,8 @@ agent could write elsewhere (docs/security.md, "One identity per node").
     optimus-node-<node>   ~optimus:{<job>}:node:<node>:*   read and write (own.py)
                           commands:<node>                  LPOP only
                           plan, plan:stamp, control, gen:* read only
+                          channel wake:agents              SUBSCRIBE only (wake.py)
+                          channel wake:controller          PUBLISH only
 
 `optimus run` creates them in its private Redis (`create_node_users`); the Slurm and PBS scripts
 write them into their Redis's ACL file (`python -m controller.store.acl JOB NODE...` prints the
@@ -34,7 +36,8 @@ def node_rules(job: str, node: str) -> list[str]:
     head = f"optimus:{{{job}}}:"
     return ["reset", "on", "resetkeys", f"~{head}{own(check(node), '*')}",
             *(f"%R~{head}{key}" for key in AGENT_READS), "resetchannels", "-@all",
-            *AGENT_COMMANDS, f"(~{head}commands:{node} +lpop)"]
+            *AGENT_COMMANDS, f"(~{head}commands:{node} +lpop)",
+            f"(&{head}wake:agents +subscribe +unsubscribe)", f"(&{head}wake:controller +publish)"]
 
 
 def create_node_users(r, job: str, passwords: dict[str, str]) -> None:

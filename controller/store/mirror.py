@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from controller.store import wake
 from controller.store.names import is_node_name, own
 
 EXITS_MAXLEN = 200_000  # > one generation's ranks at 131k ranks
@@ -126,7 +127,10 @@ class Mirror:
                 except redis.WatchError:
                     return False
                 return True
-        return self.call(write)
+        written = self.call(write)
+        if written and w.ports:  # the other nodes wait for it to start their ranks
+            wake.publish(self, wake.AGENTS)
+        return written
 
     def _writes(self, pipe, w: Writes) -> None:
         for key, members in w.zadd.items():

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from controller.store import decode
+from controller.store import decode, wake
 from controller.store.names import check, own
 from controller.store.summaries import NodeSummary
 
@@ -158,7 +158,9 @@ class OwnRecords:
                       maxlen=OWN_EXITS_MAXLEN, approximate=True)
             self._put_row(pipe, node, exits=time.time_ns())
             return pipe.execute()[0]
-        return self.call(write)
+        entry = self.call(write)
+        wake.publish(self, wake.CONTROLLER)  # the controller judges the generation now
+        return entry
 
     def set_master_port(self, generation: int, port: int) -> None:
         """The rendezvous port of `generation`, which the plan's first node picks; the
@@ -169,6 +171,7 @@ class OwnRecords:
             self._put_row(pipe, port=f"{generation}:{int(port)}")
             pipe.execute()
         self.call(write)
+        wake.publish(self, wake.CONTROLLER)  # it relays the port to the other nodes
 
     def put_stacks(self, generation: int, stacks: dict[int, str]) -> None:
         """Hung ranks' stacks (rank -> text); relayed for the ranks the plan puts here."""

@@ -37,7 +37,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from controller.store import decode
+from controller.store import decode, wake
 from controller.store.connect import connect, denial, is_sentinel, safe_url
 from controller.store.mirror import EVENTS_MAXLEN, Mirror
 from controller.store.names import Refused, own
@@ -204,6 +204,7 @@ class Store(OwnRecords, Mirror, Summaries, Reports):
             pipe.set(self.k("plan:stamp"), stamp)
             pipe.execute()
         self.call(write)
+        wake.publish(self, wake.AGENTS)  # they read the stamp now, not at their next tick
 
     def master_port(self, generation: int) -> int | None:
         raw = self.call(lambda: self.r.get(self.k(f"gen:{generation}:master_port")))
@@ -240,6 +241,7 @@ class Store(OwnRecords, Mirror, Summaries, Reports):
 
     def set_control(self, control: dict) -> None:
         self.call(lambda: self.r.set(self.k("control"), json.dumps(control, sort_keys=True)))
+        wake.publish(self, wake.AGENTS)
 
     # --- nodes, agents, heartbeats -------------------------------------------------------------
 

@@ -52,7 +52,7 @@ names hold no glob character. Call with (dict "job" JOB "node" NODE). */}}
 {{- define "optimus.nodeRules" -}}
 {{- $head := printf "optimus:{%s}:" .job -}}
 resetkeys ~{{ $head }}node:{{ .node }}:* {{ range list "plan" "plan:stamp" "control" "gen:*" }}%R~{{ $head }}{{ . }} {{ end -}}
-resetchannels -@all +@read +@write +@stream +@transaction +@connection -@dangerous -@scripting (~{{ $head }}commands:{{ .node }} +lpop)
+resetchannels -@all +@read +@write +@stream +@transaction +@connection -@dangerous -@scripting (~{{ $head }}commands:{{ .node }} +lpop) (&{{ $head }}wake:agents +subscribe +unsubscribe) (&{{ $head }}wake:controller +publish)
 {{- end -}}
 
 {{- define "optimus.authSecret" -}}

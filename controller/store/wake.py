@@ -1,0 +1,122 @@
+"""Wakes: a word on a Redis channel that something changed, so that a loop that polls every
+interval looks now instead of at its next turn.
+
+    optimus:{<job>}:wake:agents       the controller publishes: a new plan, a control word, a
+                                      generation's rendezvous port relayed
+    optimus:{<job>}:wake:controller   an agent publishes: a rank exited or left its generation,
+                                      its node's state changed, its rendezvous port picked
+
+A wake carries nothing that is read: it only makes the listener's next poll come now, and the
+poll reads what it always reads (the plan stamp, the agents' records). So a lost wake (Redis
+failed over, the channel is not in an older deployment's ACL) costs one interval, never
+correctness, and a forged one (a node's credentials may publish on wake:controller only, never
+on wake:agents: controller/store/acl.py) costs at most one controller tick every MIN_GAP_S.
+Without wakes, a failure's recovery waited one controller tick for the stop, one agent tick to
+see the plan, a controller tick to relay the port and an agent tick to read it: ~0.5 s each on
+the bench's cadence, the larger part of the time after the decision (docs/benchmarks.md).
+
+Pub/sub, not a blocking pop or a faster poll: one PUBLISH reaches every agent, however many,
+and an idle agent costs Redis nothing between wakes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import redis
+
+log = logging.getLogger("optimus.wake")
+
+AGENTS, CONTROLLER = "wake:agents", "wake:controller"
+MIN_GAP_S = 0.05  # the soonest a wake makes a listener look again after its last look
+SUBSCRIBE_S = 2.0  # the longest a subscription waits for Redis to confirm it
+RETRY_S = 30.0  # a subscription that failed (an outage) is tried again this much later
+
+
+class Waker:
+    """Sleeps like time.sleep, but returns early (True) when a wake arrives on `channel` of
+    `store`'s job. Falls back to plain sleeping when the channel cannot be had."""
+
+    def __init__(self, store, channel: str, *, min_gap_s: float = MIN_GAP_S):
+        self.store, self.channel, self.min_gap_s = store, store.k(channel), min_gap_s
+        self._sub = None
+        self._retry_at = 0.0
+        self._refused = False  # NOPERM: the deployment's ACL lacks the channel; poll only
+        self._poked = False
+        self._last = time.monotonic()
+
+    def poke(self) -> None:
+        """Look again soon (MIN_GAP_S) without waiting for a wake: this loop just changed
+        something whose answer comes back without one."""
+        self._poked = True
+
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep at most `timeout_s`; True if cut short by a wake (or a poke)."""
+        start = time.monotonic()
+        deadline = start + max(timeout_s, 0.0)
+        soonest = min(self._last + self.min_gap_s, deadline)
+        woken = self._poked
+        self._poked = False
+        try:
+            sub = self._subscription()
+            while sub is not None and not woken and time.monotonic() < deadline:
+                message = sub.get_message(timeout=max(deadline - time.monotonic(), 0.0))
+                woken = message is not None and message.get("type") == "message"
+            if woken:  # one look answers every wake that came meanwhile
+                while self._sub is not None and self._sub.get_message(timeout=0) is not None:
+                    pass
+        except (redis.RedisError, OSError) as e:
+            self._drop(e)
+        rest = (soonest if woken else deadline) - time.monotonic()
+        if rest > 0:
+            time.sleep(rest)
+        self._last = time.monotonic()
+        return woken
+
+    def close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(redis.RedisError, OSError):
+                self._sub.close()
+            self._sub = None
+
+    def _subscription(self):
+        """The subscription, made (and confirmed: a wake published after this returns is
+        heard) if there is none; None while the channel cannot be had."""
+        if self._sub is None and not self._refused and time.monotonic() >= self._retry_at:
+            sub = self.store.r.pubsub()
+            try:
+                sub.subscribe(self.channel)
+                said = sub.get_message(timeout=SUBSCRIBE_S)
+                if not said or said.get("type") != "subscribe":
+                    raise redis.ConnectionError(f"no confirmation in {SUBSCRIBE_S:g} s")
+                self._sub = sub
+            except redis.ResponseError as e:  # NOPERM: an ACL from before wakes
+                sub.close()
+                self._give_up(f"cannot subscribe to {self.channel} ({e}); polling every "
+                              "interval only (add the channel to this user's ACL: "
+                              "docs/security.md)")
+            except (redis.RedisError, OSError) as e:
+                sub.close()
+                self._drop(e)
+        return self._sub
+
+    def _drop(self, e: BaseException) -> None:
+        log.debug("wake channel %s lost (%s); polling until it is back", self.channel, e)
+        self.close()
+        self._retry_at = time.monotonic() + RETRY_S
+
+    def _give_up(self, message: str) -> None:
+        log.warning(message)
+        self.close()
+        self._refused = True
+
+
+def publish(store, channel: str) -> None:
+    """Wake whoever listens on `channel` of `store`'s job. A hint: never retried, never an
+    error (the listeners poll anyway)."""
+    try:
+        store.r.publish(store.k(channel), b"")
+    except (redis.RedisError, OSError) as e:
+        log.debug("no wake on %s: %s", channel, e)
