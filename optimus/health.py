@@ -9,7 +9,7 @@ ends normally. Version 1 of the datagram, every field always present:
      "step": 120, "phase": "backward", "phase_since": 1.79e9, "compute_s": 0.41,
      "wait_s": 0.03, "finite": true, "seq": 57, "resume": null, "metrics": null,
      "memory": {"allocated_bytes": 61203824640, "reserved_bytes": 66571993088},
-     "failed_saves": 0, "exit_code": null}
+     "failed_saves": 0, "exit_code": null, "freed": false}
 
 - generation: OPTIMUS_GENERATION (`launch_env().restart_count`); time: time.time() at the send.
 - failed_saves: checkpoint saves failed in a row (agreed; it counts on from OPTIMUS_FAILED_SAVES,
@@ -41,6 +41,8 @@ ends normally. Version 1 of the datagram, every field always present:
   whichever phase first blocks on it.
 - exit_code: null; phase "ready" (between generations, optimus/inprocess.py): the exit status
   the rank would have had, had it not stayed for the next generation.
+- freed: false; true in phase "ready" once the rank has freed the generation it left (it does
+  so after its first "ready" beat, while the next generation is planned).
 - finite: whether the last logged loss and grad norm were finite; true until one is logged.
 - seq: 0 for the first datagram, then +1 for each.
 - resume: null until the rank has loaded its checkpoint (or found none), then {"step": the
@@ -133,6 +135,7 @@ class Heartbeat:
         self._validation: dict | None = None  # rank 0's last validation: val_loss, val_step
         self._failed_saves = 0  # checkpoint saves failed in a row (agreed by all ranks)
         self._exit_code: int | None = None  # between generations: see `left`
+        self._freed = False  # and `freed`
         self._step_began = 0.0
         self._waited = 0.0  # in the step in progress
         self._waiting = False  # inside a waiting phase (a nested one adds nothing more)
@@ -197,6 +200,11 @@ class Heartbeat:
         self._phase, self._exit_code = ("ready", time.time()), code
         self._send()
 
+    def freed(self) -> None:
+        """The generation this rank left is freed (optimus/inprocess.py); sent now."""
+        self._freed = True
+        self._send()
+
     def finish(self) -> None:
         """Training is over: stop the thread, send the last beat (phase "done"), close."""
         self._stop_thread()
@@ -231,7 +239,8 @@ class Heartbeat:
                 "finite": self._finite, "seq": self._seq, "resume": self._resume,
                 "metrics": self._metrics if self._validation is None else {
                     **(self._metrics or {}), **self._validation}, "memory": self._memory,
-                "failed_saves": self._failed_saves, "exit_code": self._exit_code}
+                "failed_saves": self._failed_saves, "exit_code": self._exit_code,
+                "freed": self._freed}
         self._seq += 1
         with contextlib.suppress(OSError):  # no agent, agent gone, queue full: try next time
             self._sock.sendto(json.dumps(beat).encode(), self.path)

@@ -147,6 +147,7 @@ def wait_for_next(exit_code: int, interval_s: float,
     try:
         if meanwhile is not None:
             meanwhile()
+            beat.freed()
         path, seen = Path(os.environ[NEXT_ENV]), None
         while True:
             try:  # read only what changed: the agent replaces the file whole (a new inode)

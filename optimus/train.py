@@ -183,8 +183,9 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         if resumed:
             state["rng"].apply()  # making the iterator drew from the RNG; put it back
         laps.lap("data")
-        log.event("start", f"generation {env.restart_count} ready to train: {laps}",
-                  generation=env.restart_count, **laps.fields())
+        if env.restart_count:  # where a restart's time went (bench/recovery.py reads it)
+            log.event("start", f"generation {env.restart_count} ready to train: {laps}",
+                      generation=env.restart_count, **laps.fields())
         heartbeat.resumed(progress.step, resumed["step"] if resumed else None,
                           tuple(q["step"] for q in ckpt.quarantined) if ckpt else (),
                           source=resumed.get("source", "disk") if resumed else "disk")

@@ -175,8 +175,10 @@ def test_twenty_generations_in_the_same_processes_leak_nothing_and_train_exactly
             agent.until(f"generation {gen} training", lambda b, g=gen: b["generation"] == g
                         and b["phase"] != "ready" and b["step"] >= 2 + 3 * g)
             os.kill(pids[0], signal.SIGTERM)  # both stop after one same step: agreed
+            # Measured once both have freed the generation they left (after their first
+            # "ready" beat, while the next is planned).
             agent.until(f"generation {gen} waiting", lambda b, g=gen: b["generation"] == g
-                        and b["phase"] == "ready")
+                        and b["phase"] == "ready" and b["freed"])
             assert [b["exit_code"] for _, b in sorted(agent.beats.items())] == [0, 0]
             assert [b["pid"] for _, b in sorted(agent.beats.items())] == [
                 pids[(rank - gen) % world] for rank in range(world)]  # the same two, swapped
