@@ -98,8 +98,9 @@ class Rank:
         self.meta = {"layout": asdict(layout), "config_hash": job_hash(job), "world_size": 1}
         self.params = sum(p.numel() for p in self.model.parameters())
 
-    def step(self) -> None:
-        """One optimizer step, as `optimus.train` runs it."""
+    def step(self, before_update=None) -> None:
+        """One optimizer step, as `optimus.train` runs it (`before_update`: what it calls
+        before the optimizer's step, e.g. a snapshot's fence)."""
         step = self.progress.step + 1
         set_lr(self.optimizer, lr_at(step, self.job.optim))
         microbatches = [next(self.batches) for _ in range(self.job.data.microbatches)]
@@ -108,6 +109,8 @@ class Rank:
         # bf16 on cuda: the model's FSDP2 mixed-precision policy (training.mixed_precision).
         loss = self.model.forward_backward(microbatches, self.device)
         clip_grad_norm_(self.model.parameters(), self.job.optim.grad_clip, self.pp_group)
+        if before_update is not None:
+            before_update()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.advance(tokens)

@@ -25,6 +25,8 @@ def assumed(value: float, source: str):
 
 REC = "bench/recovery.py --trials 3, warm starts, 2026-11-23 21:59 (2-core VM)"
 CKPT = "bench/checkpoint.py, process mode, bare-bytes storage, 2026-11-21 08:35 (2-core VM)"
+SNAP = "bench/snapshot_overhead.py, 1 training thread, 2026-11-28 05:10 (2-core VM)"
+SNAPSHOT_BYTES, SNAPSHOT_LOOP_S, SNAPSHOT_SLOWED_S = 80_306_401, 0.0019, 0.0
 SCALE = "bench/controller_scale.py --sizes ...,131072, 2026-11-21 11:40 (2-core VM)"
 
 
@@ -50,6 +52,13 @@ class Inputs:
     save_slowed_s: float = measured(0.443, CKPT + ": steps slowed by the write, per save")
     save_commit_s: float = measured(0.094, CKPT + ": commit (hash, manifest, marker)")
     load_bytes_per_s: float = measured(1.386e9, CKPT + ": cold load with deep_verify")
+    snapshot_bytes: float = measured(SNAPSHOT_BYTES, SNAP + ": bytes of one rank's snapshot")
+    snapshot_loop_s: float = measured(
+        SNAPSHOT_LOOP_S, SNAP + ": the loop's wait per snapshot (its references and the fence; "
+                                "the copy, write and checksum run behind the next step)")
+    snapshot_slowed_s: float = measured(
+        SNAPSHOT_SLOWED_S, SNAP + ": the step's slow-down with one every step beyond that wait "
+                                  "(measured below zero, within the noise: taken as 0)")
     # -- failures --------------------------------------------------------------------------
     llama3_interruptions: float = assumed(
         466, "published: Llama 3 (Dubey et al. 2024, 3.3.4), 54 days on 16,384 GPUs, 419 "
@@ -143,9 +152,14 @@ class Costs:
     restart_s: dict[tuple[str, str], float]  # (kind, "warm" | "cold")
     load_disk_s: float
     load_memory_s: dict[str, float]
-    save_cost_s: float  # a save's or snapshot's cost to the loop: blocked + slowed steps
+    save_cost_s: float  # a disk save's cost to the loop: blocked + slowed steps
     commit_s: float  # a disk save's start to its commit
     replicate_s: float  # a snapshot's start to its copy on the buddy node
+    snapshot_cost_s: float | None = None  # a memory snapshot's cost to the loop (None: a save's)
+
+    @property
+    def snapshot_s(self) -> float:
+        return self.save_cost_s if self.snapshot_cost_s is None else self.snapshot_cost_s
 
     @property
     def mttf_s(self) -> float:
@@ -189,12 +203,13 @@ def costs(i: Inputs, ranks: int, ranks_per_node: int, mttf_min: float | None = N
                                    if k == "kill_node" else 0.0) for k in KINDS},
         save_cost_s=shard / i.staging_bytes_per_s + i.save_slowed_s * per_byte,
         commit_s=state / i.storage_write_bytes_per_s + i.save_commit_s * per_byte,
-        replicate_s=local + shard * ranks_per_node / i.buddy_bytes_per_s)
+        replicate_s=local + shard * ranks_per_node / i.buddy_bytes_per_s,
+        snapshot_cost_s=(i.snapshot_loop_s + i.snapshot_slowed_s) * shard / i.snapshot_bytes)
 
 
 def memory_interval_steps(c: Costs, budget: float) -> int:
     """The most frequent snapshot, in whole steps, within the budget and the replication."""
-    return max(1, math.ceil(c.save_cost_s / (budget * c.step_s)),
+    return max(1, math.ceil(c.snapshot_s / (budget * c.step_s)),
                math.ceil(c.replicate_s / c.step_s))
 
 
@@ -264,7 +279,7 @@ def simulate(c: Costs, p: Policy, failures: Failures, horizon_s: float) -> Outco
     """Wall time runs through training segments and recoveries; progress (productive seconds)
     grows at 1/f during a segment, f = 1 + checkpoint costs per progress second."""
     f = 1.0 + (c.save_cost_s / p.disk_s if p.disk_s else 0.0) \
-        + (c.save_cost_s / p.memory_s if p.memory_s else 0.0)
+        + (c.snapshot_s / p.memory_s if p.memory_s else 0.0)
     w0 = p0 = 0.0  # the running segment: training (re)started at wall w0 from progress p0
     disk0, mem0 = 0.0, None  # newest disk / memory point at or before p0
     windows: dict[int, float] = {}  # node -> wall time its shard has a copy on its buddy again

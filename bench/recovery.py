@@ -177,7 +177,9 @@ class Run:
                      if e["message"].startswith(f"generation {new['generation']}:")]
         kept = sum(int(e.get("in_process") or 0) for e in launches)
         return {"decision": decided - injected, "next_step": nxt - injected,
-                "reason": failure["message"], "lost": reached - resumed, "source": source,
+                # A step trained and snapshotted whose log line the fault cut off: none lost.
+                "reason": failure["message"], "lost": max(reached - resumed, 0),
+                "source": source,
                 "resumed": resumed, "in_process": kept,
                 "parts": after_the_decision(decided, new, launches, rows, nxt)}
 

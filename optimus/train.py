@@ -229,6 +229,8 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             if not torch.isfinite(grad_norm):  # never step on NaN: name the tile, then exit
                 _nonfinite(step, loss_sum, model, heartbeat)
             with heartbeat.phase("optim"):
+                if snapshots is not None:  # the last snapshot's copy, made behind this step
+                    snapshots.fence()
                 faults.in_optimizer(step)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

@@ -29,7 +29,9 @@ ZERO = {k: 0.0 for k in ettr.KINDS}
 
 
 def base(**changes) -> ettr.Costs:
-    return replace(ettr.costs(ettr.Inputs(), 131_072, 12), **changes)
+    """The default costs, a snapshot priced as a disk save (as the formulas below take it)."""
+    return replace(ettr.costs(ettr.Inputs(), 131_072, 12), **{"snapshot_cost_s": None,
+                                                              **changes})
 
 
 def free(**changes) -> ettr.Costs:
@@ -134,6 +136,21 @@ def test_memory_snapshots_beat_every_stated_disk_interval():
     assert memory > mean["  same, cold restarts"]  # warm restarts are worth something
     restores = results["memory every 1 step(s) + disk 60 min"][0]
     assert restores.memory_restores == restores.failures  # no buddy pair lost at 10,923 nodes
+
+
+def test_a_snapshot_costs_the_loop_its_measured_wait_scaled_by_bytes():
+    i = ettr.Inputs()
+    c = ettr.costs(i, 131_072, 12)
+    assert c.snapshot_s == pytest.approx(
+        (i.snapshot_loop_s + i.snapshot_slowed_s) * c.shard_bytes / i.snapshot_bytes)
+    assert c.snapshot_s < 0.02 * c.save_cost_s  # behind the step, not on it
+    # Priced as a disk save was (its staging and slowed steps), a snapshot costs what it did.
+    before = ettr.costs(replace(i, **ettr.SNAPSHOTS_BEFORE), 131_072, 12)
+    assert before.snapshot_s == pytest.approx(before.save_cost_s, rel=1e-3)
+    none = ettr.fixed_failures([])
+    both = ettr.simulate(c, ettr.Policy("m", 3600.0, c.step_s), none, DAY)
+    assert both.overhead == pytest.approx(
+        1 - 1 / (1 + c.save_cost_s / 3600 + c.snapshot_s / c.step_s), rel=1e-9)
 
 
 def test_memory_interval_is_the_most_frequent_within_budget():

@@ -119,3 +119,61 @@ def test_a_snapshot_that_cannot_be_written_is_said_and_training_goes_on(tmp_path
     assert failed and failed[0].startswith("memory snapshot of step 3 failed on rank 0: "
                                            "NotADirectoryError"), failed
     assert sorted(_losses(tmp_path / "first"))[-1] == STEPS  # training went on to the end
+
+
+class _Held:
+    """A state entry as the trainer's (a state_dict() of live tensors)."""
+
+    def __init__(self, state_dict):
+        self.state_dict = state_dict
+
+
+def test_a_snapshot_holds_its_steps_state_though_the_next_update_is_ready_before_its_copy(
+        tmp_path, monkeypatch):
+    """The copy runs in the snapshot thread behind the next step; the optimizer's step waits for
+    it (`fence`). Here the copy is held back 0.5 s: without the fence the next update would land
+    first and the snapshot of step 1 would hold step 2's weights and moments."""
+    import threading
+    import time
+
+    import torch
+
+    from optimus.checkpoint import snapshot
+    from optimus.checkpoint.state import Progress
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    progress = Progress(8)
+    state = {"model": _Held(model.state_dict), "progress": progress,
+             "optim": _Held(lambda: {"exp_avg": optimizer.state[model.weight]["exp_avg"]})}
+    copying = threading.Event()
+    real_copy = snapshot.copy_out
+
+    def slow_copy(refs):
+        copying.set()
+        time.sleep(0.5)
+        return real_copy(refs)
+    monkeypatch.setattr(snapshot, "copy_out", slow_copy)
+    snaps = snapshot.Snapshots(tmp_path, rank=0, generation=0, every=1, layout="l",
+                               agree_device=torch.device("cpu"))
+
+    def step() -> None:
+        model(torch.randn(8, 32)).square().mean().backward()
+        snaps.fence()
+        optimizer.step()
+        optimizer.zero_grad()
+        progress.advance(8 * 32)
+
+    step()
+    weights = model.weight.detach().clone()
+    moment = optimizer.state[model.weight]["exp_avg"].clone()
+    snaps.after_step(1, 0.1, state)
+    assert copying.wait(10)  # the copy has begun, in the thread, and sleeps
+    step()  # its update waits for the copy
+    snaps.close()
+    saved = torch.load(shard_files(tmp_path / point_name(1, 0), 0)[0], weights_only=True)
+    assert torch.equal(saved["model"]["weight"], weights)
+    assert torch.equal(saved["optim"]["exp_avg"], moment)
+    assert not torch.equal(model.weight, weights)  # the second update did happen, after it
+    assert saved["progress"]["step"] == 1 and progress.step == 2

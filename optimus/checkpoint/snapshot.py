@@ -17,6 +17,14 @@ node loads one dead node's shards from the buddy) and cheap to take, so each ran
 local shards with torch.save and loads them back in place: no planning, no collective but one
 agreement.
 
+Off the step's path: at a snapshot step the rank takes only references (the state dicts, the
+progress counters, its RNG states: a few milliseconds of Python); the copy of the tensors, the
+write and the checksum run in the snapshot thread, behind the next step's forward and backward,
+which read the weights and optimizer state but do not change them. The optimizer's step does:
+the trainer calls `fence()` before it, which waits only if the copy has not finished by then
+(`SnapshotCost.blocked_s`). So the loop pays for neither the copy nor the write, only for what
+the thread takes of the machine (bench/snapshot_overhead.py).
+
 `memory_every: auto` takes one snapshot at the generation's first step boundary, times it whole
 (copy and write: on a CPU machine the background write competes with training), times the next
 step, and picks the smallest interval at which snapshots cost <= 2% of the step time; every rank
@@ -34,6 +42,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -83,6 +92,7 @@ class Snapshots:
         self._measured: SnapshotCost | None = None  # auto: the first one
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="snapshot-write")
         self._inflight: Future | None = None
+        self._copied: threading.Event | None = None  # set once the snapshot taken is copied
 
     @classmethod
     def for_job(cls, memory_every: int | str, *, rank: int, generation: int, layout: str,
@@ -131,10 +141,23 @@ class Snapshots:
         log.warning(message)  # every rank's own log; rank 0's metrics log has it as an event
         return message
 
+    def fence(self) -> None:
+        """Before the state changes (the optimizer's step): the snapshot being taken has copied
+        it. Waits only when the copy did not finish behind the forward and backward; that wait
+        is the snapshot's cost to the loop (`last.blocked_s`)."""
+        if self._copied is None:
+            return
+        began = time.perf_counter()
+        self._copied.wait()
+        self._copied = None
+        if self.last is not None:
+            self.last.blocked_s += time.perf_counter() - began
+
     def close(self) -> None:
         """Let the snapshot being written finish, then stop the writer thread (the trainer's
         exit order: optimus/train.py)."""
         self._pool.shutdown(wait=True)
+        self._copied = None
 
     def _agree_interval(self, cost: SnapshotCost, step_s: float) -> int:
         mine = max(1, math.ceil(cost.seconds / (COST_SHARE * max(step_s, 1e-6))))
@@ -145,32 +168,49 @@ class Snapshots:
         return int(value.item())
 
     def _take(self, step: int, state: dict, wait: bool) -> SnapshotCost:
+        """Snapshot `state` after `step`: references now, the copy and the write in the thread
+        (`fence` waits for the copy); with `wait`, all of it before returning (timed whole)."""
         began = time.perf_counter()
-        staged = stage(state)
-        blocked = time.perf_counter() - began
+        refs = references(state)
         folder = self.root / point_name(step, self.generation)
         self._last_step = step
         meta = {"step": step, "generation": self.generation, "rank": self.rank,
-                "layout": self.layout, **state["progress"].meta()}
-        self._inflight = self._pool.submit(_write, folder, self.rank, staged, meta)
+                "layout": self.layout, **refs["progress"]}
+        copied = threading.Event()
+
+        def copy_and_write() -> int:
+            try:
+                staged = copy_out(refs)
+            finally:
+                copied.set()  # a failed copy is said by the next after_step (_failure)
+            return _write(folder, self.rank, staged, meta)
+        self._inflight = self._pool.submit(copy_and_write)
+        self._copied = copied
         self.taken += 1
         size = 0
         if wait:
-            with contextlib.suppress(OSError):  # said by the next after_step (_failure)
+            with contextlib.suppress(OSError):
                 size = self._inflight.result()
-        self.last = SnapshotCost(step, time.perf_counter() - began, blocked, size)
+            self._copied = None
+        blocked = time.perf_counter() - began
+        self.last = SnapshotCost(step, blocked, blocked, size)
         return self.last
 
 
-def stage(state: dict) -> dict[str, Any]:
-    """A copy of this rank's part of `state` in host memory, safe from the next step."""
+def references(state: dict) -> dict[str, Any]:
+    """This rank's part of `state` as it is now, by reference (its tensors are the live ones:
+    copy them before the state changes) but for the progress counters and RNG states, copied."""
     rng = {"cpu": torch.get_rng_state()}
     if torch.accelerator.is_available():
         accelerator = torch.accelerator.current_accelerator().type
         rng["accelerator"] = torch.get_device_module(accelerator).get_rng_state()
-    return {"model": _local(state["model"].state_dict()),
-            "optim": _local(state["optim"].state_dict()),
+    return {"model": state["model"].state_dict(), "optim": state["optim"].state_dict(),
             "progress": state["progress"].meta(), "rng": rng}
+
+
+def copy_out(refs: dict[str, Any]) -> dict[str, Any]:
+    """The tensors of `references` copied into host memory, this rank's local shards."""
+    return {**refs, "model": _local(refs["model"]), "optim": _local(refs["optim"])}
 
 
 def _local(values: dict[str, Any]) -> dict[str, Any]:
