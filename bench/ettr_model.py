@@ -25,7 +25,7 @@ def assumed(value: float, source: str):
 
 REC = "bench/recovery.py --trials 3, warm starts, 2026-11-23 21:59 (2-core VM)"
 CKPT = "bench/checkpoint.py, process mode, bare-bytes storage, 2026-11-21 08:35 (2-core VM)"
-SNAP = "bench/snapshot_overhead.py, 1 training thread, 2026-11-28 05:10 (2-core VM)"
+SNAP = "bench/snapshot_overhead.py, 1 training thread, 2026-11-28 (2-core VM)"
 SNAPSHOT_BYTES, SNAPSHOT_LOOP_S, SNAPSHOT_SLOWED_S = 80_306_401, 0.0019, 0.0
 SCALE = "bench/controller_scale.py --sizes ...,131072, 2026-11-21 11:40 (2-core VM)"
 
