@@ -60,6 +60,12 @@ def generation_nodes(store: Store, generation: int) -> list[str]:
     return names.split(", ")
 
 
+# Every step of both ranks at least 0.3 s (in the optimizer), so that the controller sees the
+# steps one by one whatever the machine's speed: at 0.03 s a step (a quiet fast VM) the agents'
+# 0.25 s ticks saw steps 1-7 in one or two moves, and the adaptive bound had no history yet.
+PACED = [{"kind": "slow_rank", "rank": r, "step": 1, "seconds": 0.3} for r in (0, 1)]
+
+
 @pytest.mark.parametrize("fault,culprit_says,stack_says,steps,rule", [
     ({"kind": "stall_rank", "seconds": 3600, "step": 8}, "phase backward", "after_backward",
      STEPS, ADAPTIVE),
@@ -72,7 +78,8 @@ def generation_nodes(store: Store, generation: int) -> list[str]:
 def test_a_hang_names_the_rank_holding_the_others_with_its_stack(
         fault, culprit_says, stack_says, steps, rule, redis_server, tmp_path):
     job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=steps,
-                    faults=[{**fault, "rank": 1}], **rule)
+                    faults=[{**fault, "rank": 1},
+                            *(PACED if rule is ADAPTIVE else [])], **rule)
     run(redis_server, job)
     store = Store(redis_server.url, "e2e")
     culprit = generation_nodes(store, 0)[1]  # holds rank 1
