@@ -23,7 +23,9 @@ def assumed(value: float, source: str):
     return field(default=value, metadata={"measured": False, "source": source})
 
 
-REC = "bench/recovery.py --trials 3, warm starts, 2026-11-23 21:59 (2-core VM)"
+REC = ("bench/recovery.py --trials 3 --modes warm-memory-inprocess, 2026-11-28 05:01 "
+       "(2-core VM)")
+REC_COLD = "bench/recovery.py --trials 3, cold starts, 2026-11-23 21:59 (2-core VM)"
 CKPT = "bench/checkpoint.py, process mode, bare-bytes storage, 2026-11-21 08:35 (2-core VM)"
 SNAP = "bench/snapshot_overhead.py, 1 training thread, 2026-11-28 (2-core VM)"
 SNAPSHOT_BYTES, SNAPSHOT_LOOP_S, SNAPSHOT_SLOWED_S = 80_306_401, 0.0019, 0.0
@@ -33,17 +35,17 @@ SCALE = "bench/controller_scale.py --sizes ...,131072, 2026-11-21 11:40 (2-core 
 @dataclass(frozen=True)
 class Inputs:
     # -- measured here (docs/benchmarks.md) --------------------------------------------------
-    decision_kill_rank_s: float = measured(0.29, REC)
+    decision_kill_rank_s: float = measured(0.06, REC)
     decision_freeze_rank_s: float = measured(3.06, REC)
-    decision_kill_node_s: float = measured(2.58, REC)
+    decision_kill_node_s: float = measured(2.96, REC)
     recovery_timeout_s: float = measured(3.0, REC + ": heartbeat timeout of those runs")
     recovery_grace_s: float = measured(1.0, REC + ": failure grace of those runs")
-    next_step_warm_kill_rank_s: float = measured(3.52, REC)
-    next_step_warm_freeze_rank_s: float = measured(6.29, REC)
-    next_step_warm_kill_node_s: float = measured(4.57, REC)
-    next_step_cold_kill_rank_s: float = measured(5.26, REC.replace("warm", "cold"))
-    next_step_cold_freeze_rank_s: float = measured(9.80, REC.replace("warm", "cold"))
-    next_step_cold_kill_node_s: float = measured(7.97, REC.replace("warm", "cold"))
+    next_step_warm_kill_rank_s: float = measured(1.20, REC)
+    next_step_warm_freeze_rank_s: float = measured(4.88, REC)
+    next_step_warm_kill_node_s: float = measured(4.03, REC)
+    next_step_cold_kill_rank_s: float = measured(5.26, REC_COLD)
+    next_step_cold_freeze_rank_s: float = measured(9.80, REC_COLD)
+    next_step_cold_kill_node_s: float = measured(7.97, REC_COLD)
     decision_hang_s: float = measured(2.77, SCALE + ": stalled rank, 131,072 ranks")
     hang_threshold_s: float = measured(2.0, SCALE + ": hang_timeout_s of that run")
     loop_p99_s: float = measured(0.227, SCALE + ": controller tick p99 at 131,072 ranks")
