@@ -153,3 +153,30 @@ def test_an_agent_follows_a_new_plan_at_once_not_at_its_next_tick(redis_server, 
     thread.join(LONG_S * 0.8)  # before its next tick would have come
     assert not thread.is_alive(), "the agent did not take the plan before its next tick"
     controller.close()
+
+
+def test_a_flood_of_wakes_makes_a_look_every_min_gap_not_a_busy_loop(redis_server):
+    """A node's password may publish on wake:controller: a flood of them is a look every
+    MIN_GAP_S at most, and each wait returns (the drain is bounded)."""
+    store = Store(redis_server.url, "j")
+    waker = wake.Waker(store, wake.CONTROLLER)
+    waker.wait(0)
+    flooding = threading.Event()
+
+    def flood() -> None:
+        node = Store(redis_server.url, "j")
+        while not flooding.is_set():
+            pipe = node.r.pipeline(transaction=False)
+            for _ in range(200):
+                pipe.publish(node.k(wake.CONTROLLER), b"")
+            pipe.execute()
+    thread = threading.Thread(target=flood, daemon=True)
+    thread.start()
+    try:
+        started = time.monotonic()
+        assert all(waker.wait(LONG_S) for _ in range(10))
+        assert time.monotonic() - started >= 9 * wake.MIN_GAP_S
+    finally:
+        flooding.set()
+        thread.join(10)
+        waker.close()

@@ -33,6 +33,7 @@ AGENTS, CONTROLLER = "wake:agents", "wake:controller"
 MIN_GAP_S = 0.05  # the soonest a wake makes a listener look again after its last look
 SUBSCRIBE_S = 2.0  # the longest a subscription waits for Redis to confirm it
 RETRY_S = 30.0  # a subscription that failed (an outage) is tried again this much later
+DRAIN_MAX = 1000  # wakes read and dropped per look: a flood of them cannot hold a loop
 
 
 class Waker:
@@ -64,9 +65,10 @@ class Waker:
             while sub is not None and not woken and time.monotonic() < deadline:
                 message = sub.get_message(timeout=max(deadline - time.monotonic(), 0.0))
                 woken = message is not None and message.get("type") == "message"
-            if woken:  # one look answers every wake that came meanwhile
-                while self._sub is not None and self._sub.get_message(timeout=0) is not None:
-                    pass
+            if woken:  # one look answers every wake that came meanwhile (a flood: DRAIN_MAX)
+                for _ in range(DRAIN_MAX):
+                    if self._sub is None or self._sub.get_message(timeout=0) is None:
+                        break
         except (redis.RedisError, OSError) as e:
             self._drop(e)
         rest = (soonest if woken else deadline) - time.monotonic()
