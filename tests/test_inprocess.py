@@ -202,9 +202,13 @@ def test_twenty_generations_in_the_same_processes_leak_nothing_and_train_exactly
         # grows fast over the first few (the allocator's pools fill), then creeps: the last
         # ten generations added 14-18 MiB, quiet (the heap's fragments; not a generation's
         # objects). A generation's model, gradients and optimizer state left behind would add
-        # ~25 MiB each here: 250 MiB over ten; the bound is 96.
-        assert max(threads[2:]) <= threads[2], threads
-        assert max(fds[2:]) <= fds[2], fds
+        # ~25 MiB each here: 250 MiB over ten; the bound is 96. A sample may catch a moment's
+        # descriptor or thread (a beat's socket being opened, a save's file: CI saw 35 -> 36 -> 35
+        # once); a leak stays, so most of the last ten samples are at the second generation's
+        # count and none is more than two above it.
+        for counts in (threads, fds):
+            assert sum(c <= counts[2] for c in counts[-10:]) > 5, counts
+            assert max(counts[2:]) <= counts[2] + 2, counts
         assert rss[-1] - rss[-11] < 96 * 1024, rss
 
     # Exact: the steps of the twenty-one generations are those of one plain run.

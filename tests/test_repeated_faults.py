@@ -116,15 +116,15 @@ def test_an_agent_removes_void_points_and_keeps_the_new_lines_being_written(tmp_
         _point(own, step, 1)
         _point(held, step, 1, ranks=(1,))
     lineage = [[0, -1], [1, 40]]
-    _retain_own(_scan(own), {_p(50, 0), _p(55, 0)}, None, lineage)
-    _retain_held(_scan(held), None, lineage)
+    _retain_own(_scan(own), {_p(50, 0), _p(55, 0)}, set(), lineage)
+    _retain_held(_scan(held), set(), lineage)
     assert [(s, g) for s, g, _ in points(own)] == [(45, 1), (50, 1)]
     assert [(s, g) for s, g, _ in points(held)] == [(45, 1), (50, 1)]
     # Today's rule without the lineage: the old 55 and 50 are the newest two confirmed, and the
     # new line's 45, still being written, goes.
     _point(own, 55, 0)
     _point(own, 50, 0)
-    _retain_own(_scan(own), {_p(50, 0), _p(55, 0)}, None, [])
+    _retain_own(_scan(own), {_p(50, 0), _p(55, 0)}, set(), [])
     assert (45, 1) not in [(s, g) for s, g, _ in points(own)]
 
 

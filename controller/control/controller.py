@@ -32,7 +32,7 @@ import time
 import uuid
 from pathlib import Path
 
-from controller.control import records, recovery
+from controller.control import records
 from controller.control.checkpoints import CheckpointView
 from controller.control.decide import (
     ACTIVE,
@@ -49,6 +49,7 @@ from controller.control.detect import in_long_phase, stall_threshold
 from controller.control.event_log import EventLog
 from controller.control.journal import read_journal
 from controller.control.relay import Relay
+from controller.control.snapshot_watch import SnapshotWatch
 from controller.disk import Rewritten
 from controller.store import wake
 from controller.store.names import RULE
@@ -61,7 +62,6 @@ log = logging.getLogger("optimus.controller")
 TICK_S = 0.25
 HANG_CANDIDATES = 16  # nodes read in full when a hang is suspected; more: nobody stands out
 STRAGGLER_CHECK_S = 5.0  # how often the compute scores (one entry per node) are read
-SNAPSHOT_CHECK_S = 5.0  # how often the nodes' snapshot reports are read while a job runs
 REFUSAL_CHECK_S = 5.0  # how often the plan's agents are asked whether they refused it
 # Job record fields that change every step: not worth a journal write (and an fsync) each.
 VOLATILE = frozenset({"progress_gen", "progress_step", "progress_at", "progress_moves",
@@ -84,14 +84,13 @@ class Controller:
         self._index_key: tuple | None = None
         self._index: dict[str, int] = {}
         self._latest_shown: int | None = None
-        self._snapshots_read = 0.0
         self._refusals_read = 0.0
         # (registrations, excluded, unhealthy) when the spares were last read: any change, a
         # node registering, back under its name, included again or healthy again, reads them.
         self._agents_seen: tuple | None = None
         self._eligible: frozenset[str] = frozenset()  # could be spares, as _spares last read
         self._unhealthy_seen: frozenset = frozenset()
-        self._memory_shown: int | None = None
+        self.snapshot_watch = SnapshotWatch(store)
         self.checkpoints = CheckpointView(self.checkpoint_dir, store)
         self.event_log = EventLog(store, Path(job.resolved_run_dir) / "events.jsonl")
         self.waker = wake.Waker(store, wake.CONTROLLER)
@@ -381,7 +380,8 @@ class Controller:
         if obs.latest_step != self._latest_shown:  # None (all set aside) deletes it
             d.job["latest_checkpoint"] = obs.latest_step  # for `optimus job status`
             self._latest_shown = obs.latest_step
-        self._record_memory_point(d, obs)
+        if obs.plan and obs.plan.get("action") == "run" and obs.job.state in ACTIVE:
+            self.snapshot_watch.check(obs.plan, d.job)  # memory_snapshot, the point to align on
         if d.job:
             self.store.update_job(d.job)
         for kind, message, fields in d.events:  # queued at once: an outage loses none
@@ -390,26 +390,6 @@ class Controller:
         if (set(d.job) - VOLATILE or d.plan is not None or d.exclude or d.operator_exclude
                 or d.include or d.control is not None or self._journal.failing):
             self._write_journal()
-
-    def _record_memory_point(self, d: Decision, obs: Observed) -> None:
-        """While a generation runs: the step of the newest in-memory snapshot that is usable
-        now (committed: every shard replicated; every node's copy held by a live node), into
-        the job record for `optimus job status` and the exporter. Read every SNAPSHOT_CHECK_S
-        (one entry per node); the plan of a next generation reads them afresh."""
-        plan = obs.plan
-        if not plan or plan.get("action") != "run" or obs.job.state not in ACTIVE:
-            return
-        if time.monotonic() - self._snapshots_read < SNAPSHOT_CHECK_S:
-            return
-        self._snapshots_read = time.monotonic()
-        reports = self.store.snapshots()
-        point, _ = recovery.memory_point(plan, reports, set(plan["nodes"]), None)
-        step = point["step"] if point and point["generation"] == plan["generation"] else None
-        if step is not None:
-            self.store.drop_snapshots(recovery.outlived(reports, step))
-        if step != self._memory_shown:
-            d.job["memory_snapshot"] = step
-            self._memory_shown = step
 
     def _event(self, kind: str, message: str, send: bool = True, **fields) -> None:
         """An event; an operator's request is recorded under the operator's name (`actor`).

@@ -140,6 +140,9 @@ class SnapshotKeeper:
         self._fetch: Future | None = None
         self._fetch_key: tuple | None = None
         self._reported: str | None = None
+        # The point the controller names for every node to push next, and to keep meanwhile
+        # (controller/control/snapshot_watch.py: where the nodes' own choices do not meet).
+        self.align: str | None = None
 
     def close(self) -> None:
         if self._server is not None:
@@ -161,11 +164,11 @@ class SnapshotKeeper:
         full = (running and self._push_ended(plan)) or full
         own = held = None
         if full:
-            resume = _resume_point(plan) if plan and plan.get("generation") == generation \
-                else None
+            keep = {self.align, _resume_point(plan) if plan and plan.get("generation") ==
+                    generation else None} - {None}
             with self.lock:
-                own = _retain_own(_scan(self.own), set(self.replicated), resume, lineage or [])
-                held = _retain_held(_scan(self.held), resume, lineage or [])
+                own = _retain_own(_scan(self.own), set(self.replicated), keep, lineage or [])
+                held = _retain_held(_scan(self.held), keep, lineage or [])
         if running:
             self._replicate(plan, own)
         if not full:
@@ -215,24 +218,35 @@ class SnapshotKeeper:
         return True
 
     def _replicate(self, plan: dict, scanned: list[Point] | None) -> None:
-        """Push the newest complete point of the plan's generation unless it went already;
+        """Push the point the controller named (`align`) if it is here whole and has not
+        gone, else the newest complete point of the plan's generation unless it went already;
         `scanned`: this poll's own points with their shards, else markers are read here."""
         buddy = plan.get("buddies", {}).get(self.node)
         if self._push is not None or not buddy or self.off:
             return
         mine = set(_node_ranks(plan, self.node))
         found = scanned if scanned is not None else [(*p, None) for p in points(self.own)]
-        for _, gen, path, shards in reversed(found):
-            if gen != plan["generation"]:
-                continue
-            if path.name in self.replicated or path.name in self.failed:
-                return  # the newest complete point went already (only complete ones go)
-            if not mine <= set(complete_shards(path) if shards is None else shards):
-                continue  # still being written
+
+        def whole(path: Path, shards: dict | None) -> bool:
+            return mine <= set(complete_shards(path) if shards is None else shards)
+
+        def start(path: Path) -> None:
             self._pushing = path.name
             self._push = self._pool.submit(push, buddy["addr"], self.secret, path, sorted(mine),
                                            self._client_tls)
-            return  # only the newest complete point is worth sending
+        gone = set(self.replicated) | set(self.failed)
+        for _, gen, path, shards in found:
+            if path.name == self.align and path.name not in gone:
+                if gen == plan["generation"] and whole(path, shards):
+                    return start(path)
+                break
+        for _, gen, path, shards in reversed(found):
+            if gen != plan["generation"]:
+                continue
+            if path.name in gone:
+                return  # the newest complete point went already (only complete ones go)
+            if path.name != self.align and whole(path, shards):  # (the named one is not whole)
+                return start(path)  # only the newest complete point is worth sending
 
     # --- a generation's start ------------------------------------------------------------------
 
@@ -309,11 +323,11 @@ def _current(found: list[Point], lineage: list) -> list[Point]:
     return kept
 
 
-def _retain_own(found: list[Point], replicated: set[str], keep_also: str | None,
+def _retain_own(found: list[Point], replicated: set[str], keep_also: set[str],
                 lineage: list) -> list[Point]:
     """This node's points: keep the newest KEEP its buddy confirmed and every newer one (being
-    written or replicated), and the point the running generation resumed from; before any is
-    confirmed, the newest KEEP. The newest point committed for the whole job (every node's
+    written or replicated), the point the running generation resumed from and the one the
+    controller names (`keep_also`); before any is confirmed, the newest KEEP. The newest point committed for the whole job (every node's
     shards replicated) may be one behind this node's newest confirmed one: keeping both lets a
     surviving node load its own copy instead of fetching it. Returns the points kept."""
     found = _current(found, lineage)
@@ -325,19 +339,19 @@ def _retain_own(found: list[Point], replicated: set[str], keep_also: str | None,
     kept = []
     for point in found:
         path = point[2]
-        if parse_point(path.name) < parse_point(floor.name) and path.name != keep_also:
+        if parse_point(path.name) < parse_point(floor.name) and path.name not in keep_also:
             remove_point(path)
         else:
             kept.append(point)
     return kept
 
 
-def _retain_held(found: list[Point], keep_also: str | None, lineage: list) -> list[Point]:
+def _retain_held(found: list[Point], keep_also: set[str], lineage: list) -> list[Point]:
     """Replicas: for every rank, the newest KEEP points that hold its shard (pushers are not in
-    step: one node's newest may be another's older), and the resumed-from point. Returns the
-    points kept."""
+    step: one node's newest may be another's older), the resumed-from point and the one the
+    controller names (`keep_also`). Returns the points kept."""
     found = _current(found, lineage)
-    keep, seen = {keep_also}, {}
+    keep, seen = set(keep_also), {}
     for _, _, path, shards in reversed(found):
         for rank in shards:
             if seen.get(rank, 0) < KEEP:

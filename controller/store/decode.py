@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 
+from optimus.checkpoint.snapshot_files import parse_point
+
 
 def record(raw: object) -> dict | None:
     """`raw` decoded, if it is the JSON text of an object; None for anything else (not JSON, a
@@ -27,3 +29,9 @@ def local_rank(raw: object) -> int | None:
     """A local rank as a hash field names it: a small non-negative integer, else None."""
     text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
     return int(text) if isinstance(text, str) and text.isdigit() and len(text) <= 6 else None
+
+
+def point(raw: object) -> str | None:
+    """A snapshot point's folder name (snapshot_files.point_name), else None."""
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    return text if isinstance(text, str) and len(text) <= 64 and parse_point(text) else None

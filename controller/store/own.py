@@ -46,6 +46,7 @@ class AgentTick:
     commands: list[dict]
     registered: bool
     control: dict | None = None  # what the ranks are asked: {"pause": bool, "checkpoint": n}
+    align: str | None = None  # the snapshot point to push next, named by the controller
 
 
 def as_text(value: Any) -> str:
@@ -110,8 +111,8 @@ class OwnRecords:
                    summary: NodeSummary | None = None) -> AgentTick:
         """An agent's whole periodic traffic in one round trip: its status, its ranks' latest
         heartbeats, its row (beat, deadline, summary: None when no rank of a generation runs
-        here), and back the plan's stamp, its commands, whether its record is still there and
-        the control word."""
+        here), and back the plan's stamp, its commands, whether its record is still there, the
+        control word and the snapshot point to push next (snapshot_watch.py)."""
         s = summary
         fields = dict(beat=time.time(), deadline=deadline,
                       max_step=s and s.max_step, min_step=s and s.min_step,
@@ -119,6 +120,7 @@ class OwnRecords:
                       compute_s=s and s.compute_s, paused=s and s.paused,
                       oldest=s and s.oldest_beat, peak_allocated=s and s.peak_allocated,
                       peak_reserved=s and s.peak_reserved)
+        generation = status.get("generation", -1)
 
         def tick():
             pipe = self.r.pipeline(transaction=False)
@@ -134,10 +136,12 @@ class OwnRecords:
             pipe.lpop(self.k(f"commands:{node}"), 100)
             pipe.exists(self._own("info", node))
             pipe.get(self.k("control"))
-            return pipe.execute()[-4:]
-        stamp, commands, registered, control = self.call(tick)
+            pipe.get(self.k(f"gen:{generation}:align"))
+            return pipe.execute()[-5:]
+        stamp, commands, registered, control, align = self.call(tick)
         return AgentTick(stamp, [c for c in map(decode.record, commands or []) if c],
-                         bool(registered), decode.record(control) if control else None)
+                         bool(registered), decode.record(control) if control else None,
+                         decode.point(align))
 
     def leave(self, node: str) -> None:
         """An agent going away cleanly: no beat, no deadline (its record stays, marked)."""

@@ -210,6 +210,12 @@ class Store(OwnRecords, Mirror, Summaries, Reports):
         raw = self.call(lambda: self.r.get(self.k(f"gen:{generation}:master_port")))
         return int(raw) if raw else None
 
+    def set_snapshot_align(self, generation: int, point: str | None) -> None:
+        """The in-memory snapshot point every node of `generation` pushes next (None: their
+        own choice); agents read it with their tick (controller/control/snapshot_watch.py)."""
+        key = self.k(f"gen:{generation}:align")
+        self.call(lambda: self.r.set(key, point, ex=86_400) if point else self.r.delete(key))
+
     # --- operators' requests and the ranks' control word ---------------------------------------
 
     def request(self, action: str, actor: str, host: str, reason: str = "",

@@ -1,0 +1,200 @@
+"""When the nodes' own pushes do not meet, the controller names the point they all push next
+(controller/control/snapshot_watch.py): the rule, the store's key as an agent's tick reads it,
+and real agents' keepers over TCP meeting on it, so that a usable memory point exists again."""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+import pytest
+
+from controller.control.recovery import memory_point
+from controller.control.snapshot_watch import ALIGN_READS, SnapshotWatch, align_point
+from controller.node.snapshots import SnapshotKeeper, push
+from controller.store.store import Store
+from optimus.checkpoint.snapshot_files import point_name, points, sha256_file, shard_files, \
+    write_marker
+
+SECRET = secrets.token_bytes(32)
+PLAN = {"generation": 2, "nodes": ["a", "b"], "ranks_per_node": 2,
+        "buddies": {"a": {"node": "b", "addr": "b:1"}, "b": {"node": "a", "addr": "a:1"}}}
+
+
+def _p(step: int, generation: int = 2) -> str:
+    return point_name(step, generation)
+
+
+def skewed() -> dict[str, dict]:
+    """a and b took steps 1-6 whole; a's pushes went for 1, 3, 5, b's for 2, 4, 6 (each kept
+    its newest two confirmed and what is newer): no point is confirmed by both."""
+    return {"a": {"own": {_p(s): [0, 1] for s in (3, 4, 5, 6)},
+                  "held": {_p(s): [2, 3] for s in (4, 6)},
+                  "replicated": {_p(3): "b", _p(5): "b"}},
+            "b": {"own": {_p(s): [2, 3] for s in (4, 5, 6)},
+                  "held": {_p(s): [0, 1] for s in (3, 5)},
+                  "replicated": {_p(4): "a", _p(6): "a"}}}
+
+
+def test_skewed_pushes_leave_no_usable_point_and_the_newest_whole_one_is_named():
+    reports = skewed()
+    assert memory_point(PLAN, reports, {"a", "b"}, None)[0] is None
+    assert align_point(PLAN, reports, None, None, 0) == _p(6)
+
+
+def test_the_named_point_stays_named_until_every_node_confirmed_it_or_it_timed_out():
+    reports = skewed()
+    reports["a"]["own"][_p(7)] = [0, 1]
+    reports["b"]["own"][_p(7)] = [2, 3]
+    assert align_point(PLAN, reports, None, _p(6), 1) == _p(6)  # not the newer 7
+    assert align_point(PLAN, reports, None, _p(6), ALIGN_READS) == _p(7)  # gave way to newer
+    assert align_point(PLAN, reports, None, _p(7), ALIGN_READS) is None  # none newer: none
+    reports["a"]["replicated"][_p(6)] = "b"  # a sent it too: 6 is usable now
+    reports["b"]["held"][_p(6)] = [0, 1]
+    assert memory_point(PLAN, reports, {"a", "b"}, None)[0]["step"] == 6
+    assert align_point(PLAN, reports, 6, _p(6), 1) == _p(7)  # past the usable one
+
+
+def test_a_point_some_node_has_not_taken_whole_is_not_named():
+    reports = skewed()
+    reports["b"]["own"][_p(6)] = [2]  # rank 3's shard is still being written
+    assert align_point(PLAN, reports, None, None, 0) == _p(5)
+
+
+def test_nothing_is_named_at_or_below_the_usable_point_or_of_another_generation():
+    reports = skewed()
+    assert align_point(PLAN, reports, 6, None, 0) is None
+    old = {n: {"own": {_p(9, 1): r["own"][_p(6)]}, "replicated": {}}
+           for n, r in reports.items()}
+    assert align_point(PLAN, old, None, None, 0) is None  # generation 1's
+
+
+def test_nothing_is_named_where_a_node_has_no_buddy():
+    plan = {**PLAN, "buddies": {"a": PLAN["buddies"]["a"]}}  # b serves no snapshots
+    assert align_point(plan, skewed(), None, None, 0) is None
+
+
+def test_the_watch_writes_the_named_point_where_an_agents_tick_reads_it(redis_server,
+                                                                        monkeypatch):
+    store = Store(redis_server.url, "j")
+    reports = skewed()
+    monkeypatch.setattr(store, "snapshots", lambda: reports)
+    watch, job = SnapshotWatch(store), {}
+    watch.check(PLAN, job)
+    assert job == {"memory_snapshot": None} or job == {}  # nothing usable to show
+
+    def told(generation: int) -> str | None:
+        return store.agent_tick("a", {"generation": generation, "state": "running"}, {},
+                                None, False).align
+    assert told(2) == _p(6)
+    assert told(1) is None  # another generation's agent is told nothing
+    store.r.set(store.k("gen:2:align"), "../../etc")  # a value that is no point: ignored
+    assert told(2) is None
+    # Once every node confirmed it the point is usable: shown, and the key goes.
+    reports["a"]["replicated"][_p(6)] = "b"
+    reports["b"]["held"][_p(6)] = [0, 1]
+    watch.read_at = 0.0
+    watch.check(PLAN, job)
+    assert job == {"memory_snapshot": 6}
+    assert told(2) is None and store.r.get(store.k("gen:2:align")) is None
+
+
+# --- real keepers: the agents' pushes meet on the named point ---------------------------------
+
+@pytest.fixture
+def keeper(tmp_path):
+    made = []
+
+    def make(node: str) -> SnapshotKeeper:
+        made.append(SnapshotKeeper(tmp_path / node, node, SECRET, "127.0.0.1"))
+        return made[-1]
+    yield make
+    for k in made:
+        k.close()
+
+
+def _take(own, step: int, ranks: list[int]):
+    point = own / _p(step)
+    point.mkdir(parents=True, exist_ok=True)
+    for rank in ranks:
+        data, _ = shard_files(point, rank)
+        data.write_bytes(secrets.token_bytes(4096))
+        write_marker(point, rank, {"rank": rank, "step": step, "bytes": 4096,
+                                   "sha256": sha256_file(data), "time": float(step)})
+    return point
+
+
+def _push_named(k: SnapshotKeeper, plan: dict) -> None:
+    """The agent's poll starts the push of the named point; it ends (and nothing after it is
+    started: a test of what one push does)."""
+    k.poll(plan, 2)
+    assert k._pushing == k.align  # not its newest
+    deadline = time.monotonic() + 60
+    while not k._push.done():
+        assert time.monotonic() < deadline, "the push did not end"
+        time.sleep(0.005)
+    assert k._push_ended(plan) and k.failed == {} and k.align in k.replicated
+
+
+def _pushed(pusher: SnapshotKeeper, buddy: SnapshotKeeper, *steps: int) -> None:
+    """What the pusher's own choices sent earlier."""
+    for step in steps:
+        push(buddy.address, SECRET, pusher.own / _p(step), [0, 1] if pusher.node == "a" else
+             [2, 3])
+        pusher.replicated[_p(step)] = buddy.node
+
+
+def test_skewed_keepers_meet_on_the_named_point_and_keep_it_until_a_newer_one_is_usable(
+        keeper):
+    a, b = keeper("a"), keeper("b")
+    plan = {**PLAN, "buddies": {"a": {"node": "b", "addr": b.address},
+                                "b": {"node": "a", "addr": a.address}}}
+
+    def take(*steps: int) -> None:
+        for step in steps:
+            _take(a.own, step, [0, 1])
+            _take(b.own, step, [2, 3])
+
+    def reports() -> dict[str, dict]:
+        """Each agent's tick without a push of its own: retention, then its report."""
+        for k in (a, b):
+            k.unreported()
+        return {k.node: k.poll(None, None, []) for k in (a, b)}
+
+    def usable() -> int | None:
+        point, _ = memory_point(plan, reports(), {"a", "b"}, None)
+        return point and point["step"]
+    take(*range(1, 11))
+    _pushed(a, b, 7, 9)  # each pushed its newest when its last push ended: they never met
+    _pushed(b, a, 8, 10)
+    seen = reports()
+    assert memory_point(plan, seen, {"a", "b"}, None)[0] is None
+    named = align_point(plan, seen, None, None, 0)
+    assert named == _p(10)
+    for k in (a, b):  # the agents' next tick reads it
+        k.align = named
+    take(11, 12)
+    _pushed(a, b, 11)  # in flight when the name came
+    _pushed(b, a, 12)  # b's own choice: the named point went already
+    _push_named(a, plan)
+    assert usable() == 10
+    # Each confirms newer points by its own choice again; 10 is kept while it is named, though
+    # a confirmed two newer ones (11, 13) and b holds two newer copies of a's ranks.
+    take(13, 14)
+    _pushed(a, b, 13)
+    _pushed(b, a, 14)
+    assert usable() == 10
+    seen = reports()
+    assert align_point(plan, seen, 10, named, 1) == _p(14)  # the next one to meet on
+    for k in (a, b):
+        k.align = _p(14)
+    _push_named(a, plan)
+    assert usable() == 14
+    # Nothing newer to name: the name goes, and with it the points kept for it.
+    seen = reports()
+    assert align_point(plan, seen, 14, _p(14), 1) is None
+    for k in (a, b):
+        k.align = None
+    seen = reports()
+    assert sorted(seen["a"]["own"]) == [_p(13), _p(14)]
+    assert sorted(seen["b"]["held"]) == [_p(13), _p(14)]
