@@ -13,8 +13,12 @@ from controller.control.recovery import memory_point
 from controller.control.snapshot_watch import ALIGN_READS, SnapshotWatch, align_point
 from controller.node.snapshots import SnapshotKeeper, push
 from controller.store.store import Store
-from optimus.checkpoint.snapshot_files import point_name, points, sha256_file, shard_files, \
-    write_marker
+from optimus.checkpoint.snapshot_files import (
+    point_name,
+    sha256_file,
+    shard_files,
+    write_marker,
+)
 
 SECRET = secrets.token_bytes(32)
 PLAN = {"generation": 2, "nodes": ["a", "b"], "ranks_per_node": 2,

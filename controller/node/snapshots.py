@@ -327,9 +327,10 @@ def _retain_own(found: list[Point], replicated: set[str], keep_also: set[str],
                 lineage: list) -> list[Point]:
     """This node's points: keep the newest KEEP its buddy confirmed and every newer one (being
     written or replicated), the point the running generation resumed from and the one the
-    controller names (`keep_also`); before any is confirmed, the newest KEEP. The newest point committed for the whole job (every node's
-    shards replicated) may be one behind this node's newest confirmed one: keeping both lets a
-    surviving node load its own copy instead of fetching it. Returns the points kept."""
+    controller names (`keep_also`); before any is confirmed, the newest KEEP. The newest point
+    committed for the whole job (every node's shards replicated) may be one behind this node's
+    newest confirmed one: keeping both lets a surviving node load its own copy instead of
+    fetching it. Returns the points kept."""
     found = _current(found, lineage)
     confirmed = [path for _, _, path, _ in found if path.name in replicated]
     floor = (confirmed[-KEEP:][0] if confirmed else
