@@ -12,6 +12,8 @@ ones do.
   the kernel runs no signal handler), so only py-spy gets its stack.
 - nan_rank: from step s on, its loss and gradients are NaN (a bad tile).
 - slow_rank: from step s on, spends `seconds` more per step computing (a straggler).
+- spike: step s's whole batch (every rank's share; no `rank`) becomes random tokens, as a
+  corrupt shard would feed it: a real loss spike, for the stability rules (optimus/stability.py).
 
 Each fires only in its `generation`. Whole-node faults (`kill_node`) are carried out by the
 node's agent, not here.
@@ -37,6 +39,7 @@ import torch
 
 from optimus.config import FaultInjectionConfig
 from optimus.config.schema import Fault
+from optimus.parallel.plan import IGNORE_INDEX
 
 CHAOS_ENV = "OPTIMUS_CHAOS_FILE"
 CHAOS_KINDS = ("hang_rank", "stall_rank", "nan_rank")  # what an operator may send through the file
@@ -47,8 +50,8 @@ class RankFaults:
 
     def __init__(self, cfg: FaultInjectionConfig, *, rank: int, generation: int,
                  chaos_file: str | None = None):
-        self.faults = [f for f in cfg.faults
-                       if f.rank == rank and f.generation == generation and f.kind != "kill_node"]
+        self.faults = [f for f in cfg.faults if (f.rank == rank or f.kind == "spike")
+                       and f.generation == generation and f.kind != "kill_node"]
         self.rank, self.generation = rank, generation
         self.chaos_file = chaos_file if chaos_file is not None else os.environ.get(CHAOS_ENV)
         self._chaos_key: tuple | None = None
@@ -68,6 +71,22 @@ class RankFaults:
         if self._due("freeze_rank", step):
             self._say(f"freezes at step {step}")
             os.kill(os.getpid(), signal.SIGSTOP)
+
+    def poison(self, step: int, microbatches: list[dict], vocab_size: int) -> None:
+        """spike: this step's tokens replaced by random ones (the same on every layout: drawn
+        from the step number and each sample's id), padding left as it is."""
+        if not self._due("spike", step):
+            return
+        if self.rank == 0:
+            self._say(f"poisons the batch of step {step} with random tokens (spike)")
+        for mb in microbatches:
+            inputs, labels = mb["input_ids"], mb["labels"]
+            for row, sample in enumerate(mb["sample_ids"].tolist()):
+                g = torch.Generator().manual_seed(step * 1_000_003 + int(sample))
+                tokens = torch.randint(vocab_size, (inputs.shape[1] + 1,), generator=g,
+                                       dtype=inputs.dtype)
+                inputs[row] = tokens[:-1]
+                labels[row] = torch.where(labels[row] == IGNORE_INDEX, labels[row], tokens[1:])
 
     def after_backward(self, step: int, params, loss: torch.Tensor) -> None:
         """Before the gradient reduction: stall, or turn this tile's numbers into NaN."""

@@ -71,6 +71,7 @@ from optimus.runtime import (
     pick_device,
     reset_peak_memory,
 )
+from optimus.stability import StabilityWatch
 
 # DTensor warns at every clip on a dp x tp mesh that it gathers in two steps; it is expected.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -191,6 +192,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                           source=resumed.get("source", "disk") if resumed else "disk")
 
         saves = RunCheckpoints(ckpt, log, job, layout, state, progress)
+        watch = StabilityWatch(job.stability)  # spikes and divergence (optimus/stability.py)
         # A job paused (or stopped) across a restart stays so: agree before the first step too.
         first = progress.step + 1
         with heartbeat.phase("sync"):
@@ -212,6 +214,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             # schedule when there is one); the loss is divided by the global token count.
             with heartbeat.phase("data"):
                 microbatches = [next(batches) for _ in range(job.data.microbatches)]
+            faults.poison(step, microbatches, job.model.vocab_size)
             data = sample_fingerprint(progress.data_index, job.data.batch_size, (
                 mb["sample_ids"] for mb in microbatches), (layout.dp, job.data.microbatches)
             ) if log.enabled else None
@@ -228,16 +231,29 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                                             leave_nonfinite=True)
             if not torch.isfinite(grad_norm):  # never step on NaN: name the tile, then exit
                 _nonfinite(step, loss_sum, model, heartbeat)
+            logged = logs_step(step, job.supervision.log_every, job.optim.steps)
+            loss_value = None  # the global loss, on every rank: for the rules, or the log
+            if watch.needs_loss or logged:
+                with heartbeat.phase("grad_sync"):
+                    for group in (pp_group, dp_group):  # only last stages hold losses
+                        if group.size() > 1:
+                            dist.all_reduce(loss_sum, group=group)
+                loss_value = loss_sum.item()  # (the norm's check above synced the device)
+            verdict = watch.judge(step, loss_value, float(grad_norm))
+            if verdict is not None:  # every rank has the same figures: the same verdict
+                log.event("stability", verdict.message(), **verdict.fields(data))
+            update = verdict is None or verdict.action != "skip_step"
             with heartbeat.phase("optim"):
                 if snapshots is not None:  # the last snapshot's copy, made behind this step
                     snapshots.fence()
                 faults.in_optimizer(step)
-                optimizer.step()
+                if update:
+                    optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 if job.training.float8 == "tensorwise" and layout.dp > 1:
                     precompute_float8_scales(model.parts)  # float8 all-gather's scales
             with heartbeat.phase("grad_sync"):  # the experts' load, all ranks; their balance
-                experts = expert_step(model.moe, job.model, mesh, device)
+                experts = expert_step(model.moe, job.model, mesh, device, update)
             progress.advance(step_tokens)
             with heartbeat.phase("checkpoint"):
                 saves.after_step(step)
@@ -249,14 +265,10 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             if keep_sample_ids:
                 result.sample_ids.append([int(s) for mb in microbatches for s in mb["sample_ids"]])
 
-            if logs_step(step, job.supervision.log_every, job.optim.steps):
+            if logged:
                 own_memory = peak_memory(device)
                 with heartbeat.phase("grad_sync"):
-                    for group in (pp_group, dp_group):  # only last stages hold losses
-                        if group.size() > 1:
-                            dist.all_reduce(loss_sum, group=group)
                     memory = max_over_ranks(own_memory, env.rank, device)  # all ranks
-                loss_value = loss_sum.item()  # waits for the device
                 step_time = time.perf_counter() - started
                 tokens_per_s, mfu = log.throughput(step_tokens, step_time)
                 result.losses.append(loss_value)
@@ -269,9 +281,10 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                                        lr=lr, tokens=progress.tokens, step_time_s=step_time,
                                        tokens_per_s=tokens_per_s, mfu=mfu,
                                        checkpoint=ckpt.stats.as_dict() if ckpt else None,
-                                       moe=experts, data=data, memory=memory))
+                                       moe=experts, data=_marked(data, update),
+                                       memory=memory))
             else:
-                log.samples(step, data)
+                log.samples(step, _marked(data, update))
 
             if held_out is not None and (step % job.eval.every == 0 or step == job.optim.steps):
                 with heartbeat.phase("eval"):
@@ -428,6 +441,11 @@ def _nonfinite(step: int, loss_sum: torch.Tensor, model, heartbeat) -> None:
     detail = (f"local loss {'finite' if loss_ok else float(loss_sum)}, local gradients "
               f"{'finite' if grads_ok else 'NaN/Inf'}")
     raise NonFinite(step, local, detail)
+
+
+def _marked(data: dict | None, updated: bool) -> dict | None:
+    """A step's sample fingerprint, marked when its update was skipped (optimus data audit)."""
+    return data if updated or data is None else {**data, "skipped": True}
 
 
 def _count_tokens(microbatches: list[dict], device: torch.device,

@@ -251,9 +251,38 @@ class MonitoringConfig(Section):
                           "job ended, so that Prometheus scrapes its final state")
 
 
+class StabilityConfig(Section):
+    """Loss spikes and divergence: rules over the global loss and gradient norm every rank
+    holds, and what the ranks do (optimus/stability.py; docs/operations.md, "Loss spikes")."""
+
+    enabled: bool = True
+    window: Annotated[int, Field(ge=4)] = Field(
+        50, description="trailing steps the rules compare a step with")
+    warmup_steps: NonNegativeInt = Field(
+        100, description="steps of a run's history before any rule applies")
+    loss_sigma: NonNegativeFloat = Field(
+        6.0, description="a spike: loss > mean + this x std of the window (0: off)")
+    loss_min_rise: NonNegativeFloat = Field(
+        0.1, description="... and at least this fraction of the mean above it")
+    grad_ratio: NonNegativeFloat = Field(
+        0.0, description="a spike: grad norm > this x the window's median (0: off; the clip "
+                         "bounds such a step's update already)")
+    divergence_windows: NonNegativeInt = Field(
+        4, description="divergence: this many whole windows in a row, each with a higher mean "
+                       "loss than the one before (0: off)")
+    divergence_min_rise: NonNegativeFloat = Field(
+        0.05, description="... rising by at least this fraction of the first one's mean")
+    max_skips: PositiveInt = Field(
+        5, description="spikes in a row before they count as divergence (a new level)")
+    on_spike: Literal["warn", "skip_step"] = Field(
+        "skip_step", description="warn: an event, training goes on; skip_step: the step's "
+                                 "update is not applied, its samples recorded as skipped")
+    on_divergence: Literal["warn"] = Field("warn", description="warn: an event")
+
+
 class Fault(Section):
     kind: Literal["kill_rank", "freeze_rank", "kill_node", "stall_rank", "hang_rank",
-                  "nan_rank", "slow_rank"]
+                  "nan_rank", "slow_rank", "spike"]
     step: NonNegativeInt
     rank: NonNegativeInt | None = None
     node: NonNegativeInt | None = None
@@ -268,6 +297,11 @@ class Fault(Section):
 
     @model_validator(mode="after")
     def _target(self) -> Fault:
+        if self.kind == "spike":  # the whole step's batch: every rank poisons its share
+            if self.rank is not None or self.node is not None:
+                raise ValueError("a spike fault poisons the whole step's batch: give no "
+                                 "`rank` or `node`")
+            return self
         wants = "node" if self.kind == "kill_node" else "rank"
         if getattr(self, wants) is None:
             raise ValueError(f"a {self.kind} fault needs `{wants}`")
@@ -291,6 +325,7 @@ class JobConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     supervision: SupervisionConfig = Field(default_factory=SupervisionConfig)
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
+    stability: StabilityConfig = Field(default_factory=StabilityConfig)
     fault_injection: FaultInjectionConfig = Field(default_factory=FaultInjectionConfig)
 
     @property

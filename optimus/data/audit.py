@@ -18,6 +18,9 @@ The audit then checks that
 - a step trained again after a restart, over the same indices and the same slice, read the same
   samples (else the data order changed under the run: seed, data, sequence length).
 
+A step whose update the stability rules skipped (`"skipped": true` in its fingerprint) still
+read its samples: they are accounted as read and not trained on, and listed in a note.
+
 For a mixture run (`data.sources`) it also counts how many of those samples each source gave,
 beside the share its weight asks for. The file does not hold the ids themselves (only their
 hash), but it holds what decides them: each step's index range, and the mixture (its sources and
@@ -52,6 +55,7 @@ class Audit:
     end: int | None = None
     generations: int = 0  # times training started or resumed in this file
     repeated: int = 0  # steps trained again after a restart (the earlier ones superseded)
+    skipped: list[int] = field(default_factory=list)  # steps that count whose update was skipped
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     # A mixture run's sources: {"source", "weight", "share" (what the weights ask for),
@@ -184,6 +188,14 @@ def audit(lines: Iterable[dict], seed: int | None = None) -> Audit:
             mixture_of[step] = len(mixtures) - 1
 
     _check(result, kept, seen, no_data)
+    result.skipped = sorted(s for s, data in kept.items() if data.get("skipped") is True)
+    if result.skipped:
+        shown = ", ".join(f"step {s} [{kept[s]['start']}, {kept[s]['end']})"
+                          for s in result.skipped[:10])
+        more = f" and {len(result.skipped) - 10} more" if len(result.skipped) > 10 else ""
+        result.notes.append(f"{len(result.skipped)} step(s) skipped their update (a loss spike: "
+                            f"stability.on_spike): their samples were read, not trained on: "
+                            f"{shown}{more}")
     if mixtures:
         _shares(result, mixtures, {s: mixture_of.get(s) for s in kept}, kept, seed)
     return result

@@ -52,9 +52,11 @@ def _all_reduce(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return counts
 
 
-def expert_step(layers: list[MoE], cfg, mesh: DeviceMesh, device: torch.device) -> dict | None:
+def expert_step(layers: list[MoE], cfg, mesh: DeviceMesh, device: torch.device,
+                update: bool = True) -> dict | None:
     """Sum the step's load over the data-parallel replicas, pipeline stages and tensor-parallel
-    sequence shards, update the biases, reset the counters; the step's figures ({"load": per
+    sequence shards, update the biases (unless not `update`: a step whose update is skipped
+    leaves them too), reset the counters; the step's figures ({"load": per
     MoE layer, "dropped": slots, "aux_loss": the step's, token-weighted, mean over layers}),
     None without MoE."""
     m = cfg.moe
@@ -71,7 +73,7 @@ def expert_step(layers: list[MoE], cfg, mesh: DeviceMesh, device: torch.device) 
             dist.all_reduce(stats, group=mesh[axis].get_group())
     for layer in layers:
         load = stats[layer.layer, :m.experts]
-        if m.balance == "bias":
+        if m.balance == "bias" and update:
             layer.expert_bias += m.bias_update_rate * torch.sign(load.mean() - load)
         layer.reset_counters()
     moe_rows = [i for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]

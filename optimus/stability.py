@@ -1,0 +1,136 @@
+"""Loss spikes and divergence, judged on every rank from the step's global figures.
+
+Every rank holds the same global loss (the step's loss summed over pipeline stages and data
+replicas) and the same global gradient norm (the clip computes it), so every rank applies the
+same rules to the same numbers and reaches the same verdict at the same step: nothing has to be
+agreed. The rules (job file `stability:`, docs/config.md; how to tune them:
+docs/operations.md, "Loss spikes"):
+
+- spike, by the loss: `loss > mean + max(loss_sigma x std, loss_min_rise x mean)` of the
+  trailing `window` steps' losses. The relative floor keeps a flat loss's tiny spread from
+  calling noise a spike.
+- spike, by the gradient norm: `grad_norm > grad_ratio x` the trailing window's median.
+- divergence: the means of the last `divergence_windows` + 1 whole windows each above the one
+  before, by `divergence_min_rise` of the first of them in all: a sustained rise, not a spike.
+
+Nothing is judged before `warmup_steps` steps of this run's history (the loss falls fastest at
+the start) nor before the window is full. A spiked step's figures stay out of the history (the
+spike would widen the band it is judged by); `max_skips` spikes in a row are no longer a spike
+but a new level: the verdict says so and the history starts again from there.
+
+Why written here: the rules are a few lines of arithmetic over a trailing window; no library
+keeps this state in a form a checkpoint and a memory snapshot can carry.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from optimus.config.schema import StabilityConfig
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the rules found at one step, and what the ranks do about it."""
+
+    kind: str  # "spike" or "divergence"
+    rule: str  # "loss", "grad_norm" or "trend"
+    step: int
+    value: float
+    threshold: float
+    action: str  # warn, skip_step, rewind
+
+    def message(self) -> str:
+        what = {"loss": "the loss", "grad_norm": "the gradient norm",
+                "trend": "the loss's window mean"}[self.rule]
+        did = {"warn": "training goes on", "skip_step": "the step's update is not applied",
+               "rewind": "the run rewinds"}[self.action]
+        return (f"{self.kind} at step {self.step}: {what} {self.value:.4g} > {self.threshold:.4g}"
+                f"; {did}")
+
+    def fields(self, samples: dict | None) -> dict:
+        """The `stability` event's fields in metrics.jsonl, with the step's samples (their
+        fingerprint: index range and ids hash; None where this rank logs nothing)."""
+        return {"step": self.step, "verdict": self.kind, "rule": self.rule, "value": self.value,
+                "threshold": self.threshold, "action": self.action, "samples": samples}
+
+
+class StabilityWatch:
+    """The trailing history one rank keeps, and the rules over it."""
+
+    def __init__(self, cfg: StabilityConfig):
+        self.cfg = cfg
+        self.losses: deque[float] = deque(maxlen=cfg.window)
+        self.norms: deque[float] = deque(maxlen=cfg.window)
+        self.means: deque[float] = deque(maxlen=max(cfg.divergence_windows + 1, 1))
+        self.seen = 0  # steps of history this run
+        self.in_a_row = 0  # spikes in a row
+        self._block: list[float] = []  # the window being filled, for the trend
+
+    @property
+    def needs_loss(self) -> bool:
+        """Whether the rules read the global loss every step (else the gradient norm only)."""
+        c = self.cfg
+        return c.enabled and (c.loss_sigma > 0 or c.divergence_windows > 0)
+
+    def judge(self, step: int, loss: float | None, grad_norm: float) -> Verdict | None:
+        """The verdict on `step` (None: healthy), then the history updated. `loss` is None
+        where the rules need none (needs_loss)."""
+        c = self.cfg
+        if not c.enabled:
+            return None
+        armed = self.seen >= c.warmup_steps and len(self.norms) == c.window
+        verdict = self._spike(step, loss, grad_norm) if armed else None
+        if verdict is not None:
+            self.in_a_row += 1
+            if self.in_a_row <= c.max_skips:
+                return verdict
+            # Spikes every step: the level has moved; judge from here on its new figures.
+            self.losses.clear()
+            self.norms.clear()
+            self.seen = self.in_a_row = 0
+            return Verdict("divergence", verdict.rule, step, verdict.value,
+                           verdict.threshold, c.on_divergence)
+        self.in_a_row = 0
+        self.seen += 1
+        self.norms.append(grad_norm)
+        if loss is not None:
+            self.losses.append(loss)
+            return self._trend(step, loss) if armed else self._fill(loss)
+        return None
+
+    def _spike(self, step: int, loss: float | None, grad_norm: float) -> Verdict | None:
+        c = self.cfg
+        if loss is not None and c.loss_sigma > 0 and len(self.losses) >= 2:
+            mean = statistics.fmean(self.losses)
+            band = max(c.loss_sigma * statistics.pstdev(self.losses), c.loss_min_rise * mean)
+            if not math.isfinite(loss) or loss > mean + band:
+                return Verdict("spike", "loss", step, loss, mean + band, c.on_spike)
+        if c.grad_ratio > 0:
+            limit = c.grad_ratio * statistics.median(self.norms)
+            if grad_norm > limit:
+                return Verdict("spike", "grad_norm", step, grad_norm, limit, c.on_spike)
+        return None
+
+    def _fill(self, loss: float) -> None:
+        self._block.append(loss)
+        if len(self._block) == self.cfg.window:
+            self.means.append(statistics.fmean(self._block))
+            self._block = []
+
+    def _trend(self, step: int, loss: float) -> Verdict | None:
+        c = self.cfg
+        self._fill(loss)
+        if c.divergence_windows == 0 or len(self.means) < c.divergence_windows + 1 or \
+                self._block:
+            return None  # judged once per whole window
+        means = list(self.means)
+        rising = all(b > a for a, b in zip(means, means[1:], strict=False))
+        if rising and means[-1] - means[0] > c.divergence_min_rise * abs(means[0]):
+            threshold = means[0] * (1 + c.divergence_min_rise)
+            self.means.clear()  # said once per rise
+            return Verdict("divergence", "trend", step, means[-1], threshold, c.on_divergence)
+        return None
