@@ -61,6 +61,7 @@ def train(job: Path, overrides: tuple[str, ...], trust: bool) -> None:
     from optimus.health import CheckpointFailed, NonFinite
     from optimus.parallel.float8 import check_float8_here
     from optimus.runtime.dist import forget_meshes
+    from optimus.stability import RewindRequest
     from optimus.train import train as run_training  # torch loads only when training
 
     config = load_job(job, list(overrides))
@@ -78,6 +79,12 @@ def train(job: Path, overrides: tuple[str, ...], trust: bool) -> None:
             click.secho(f"error: {e}", fg="red", err=True)
             _abandon_helpers()
             sys.exit(e.exit_code)
+        except RewindRequest as e:  # every rank alike: the controller reads the line (90)
+            print(e.line(), flush=True)
+            if not inprocess.enabled():
+                _abandon_helpers()
+                sys.exit(e.exit_code)
+            code = e.exit_code  # a clean rank: it waits in process for the rewound generation
         except Exception as e:  # a bad job (said in one line, exit 2), a peer died...
             if not (inprocess.enabled() and inprocess.peer_failure(e)):
                 _abandon_helpers()

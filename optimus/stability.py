@@ -24,12 +24,20 @@ keeps this state in a form a checkpoint and a memory snapshot can carry.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import statistics
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from optimus.config.schema import StabilityConfig
+
+EXIT_REWIND = 90  # every rank stopped for a rewind (controller/control/rewind.py reads it)
+REWIND_LINE = "rewind-request "  # + JSON: the line the controller reads in a rank's log's tail
+SKIPS_ENV = "OPTIMUS_SKIP_STEPS"  # "A-B,C-D": windows of steps whose batches a rewind skips
 
 
 @dataclass(frozen=True)
@@ -47,7 +55,7 @@ class Verdict:
         what = {"loss": "the loss", "grad_norm": "the gradient norm",
                 "trend": "the loss's window mean"}[self.rule]
         did = {"warn": "training goes on", "skip_step": "the step's update is not applied",
-               "rewind": "the run rewinds"}[self.action]
+               "rewind": "every rank stops before its update for a rewind"}[self.action]
         return (f"{self.kind} at step {self.step}: {what} {self.value:.4g} > {self.threshold:.4g}"
                 f"; {did}")
 
@@ -56,6 +64,34 @@ class Verdict:
         fingerprint: index range and ids hash; None where this rank logs nothing)."""
         return {"step": self.step, "verdict": self.kind, "rule": self.rule, "value": self.value,
                 "threshold": self.threshold, "action": self.action, "samples": samples}
+
+
+class RewindRequest(Exception):
+    """A verdict whose action is `rewind`: every rank stops before the step's update, saves
+    nothing, and says so (`line`) for the controller, which plans the rewind."""
+
+    exit_code = EXIT_REWIND
+
+    def __init__(self, verdict: Verdict):
+        self.verdict = verdict
+        super().__init__(verdict.message())
+
+    def line(self) -> str:
+        v = self.verdict
+        return REWIND_LINE + json.dumps({"step": v.step, "verdict": v.kind, "rule": v.rule,
+                                         "value": v.value, "threshold": v.threshold})
+
+
+def skip_windows(text: str | None = None) -> list[tuple[int, int]]:
+    """The windows of steps (first, last) whose batches are skipped, from the agent's
+    OPTIMUS_SKIP_STEPS ("A-B,C-D"); anything else in it is ignored."""
+    text = os.environ.get(SKIPS_ENV, "") if text is None else text
+    out = []
+    for part in text.split(",")[:1000]:
+        first, _, last = part.partition("-")
+        if first.isdigit() and last.isdigit() and len(part) < 24 and 1 <= int(first) <= int(last):
+            out.append((int(first), int(last)))
+    return sorted(out)
 
 
 class StabilityWatch:
@@ -134,3 +170,22 @@ class StabilityWatch:
             self.means.clear()  # said once per rise
             return Verdict("divergence", "trend", step, means[-1], threshold, c.on_divergence)
         return None
+
+
+def skip_batches(step: int, last: int, progress, job, open_loader, log):
+    """A rewind's window: the batches of steps `step`..`last` are not read; this step reads
+    the one after them (steps keep their numbers, so the schedule is unchanged). The new
+    loader's iterator is made without touching the training RNG."""
+    first = progress.data_index
+    progress.data_index += (last - step + 1) * job.data.batch_size
+    with torch.random.fork_rng(devices=[]):
+        batches = iter(open_loader(progress.data_index))
+    log.event("data_skip", f"the batches of steps {step}..{last} are skipped (a rewind): "
+              f"samples [{first}, {progress.data_index}) not read; step {step} reads on from "
+              "there", step=step, start=first, end=progress.data_index, window=[step, last])
+    return batches
+
+
+def marked(data: dict | None, updated: bool) -> dict | None:
+    """A step's sample fingerprint, marked when its update was skipped (optimus data audit)."""
+    return data if updated or data is None else {**data, "skipped": True}

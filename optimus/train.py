@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from optimus.checkpoint.hf_import import init_from
 from optimus.checkpoint.manifest import committed_steps
-from optimus.checkpoint.policy import RunCheckpoints
+from optimus.checkpoint.policy import RunCheckpoints, log_resume
 from optimus.checkpoint.saver import Checkpointer
 from optimus.checkpoint.snapshot import Snapshots, load_agreed, resume_request
 from optimus.checkpoint.state import Progress, layout_key, training_state
@@ -71,7 +71,7 @@ from optimus.runtime import (
     pick_device,
     reset_peak_memory,
 )
-from optimus.stability import StabilityWatch
+from optimus.stability import RewindRequest, StabilityWatch, marked, skip_batches, skip_windows
 
 # DTensor warns at every clip on a dp x tp mesh that it gathers in two steps; it is expected.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -154,7 +154,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             dropped.append(ckpt.drop)
         if resumed is None and ckpt and job.checkpoint.resume == "auto":
             resumed = ckpt.load_latest(state, job.checkpoint.verify_on_load)
-        _log_resume(log, ckpt, resumed, not_used)
+        log_resume(log, ckpt, resumed, not_used)
         snapshots = Snapshots.for_job(job.checkpoint.memory_every, rank=env.rank,
                                       generation=env.restart_count,
                                       layout=key, agree_device=agree_on)
@@ -169,16 +169,23 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         # Data: each dp replica reads its slice of the global batch, from where it stopped.
         dp_group = mesh["dp"].get_group()
         source = build_source(job.data, vocab_size=job.model.vocab_size, seed=job.seed)
-        loader = build_loader(source, seq_len=job.data.seq_len, batch_size=job.data.batch_size,
-                              microbatches=job.data.microbatches,
-                              dp_rank=mesh["dp"].get_local_rank(), dp_size=layout.dp,
-                              seed=job.seed, start_index=progress.data_index,
-                              num_workers=job.data.num_workers,
-                              prefetch_factor=job.data.prefetch_factor)
+
+        def open_loader(index: int):
+            return build_loader(source, seq_len=job.data.seq_len,
+                                batch_size=job.data.batch_size,
+                                microbatches=job.data.microbatches,
+                                dp_rank=mesh["dp"].get_local_rank(), dp_size=layout.dp,
+                                seed=job.seed, start_index=index,
+                                num_workers=job.data.num_workers,
+                                prefetch_factor=job.data.prefetch_factor)
+        loader = open_loader(progress.data_index)
         if job.data.sources:  # each source's realised share, and how often the run reads it
             message, fields = loader.dataset.report(job.optim.steps * job.data.batch_size)
             log.event("mixture", message, **fields)
         batches = iter(loader)
+        # Windows of steps whose batches a rewind skips, ahead of where this generation starts
+        # (a checkpoint past a window's start read past it already).
+        skips = {a: b for a, b in skip_windows() if a > progress.step}
         held_out = (held_out_for(job, layout, mesh["dp"].get_local_rank())
                     if job.eval.every else None)  # the validation windows, this rank's share
         if resumed:
@@ -204,6 +211,8 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
 
         for step in range(first, job.optim.steps + 1):
             faults.step_start(step)
+            if step in skips:
+                batches = skip_batches(step, skips[step], progress, job, open_loader, log)
             heartbeat.begin_step(step)
             reset_peak_memory(device)
             started = time.perf_counter()
@@ -242,6 +251,8 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             verdict = watch.judge(step, loss_value, float(grad_norm))
             if verdict is not None:  # every rank has the same figures: the same verdict
                 log.event("stability", verdict.message(), **verdict.fields(data))
+                if verdict.action == "rewind":  # stop before the update, save nothing
+                    raise RewindRequest(verdict)
             update = verdict is None or verdict.action != "skip_step"
             with heartbeat.phase("optim"):
                 if snapshots is not None:  # the last snapshot's copy, made behind this step
@@ -281,10 +292,10 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                                        lr=lr, tokens=progress.tokens, step_time_s=step_time,
                                        tokens_per_s=tokens_per_s, mfu=mfu,
                                        checkpoint=ckpt.stats.as_dict() if ckpt else None,
-                                       moe=experts, data=_marked(data, update),
+                                       moe=experts, data=marked(data, update),
                                        memory=memory))
             else:
-                log.samples(step, _marked(data, update))
+                log.samples(step, marked(data, update))
 
             if held_out is not None and (step % job.eval.every == 0 or step == job.optim.steps):
                 with heartbeat.phase("eval"):
@@ -368,35 +379,6 @@ def _checkpointer(job: JobConfig, env, heartbeat, trust_any: bool) -> Checkpoint
 
 
 
-def _log_resume(log: MetricsLog, ckpt: Checkpointer | None, resumed: dict | None,
-                not_used: str | None) -> None:
-    if not_used:  # the agent named a memory snapshot that not every rank could load
-        log.event("checkpoint", f"{not_used}; resuming from disk instead")
-    if resumed and resumed.get("source") == "memory":
-        log.event("resume", f"continuing from the memory snapshot of step {resumed['step']} "
-                  f"(generation {resumed['generation']}, {resumed['path']}): nothing read from "
-                  "disk", step=resumed["step"], data_index=resumed["data_index"],
-                  source="memory", notes=[])
-    if ckpt is None:
-        return
-    if not (resumed and resumed.get("source") == "memory"):
-        for message in resumed["skipped"] if resumed else ckpt.skipped:
-            log.event("checkpoint", f"{message}; falling back to an older checkpoint")
-        for q in ckpt.quarantined:
-            log.event("quarantine", f"checkpoint of step {q['step']} set aside as {q['path']}: "
-                      f"{q['reason']}; a later save of step {q['step']} writes it afresh", **q)
-        if resumed and resumed.get("untrusted"):
-            log.event("checkpoint", f"{resumed['path']} was not written by this run: "
-                      f"{resumed['untrusted']}; loaded because the operator trusts it "
-                      "(--trust-checkpoint or checkpoint.trust_step)", trusted=True)
-        if resumed:
-            log.event("resume", f"continuing from {resumed['path']} (step {resumed['step']})",
-                      step=resumed["step"], data_index=resumed.get("data_index"),
-                      source="disk", notes=resumed.get("notes", []))
-    if ckpt.mode_note:
-        log.event("checkpoint", ckpt.mode_note)
-
-
 def _boundary(agreed: Agreed, commands: Commands, heartbeat, log: MetricsLog, step: int,
               save_now) -> bool:
     """Act on what all ranks agreed after `step`: save now if asked, wait while paused (the
@@ -441,11 +423,6 @@ def _nonfinite(step: int, loss_sum: torch.Tensor, model, heartbeat) -> None:
     detail = (f"local loss {'finite' if loss_ok else float(loss_sum)}, local gradients "
               f"{'finite' if grads_ok else 'NaN/Inf'}")
     raise NonFinite(step, local, detail)
-
-
-def _marked(data: dict | None, updated: bool) -> dict | None:
-    """A step's sample fingerprint, marked when its update was skipped (optimus data audit)."""
-    return data if updated or data is None else {**data, "skipped": True}
 
 
 def _count_tokens(microbatches: list[dict], device: torch.device,

@@ -85,22 +85,25 @@ def test_the_watch_writes_the_named_point_where_an_agents_tick_reads_it(redis_se
     monkeypatch.setattr(store, "snapshots", lambda: reports)
     watch, job = SnapshotWatch(store), {}
     watch.check(PLAN, job)
-    assert job == {"memory_snapshot": None} or job == {}  # nothing usable to show
+    assert job == {}  # nothing usable to show
 
-    def told(generation: int) -> str | None:
-        return store.agent_tick("a", {"generation": generation, "state": "running"}, {},
-                                None, False).align
-    assert told(2) == _p(6)
-    assert told(1) is None  # another generation's agent is told nothing
-    store.r.set(store.k("gen:2:align"), "../../etc")  # a value that is no point: ignored
-    assert told(2) is None
-    # Once every node confirmed it the point is usable: shown, and the key goes.
+    def told(generation: int) -> tuple[str | None, str | None]:
+        tick = store.agent_tick("a", {"generation": generation, "state": "running"}, {}, None,
+                                False)
+        return tick.align, tick.keep
+    assert told(2) == (_p(6), None)  # push 6; nothing usable to keep yet
+    assert told(1) == (None, None)  # another generation's agent is told nothing
+    for bad in ("../../etc", "step_1.gen_2 " + "x" * 300, ""):
+        store.r.set(store.k("gen:2:align"), bad)  # no point names: ignored
+        assert told(2) == (None, None)
+    # Once every node confirmed it the point is usable: shown, and kept, nothing to push.
     reports["a"]["replicated"][_p(6)] = "b"
     reports["b"]["held"][_p(6)] = [0, 1]
     watch.read_at = 0.0
+    watch.written = None
     watch.check(PLAN, job)
     assert job == {"memory_snapshot": 6}
-    assert told(2) is None and store.r.get(store.k("gen:2:align")) is None
+    assert told(2) == (None, _p(6))
 
 
 # --- real keepers: the agents' pushes meet on the named point ---------------------------------
@@ -202,3 +205,13 @@ def test_skewed_keepers_meet_on_the_named_point_and_keep_it_until_a_newer_one_is
     seen = reports()
     assert sorted(seen["a"]["own"]) == [_p(13), _p(14)]
     assert sorted(seen["b"]["held"]) == [_p(13), _p(14)]
+    # The usable point is named to keep: a confirms two newer ones b has not, and 14 stays
+    # usable (without the name a and b would drop their copies of a's 14).
+    for k in (a, b):
+        k.keep = _p(14)
+    take(15, 16)
+    _pushed(a, b, 15, 16)
+    assert usable() == 14
+    for k in (a, b):
+        k.keep = None
+    assert usable() is None

@@ -178,3 +178,28 @@ def test_a_healthy_run_raises_no_alarm_over_500_steps_with_the_defaults(run_rank
     raw["supervision"] = {"log_every": 50}
     run_ranks(_train, 1, raw, str(tmp_path), timeout=600)
     assert _events(tmp_path) == []
+
+
+def test_skip_windows_read_only_well_formed_windows():
+    from optimus.stability import skip_windows
+    assert skip_windows("14-16,3-3") == [(3, 3), (14, 16)]
+    assert skip_windows("") == skip_windows("x,5-2,0-3,-1-4,7") == []
+
+
+def _train_skipping(rank: int, world_size: int, raw: dict, run_dir: str) -> list[float]:
+    import os
+
+    os.environ["OPTIMUS_SKIP_STEPS"] = "5-6"  # as the agent passes a rewind's window on
+    return _train(rank, world_size, raw, run_dir)["losses"]
+
+
+def test_a_skip_window_reads_on_after_its_batches_and_the_audit_accepts_the_gap(run_ranks,
+                                                                                tmp_path):
+    run_ranks(_train_skipping, 1, job(steps=8, spike=False), str(tmp_path), timeout=240)
+    lines = [json.loads(t) for t in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (skip,) = [e for e in lines if e.get("event") == "data_skip"]
+    assert (skip["step"], skip["start"], skip["end"]) == (5, 32, 48)
+    reads = {m["step"]: m["data"] for m in lines if "loss" in m}
+    assert reads[4]["end"] == 32 and reads[5]["start"] == 48 and reads[8]["end"] == 80
+    audit = audit_run(tmp_path)
+    assert audit.ok and audit.unread == [(32, 48)], audit.problems

@@ -3,7 +3,8 @@
 
 - shows the newest usable point (recovery.memory_point) in the job record, for `optimus job
   status` and the exporter, and lets go of earlier incarnations' reports it outlived;
-- names the point every node pushes next when their own pushes do not meet (`align_point`).
+- names the point every node pushes next when their own pushes do not meet (`align_point`),
+  and the usable point every node keeps until a newer one is usable.
 
 Why the second. Each agent pushes its newest complete point when its last push has ended
 (controller/node/snapshots.py), and a point is usable only once every node's shards of it are
@@ -14,6 +15,8 @@ resumes from the disk checkpoint although every node holds a recent snapshot. A 
 one every node has taken whole; each agent pushes it before its own choice and keeps it (and
 its buddy keeps the copy) while it is named, so the nodes meet on it within a push or two. On
 a quiet run the pushes meet anyway and the named point is one they have sent or are sending.
+The usable point is named too, to keep: without it, a node that confirms two newer points the
+others did not confirm would drop its copy of the only point they share.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import time
 
 from controller.control import recovery
-from optimus.checkpoint.snapshot_files import parse_point
+from optimus.checkpoint.snapshot_files import parse_point, point_name
 
 CHECK_S = 5.0  # how often the nodes' snapshot reports are read while a job runs
 ALIGN_READS = 3  # a named point not replicated by every node after this many reads gives way
@@ -70,6 +73,7 @@ class SnapshotWatch:
         self.read_at = 0.0
         self.shown: int | None = None  # the usable step in the job record
         self.named: tuple[int, str | None, int] = (-1, None, 0)  # generation, point, reads
+        self.written: tuple | None = None  # (generation, push, keep) as last stored
 
     def check(self, plan: dict, job: dict) -> None:
         """Every CHECK_S while `plan` runs: the usable step into `job` (the job record's
@@ -89,6 +93,8 @@ class SnapshotWatch:
         if generation != plan["generation"]:
             named, reads = None, 0
         name = align_point(plan, reports, step, named, reads)
-        if name != named or generation != plan["generation"]:
-            self.store.set_snapshot_align(plan["generation"], name)
+        keep = point_name(step, plan["generation"]) if step is not None else None
+        if (plan["generation"], name, keep) != self.written:
+            self.store.set_snapshot_align(plan["generation"], name, keep)
+            self.written = (plan["generation"], name, keep)
         self.named = (plan["generation"], name, reads + 1 if name == named else 1)

@@ -221,7 +221,7 @@ class Agent(Lifecycle, Commands, Checks):
             self.redis_down = False
             log.warning("Redis answers again")
         self.reset_ranks = False
-        self.snapshots.align = tick.align
+        self.snapshots.align, self.snapshots.keep = tick.align, tick.keep
         if self.store.unsent:  # events an outage held back
             try:
                 self.store.flush_events()

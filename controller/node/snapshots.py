@@ -141,8 +141,10 @@ class SnapshotKeeper:
         self._fetch_key: tuple | None = None
         self._reported: str | None = None
         # The point the controller names for every node to push next, and to keep meanwhile
-        # (controller/control/snapshot_watch.py: where the nodes' own choices do not meet).
+        # (controller/control/snapshot_watch.py: where the nodes' own choices do not meet),
+        # and the usable point it names for every node to keep until a newer one is usable.
         self.align: str | None = None
+        self.keep: str | None = None
 
     def close(self) -> None:
         if self._server is not None:
@@ -164,8 +166,8 @@ class SnapshotKeeper:
         full = (running and self._push_ended(plan)) or full
         own = held = None
         if full:
-            keep = {self.align, _resume_point(plan) if plan and plan.get("generation") ==
-                    generation else None} - {None}
+            keep = {self.align, self.keep, _resume_point(plan) if plan and
+                    plan.get("generation") == generation else None} - {None}
             with self.lock:
                 own = _retain_own(_scan(self.own), set(self.replicated), keep, lineage or [])
                 held = _retain_held(_scan(self.held), keep, lineage or [])

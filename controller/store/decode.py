@@ -31,7 +31,10 @@ def local_rank(raw: object) -> int | None:
     return int(text) if isinstance(text, str) and text.isdigit() and len(text) <= 6 else None
 
 
-def point(raw: object) -> str | None:
-    """A snapshot point's folder name (snapshot_files.point_name), else None."""
+def points(raw: object, count: int) -> list[str | None]:
+    """`count` space-separated snapshot point names (snapshot_files.point_name); each that is
+    no point name ("-", anything else) is None."""
     text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
-    return text if isinstance(text, str) and len(text) <= 64 and parse_point(text) else None
+    words = text.split(" ", count) if isinstance(text, str) and len(text) <= 200 else []
+    words = (words + [""] * count)[:count]
+    return [w if len(w) <= 64 and parse_point(w) else None for w in words]

@@ -47,6 +47,7 @@ class AgentTick:
     registered: bool
     control: dict | None = None  # what the ranks are asked: {"pause": bool, "checkpoint": n}
     align: str | None = None  # the snapshot point to push next, named by the controller
+    keep: str | None = None  # the usable snapshot point to keep, named by the controller
 
 
 def as_text(value: Any) -> str:
@@ -141,7 +142,7 @@ class OwnRecords:
         stamp, commands, registered, control, align = self.call(tick)
         return AgentTick(stamp, [c for c in map(decode.record, commands or []) if c],
                          bool(registered), decode.record(control) if control else None,
-                         decode.point(align))
+                         *decode.points(align, 2))
 
     def leave(self, node: str) -> None:
         """An agent going away cleanly: no beat, no deadline (its record stays, marked)."""

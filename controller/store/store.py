@@ -210,11 +210,14 @@ class Store(OwnRecords, Mirror, Summaries, Reports):
         raw = self.call(lambda: self.r.get(self.k(f"gen:{generation}:master_port")))
         return int(raw) if raw else None
 
-    def set_snapshot_align(self, generation: int, point: str | None) -> None:
+    def set_snapshot_align(self, generation: int, push: str | None, keep: str | None) -> None:
         """The in-memory snapshot point every node of `generation` pushes next (None: their
-        own choice); agents read it with their tick (controller/control/snapshot_watch.py)."""
+        own choice) and the usable one every node keeps; agents read them with their tick
+        (controller/control/snapshot_watch.py)."""
         key = self.k(f"gen:{generation}:align")
-        self.call(lambda: self.r.set(key, point, ex=86_400) if point else self.r.delete(key))
+        value = f"{push or '-'} {keep or '-'}"
+        self.call(lambda: self.r.set(key, value, ex=86_400) if push or keep
+                  else self.r.delete(key))
 
     # --- operators' requests and the ranks' control word ---------------------------------------
 

@@ -184,3 +184,32 @@ def carried_failed_saves() -> int:
     value that is not a small count)."""
     text = os.environ.get(FAILED_SAVES_ENV, "")
     return int(text) if text.isdigit() and len(text) < 7 else 0
+
+
+def log_resume(log: MetricsLog, ckpt: Checkpointer | None, resumed: dict | None,
+                not_used: str | None) -> None:
+    if not_used:  # the agent named a memory snapshot that not every rank could load
+        log.event("checkpoint", f"{not_used}; resuming from disk instead")
+    if resumed and resumed.get("source") == "memory":
+        log.event("resume", f"continuing from the memory snapshot of step {resumed['step']} "
+                  f"(generation {resumed['generation']}, {resumed['path']}): nothing read from "
+                  "disk", step=resumed["step"], data_index=resumed["data_index"],
+                  source="memory", notes=[])
+    if ckpt is None:
+        return
+    if not (resumed and resumed.get("source") == "memory"):
+        for message in resumed["skipped"] if resumed else ckpt.skipped:
+            log.event("checkpoint", f"{message}; falling back to an older checkpoint")
+        for q in ckpt.quarantined:
+            log.event("quarantine", f"checkpoint of step {q['step']} set aside as {q['path']}: "
+                      f"{q['reason']}; a later save of step {q['step']} writes it afresh", **q)
+        if resumed and resumed.get("untrusted"):
+            log.event("checkpoint", f"{resumed['path']} was not written by this run: "
+                      f"{resumed['untrusted']}; loaded because the operator trusts it "
+                      "(--trust-checkpoint or checkpoint.trust_step)", trusted=True)
+        if resumed:
+            log.event("resume", f"continuing from {resumed['path']} (step {resumed['step']})",
+                      step=resumed["step"], data_index=resumed.get("data_index"),
+                      source="disk", notes=resumed.get("notes", []))
+    if ckpt.mode_note:
+        log.event("checkpoint", ckpt.mode_note)

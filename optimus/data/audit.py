@@ -18,6 +18,8 @@ The audit then checks that
 - a step trained again after a restart, over the same indices and the same slice, read the same
   samples (else the data order changed under the run: seed, data, sequence length).
 
+A rewind's window (a `data_skip` event: the batches of steps it names were not read; the next
+step reads on after them) is a gap the audit accepts, and lists in a note.
 A step whose update the stability rules skipped (`"skipped": true` in its fingerprint) still
 read its samples: they are accounted as read and not trained on, and listed in a note.
 
@@ -56,6 +58,8 @@ class Audit:
     generations: int = 0  # times training started or resumed in this file
     repeated: int = 0  # steps trained again after a restart (the earlier ones superseded)
     skipped: list[int] = field(default_factory=list)  # steps that count whose update was skipped
+    # Sample ranges a rewind skipped unread ([start, end), before the step that read on)
+    unread: list[tuple[int, int]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     # A mixture run's sources: {"source", "weight", "share" (what the weights ask for),
@@ -136,11 +140,14 @@ def audit(lines: Iterable[dict], seed: int | None = None) -> Audit:
     last = 0  # the newest step that counts
     records = 0
     resumed = False  # a resume event opened a generation that has no step record yet
+    jumps: dict[int, tuple[int, int]] = {}  # step -> the samples a rewind skipped before it
 
     def roll_back(to: int) -> None:
         nonlocal last
         for step in [s for s in kept if s > to]:
             del kept[step]
+        for step in [s for s in jumps if s > to]:
+            del jumps[step]
         no_data[:] = [s for s in no_data if s <= to]
         last = min(last, to)
 
@@ -166,6 +173,10 @@ def audit(lines: Iterable[dict], seed: int | None = None) -> Audit:
                     + ("skips" if index > kept[c]["end"] else "repeats") + " samples")
             roll_back(c)
             continue
+        if event == "data_skip" and all(isinstance(line.get(k), int)
+                                        for k in ("step", "start", "end")):
+            jumps[line["step"]] = (line["start"], line["end"])
+            continue
         if event == "mixture":
             if _is_mixture(line):
                 mixtures.append(line)
@@ -187,7 +198,7 @@ def audit(lines: Iterable[dict], seed: int | None = None) -> Audit:
         if mixtures:
             mixture_of[step] = len(mixtures) - 1
 
-    _check(result, kept, seen, no_data)
+    _check(result, kept, seen, no_data, jumps)
     result.skipped = sorted(s for s, data in kept.items() if data.get("skipped") is True)
     if result.skipped:
         shown = ", ".join(f"step {s} [{kept[s]['start']}, {kept[s]['end']})"
@@ -202,7 +213,7 @@ def audit(lines: Iterable[dict], seed: int | None = None) -> Audit:
 
 
 def _check(result: Audit, kept: dict[int, dict], seen: dict[int, list[dict]],
-           no_data: list[int]) -> None:
+           no_data: list[int], jumps: dict[int, tuple[int, int]]) -> None:
     if no_data:
         shown = ", ".join(map(str, no_data[:5])) + (" ..." if len(no_data) > 5 else "")
         result.problems.append(f"{len(no_data)} step(s) that count have no sample fingerprint "
@@ -228,7 +239,11 @@ def _check(result: Audit, kept: dict[int, dict], seen: dict[int, list[dict]],
                                        "what they read")
             continue
         end, start = kept[a]["end"], kept[b]["start"]
-        if start > end:
+        if start > end and jumps.get(b) == (end, start):
+            result.unread.append((end, start))
+            result.notes.append(f"samples [{end}, {start}) were skipped unread before step {b} "
+                                "by a rewind (its data_skip event)")
+        elif start > end:
             result.problems.append(f"gap: samples [{end}, {start}) were skipped between step "
                                    f"{a} and step {b}")
         elif start < end:
