@@ -62,7 +62,8 @@ def tick_commands(p: str, node: str, status: tuple, beats: list[str], deadline: 
             ("GET", p + "plan:stamp"),
             ("LPOP", f"{p}commands:{node}", 100),
             ("EXISTS", f"{p}node:{node}:info"),
-            ("GET", p + "control")]
+            ("GET", p + "control"),
+            ("GET", p + "gen:0:align")]  # the status says generation 0
 
 
 def status_command(p: str, node: str, i: int) -> tuple:
@@ -107,7 +108,7 @@ def check_commands(url: str, plan: dict) -> None:
             return getattr(recorded, name)
 
         def execute(self):
-            return [None, None, 1, None]
+            return [None, None, 1, None, None]
 
     store = Store(url, JOB)
     store.r = mock.Mock(pipeline=lambda transaction=True: Deferred())
