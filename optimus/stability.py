@@ -32,12 +32,15 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 
 from optimus.config.schema import StabilityConfig
 
 EXIT_REWIND = 90  # every rank stopped for a rewind (controller/control/rewind.py reads it)
 REWIND_LINE = "rewind-request "  # + JSON: the line the controller reads in a rank's log's tail
 SKIPS_ENV = "OPTIMUS_SKIP_STEPS"  # "A-B,C-D": windows of steps whose batches a rewind skips
+COUNTED = ("spikes", "divergences", "skipped_steps")
+MAX_HISTORY_CHARS = 1 << 20  # a history is a few windows of floats: ~10 KiB at window 100
 
 
 @dataclass(frozen=True)
@@ -94,8 +97,14 @@ def skip_windows(text: str | None = None) -> list[tuple[int, int]]:
     return sorted(out)
 
 
-class StabilityWatch:
-    """The trailing history one rank keeps, and the rules over it."""
+class StabilityWatch(Stateful):
+    """The trailing history one rank keeps, and the rules over it.
+
+    A checkpoint and a memory snapshot carry it (`state_dict`: one JSON string, the same on
+    every rank), so a new generation judges from the first step with the history its resume
+    point had, instead of another warm-up; its counts go on along the run's line (a rewind
+    takes them back with the state). A checkpoint written before the rules carried their
+    history has none: the rules warm up again."""
 
     def __init__(self, cfg: StabilityConfig):
         self.cfg = cfg
@@ -105,6 +114,47 @@ class StabilityWatch:
         self.seen = 0  # steps of history this run
         self.in_a_row = 0  # spikes in a row
         self._block: list[float] = []  # the window being filled, for the trend
+        self.counts = dict.fromkeys(COUNTED, 0)  # verdicts along the run's line
+
+    def state_dict(self) -> dict[str, str]:
+        return {"history": json.dumps({
+            "losses": list(self.losses), "norms": list(self.norms), "means": list(self.means),
+            "block": self._block, "seen": self.seen, "in_a_row": self.in_a_row,
+            "counts": self.counts})}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """The history a checkpoint or snapshot carried. It crossed a boundary (a file): only
+        finite numbers of the expected kinds are taken, at most a window's worth; anything
+        else leaves the rules to warm up again."""
+        try:
+            saved = json.loads(str(state_dict.get("history", ""))[:MAX_HISTORY_CHARS])
+            floats = {k: [float(x) for x in saved[k] if isinstance(x, int | float)
+                          and math.isfinite(x)] for k in ("losses", "norms", "means", "block")}
+            ints = {k: int(saved[k]) for k in ("seen", "in_a_row")
+                    if isinstance(saved[k], int) and saved[k] >= 0}
+            counts = {k: int(v) for k, v in saved["counts"].items()
+                      if k in COUNTED and isinstance(v, int) and v >= 0}
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return
+        self.losses.clear()
+        self.losses.extend(floats["losses"][-self.cfg.window:])
+        self.norms.clear()
+        self.norms.extend(floats["norms"][-self.cfg.window:])
+        self.means.clear()
+        self.means.extend(floats["means"])
+        self._block = floats["block"][-self.cfg.window:]
+        self.seen, self.in_a_row = ints.get("seen", 0), ints.get("in_a_row", 0)
+        self.counts.update(counts)
+
+    def figures(self) -> dict:
+        """The counts and the thresholds the next step is judged by (None: a rule is off or
+        not armed yet), for rank 0's heartbeat (the exporter's gauges and counters)."""
+        loss, grad = self._thresholds() if self._armed() else (None, None)
+        return {**self.counts, "loss_threshold": loss, "grad_norm_threshold": grad}
+
+    def _armed(self) -> bool:
+        c = self.cfg
+        return c.enabled and self.seen >= c.warmup_steps and len(self.norms) == c.window
 
     @property
     def needs_loss(self) -> bool:
@@ -113,12 +163,19 @@ class StabilityWatch:
         return c.enabled and (c.loss_sigma > 0 or c.divergence_windows > 0)
 
     def judge(self, step: int, loss: float | None, grad_norm: float) -> Verdict | None:
-        """The verdict on `step` (None: healthy), then the history updated. `loss` is None
-        where the rules need none (needs_loss)."""
+        """The verdict on `step` (None: healthy), then the history updated and the verdict
+        counted. `loss` is None where the rules need none (needs_loss)."""
+        verdict = self._judge(step, loss, grad_norm)
+        if verdict is not None:
+            self.counts["spikes" if verdict.kind == "spike" else "divergences"] += 1
+            self.counts["skipped_steps"] += verdict.action == "skip_step"
+        return verdict
+
+    def _judge(self, step: int, loss: float | None, grad_norm: float) -> Verdict | None:
         c = self.cfg
         if not c.enabled:
             return None
-        armed = self.seen >= c.warmup_steps and len(self.norms) == c.window
+        armed = self._armed()
         verdict = self._spike(step, loss, grad_norm) if armed else None
         if verdict is not None:
             self.in_a_row += 1
@@ -138,17 +195,25 @@ class StabilityWatch:
             return self._trend(step, loss) if armed else self._fill(loss)
         return None
 
-    def _spike(self, step: int, loss: float | None, grad_norm: float) -> Verdict | None:
+    def _thresholds(self) -> tuple[float | None, float | None]:
+        """The spike thresholds over the history as it is (None: that rule is off)."""
         c = self.cfg
-        if loss is not None and c.loss_sigma > 0 and len(self.losses) >= 2:
+        loss = grad = None
+        if c.loss_sigma > 0 and len(self.losses) >= 2:
             mean = statistics.fmean(self.losses)
-            band = max(c.loss_sigma * statistics.pstdev(self.losses), c.loss_min_rise * mean)
-            if not math.isfinite(loss) or loss > mean + band:
-                return Verdict("spike", "loss", step, loss, mean + band, c.on_spike)
-        if c.grad_ratio > 0:
-            limit = c.grad_ratio * statistics.median(self.norms)
-            if grad_norm > limit:
-                return Verdict("spike", "grad_norm", step, grad_norm, limit, c.on_spike)
+            loss = mean + max(c.loss_sigma * statistics.pstdev(self.losses),
+                              c.loss_min_rise * mean)
+        if c.grad_ratio > 0 and self.norms:
+            grad = c.grad_ratio * statistics.median(self.norms)
+        return loss, grad
+
+    def _spike(self, step: int, loss: float | None, grad_norm: float) -> Verdict | None:
+        loss_limit, grad_limit = self._thresholds()
+        if loss is not None and loss_limit is not None and (
+                not math.isfinite(loss) or loss > loss_limit):
+            return Verdict("spike", "loss", step, loss, loss_limit, self.cfg.on_spike)
+        if grad_limit is not None and grad_norm > grad_limit:
+            return Verdict("spike", "grad_norm", step, grad_norm, grad_limit, self.cfg.on_spike)
         return None
 
     def _fill(self, loss: float) -> None:

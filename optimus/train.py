@@ -143,6 +143,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         progress = Progress(job.data.batch_size)
         key = layout_key(layout, device)  # a string: a checkpoint holds no object of ours
         state = training_state(model, optimizer, progress, rank=env.rank, layout=key)
+        watch = state["stability"] = StabilityWatch(job.stability)  # spikes (stability.py)
         agree_on = torch.device("cpu") if backend == "gloo" else device
         resumed, not_used = None, None
         if job.checkpoint.resume == "auto":
@@ -199,7 +200,6 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                           source=resumed.get("source", "disk") if resumed else "disk")
 
         saves = RunCheckpoints(ckpt, log, job, layout, state, progress)
-        watch = StabilityWatch(job.stability)  # spikes and divergence (optimus/stability.py)
         # A job paused (or stopped) across a restart stays so: agree before the first step too.
         first = progress.step + 1
         with heartbeat.phase("sync"):
@@ -285,7 +285,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                 result.losses.append(loss_value)
                 heartbeat.logged(loss_value, float(grad_norm), None if env.rank else {
                     "loss": loss_value, "tokens": progress.tokens, "tokens_per_s": tokens_per_s,
-                    "mfu": mfu, "step_time_s": step_time,
+                    "mfu": mfu, "step_time_s": step_time, "stability": watch.figures(),
                     "checkpoint_s": ckpt.stats.last_write_s if ckpt and ckpt.stats.saves_committed
                     else None}, memory=own_memory)
                 log.record(StepMetrics(step=step, loss=loss_value, grad_norm=float(grad_norm),

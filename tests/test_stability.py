@@ -107,6 +107,25 @@ def test_off_is_off():
     assert not watch(loss_sigma=0, divergence_windows=0).needs_loss
 
 
+def test_the_history_travels_as_json_and_junk_in_it_leaves_the_rules_to_warm_up():
+    w = watch(window=10, warmup_steps=12)
+    assert w.figures()["loss_threshold"] is None  # not armed
+    feed(w, [2.0, 2.1] * 6)
+    assert w.figures()["loss_threshold"] == pytest.approx(2.05 + 0.3)
+    feed(w, [9.0], start=13)
+    assert {k: w.figures()[k] for k in ("spikes", "divergences", "skipped_steps")} == \
+        {"spikes": 1, "divergences": 0, "skipped_steps": 1}
+    again = watch(window=10, warmup_steps=12)
+    again.load_state_dict(w.state_dict())  # as a checkpoint or a snapshot brings it back
+    assert again.figures() == w.figures()
+    assert [v.step for v in feed(again, [9.0], start=14)] == [14]  # judged at once
+    for junk in ("not json", '{"losses": "x"}', '{"losses": [1e999], "norms": []}', "[]"):
+        fresh = watch(window=10, warmup_steps=12)
+        fresh.load_state_dict({"history": junk})
+        assert fresh.seen == 0 and fresh.figures()["spikes"] == 0
+        assert feed(fresh, [9.0]) == []  # warming up again
+
+
 def test_a_spike_fault_takes_no_rank():
     with pytest.raises(ValueError, match="poisons the whole step"):
         validate_job({**base_job(), "fault_injection": {"faults": [
@@ -169,6 +188,22 @@ def test_warn_trains_on_the_spike(run_ranks, tmp_path):
     changed = [n for n, v in before["state"].items() if not torch.equal(warned["state"][n], v)]
     assert changed  # the poisoned batch's update was applied
     assert audit_run(tmp_path / "b").skipped == []
+
+
+def test_a_resumed_run_judges_at_once_with_the_history_its_checkpoint_carried(run_ranks,
+                                                                             tmp_path):
+    """Step 12 is saved; the run resumed from it judges step 16 (3 steps after the resume,
+    far short of the warm-up of 10) with the history the checkpoint carried."""
+    raw = job(steps=12, spike=False)
+    raw["checkpoint"] = {"interval": 12}
+    run_ranks(_train, 1, raw, str(tmp_path), timeout=240)
+    raw = job()
+    raw["checkpoint"] = {"interval": 12}
+    run_ranks(_train, 1, raw, str(tmp_path), timeout=240)
+    lines = [json.loads(t) for t in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in lines if e.get("event") == "resume"] == [12]
+    (event,) = _events(tmp_path)
+    assert (event["step"], event["verdict"]) == (SPIKE, "spike")
 
 
 def test_a_healthy_run_raises_no_alarm_over_500_steps_with_the_defaults(run_ranks, tmp_path):

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from optimus.checkpoint.manifest import CheckpointError, verify
 from optimus.checkpoint.quarantine import pick_loadable
 from optimus.checkpoint.safe_pickle import refusal
-from optimus.checkpoint.state import PER_RANK
+from optimus.checkpoint.state import OPTIONAL, PER_RANK
 from optimus.checkpoint.storage import TensorFileReader
 
 
@@ -106,12 +106,14 @@ class Loading:
 
 
 class _Planner(DefaultLoadPlanner):
-    """DCP's planner, but per-rank entries the checkpoint lacks are skipped, not an error."""
+    """DCP's planner, but per-rank entries the checkpoint lacks are skipped, not an error, and
+    so is optional state a checkpoint written before it existed lacks (OPTIONAL)."""
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
         saved = metadata.state_dict_metadata if metadata is not None else {}
-        for key in [k for k in self.state_dict if f".{PER_RANK}." in k and k not in saved]:
+        for key in [k for k in self.state_dict if k not in saved and (
+                f".{PER_RANK}." in k or k.startswith(OPTIONAL))]:
             del self.state_dict[key]
 
 

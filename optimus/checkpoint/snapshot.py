@@ -60,6 +60,7 @@ from optimus.checkpoint.snapshot_files import (
     shard_files,
     write_marker,
 )
+from optimus.checkpoint.state import OPTIONAL_STATE
 
 DIR_ENV = "OPTIMUS_SNAPSHOT_DIR"  # this node's own/ folder: where ranks write
 RESUME_ENV = "OPTIMUS_SNAPSHOT_RESUME"  # JSON {"step", "generation", "dir"}: what to load
@@ -205,7 +206,8 @@ def references(state: dict) -> dict[str, Any]:
         accelerator = torch.accelerator.current_accelerator().type
         rng["accelerator"] = torch.get_device_module(accelerator).get_rng_state()
     return {"model": state["model"].state_dict(), "optim": state["optim"].state_dict(),
-            "progress": state["progress"].meta(), "rng": rng}
+            "progress": state["progress"].meta(), "rng": rng,
+            **{name: state[name].state_dict() for name in OPTIONAL_STATE if name in state}}
 
 
 def copy_out(refs: dict[str, Any]) -> dict[str, Any]:
@@ -280,6 +282,9 @@ def load_agreed(state: dict, request: dict | None, *, rank: int,
     progress.tokens = int(saved["progress"]["tokens"])
     progress.data_index = int(saved["progress"]["data_index"])
     state["rng"].restore(saved["rng"])
+    for name in OPTIONAL_STATE:  # (a snapshot of a version without it: left as it is)
+        if name in state and isinstance(saved.get(name), dict):
+            state[name].load_state_dict(saved[name])
     return {**progress.meta(), "path": str(folder), "source": "memory",
             "generation": request.get("generation"), "skipped": [], "quarantined": [],
             "notes": []}, None

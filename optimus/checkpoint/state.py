@@ -16,6 +16,9 @@
   gets its own states back; on another layout they mean nothing (rank r holds other data and
   other shards), so they are left alone and `load_note` says so.
 
+- "stability", added by the trainer: the spike rules' trailing history (one JSON string, the
+  same on every rank; optimus/stability.py). Optional: a checkpoint without it still loads.
+
 Nothing else carries state between steps: the loss scale does not exist (bf16/fp32), gradient
 clipping and the pipeline schedules are stateless, and the optimizer's own step counters are in
 its state dict.
@@ -42,6 +45,10 @@ from optimus.parallel.plan import ParallelModel
 # State under a key of this name holds one entry per rank. A checkpoint saved by another world
 # size lacks some of those entries; the loader skips them instead of failing (see saver.py).
 PER_RANK = "per_rank"
+# State a checkpoint may lack (written before it existed): loaded when there, else left as it
+# is. "stability": the spike rules' history (optimus/stability.py), added by the trainer.
+OPTIONAL_STATE = ("stability",)
+OPTIONAL = tuple(f"{name}." for name in OPTIONAL_STATE)  # their keys, flattened by DCP
 
 
 # Param-group settings are stored per parameter name, not per group: pipeline stages hold
