@@ -7,6 +7,7 @@ and exit status 2, never a traceback.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -81,6 +82,12 @@ def train(job: Path, overrides: tuple[str, ...], trust: bool) -> None:
             sys.exit(e.exit_code)
         except RewindRequest as e:  # every rank alike: the controller reads the line (90)
             print(e.line(), flush=True)
+            if not os.environ.get("OPTIMUS_AGENT_SOCKET"):  # no controller to plan it
+                click.secho(f"error: {e}; a rewind is planned by the controller (optimus run). "
+                            "Here: resume with OPTIMUS_SKIP_STEPS=FIRST-LAST set to the steps "
+                            "whose batches to skip, after moving aside the checkpoints from "
+                            "FIRST on; or set stability.on_spike to skip_step or warn",
+                            fg="red", err=True)
             if not inprocess.enabled():
                 _abandon_helpers()
                 sys.exit(e.exit_code)
@@ -105,8 +112,6 @@ def train(job: Path, overrides: tuple[str, ...], trust: bool) -> None:
 
 
 def _generation() -> str:
-    import os
-
     return os.environ.get("OPTIMUS_GENERATION", "?")
 
 

@@ -42,7 +42,7 @@ from optimus.config.schema import Fault
 from optimus.parallel.plan import IGNORE_INDEX
 
 CHAOS_ENV = "OPTIMUS_CHAOS_FILE"
-CHAOS_KINDS = ("hang_rank", "stall_rank", "nan_rank")  # what an operator may send through the file
+CHAOS_KINDS = ("hang_rank", "stall_rank", "nan_rank", "spike")  # an operator's, through the file
 
 
 class RankFaults:
@@ -130,15 +130,21 @@ class RankFaults:
         for e in entries:
             if not isinstance(e, dict) or e.get("kind") not in CHAOS_KINDS:
                 continue
-            if e.get("rank") != self.rank or e.get("generation") != self.generation:
+            every = e["kind"] == "spike"  # every rank its share of the step (no rank named)
+            if e.get("rank") != (None if every else self.rank) or \
+                    e.get("generation") != self.generation:
                 continue
             if e.get("id") in self._chaos_seen:
                 continue
             self._chaos_seen.add(e.get("id"))
             asked = e.get("step")
+            if every and not (isinstance(asked, int) and asked >= step):
+                self._say(f"was sent a spike for step {asked} in step {step}: too late, not "
+                          "fired (the other ranks' shares would be poisoned alone)")
+                continue
             at = max(step, asked) if isinstance(asked, int) and not isinstance(asked, bool) \
                 else step
-            self.faults.append(Fault(kind=e["kind"], step=at, rank=self.rank,
+            self.faults.append(Fault(kind=e["kind"], step=at, rank=None if every else self.rank,
                                      generation=self.generation,
                                      seconds=float(e.get("seconds") or 0.0)))
             self._say(f"was sent {e['kind']} by an operator (chaos): it fires in step {at}")

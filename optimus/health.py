@@ -176,9 +176,8 @@ class Heartbeat:
         rank 0 adds its metrics."""
         self._finite = math.isfinite(loss) and math.isfinite(grad_norm)
         self._memory = memory
-        if metrics is not None:
-            self._metrics = {k: (v if v is None or math.isfinite(v) else None)
-                             for k, v in metrics.items()}
+        if metrics is not None:  # JSON has no NaN: a figure that is not finite goes as null
+            self._metrics = {k: _finite(v) for k, v in metrics.items()}
 
     def validated(self, summary: dict | None) -> None:
         """Rank 0's last validation ({"val_loss", "val_step"}), sent beside its metrics."""
@@ -444,6 +443,14 @@ class Commands:
 # Exit statuses the agent reports and the controller reads (controller/control/decide.py).
 EXIT_BAD_TILE = 87  # this rank's own loss or gradients were NaN/Inf: its tile is suspect
 EXIT_NONFINITE_ELSEWHERE = 88  # the reduced gradients were NaN/Inf, this rank's own were not
+def _finite(value):
+    """A figure, or a dict of them (the stability rules' counts and thresholds), with every
+    number that is not finite as None."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    return value if value is None or math.isfinite(value) else None
+
+
 EXIT_CHECKPOINT_FAILED = 89  # the final step's save failed, or max_failed_saves in a row did
 
 

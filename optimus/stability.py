@@ -53,6 +53,7 @@ class Verdict:
     value: float
     threshold: float
     action: str  # warn, skip_step, rewind
+    since: int | None = None  # a divergence: the first step of the rise (a rewind goes before)
 
     def message(self) -> str:
         what = {"loss": "the loss", "grad_norm": "the gradient norm",
@@ -81,13 +82,15 @@ class RewindRequest(Exception):
 
     def line(self) -> str:
         v = self.verdict
-        return REWIND_LINE + json.dumps({"step": v.step, "verdict": v.kind, "rule": v.rule,
+        return REWIND_LINE + json.dumps({"step": v.step, "since": v.since or v.step,
+                                         "verdict": v.kind, "rule": v.rule,
                                          "value": v.value, "threshold": v.threshold})
 
 
 def skip_windows(text: str | None = None) -> list[tuple[int, int]]:
     """The windows of steps (first, last) whose batches are skipped, from the agent's
-    OPTIMUS_SKIP_STEPS ("A-B,C-D"); anything else in it is ignored."""
+    OPTIMUS_SKIP_STEPS ("A-B,C-D"); anything else in it is ignored. Two windows may start at
+    the same step (a spike again at the step a rewind went on from): both are skipped."""
     text = os.environ.get(SKIPS_ENV, "") if text is None else text
     out = []
     for part in text.split(",")[:1000]:
@@ -186,7 +189,7 @@ class StabilityWatch(Stateful):
             self.norms.clear()
             self.seen = self.in_a_row = 0
             return Verdict("divergence", verdict.rule, step, verdict.value,
-                           verdict.threshold, c.on_divergence)
+                           verdict.threshold, c.on_divergence, since=step - c.max_skips)
         self.in_a_row = 0
         self.seen += 1
         self.norms.append(grad_norm)
@@ -233,18 +236,30 @@ class StabilityWatch(Stateful):
         if rising and means[-1] - means[0] > c.divergence_min_rise * abs(means[0]):
             threshold = means[0] * (1 + c.divergence_min_rise)
             self.means.clear()  # said once per rise
-            return Verdict("divergence", "trend", step, means[-1], threshold, c.on_divergence)
+            return Verdict("divergence", "trend", step, means[-1], threshold, c.on_divergence,
+                           since=max(1, step - len(means) * c.window + 1))
         return None
 
 
-def skip_batches(step: int, last: int, progress, job, open_loader, log):
-    """A rewind's window: the batches of steps `step`..`last` are not read; this step reads
-    the one after them (steps keep their numbers, so the schedule is unchanged). The new
-    loader's iterator is made without touching the training RNG."""
+def skips_ahead(after: int) -> dict[int, int]:
+    """{first step: how many steps' batches are skipped there}, for the windows that start
+    after step `after` (a resume point past a window's start read past it already)."""
+    out: dict[int, int] = {}
+    for first, last in skip_windows():
+        if first > after:
+            out[first] = out.get(first, 0) + last - first + 1
+    return out
+
+
+def skip_batches(step: int, count: int, progress, job, open_loader, log):
+    """A rewind's window: the batches of `count` steps from `step` on are not read; this
+    step reads the one after them (steps keep their numbers, so the schedule is unchanged).
+    The new loader's iterator is made without touching the training RNG."""
     first = progress.data_index
-    progress.data_index += (last - step + 1) * job.data.batch_size
+    progress.data_index += count * job.data.batch_size
     with torch.random.fork_rng(devices=[]):
         batches = iter(open_loader(progress.data_index))
+    last = step + count - 1
     log.event("data_skip", f"the batches of steps {step}..{last} are skipped (a rewind): "
               f"samples [{first}, {progress.data_index}) not read; step {step} reads on from "
               "there", step=step, start=first, end=progress.data_index, window=[step, last])

@@ -71,7 +71,7 @@ from optimus.runtime import (
     pick_device,
     reset_peak_memory,
 )
-from optimus.stability import RewindRequest, StabilityWatch, marked, skip_batches, skip_windows
+from optimus.stability import RewindRequest, StabilityWatch, marked, skip_batches, skips_ahead
 
 # DTensor warns at every clip on a dp x tp mesh that it gathers in two steps; it is expected.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -186,7 +186,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         batches = iter(loader)
         # Windows of steps whose batches a rewind skips, ahead of where this generation starts
         # (a checkpoint past a window's start read past it already).
-        skips = {a: b for a, b in skip_windows() if a > progress.step}
+        skips = skips_ahead(progress.step)
         held_out = (held_out_for(job, layout, mesh["dp"].get_local_rank())
                     if job.eval.every else None)  # the validation windows, this rank's share
         if resumed:

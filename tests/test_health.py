@@ -170,6 +170,9 @@ def test_a_training_process_sends_heartbeats_in_the_protocol(socket_dir, tmp_pat
     assert (final["loss"], final["tokens"], final["step_time_s"]) == (
         last["loss"], last["tokens"], last["step_time_s"])
     assert final["tokens_per_s"] == last["tokens_per_s"] and final["checkpoint_s"] > 0
+    # ... and the stability rules' counts and thresholds (not armed: 40 steps < the warm-up)
+    assert final["stability"] == {"spikes": 0, "divergences": 0, "skipped_steps": 0,
+                                  "loss_threshold": None, "grad_norm_threshold": None}
     # Every rank carries its own peak memory in its last logged step; alone, it is the largest.
     assert beats[0]["memory"] is None
     assert last["memory"] == {**beats[-1]["memory"], "allocated_rank": 0, "reserved_rank": 0}

@@ -16,7 +16,10 @@ from pathlib import Path
 import click
 
 import optimus.cli as core
-from controller.cli import ops  # noqa: F401 (adds `optimus job`, `optimus node`, `optimus events`)
+from controller.cli import (
+    ops,  # noqa: F401 (adds `optimus job`, `optimus node`, `optimus events`)
+    rewind,  # noqa: F401 (adds `optimus job rewind`)
+)
 from controller.control.journal import read_journal
 from controller.node.folders import UnsafeFolder
 from controller.schedulers import pbs, slurm
@@ -231,6 +234,8 @@ CHAOS = {  # what each fault does, for the help and the confirmation
                 "computing wrong: nothing since its node's last passing check is trusted)",
     "kill-node": "SIGKILL to the node's agent and its ranks (a lost node)",
     "bad-tile": "the node's tile --tile computes wrong (its next health check fails)",
+    "spike": "every rank's share of step --at-step's batch turns to random tokens: a real "
+             "loss spike, for the job's stability rules (stability.on_spike)",
 }
 
 
@@ -246,9 +251,9 @@ CHAOS = {  # what each fault does, for the help and the confirmation
               help="For bad-tile: the device index whose health checks go wrong.")
 @click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=None,
               help="For stall-rank: how long the rank sleeps.")
-@click.option("--at-step", type=click.IntRange(min=1), default=None,
+@click.option("--at-step", "--step", "at_step", type=click.IntRange(min=1), default=None,
               help="For hang-rank, stall-rank and nan-rank: the step it fires in (default: "
-              "the first step the rank starts after its agent relays it).")
+              "the first step the rank starts after its agent relays it); for spike, required.")
 @redis_option
 @ops.reason_option()
 @ops.yes_option
@@ -270,6 +275,9 @@ def chaos(fault: str, job_name: str, rank: int | None, node: str | None, tile: i
     if not plan or plan.get("action") != "run":
         raise ConfigError(f"job {job_name} has no running generation in Redis; fix: check "
                           "--job and --redis (optimus run prints both)")
+    if fault == "spike":
+        _spike(store, plan, job_name, at_step, sent, yes)
+        return
     if fault == "kill-node":
         if node is None:
             raise ConfigError("kill-node needs --node NAME; fix: one of "
@@ -307,6 +315,25 @@ def chaos(fault: str, job_name: str, rank: int | None, node: str | None, tile: i
                 "tick, then the rank's next step: the rank's log and a chaos event say which)")
     click.echo(f"{fault} sent to the agent of {target}"
                + (f" (rank {rank})" if rank is not None else "") + when)
+
+
+def _spike(store: Store, plan: dict, job_name: str, at_step: int | None, sent: dict,
+           yes: bool) -> None:
+    """Every node's agent is told; each rank poisons its share of that step's batch, so all
+    of them judge the same global loss. A rank already past the step when its agent relays it
+    says so and poisons nothing (a step later would poison some ranks' shares only)."""
+    now = store.furthest_step()
+    if at_step is None:
+        raise ConfigError("spike needs --at-step S: the step whose batch is poisoned (every rank "
+                          f"must reach it after the command: the job is at step {now})")
+    if now is not None and at_step <= now + 1:
+        raise ConfigError(f"step {at_step} is too near: the job is at step {now}; fix: --at-step "
+                          f"{now + 3} or later (every node's agent relays it first)")
+    ops.confirm(yes, f"Chaos on job {job_name}: spike at step {at_step}: {CHAOS['spike']}?")
+    for name in plan["nodes"]:
+        store.push_command(name, {"kind": "spike", "step": at_step, **sent})
+    click.echo(f"spike sent to the agents of {len(plan['nodes'])} node(s): every rank poisons "
+               f"its share of step {at_step}'s batch (events: kind chaos, then stability)")
 
 
 @main.command("health-check")

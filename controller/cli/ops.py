@@ -1,6 +1,6 @@
 """The operator's commands: `optimus job ...`, `optimus node ...`, `optimus events`.
 
-    optimus job status|pause|resume|stop|checkpoint --job NAME
+    optimus job status|pause|resume|stop|checkpoint|rewind --job NAME
     optimus node list|exclude|include|drain [NODE] --job NAME
     optimus events --job NAME           (follows, like tail -f; --no-follow prints and exits)
 
@@ -118,14 +118,16 @@ def confirm(yes: bool, question: str) -> None:
 
 
 def _send(store: Store, record: dict[str, str], action: str, *, reason: str, node: str = "",
-          checkpoint: bool = False) -> dict:
-    """Check, send, and wait for the controller's answer (its event); that event."""
+          checkpoint: bool = False, **more) -> dict:
+    """Check, send, and wait for the controller's answer (its event); that event. `more`: the
+    request's own fields (a rewind's to, skip, samples)."""
     entries = store.excluded()
     why = operator.refusal(
         action, record.get("state", ""), record.get("desired") or None, node=node,
         known_nodes=frozenset(store.nodes()) | frozenset(entries),
         excluded={n: e.get("reason", "") for n, e in entries.items()},
-        draining=frozenset(n for n, e in entries.items() if e.get("mode") == "drain"))
+        draining=frozenset(n for n, e in entries.items() if e.get("mode") == "drain"),
+        to=more.get("to"), skip=more.get("skip"))
     if why is not None:
         raise Refused(f"{action} refused: {why}")
     last = store.events_tail(1)
@@ -134,6 +136,9 @@ def _send(store: Store, record: dict[str, str], action: str, *, reason: str, nod
     fields = {"node": node} if node else {}
     if checkpoint:
         fields["checkpoint"] = True
+    if more.get("skip"):
+        more = {**more, "skip": "{}:{}".format(*more["skip"])}
+    fields.update({k: v for k, v in more.items() if v is not None})
     rid = store.request(action, user, host, reason, **fields)
     deadline = time.monotonic() + ACK_TIMEOUT_S
     while time.monotonic() < deadline:

@@ -10,7 +10,8 @@ change). A flipped byte it cannot see; rank 0's heartbeat (`resume`) then says w
 loaded and set aside, which decide.py reports.
 
 A bad tile's window (the job record's `suspect`) makes suspect every checkpoint committed after
-its node last passed the health check (the node record's `ok_at`, kept by its agent; the
+its node last passed the health check (a rewind's, with no node: every one after the step it goes
+back to; controller/control/rewind.py) (the node record's `ok_at`, kept by its agent; the
 manifests' `committed_at`, read from the newest down to the first one before it). Setting those
 aside is the controller's one write here, done only while no rank of the job runs.
 """
@@ -42,7 +43,8 @@ class CheckpointView:
         window = job.suspect
         since = self._window_start(window) if window else None
         self.distrust = {"nodes": window["nodes"], "since": since,
-                         "after_step": window.get("resumed_step")} if window else None
+                         "after_step": window.get("resumed_step"),
+                         "rewind": window.get("rewind")} if window else None
         key = (tuple(steps), json.dumps(window, sort_keys=True), since)
         if key == self._key:
             return self._seen
@@ -77,8 +79,12 @@ class CheckpointView:
                 floor = window.get("resumed_step")
                 if floor is not None and step <= floor:
                     break
-                suspect[step] = (f"committed by generation {window.get('generation')}, which ran "
-                                 f"on {nodes} (no passing health check of it on record)")
+                suspect[step] = (
+                    f"a rewind goes back to step {floor} (before the spike at step "
+                    f"{window['rewind']}): this checkpoint is of the line it abandons"
+                    if window.get("rewind") else
+                    f"committed by generation {window.get('generation')}, which ran on {nodes} "
+                    "(no passing health check of it on record)")
                 continue
             try:
                 at = read_manifest(step_dir(self.root, step)).get("committed_at")

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from controller.control import detect, operator, recovery, watching
+from controller.control import detect, operator, recovery, rewind, watching
 from controller.control.detect import COLLATERAL, HARD, Evidence
 from controller.control.shortage import names, shortage
 from controller.control.view import (  # noqa: F401 (re-exported: the rules' vocabulary)
@@ -72,6 +72,9 @@ def decide(obs: Observed, s: Settings) -> Decision:
     if (obs.suspect_steps is not None and not window.get("set_aside")
             and (plan is None or not _live(obs, plan))):
         recovery.set_aside(obs, d)
+    if obs.rewind_asked is not None:  # an operator's (operator.take_requests checked it)
+        _operator_rewind(obs, s, d)
+        return d
     if job.state in TERMINAL:
         if plan is None or plan["action"] != "end":
             d.plan = _with_action(plan, "end", s.failure_grace_s, job.reason, obs.now)
@@ -115,7 +118,8 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
     if len(finished) >= plan["world_size"]:
         _complete(obs, s, d)
         return
-    if _checkpoints_failed(obs, s, d) or _input_refused(obs, s, d):
+    if (_checkpoints_failed(obs, s, d) or _input_refused(obs, s, d)
+            or _rewind_asked(obs, s, d)):
         return
     watching.track_progress(obs, s, d)
     recovery.loaded(obs, d)
@@ -252,6 +256,71 @@ def _input_refused(obs: Observed, s: Settings, d: Decision) -> bool:
     return True
 
 
+def _rewind_asked(obs: Observed, s: Settings, d: Decision) -> bool:
+    """Ranks that stopped for a rewind (exit 90): once every rank has (or settle_s passed),
+    the rewind they asked for (controller/control/rewind.py)."""
+    waiting, request, exits = rewind.asked(obs, s)
+    if not exits or waiting:
+        return bool(exits)
+    if request is None:  # resuming on would meet the spike again: an operator chooses
+        why = (f"{len(exits)} rank(s) stopped for a rewind, but none said at which step (no "
+               "readable rewind-request line in their logs' tails)")
+        d.job.update({"desired": "pause", "desired_by": "controller", "desired_reason": why})
+        d.control = {**obs.control, "pause": True}
+        _rewind(obs, s, d, step=None, window=None, floor=None, by="controller", reason=why)
+        return True
+    first, last, floor = rewind.window_for(request, s)
+    what = (f"{request['verdict']} at step {request['step']}"
+            + (f" ({request['rule']} {request['value']:.4g} > {request['threshold']:.4g})"
+               if request["value"] is not None and request["threshold"] is not None else ""))
+    _rewind(obs, s, d, step=request["step"], window=(first, last), floor=floor,
+            by="controller", reason=what)
+    return True
+
+
+def _operator_rewind(obs: Observed, s: Settings, d: Decision) -> None:
+    asked = obs.rewind_asked
+    window = rewind.operator_window(asked["to"], asked["skip"], asked["samples"], s.batch_size)
+    reason = f"asked by {asked['by']}" + (f": {asked['reason']}" if asked["reason"] else "")
+    _rewind(obs, s, d, step=asked["to"] + 1, window=window, floor=asked["to"],
+            by=asked["by"], reason=reason, said=asked["said"])
+
+
+def _rewind(obs: Observed, s: Settings, d: Decision, *, step: int | None,
+            window: tuple[int, int] | None, floor: int | None, by: str, reason: str,
+            said: dict | None = None) -> None:
+    """The running generation (if any) stops without saving; the next resumes from the newest
+    point at or before `floor` (None: the latest, as after a failure) and skips `window`."""
+    job, plan = obs.job, obs.plan
+    message = f"rewind ({reason})"
+    if floor is not None:
+        d.job.update(rewind.record(job, step=step, window=window, floor=floor, by=by,
+                                   reason=reason, now=obs.now))
+        message += (f": the next generation resumes from the newest point at or before step "
+                    f"{floor}" + (f" and skips the batches of steps {window[0]}..{window[1]}"
+                                  if window else ""))
+    earlier = rewind.over_budget(job, s, step) if by == "controller" and step else None
+    if earlier is not None:
+        at = f" (at step {', '.join(map(str, earlier))})" if earlier else ""
+        why = (f"rewind budget used: {len(earlier)} rewind(s) of at most {s.rewind_budget} "
+               f"within {s.rewind_budget_steps} steps{at}, now one at step {step}")
+        d.job.update({"desired": "pause", "desired_by": "controller", "desired_reason": why})
+        d.control = {**obs.control, "pause": True}
+        d.note("rewind_budget", f"{why}: the rewind is planned and the job pauses before its "
+               "first step; `optimus job resume` goes on from there, `optimus job rewind` "
+               "chooses another point", step=step, earlier=earlier)
+    if plan is not None and plan["action"] == "run":
+        d.plan = _with_action(plan, "stop", s.failure_grace_s, message, obs.now, save=False)
+    d.job.update({"state": RESTARTING, "reason": message, "failure_since": None,
+                  "next_plan_at": obs.now, "hang_since": None,
+                  "restart_causes": _counted(job, "rewind")})
+    first, last = window or ("", "")
+    d.note("rewind", message, **{**(said or {}), "step": "" if step is None else step,
+                                  "first": first, "last": last,
+                                  "to": "" if floor is None else floor, "by": by,
+                                  "reason": reason})
+
+
 def _said(e: Exit) -> str:
     """The last `error: ` line a rank printed (what it refused, in its own words), or how it
     ended."""
@@ -370,11 +439,14 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
         "buddies": recovery.buddies(chosen, sorted(usable - set(chosen)),
                                     {n: v.snapshot_addr for n, v in obs.nodes.items()}),
         **({"memory": memory} if memory else {}),
+        **({"skips": list(job.skips)} if job.skips else {}),
         "heartbeat_timeout_s": s.heartbeat_timeout_s, "startup_timeout_s": s.startup_timeout_s,
         "reason": reason, "issued": obs.now,
     }
     d.plan["lineage"] = extend_lineage(recovery.lineage(obs), gen, resume_step)
     d.plan["failed_saves"] = recovery.failed_saves(obs)
+    if (rewinds := rewind.resumed(job, resume_step)) is not None:  # the rewind carried out
+        d.job["rewinds"] = rewinds
     d.job.update({"state": PAUSING if job.desired == "pause" else RUNNING, "generation": gen,
                   "reason": reason, "failure_since": None, "next_plan_at": None,
                   "suspect": None})  # the window is acted on: set aside, or judged above

@@ -25,6 +25,7 @@ from optimus.inprocess import PEER_FAILURE
 EXIT_BAD_TILE = 87
 EXIT_NONFINITE_ELSEWHERE = 88
 EXIT_CHECKPOINT_FAILED = 89  # the final step's save, or max_failed_saves saves in a row, failed
+EXIT_REWIND = 90  # every rank stopped for a rewind (optimus/stability.py; control/rewind.py)
 EXIT_USER_ERROR = 2  # optimus/cli.py: a setting, the data, the launch or a checkpoint refused
 # Where a rank waits in a collective with its peers, by the loop's phase markers: the step's
 # reductions, the checkpointer's agreements and loads, the commands agreement and process-group
@@ -38,7 +39,7 @@ COLLECTIVE_PHASES = ("grad_sync", "checkpoint_sync", "sync")
 HARD, SOFT, COLLATERAL = "hard", "soft", "collateral"
 # Why a generation ended, for the restarts counter (bounded: these values only).
 CAUSES = ("rank_exit", "heartbeat", "node_lost", "hang", "bad_tile", "straggler", "operator",
-          "unattributed")
+          "rewind", "unattributed")
 
 
 @dataclass(frozen=True)

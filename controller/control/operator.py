@@ -19,6 +19,9 @@ What each request does:
   shrink).
 - drain: the node takes no part in future generations; the running one is left alone.
 - include: an excluded or draining node is usable again.
+- rewind: the running generation stops without saving, and the next resumes from the newest
+  point at or before step `to`, skipping the batches of the steps asked
+  (controller/control/rewind.py; decide.py applies it). Its event carries the request's id.
 """
 
 from __future__ import annotations
@@ -37,14 +40,15 @@ from controller.control.view import (
     Observed,
 )
 
-ACTIONS = ("pause", "resume", "stop", "checkpoint", "exclude", "drain", "include")
+ACTIONS = ("pause", "resume", "stop", "checkpoint", "exclude", "drain", "include", "rewind")
 NODE_ACTIONS = ("exclude", "drain", "include")
 
 
 def refusal(action: str, state: str, desired: str | None, *, node: str = "",
             known_nodes: set[str] | frozenset[str] = frozenset(),
             excluded: dict[str, str] | None = None,
-            draining: set[str] | frozenset[str] = frozenset()) -> str | None:
+            draining: set[str] | frozenset[str] = frozenset(), to: int | None = None,
+            skip: tuple[int, int] | None = None) -> str | None:
     """Why `action` cannot be done to a job in `state` (None: it can)."""
     excluded = excluded or {}
     if action not in ACTIONS:
@@ -70,12 +74,17 @@ def refusal(action: str, state: str, desired: str | None, *, node: str = "",
         return f"the job is not paused ({state})"
     if action == "checkpoint" and state not in ACTIVE:
         return f"no generation is running to checkpoint ({state})"
+    if action == "rewind" and to is None:
+        return "a rewind needs the step to go back to (--to STEP)"
+    if action == "rewind" and skip is not None and skip[0] <= to:
+        return (f"the skipped steps {skip[0]}..{skip[1]} must come after the step rewound to "
+                f"({to}): the batches of steps up to {to} are in its state already")
     return None
 
 
 def take_requests(obs: Observed, d: Decision) -> Observed:
     """Apply `obs.requests` to the decision; the snapshot as the rules should now see it."""
-    job, control = obs.job, dict(obs.control)
+    job, control, rewind = obs.job, dict(obs.control), obs.rewind_asked
     excluded, draining = dict(obs.excluded), set(obs.draining)
     known = (obs.known_nodes | frozenset(obs.nodes) | frozenset(excluded)
              | frozenset((obs.plan or {}).get("nodes", [])))
@@ -83,7 +92,7 @@ def take_requests(obs: Observed, d: Decision) -> Observed:
         said = {"request": r.id, "actor": r.actor, "host": r.host, "reason": r.reason,
                 **({"node": r.node} if r.node else {})}
         why = refusal(r.action, job.state, job.desired, node=r.node, known_nodes=known,
-                      excluded=excluded, draining=draining)
+                      excluded=excluded, draining=draining, to=r.to, skip=r.skip)
         if why is not None:
             d.note("refused", f"{r.action} by {r.who} refused: {why}", **said)
             continue
@@ -117,6 +126,13 @@ def take_requests(obs: Observed, d: Decision) -> Observed:
                 draining.add(r.node)
             d.note(r.action, f"node {r.node} {'excluded' if r.action == 'exclude' else 'drains'}"
                    f" by {r.who}{because}", **said)
+        elif r.action == "rewind":  # decide.py applies it
+            if rewind is not None:
+                d.note("refused", f"rewind by {r.who} refused: another rewind was asked in the "
+                       "same moment; ask again once it is planned", **said)
+                continue
+            rewind = {"to": r.to, "skip": r.skip, "samples": r.samples, "by": r.who,
+                      "reason": r.reason, "said": said}
         elif r.action == "include":
             d.include.append(r.node)
             excluded.pop(r.node, None)
@@ -126,7 +142,8 @@ def take_requests(obs: Observed, d: Decision) -> Observed:
                   "desired_reason": job.desired_reason, "requests_seen": obs.requests[-1].id})
     if control != obs.control:
         d.control = control
-    return replace(obs, job=job, excluded=excluded, draining=frozenset(draining))
+    return replace(obs, job=job, excluded=excluded, draining=frozenset(draining),
+                   rewind_asked=rewind)
 
 
 def pause_transition(obs: Observed, d: Decision) -> None:

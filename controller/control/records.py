@@ -32,14 +32,28 @@ def job_view(r: dict[str, str]) -> JobView:
                    failures=loaded("failures", {}), stragglers=tuple(loaded("stragglers", [])),
                    resumed_gen=int(r["resumed_gen"]) if r.get("resumed_gen") else None,
                    resumed_step=int(r["resumed_step"]) if r.get("resumed_step") else None,
-                   suspect=loaded("suspect", None))
+                   suspect=loaded("suspect", None), skips=tuple(loaded("skips", [])),
+                   rewinds=tuple(loaded("rewinds", [])))
 
 
 def request(rid: str, r: dict[str, str]) -> Request:
     return Request(id=rid, action=r.get("action", ""), actor=r.get("actor", "?"),
                    host=r.get("host", ""), reason=r.get("reason", ""),
                    time=float(r.get("time") or 0.0), node=r.get("node", ""),
-                   checkpoint=r.get("checkpoint") == "1")
+                   checkpoint=r.get("checkpoint") == "1", to=_int(r.get("to")),
+                   skip=_window(r.get("skip")), samples=_int(r.get("samples")))
+
+
+def _int(text: str | None) -> int | None:
+    """A step or a count in an operator's request (validated: it crossed a boundary)."""
+    return int(text) if isinstance(text, str) and text.isdigit() and len(text) < 13 else None
+
+
+def _window(text: str | None) -> tuple[int, int] | None:
+    """"A:B" steps, A <= B."""
+    first, _, last = (text or "").partition(":")
+    a, b = _int(first), _int(last)
+    return (a, b) if a is not None and b is not None and 1 <= a <= b else None
 
 
 def health(info: dict) -> str:

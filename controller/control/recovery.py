@@ -187,6 +187,11 @@ def _distrusted(step: int, taken: float | None, distrust: dict | None) -> str | 
     """Why a point computed while a bad tile's window was open is not resumed from."""
     if not distrust:
         return None
+    if distrust.get("rewind"):
+        floor = distrust.get("after_step") or 0
+        return None if step <= floor else (
+            f"the memory snapshot of step {step} is of the line a rewind abandons (it goes back "
+            f"to step {floor}, before the spike at step {distrust['rewind']})")
     nodes = ", ".join(distrust.get("nodes", [])) or "a node"
     since = distrust.get("since")
     if since is not None:
@@ -224,7 +229,8 @@ def memory_resume(obs: Observed, chosen: list[str],
     alive = {n for n, v in obs.nodes.items() if v.alive}
     window = obs.job.suspect
     distrust = obs.distrust or (window and {"nodes": window.get("nodes", []), "since": None,
-                                            "after_step": window.get("resumed_step")})
+                                            "after_step": window.get("resumed_step"),
+                                            "rewind": window.get("rewind")})
     point, why = memory_point(plan and {**plan, "lineage": lineage(obs)},
                               obs.snapshots, alive, obs.latest_step, distrust)
     if point is None:

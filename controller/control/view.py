@@ -52,6 +52,14 @@ class Settings:
     # its data-parallel degree (supervision.min_nodes) when too few nodes are left.
     node_counts: tuple[int, ...] = ()
     launch: dict = field(default_factory=dict)  # job file, overrides, log dir: into each plan
+    # Rewinds (stability.rewind_*; controller/control/rewind.py), and the global batch (an
+    # operator's --skip-samples counts whole steps of it).
+    rewind_skip_before: int = 0
+    rewind_skip_after: int = 0
+    rewind_back: int = 0
+    rewind_budget: int = 3
+    rewind_budget_steps: int = 1000
+    batch_size: int = 1
 
     @property
     def world_size(self) -> int:
@@ -105,6 +113,11 @@ class JobView:
     # "set_aside"}; the checkpoints it makes suspect are set aside once no rank of that
     # generation runs ("set_aside": true), and the window holds until the next plan.
     suspect: dict | None = None
+    # Rewinds (controller/control/rewind.py): each [first, last] window of steps whose batches
+    # are skipped, in order; and each rewind ({"step", "first", "last", "resume_step", "to",
+    # "by", "reason", "time"}), the newest KEPT.
+    skips: tuple = ()
+    rewinds: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -203,6 +216,9 @@ class Observed:
     # spares (alive, healthy, not excluded, outside the plan) -> their snapshot server's
     # address; None: not read.
     spares: dict[str, str] | None = None
+    # An operator's rewind taken from the requests this tick (operator.take_requests):
+    # {"step", "window", "floor", "by", "reason", "said"}.
+    rewind_asked: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -217,6 +233,9 @@ class Request:
     time: float = 0.0
     node: str = ""
     checkpoint: bool = False  # pause: save a checkpoint first
+    to: int | None = None  # rewind: the newest step to resume from
+    skip: tuple[int, int] | None = None  # rewind: the steps whose batches are skipped
+    samples: int | None = None  # rewind: ... or the samples after `to` that are
 
     @property
     def who(self) -> str:

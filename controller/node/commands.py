@@ -76,6 +76,11 @@ class Commands:
                     by=by, reason=command.get("reason", ""))
         if kind == "kill_node":
             self._die()
+        if kind == "spike" and isinstance(command.get("step"), int):  # all of this node's ranks
+            self._write_chaos([*self.chaos, {
+                "id": len(self.chaos) + 1, "kind": kind, "rank": None,
+                "generation": self.generation, "step": command["step"]}])
+            return
         if kind in ("hang_rank", "stall_rank", "nan_rank"):  # the rank fires it in a step
             if any(p.rank == command.get("rank") and p.popen.returncode is None
                    for p in self.procs.values()):

@@ -169,6 +169,7 @@ class Lifecycle:
                    "OPTIMUS_CHAOS_FILE": str(self.chaos_path),
                    "OPTIMUS_AGENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
                    "OPTIMUS_FAILED_SAVES": str(self.failed_saves),
+                   "OPTIMUS_SKIP_STEPS": skip_steps(plan),
                    **snapshot_env}
             path = log_dir / f"rank_{rank:05d}.log"
             env["OPTIMUS_STACKS_FILE"] = str(log_dir / f"rank_{rank:05d}.stacks")
@@ -349,3 +350,14 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def skip_steps(plan: dict) -> str:
+    """The plan's rewind windows for the ranks' OPTIMUS_SKIP_STEPS ("A-B,C-D"; optimus/
+    stability.py reads it): only [first, last] pairs of whole steps, at most 1,000."""
+    windows = plan.get("skips")
+    if not isinstance(windows, list):
+        return ""
+    return ",".join(f"{w[0]}-{w[1]}" for w in windows[:1000] if isinstance(w, list)
+                    and len(w) == 2 and all(type(x) is int and x >= 1 for x in w)
+                    and w[0] <= w[1])
