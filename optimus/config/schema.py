@@ -274,10 +274,24 @@ class StabilityConfig(Section):
         0.05, description="... rising by at least this fraction of the first one's mean")
     max_skips: PositiveInt = Field(
         5, description="spikes in a row before they count as divergence (a new level)")
-    on_spike: Literal["warn", "skip_step"] = Field(
+    on_spike: Literal["warn", "skip_step", "rewind"] = Field(
         "skip_step", description="warn: an event, training goes on; skip_step: the step's "
-                                 "update is not applied, its samples recorded as skipped")
-    on_divergence: Literal["warn"] = Field("warn", description="warn: an event")
+                                 "update is not applied, its samples recorded as skipped; "
+                                 "rewind: the controller resumes from before the spike and "
+                                 "skips its window of batches (optimus run only)")
+    on_divergence: Literal["warn", "rewind"] = Field(
+        "warn", description="warn: an event; rewind: as on_spike, from before the rise began")
+    rewind_skip_before: NonNegativeInt = Field(
+        0, description="a rewind skips the batches of the spike's step and of this many steps "
+                       "before it ...")
+    rewind_skip_after: NonNegativeInt = Field(0, description="... and this many after it")
+    rewind_back: NonNegativeInt = Field(
+        0, description="a rewind resumes from a point at least this many steps before the "
+                       "skipped window (0: the newest one before it)")
+    rewind_budget: NonNegativeInt = Field(
+        3, description="the controller's rewinds within rewind_budget_steps steps; one more "
+                       "pauses the job for an operator (0: every rewind pauses)")
+    rewind_budget_steps: PositiveInt = Field(1000, description="... steps the budget spans")
 
 
 class Fault(Section):
