@@ -67,9 +67,9 @@ Commands. Each rank collects what it was asked: SIGTERM asks for STOP; the agent
 ($OPTIMUS_CONTROL_FILE, a small JSON object the agent rewrites atomically when an operator acts:
 {"pause": true, "checkpoint": 3}) asks for PAUSE while "pause" is true, and for a checkpoint
 each time "checkpoint" (a sequence number) grows; "save": false, which an agent writes before
-it sends SIGTERM for a stop on evidence of wrong arithmetic (a bad tile), makes that stop one
-without a checkpoint (NO_SAVE). At every step boundary all ranks agree, in one all-reduce (MAX)
-of four integers: a bit set on any rank is set on all (a MAX of 0/1 is an OR),
+it sends SIGTERM for a stop on evidence of wrong arithmetic (a bad tile) or for a rewind, makes
+that stop one without a checkpoint (NO_SAVE). At every step boundary all ranks agree, in one
+all-reduce (MAX) of four integers: a bit set on any rank is set on all (a MAX of 0/1 is an OR),
 and the checkpoint number agreed is the newest any rank has seen. Every rank then acts on the
 same values after the same step: nobody pauses, saves or stops a step before another. Ranks
 read the file with one stat() per boundary; they need not see a change at the same moment.

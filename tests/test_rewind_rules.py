@@ -52,7 +52,8 @@ def test_some_ranks_asking_wait_for_the_others_then_the_generation_stops_without
     # spike 50: skip 48..53 (2 before, 3 after); resume at least 5 steps before 48
     assert d.job["skips"] == [[48, 53]]
     assert d.job["suspect"] == {"nodes": [], "generation": 0, "resumed_step": 42,
-                                "rewind": 50, "evidence": "spike at step 50 (loss 9.5 > 3.25)"}
+                                "rewind": "the spike at step 50",
+                                "evidence": "spike at step 50 (loss 9.5 > 3.25)"}
     (entry,) = d.job["rewinds"]
     assert (entry["step"], entry["first"], entry["last"], entry["to"], entry["by"],
             entry["resume_step"]) == (50, 48, 53, 42, "controller", None)
@@ -97,8 +98,8 @@ def test_the_budget_pauses_the_rewind_it_would_exceed_and_an_operators_do_not_co
 
 
 def test_once_no_rank_runs_the_abandoned_line_is_set_aside_and_the_plan_carries_the_windows():
-    window = {"nodes": [], "generation": 0, "resumed_step": 42, "rewind": 50,
-              "evidence": "spike at step 50"}
+    window = {"nodes": [], "generation": 0, "resumed_step": 42,
+              "rewind": "the spike at step 50", "evidence": "spike at step 50"}
     job = JobView(state=RESTARTING, generation=0, next_plan_at=NOW, suspect=window,
                   skips=([10, 12], [48, 53]),
                   rewinds=({"step": 11, "resume_step": 8},
@@ -122,11 +123,11 @@ def test_memory_points_after_the_point_a_rewind_goes_back_to_are_not_trusted():
     point = {f"step_{s:09d}.gen_0000": [0, 1] for s in (40, 44)}
     other = {f"step_{s:09d}.gen_0000": [2, 3] for s in (40, 44)}
     reports = {"n0": {"own": point, "held": other}, "n1": {"own": other, "held": point}}
-    distrust = {"nodes": [], "since": None, "after_step": 42, "rewind": 50}
+    distrust = {"nodes": [], "since": None, "after_step": 42, "rewind": "the spike at step 50"}
     found, why = memory_point(plan, reports, {"n0", "n1"}, 30, distrust)
     assert found["step"] == 40
     assert why == ("the memory snapshot of step 44 is of the line a rewind abandons (it goes "
-                   "back to step 42, before the spike at step 50)")
+                   "back to step 42: the spike at step 50)")
 
 
 def _operator(to=None, skip=None, samples=None, rid="1-0") -> Request:
@@ -151,7 +152,8 @@ def test_an_operators_rewind_goes_to_the_step_asked_and_answers_the_request():
     waiting = Observed(now=NOW, job=JobView(state="WAITING", generation=3), plan=None,
                        nodes={}, requests=[_operator(to=5)])
     d = decide(waiting, S)
-    assert d.plan is None and d.job["state"] == RESTARTING and d.job["suspect"]["rewind"] == 6
+    assert d.plan is None and d.job["state"] == RESTARTING
+    assert d.job["suspect"]["rewind"] == "asked by ops@desk"
 
 
 def test_an_operators_rewind_is_refused_with_a_reason():

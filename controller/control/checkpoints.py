@@ -80,8 +80,8 @@ class CheckpointView:
                 if floor is not None and step <= floor:
                     break
                 suspect[step] = (
-                    f"a rewind goes back to step {floor} (before the spike at step "
-                    f"{window['rewind']}): this checkpoint is of the line it abandons"
+                    f"a rewind goes back to step {floor} ({window['rewind']}): this "
+                    "checkpoint is of the line it abandons"
                     if window.get("rewind") else
                     f"committed by generation {window.get('generation')}, which ran on {nodes} "
                     "(no passing health check of it on record)")

@@ -191,7 +191,7 @@ def _distrusted(step: int, taken: float | None, distrust: dict | None) -> str | 
         floor = distrust.get("after_step") or 0
         return None if step <= floor else (
             f"the memory snapshot of step {step} is of the line a rewind abandons (it goes back "
-            f"to step {floor}, before the spike at step {distrust['rewind']})")
+            f"to step {floor}: {distrust['rewind']})")
     nodes = ", ".join(distrust.get("nodes", [])) or "a node"
     since = distrust.get("since")
     if since is not None:

@@ -108,13 +108,14 @@ def over_budget(job: JobView, s: Settings, spike: int) -> list[int] | None:
 def record(job: JobView, *, step: int, window: tuple[int, int] | None, floor: int, by: str,
            reason: str, now: float) -> dict:
     """The job record's fields for a rewind: the rewinds list, the windows, the suspect window
-    that sets the abandoned line aside."""
+    that sets the abandoned line aside (`rewind`: what the messages say of its cause)."""
     first, last = window if window else (None, None)
     entry = {"step": step, "first": first, "last": last, "resume_step": None, "to": floor,
              "by": by, "reason": reason, "time": now}
+    cause = f"the spike at step {step}" if by == "controller" else f"asked by {by}"
     fields = {"rewinds": [*job.rewinds, entry][-KEPT:],
               "suspect": {"nodes": [], "generation": job.generation, "evidence": reason,
-                          "resumed_step": floor, "rewind": step}}
+                          "resumed_step": floor, "rewind": cause}}
     if window:
         fields["skips"] = [*job.skips, [first, last]]
     return fields

@@ -102,14 +102,16 @@ class RunCheckpoints:
 
     def stop(self, step: int, save: bool = True) -> None:
         """After the step all agreed to stop at: make it the latest checkpoint; without `save`
-        (the controller saw wrong arithmetic), save nothing and commit nothing."""
+        (the controller saw wrong arithmetic, or rewinds to before this state), save nothing
+        and commit nothing."""
         ckpt, log = self.ckpt, self.log
         if not save:
             if ckpt is not None:
                 ckpt.abandon()
             log.event("stopped", f"stopped after step {step} without a checkpoint: the "
-                      "controller saw evidence of wrong arithmetic (a bad tile), so this state "
-                      "is not to be trusted", step=step, checkpoint_step=None, saved=False)
+                      "controller does not keep this state (evidence of wrong arithmetic, or a "
+                      "rewind to before it; its events say which)", step=step,
+                      checkpoint_step=None, saved=False)
             return
         if ckpt is None:
             log.event("stopped", f"stopped after step {step} (SIGTERM); checkpointing is off, "
