@@ -251,6 +251,16 @@ def skips_ahead(after: int) -> dict[int, int]:
     return out
 
 
+def rewind_lr(cfg: StabilityConfig):
+    """step -> the factor on its learning rate: `rewind_lr_factor` for the `rewind_lr_steps`
+    steps from the start of each rewind's window (they train on the data after it), else 1."""
+    starts = sorted({first for first, _ in skip_windows()})
+    if cfg.rewind_lr_steps == 0 or cfg.rewind_lr_factor == 1.0 or not starts:
+        return lambda step: 1.0
+    return lambda step: cfg.rewind_lr_factor if any(
+        first <= step < first + cfg.rewind_lr_steps for first in starts) else 1.0
+
+
 def skip_batches(step: int, count: int, progress, job, open_loader, log):
     """A rewind's window: the batches of `count` steps from `step` on are not read; this
     step reads the one after them (steps keep their numbers, so the schedule is unchanged).

@@ -71,7 +71,14 @@ from optimus.runtime import (
     pick_device,
     reset_peak_memory,
 )
-from optimus.stability import RewindRequest, StabilityWatch, marked, skip_batches, skips_ahead
+from optimus.stability import (
+    RewindRequest,
+    StabilityWatch,
+    marked,
+    rewind_lr,
+    skip_batches,
+    skips_ahead,
+)
 
 # DTensor warns at every clip on a dp x tp mesh that it gathers in two steps; it is expected.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -187,6 +194,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         # Windows of steps whose batches a rewind skips, ahead of where this generation starts
         # (a checkpoint past a window's start read past it already).
         skips = skips_ahead(progress.step)
+        calmer = rewind_lr(job.stability)  # the learning rate's factor after a rewind's window
         held_out = (held_out_for(job, layout, mesh["dp"].get_local_rank())
                     if job.eval.every else None)  # the validation windows, this rank's share
         if resumed:
@@ -216,7 +224,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             heartbeat.begin_step(step)
             reset_peak_memory(device)
             started = time.perf_counter()
-            lr = lr_at(step, job.optim)
+            lr = lr_at(step, job.optim) * calmer(step)
             set_lr(optimizer, lr)
 
             # Forward and backward over this step's microbatches (through the pipeline

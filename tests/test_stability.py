@@ -238,3 +238,12 @@ def test_a_skip_window_reads_on_after_its_batches_and_the_audit_accepts_the_gap(
     assert reads[4]["end"] == 32 and reads[5]["start"] == 48 and reads[8]["end"] == 80
     audit = audit_run(tmp_path)
     assert audit.ok and audit.unread == [(32, 48)], audit.problems
+
+
+def test_after_a_window_the_learning_rate_is_lowered_for_the_steps_asked(run_ranks, tmp_path):
+    raw = job(steps=8, spike=False)
+    raw["stability"].update(rewind_lr_factor=0.5, rewind_lr_steps=2)
+    run_ranks(_train_skipping, 1, raw, str(tmp_path), timeout=240)
+    lines = [json.loads(t) for t in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lrs = {m["step"]: m["lr"] for m in lines if "lr" in m}
+    assert [lrs[s] for s in (4, 5, 6, 7)] == [3e-3, 1.5e-3, 1.5e-3, 3e-3]

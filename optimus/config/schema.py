@@ -292,6 +292,10 @@ class StabilityConfig(Section):
         3, description="the controller's rewinds within rewind_budget_steps steps; one more "
                        "pauses the job for an operator (0: every rewind pauses)")
     rewind_budget_steps: PositiveInt = Field(1000, description="... steps the budget spans")
+    rewind_lr_factor: Annotated[float, Field(gt=0, le=1)] = Field(
+        1.0, description="after a rewind, the learning rate times this ...")
+    rewind_lr_steps: NonNegativeInt = Field(
+        0, description="... for this many steps from the skipped window's first")
 
 
 class Fault(Section):
