@@ -4,10 +4,10 @@ and real agents' keepers over TCP meeting on it, so that a usable memory point e
 
 from __future__ import annotations
 
-import secrets
 import time
 
-import pytest
+from test_snapshot_push import SECRET, keeper  # noqa: F401 (keeper: a fixture)
+from test_snapshot_push import _take as take
 
 from controller.control.recovery import memory_point
 from controller.control.snapshot_watch import ALIGN_READS, SnapshotWatch, align_point
@@ -15,12 +15,8 @@ from controller.node.snapshots import SnapshotKeeper, push
 from controller.store.store import Store
 from optimus.checkpoint.snapshot_files import (
     point_name,
-    sha256_file,
-    shard_files,
-    write_marker,
 )
 
-SECRET = secrets.token_bytes(32)
 PLAN = {"generation": 2, "nodes": ["a", "b"], "ranks_per_node": 2,
         "buddies": {"a": {"node": "b", "addr": "b:1"}, "b": {"node": "a", "addr": "a:1"}}}
 
@@ -108,27 +104,8 @@ def test_the_watch_writes_the_named_point_where_an_agents_tick_reads_it(redis_se
 
 # --- real keepers: the agents' pushes meet on the named point ---------------------------------
 
-@pytest.fixture
-def keeper(tmp_path):
-    made = []
-
-    def make(node: str) -> SnapshotKeeper:
-        made.append(SnapshotKeeper(tmp_path / node, node, SECRET, "127.0.0.1"))
-        return made[-1]
-    yield make
-    for k in made:
-        k.close()
-
-
 def _take(own, step: int, ranks: list[int]):
-    point = own / _p(step)
-    point.mkdir(parents=True, exist_ok=True)
-    for rank in ranks:
-        data, _ = shard_files(point, rank)
-        data.write_bytes(secrets.token_bytes(4096))
-        write_marker(point, rank, {"rank": rank, "step": step, "bytes": 4096,
-                                   "sha256": sha256_file(data), "time": float(step)})
-    return point
+    return take(own, step, ranks, size=4096, generation=2)
 
 
 def _push_named(k: SnapshotKeeper, plan: dict) -> None:
@@ -152,7 +129,7 @@ def _pushed(pusher: SnapshotKeeper, buddy: SnapshotKeeper, *steps: int) -> None:
 
 
 def test_skewed_keepers_meet_on_the_named_point_and_keep_it_until_a_newer_one_is_usable(
-        keeper):
+        keeper):  # noqa: F811 (test_snapshot_push's fixture)
     a, b = keeper("a"), keeper("b")
     plan = {**PLAN, "buddies": {"a": {"node": "b", "addr": b.address},
                                 "b": {"node": "a", "addr": a.address}}}

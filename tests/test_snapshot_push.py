@@ -47,9 +47,10 @@ def keeper(tmp_path):
         k.close()
 
 
-def _take(own: Path, step: int, ranks: list[int], size: int = 192 << 10) -> Path:
+def _take(own: Path, step: int, ranks: list[int], size: int = 192 << 10,
+          generation: int = 0) -> Path:
     """A point as ranks write it: each data file in place, then its marker."""
-    point = own / point_name(step, 0)
+    point = own / point_name(step, generation)
     point.mkdir(parents=True, exist_ok=True)
     for rank in ranks:
         data, _ = shard_files(point, rank)
