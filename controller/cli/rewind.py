@@ -4,8 +4,8 @@
     optimus job rewind --job NAME --to STEP [--skip-steps A:B | --skip-samples N] --reason WHY
 
 The running generation stops without saving; the next resumes from the newest memory snapshot
-or committed checkpoint at or before STEP (the newer checkpoints are set aside, restorable by
-`optimus checkpoint restore`), skipping the batches of steps A..B (or of the steps after STEP
+or committed checkpoint at or before STEP (the newer checkpoints are set aside: quarantine keeps
+them, docs/checkpoints.md), skipping the batches of steps A..B (or of the steps after STEP
 that hold N samples, rounded up to whole steps). `optimus data audit` accounts the skipped
 samples. --wait waits for the rewound generation to run.
 """
