@@ -49,7 +49,7 @@ from controller.cli.main import main
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the venv's bin/: optimus, torchrun
 DOCS = ("docs/planner.md", "docs/config.md", "docs/checkpoints.md", "docs/huggingface.md",
-        "docs/operations.md")
+        "docs/operations.md", "docs/stability.md")
 STEPS = 2
 SMALL = f"--set optim.steps={STEPS} --set optim.warmup_steps=1 --set eval.batches=1"
 LAYOUT_ONLY = "--set checkpoint.interval=0 --set eval.every=0"
