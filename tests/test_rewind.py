@@ -127,6 +127,9 @@ def test_an_operators_chaos_spike_and_rewind_on_a_running_job(redis_server, proc
     assert (hand["to"], hand["first"], hand["last"], hand["reason"]) == (
         back, back + 1, back + 2, "asked by " + hand["by"] + ": a bad shard")
     assert hand["resume_step"] <= back
+    status = json.loads(_optimus("job", "status", "-o", "json", url=redis_server.url).stdout)
+    assert (status["rewinds"], status["last_rewind"]["to"]) == (2, back)
+    assert status["skips"] == [[at, at], [back + 1, back + 2]]
     audit = audit_run(run)
     assert audit.ok, audit.problems
     # the second window's steps read one batch on already (the first window's)

@@ -221,6 +221,7 @@ def _status(store: Store, record: dict[str, str]) -> dict:
         if beat and beat.get("generation") == plan.get("generation"):
             metrics = beat.get("metrics")
     excluded = store.excluded()
+    rewinds = _loads(record.get("rewinds"), [])
     return {
         "job": store.job, "state": record.get("state"), "reason": record.get("reason", ""),
         "desired": record.get("desired") or None, "generation": int(record.get("generation", -1)),
@@ -244,6 +245,10 @@ def _status(store: Store, record: dict[str, str]) -> dict:
         "resumed_generation": int(record["resumed_gen"]) if record.get("resumed_gen") else None,
         "resumed_from": int(record["resumed_step"]) if record.get("resumed_step") else None,
         "last_failure": _loads(record.get("last_failure"), None),
+        # The stability rules' counts and thresholds (rank 0's); the controller's rewinds.
+        "stability": (metrics or {}).get("stability"),
+        "rewinds": len(rewinds), "last_rewind": rewinds[-1] if rewinds else None,
+        "skips": _loads(record.get("skips"), []),
         "leader": store.leader(),
     }
 
