@@ -126,6 +126,14 @@ def test_the_history_travels_as_json_and_junk_in_it_leaves_the_rules_to_warm_up(
         assert feed(fresh, [9.0]) == []  # warming up again
 
 
+def test_a_rewind_with_no_point_to_go_back_to_is_refused():
+    raw = {**base_job(), "stability": {"on_spike": "rewind"},
+           "checkpoint": {"interval": 0, "memory_every": 0}}
+    with pytest.raises(ValueError, match="stability.on_spike: rewind goes back to a checkpoint"):
+        validate_job(raw)
+    validate_job({**raw, "checkpoint": {"interval": 10, "memory_every": 0}})
+
+
 def test_a_spike_fault_takes_no_rank():
     with pytest.raises(ValueError, match="poisons the whole step"):
         validate_job({**base_job(), "fault_injection": {"faults": [
@@ -204,6 +212,27 @@ def test_a_resumed_run_judges_at_once_with_the_history_its_checkpoint_carried(ru
     assert [e["step"] for e in lines if e.get("event") == "resume"] == [12]
     (event,) = _events(tmp_path)
     assert (event["step"], event["verdict"]) == (SPIKE, "spike")
+
+
+def test_without_a_controller_a_rewind_stops_the_rank_with_90_and_says_how(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    raw = job()
+    raw.update(run_dir=str(tmp_path / "run"), checkpoint={"interval": 5})
+    raw["stability"]["on_spike"] = "rewind"
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
+    out = subprocess.run([sys.executable, "-m", "optimus", "train", str(tmp_path / "job.yaml")],
+                         capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("OPTIMUS_")})
+    assert out.returncode == 90, out.stderr[-2000:]
+    (line,) = [t for t in out.stdout.splitlines() if t.startswith("rewind-request ")]
+    assert json.loads(line.removeprefix("rewind-request "))["step"] == SPIKE
+    assert f"error: spike at step {SPIKE}" in out.stderr and "OPTIMUS_SKIP_STEPS" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_a_healthy_run_raises_no_alarm_over_500_steps_with_the_defaults(run_ranks, tmp_path):

@@ -47,6 +47,10 @@ def job_rewind(to: int, skip: tuple[int, int] | None, samples: int | None, job_n
         raise ops.Refused("--skip-steps and --skip-samples both name the window to skip: give "
                           "one of them")
     store, record = ops._store(redis, job_name)
+    now = store.furthest_step()
+    if now is not None and to > now:
+        raise ops.Refused(f"rewind refused: step {to} is ahead of the job (at step {now}); fix: "
+                          f"--to {now} or earlier")
     what = (f", skipping the batches of steps {skip[0]}..{skip[1]}" if skip else
             f", skipping the {samples} samples after it" if samples else "")
     ops.confirm(yes, f"Rewind job {job_name} to step {to}{what} (the running generation stops "

@@ -121,6 +121,13 @@ def _job_problems(job: JobConfig) -> list[tuple[str, str, str]]:
                     f"use warmup_steps <= {o.steps}"))
     if o.min_lr > o.lr:
         out.append(("optim.min_lr", f"{o.min_lr} is above lr={o.lr}", f"use min_lr <= {o.lr}"))
+    st, ck = job.stability, job.checkpoint
+    rewinds = [k for k in ("on_spike", "on_divergence") if getattr(st, k) == "rewind"]
+    if rewinds and st.enabled and not ck.interval and ck.memory_every in (0, "0"):
+        out.append((f"stability.{rewinds[0]}", "rewind goes back to a checkpoint or memory "
+                    "snapshot, and this job keeps neither: every rewind would start from scratch",
+                    "set checkpoint.interval (or checkpoint.memory_every), or on_spike: "
+                    "skip_step"))
     for key, template, names in (("run_dir", job.run_dir, {"name"}),
                                  ("checkpoint.dir", job.checkpoint.dir, {"name", "run_dir"})):
         try:
