@@ -62,9 +62,13 @@ def test_some_ranks_asking_wait_for_the_others_then_the_generation_stops_without
                        "resumes from the newest point at or before step 42 and skips the "
                        "batches of steps 48..53")
     assert (fields["step"], fields["first"], fields["last"], fields["to"]) == (50, 48, 53, 42)
-    # after settle_s the ranks that did ask are enough
-    late = decide(running(exits=[asks(0, at=NOW - 10)]), S)
+    # after settle_s, ranks of every node are enough (a rank lost meanwhile)...
+    late = decide(running(exits=[asks(0, at=NOW - 10), asks(2, at=NOW - 10)]), S)
     assert late.plan["save"] is False and late.job["skips"] == [[48, 53]]
+    # ... but one node's ranks alone (which that node controls) are no rewind: a failure
+    alone = decide(running(exits=[asks(0, at=NOW - 10), asks(1, at=NOW - 10)]), S)
+    assert "skips" not in alone.job and "suspect" not in alone.job
+    assert [k for k, _, _ in alone.events if k in ("failure", "rewind")] == ["failure"]
 
 
 def test_a_divergence_goes_back_before_its_rise_and_the_window_starts_at_step_one():
@@ -74,11 +78,13 @@ def test_a_divergence_goes_back_before_its_rise_and_the_window_starts_at_step_on
     assert d.job["skips"] == [[1, 5]] and d.job["suspect"]["resumed_step"] == 0
 
 
-def test_no_readable_request_pauses_the_job_rather_than_meet_the_spike_again():
-    d = decide(running(exits=[asks(r, line="rewind-request ???") for r in range(4)]), S)
-    assert d.plan["action"] == "stop" and d.plan["save"] is False
-    assert d.job["desired"] == "pause" and d.control == {"pause": True}
-    assert "suspect" not in d.job and "skips" not in d.job
+def test_no_readable_request_or_disagreeing_ones_pause_the_job_rather_than_guess():
+    for exits in ([asks(r, line="rewind-request ???") for r in range(4)],
+                  [asks(0), asks(1), asks(2, step=7), asks(3, step=7)]):
+        d = decide(running(exits=exits), S)
+        assert d.plan["action"] == "stop" and d.plan["save"] is False
+        assert d.job["desired"] == "pause" and d.control == {"pause": True}
+        assert "suspect" not in d.job and "skips" not in d.job
 
 
 def test_the_budget_pauses_the_rewind_it_would_exceed_and_an_operators_do_not_count():

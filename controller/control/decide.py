@@ -263,8 +263,8 @@ def _rewind_asked(obs: Observed, s: Settings, d: Decision) -> bool:
     if not exits or waiting:
         return bool(exits)
     if request is None:  # resuming on would meet the spike again: an operator chooses
-        why = (f"{len(exits)} rank(s) stopped for a rewind, but none said at which step (no "
-               "readable rewind-request line in their logs' tails)")
+        why = (f"{len(exits)} rank(s) stopped for a rewind, but their logs' tails name no one "
+               "step (no readable rewind-request line, or lines that disagree)")
         d.job.update({"desired": "pause", "desired_by": "controller", "desired_reason": why})
         d.control = {**obs.control, "pause": True}
         _rewind(obs, s, d, step=None, window=None, floor=None, by="controller", reason=why)

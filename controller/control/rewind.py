@@ -6,8 +6,9 @@ of batches. Pure rules, like decide.py, which applies them.
   reaches the same verdict at the same step (optimus/stability.py), prints one
   `rewind-request {json}` line and stops before the step's update, saving nothing (exit 90;
   in process it waits for the next generation). `asked` waits up to settle_s for every rank's
-  exit, then reads the step from the lowest rank's line. The line crossed a boundary (a rank's
-  log, through its agent): only a bounded, well-formed one is read.
+  exit; ranks of every node must have asked and their lines must name one step. The line
+  crossed a boundary (a rank's log, through its agent): only a bounded, well-formed one is
+  read, and no node alone can make the job rewind (docs/security.md).
 - The window: the batches of steps [spike - rewind_skip_before, spike + rewind_skip_after] are
   skipped; the next generation resumes from the newest point (memory snapshot or committed
   checkpoint) at least rewind_back steps before the window and before a divergence's rise
@@ -65,16 +66,22 @@ def request_of(e: Exit) -> dict | None:
 
 def asked(obs: Observed, s: Settings) -> tuple[bool, dict | None, list[Exit]]:
     """(waiting, the request, the ranks that asked): waiting while some ranks of the generation
-    have asked and the others' exits may still come (settle_s); then the lowest rank's
-    readable request (None: no rank said at which step)."""
+    have asked and the others' exits may still come (settle_s); then the request, when ranks
+    of every node of the generation asked and their readable requests name one step (None:
+    they name none, or several). Ranks of some nodes only are no rewind (no exits: the usual
+    rules judge them): one node's word, which it controls, must not rewind the job."""
     exits = sorted((e for e in obs.exits if e.code == EXIT_REWIND), key=lambda e: e.rank)
     if not exits:
         return False, None, []
     if (len({e.rank for e in exits}) < obs.plan["world_size"]
             and obs.now - min(e.time for e in exits) < s.settle_s):
         return True, None, exits
-    request = next((r for e in exits if (r := request_of(e)) is not None), None)
-    return False, request, exits
+    if not set(obs.plan["nodes"]) <= {e.node for e in exits}:
+        return False, None, []
+    said = [r for e in exits if (r := request_of(e)) is not None]
+    if len({(r["step"], r["since"]) for r in said}) != 1:
+        return False, None, exits
+    return False, said[0], exits
 
 
 def window_for(request: dict, s: Settings) -> tuple[int, int, int]:
