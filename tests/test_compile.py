@@ -82,7 +82,7 @@ def test_every_layout_trains_compiled_like_eager(run_ranks, tmp_path, name):
     these with inductor too (all pass: 192 s with a warm kernel cache, 2 cores)."""
     world, parallel = LAYOUTS[name]
     raw = compiled(base_job(**parallel), tmp_path, LAYOUT_BACKEND)
-    want = reference(run_ranks, raw["model"]["n_layers"])
+    want = reference(run_ranks, raw["model"]["n_layers"], raw["model"]["qk_norm"])
     assert_matches(run_ranks(_train, world, raw, timeout=300), want, rel=1e-4)
     assert all(e["step"] <= 2 for e in compile_events(tmp_path))
 

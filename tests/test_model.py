@@ -17,12 +17,13 @@ from optimus.models import (
     matmul_param_count,
     param_count,
 )
-from optimus.models.gpt import rope_tables
+from optimus.models.gpt import apply_rope, rope_tables
 
 
 def make_cfg(**overrides):
     cfg = dict(vocab_size=257, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192,
-               max_seq_len=32, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02)
+               max_seq_len=32, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02,
+               qk_norm=False)
     cfg.update(overrides)
     return SimpleNamespace(**cfg)
 
@@ -190,3 +191,60 @@ def test_init_weights_on_dtensor_parameters():
         assert torch.equal(wq.weight.full_tensor(), ref.layers["0"].attention.wq.weight)
     finally:
         dist.destroy_process_group()
+
+
+def _qk_norm_model(seed: int = 0):
+    """A QK-norm model whose norm weights are not ones (so a wrong permutation or a norm over
+    the wrong axis shows)."""
+    model = build_model(make_cfg(qk_norm=True), seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def test_qk_norm_normalises_each_head_before_rope_with_one_shared_weight():
+    cfg = make_cfg(qk_norm=True)
+    model = _qk_norm_model()
+    attn = model.layers["0"].attention
+    assert attn.q_norm.weight.shape == attn.k_norm.weight.shape == (16,)  # head_dim
+    x = torch.randn(2, 8, cfg.dim)
+    cos, sin = model.rope_cos, model.rope_sin
+
+    def heads(w, norm):  # by hand: every head's vector over its RMS, times the one weight
+        h = (x @ w.weight.T).view(2, 8, -1, 16)
+        h = h / (h.pow(2).mean(-1, keepdim=True) + cfg.norm_eps).sqrt() * norm.weight
+        return apply_rope(h, cos, sin).transpose(1, 2)
+
+    q, k = heads(attn.wq, attn.q_norm), heads(attn.wk, attn.k_norm)
+    v = (x @ attn.wv.weight.T).view(2, 8, -1, 16).transpose(1, 2)
+    k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    scores = (q @ k.transpose(-1, -2) / 4).masked_fill(
+        torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+    want = attn.wo((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 8, -1))
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x, cos, sin), want, rtol=1e-5, atol=1e-6)
+        # Normalised: the scale of wq and wk no longer reaches the attention scores.
+        ref = attn(x, cos, sin)
+        attn.wq.weight.mul_(30.0)
+        attn.wk.weight.mul_(5.0)
+        torch.testing.assert_close(attn(x, cos, sin), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_qk_norm_changes_the_model_and_counts_its_parameters_but_no_flops():
+    plain_cfg, cfg = make_cfg(), make_cfg(qk_norm=True)
+    plain, model = build_model(plain_cfg, seed=0), build_model(cfg, seed=0)
+    extra = {k for k in model.state_dict()} - set(plain.state_dict())
+    assert extra == {f"layers.{i}.attention.{n}_norm.weight" for i in (0, 1) for n in "qk"}
+    # The same weights otherwise (init by name), the norms at one: the outputs still differ.
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in plain.state_dict().items())
+    assert torch.equal(model.layers["1"].attention.q_norm.weight, torch.ones(16))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12))
+    with torch.no_grad():
+        assert float((model(tokens) - plain(tokens)).abs().max()) > 1e-2
+    # 131520 (test_param_count_by_hand) + 2 layers x (q and k norms of head_dim 16).
+    assert param_count(cfg) == 131520 + 2 * 2 * 16 == sum(p.numel() for p in model.parameters())
+    assert matmul_param_count(cfg) == matmul_param_count(plain_cfg)
+    assert flops_per_token(cfg, 32) == flops_per_token(plain_cfg, 32)  # norms are not counted

@@ -255,31 +255,37 @@ _reference: dict[tuple, dict] = {}
 BATCH, MICROBATCHES = 16, 2  # every layout: 2 global microbatches of 8 sequences
 
 
-def matrix_job(balance: str, scope: str = "global") -> dict:
-    raw = moe_job(balance=balance, bias_update_rate=0.01, aux_loss_scope=scope)
+def matrix_job(balance: str, scope: str = "global", stable: bool = False) -> dict:
+    """With `stable`: QK-norm, the z-loss and the router z-loss (coefficients large enough
+    that their gradients move the weights well past the tolerance)."""
+    raw = moe_job(balance=balance, bias_update_rate=0.01, aux_loss_scope=scope,
+                  router_z_loss=1e-2 if stable else 0.0)
     raw["data"].update(batch_size=BATCH, microbatches=MICROBATCHES)
+    raw["model"]["qk_norm"] = stable
+    raw["optim"]["z_loss"] = 1e-2 if stable else 0.0
     return raw
 
 
-def one_process(run_ranks, balance: str, scope: str = "global") -> dict:
+def one_process(run_ranks, balance: str, scope: str = "global", stable: bool = False) -> dict:
     """The single-process run: the same global batch in the same two microbatches."""
-    if (balance, scope) not in _reference:
-        (_reference[balance, scope],) = run_ranks(_train, 1, matrix_job(balance, scope),
-                                                  timeout=120)
-    return _reference[balance, scope]
+    if (balance, scope, stable) not in _reference:
+        (_reference[balance, scope, stable],) = run_ranks(
+            _train, 1, matrix_job(balance, scope, stable), timeout=120)
+    return _reference[balance, scope, stable]
 
 
 # name: (world, parallel, balancing, aux-loss scope). Each rank's microbatch holds 8 / dp
-# sequences: several on most layouts, one under EP4 (dp 8).
+# sequences: several on most layouts, one under EP4 (dp 8). Layouts named `stable` also train
+# with QK-norm, the z-loss and the router z-loss (`matrix_job`).
 LAYOUTS = {
     "DP2": (2, {}, "aux_loss", "global"),
     "PP2": (2, {"pp": 2, "schedule": "1f1b"}, "aux_loss", "global"),
     "EP2-bias": (2, {"ep": 2}, "bias", "global"),
     "EP2xDP2": (4, {"ep": 2}, "aux_loss", "global"),
     "EP2xDP2-sequence": (4, {"ep": 2}, "aux_loss", "sequence"),
-    "EP2xPP2": (4, {"ep": 2, "pp": 2, "schedule": "1f1b"}, "aux_loss", "global"),
+    "EP2xPP2-stable": (4, {"ep": 2, "pp": 2, "schedule": "1f1b"}, "aux_loss", "global"),
     "EP4": (8, {"ep": 4}, "aux_loss", "global"),
-    "TP2xEP2": (4, {"tp": 2, "ep": 2}, "aux_loss", "global"),
+    "TP2xEP2-stable": (4, {"tp": 2, "ep": 2}, "aux_loss", "global"),
     "TP2-sequence": (2, {"tp": 2}, "aux_loss", "sequence"),
     "TP2xEP2-recompute": (4, {"tp": 2, "ep": 2, "activation_checkpoint": "full"}, "aux_loss",
                           "global"),
@@ -294,8 +300,9 @@ EP = pytest.mark.expert_parallel
                                   for n in LAYOUTS])
 def test_moe_layouts_train_like_one_process(run_ranks, name):
     world, parallel, balance, scope = LAYOUTS[name]
-    one = one_process(run_ranks, balance, scope)
-    raw = matrix_job(balance, scope)
+    stable = name.endswith("-stable")
+    one = one_process(run_ranks, balance, scope, stable)
+    raw = matrix_job(balance, scope, stable)
     raw["parallel"].update(parallel)
     ranks = run_ranks(_train, world, raw, timeout=240)
     merged: dict[str, torch.Tensor] = {}
@@ -307,6 +314,9 @@ def test_moe_layouts_train_like_one_process(run_ranks, name):
         for got, want in zip(result["moe"], one["moe"], strict=True):
             assert (got["load"], got["dropped"]) == (want["load"], want["dropped"])
             assert got["aux_loss"] == pytest.approx(want["aux_loss"], rel=1e-5)
+            assert got.keys() == want.keys()  # router_z_loss when there is one
+            if "router_z_loss" in want:
+                assert got["router_z_loss"] == pytest.approx(want["router_z_loss"], rel=1e-5)
     assert sum(one["moe"][0]["load"][0]) == BATCH * 32 * 2  # every token of the step, twice
     assert merged.keys() == one["state"].keys()
     for key, value in one["state"].items():
@@ -318,6 +328,11 @@ def test_moe_layouts_train_like_one_process(run_ranks, name):
         assert one["state"]["layers.1.feed_forward.expert_bias"].abs().sum() > 0
     else:
         assert one["moe"][-1]["aux_loss"] >= 1.0  # 1 when perfectly balanced
+    if stable:  # at first the router's logits are near 0: log Z near log 4; then it falls
+        first, last = (one["moe"][i]["router_z_loss"] for i in (0, -1))
+        assert first == pytest.approx(math.log(4) ** 2, rel=0.05) and last < first
+    else:
+        assert "router_z_loss" not in one["moe"][-1]
 
 
 def _ep_model(world_size: int, ep: int):

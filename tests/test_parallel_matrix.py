@@ -3,6 +3,8 @@
 From the same weights and data, each layout's per-step loss and final weights match the
 single-process run within 1e-5 relative in fp32, over 5 optimizer steps with 4 microbatches
 of gradient accumulation (which the pipeline layouts use as their pipeline microbatches).
+Layouts marked `stable` train with QK-norm and the z-loss (against a one-process run with
+them too): the per-head norms' replicated weights under tp, and the vocab-parallel log Z.
 """
 
 from __future__ import annotations
@@ -17,12 +19,20 @@ from optimus.train import train
 STEPS = 5
 
 
+# The stability options as the `stable` layouts use them: a z-loss coefficient large enough
+# that its gradient moves the weights well past the tolerance (see the test below).
+STABLE = {"qk_norm": True, "z_loss": 1e-2}
+
+
 def base_job(**parallel) -> dict:
     n_layers = parallel.pop("n_layers", 4)
+    stable = parallel.pop("stable", False)
     return {"name": "matrix",
             "model": {"vocab_size": 256, "dim": 64, "n_layers": n_layers, "n_heads": 4,
-                      "n_kv_heads": 2, "ffn_dim": 128, "max_seq_len": 32},
-            "optim": {"steps": STEPS, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 2},
+                      "n_kv_heads": 2, "ffn_dim": 128, "max_seq_len": 32,
+                      "qk_norm": stable and STABLE["qk_norm"]},
+            "optim": {"steps": STEPS, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 2,
+                      "z_loss": STABLE["z_loss"] if stable else 0.0},
             "data": {"seq_len": 32, "batch_size": 8, "microbatches": 4},
             "parallel": {"device": "cpu", **parallel}}
 
@@ -43,14 +53,14 @@ LAYOUTS = {
     "TP2xPP2": (4, {"tp": 2, "pp": 2}),
     "TP2xDP2": (4, {"tp": 2, "dp": 2}),
     "PP2xDP2": (4, {"pp": 2, "dp": 2}),
-    "TP2xPP2xDP2": (8, {"tp": 2, "pp": 2, "dp": 2}),
+    "TP2xPP2xDP2-stable": (8, {"tp": 2, "pp": 2, "dp": 2, "stable": True}),
     "PP3-7-layers": (3, {"pp": 3, "n_layers": 7}),
     # 2 kv heads on 4 ranks: each kv head replicated on 2 ranks (see the test below for why
     # the norm-wise tolerance is the right one here too).
-    "TP4-kv-replicated": (4, {"tp": 4}),
+    "TP4-kv-replicated-stable": (4, {"tp": 4, "stable": True}),
 }
 
-_reference: dict[int, dict] = {}
+_reference: dict[tuple[int, bool], dict] = {}
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -63,17 +73,18 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).detach().norm() / expected.detach().norm())
 
 
-def reference(run_ranks, n_layers: int) -> dict:
-    if n_layers not in _reference:
-        (_reference[n_layers],) = run_ranks(_train, 1, base_job(n_layers=n_layers), timeout=120)
-    return _reference[n_layers]
+def reference(run_ranks, n_layers: int, stable: bool = False) -> dict:
+    if (n_layers, stable) not in _reference:
+        (_reference[n_layers, stable],) = run_ranks(
+            _train, 1, base_job(n_layers=n_layers, stable=stable), timeout=120)
+    return _reference[n_layers, stable]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_one_process(run_ranks, name):
     world, parallel = LAYOUTS[name]
     raw = base_job(**parallel)
-    one = reference(run_ranks, raw["model"]["n_layers"])
+    one = reference(run_ranks, raw["model"]["n_layers"], raw["model"]["qk_norm"])
     ranks = run_ranks(_train, world, raw, timeout=240)
     merged: dict[str, torch.Tensor] = {}
     for result in ranks:
@@ -92,6 +103,18 @@ def test_layout_matches_one_process(run_ranks, name):
     last = memory[-1]
     assert 0 <= last["allocated_rank"] < world
     assert all(last["allocated_bytes"] >= m["allocated_bytes"] for m in memory)
+
+
+def test_the_stable_layouts_train_with_qk_norm_and_the_z_loss(run_ranks):
+    """The `stable` one-process run (the two references already run for the matrix) has the
+    q/k norms, and they and the z-loss change what it learns."""
+    plain, stable = reference(run_ranks, 4), reference(run_ranks, 4, stable=True)
+    norms = {k for k in stable["state"] if k.endswith(("q_norm.weight", "k_norm.weight"))}
+    assert len(norms) == 2 * 4 and not norms & plain["state"].keys()
+    assert all(float((stable["state"][k] - 1).abs().max()) > 1e-4 for k in norms)  # trained
+    assert stable["losses"][0] != pytest.approx(plain["losses"][0], rel=1e-4)
+    wq = "layers.0.attention.wq.weight"
+    assert relative_error(stable["state"][wq], plain["state"][wq]) > 1e-3
 
 
 def test_activation_checkpointing_changes_nothing_but_memory(run_ranks):

@@ -33,7 +33,7 @@ SEED, MB_SIZE, SEQ = 3, 2, 16
 def _cfg(n_layers: int = 4) -> types.SimpleNamespace:
     return types.SimpleNamespace(vocab_size=256, dim=32, n_layers=n_layers, n_heads=2,
                                  n_kv_heads=2, ffn_dim=64, max_seq_len=32, rope_theta=10000.0,
-                                 norm_eps=1e-5, init_std=0.02)
+                                 norm_eps=1e-5, init_std=0.02, qk_norm=False)
 
 
 # --- rules ------------------------------------------------------------------------------------

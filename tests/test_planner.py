@@ -9,6 +9,8 @@ why it is the same). The prediction of `rank_memory` for each pipeline position 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -52,9 +54,11 @@ LAYOUTS = {
 }
 
 
-def _raw(model: dict, parallel: dict, microbatch: int, microbatches: int) -> dict:
+def _raw(model: dict, parallel: dict, microbatch: int, microbatches: int,
+         optim: dict | None = None) -> dict:
     dp = WORLD // (parallel.get("tp", 1) * parallel.get("pp", 1))
-    return {"name": "memory", "model": model, "optim": {"steps": 1, "warmup_steps": 0},
+    return {"name": "memory", "model": model,
+            "optim": {"steps": 1, "warmup_steps": 0, **(optim or {})},
             "data": {"seq_len": SEQ, "batch_size": microbatch * microbatches * dp,
                      "microbatches": microbatches},
             "parallel": {"device": "cpu", **parallel}}
@@ -70,8 +74,8 @@ def _measure(rank: int, world: int, layouts: list[tuple]) -> list[int]:
 
     cpu = torch.device("cpu")
     peaks = []
-    for model, parallel, microbatch, microbatches in layouts:
-        job = validate_job(_raw(model, parallel, microbatch, microbatches), world=world)
+    for model, parallel, microbatch, microbatches, *optim in layouts:
+        job = validate_job(_raw(model, parallel, microbatch, microbatches, *optim), world=world)
         layout = resolve_layout(job, world)
         mesh = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,
                             world_size=world).build_mesh("cpu")
@@ -132,6 +136,43 @@ def test_memory_model_within_15_percent_of_measured_peak(measured, name):
             assert predicted == pytest.approx(got, rel=0.15), (
                 f"{name}, pp rank {pp_rank}: predicted {predicted / 2**20:.2f} MiB, "
                 f"measured {got / 2**20:.2f} MiB")
+
+
+# --- what QK-norm and the z-loss add -----------------------------------------------------------
+
+# A wide vocabulary makes the loss the step's peak, where the z-loss's float32 logits show.
+WIDE = {**DENSE, "vocab_size": 4096}
+STABILITY = {  # as LAYOUTS, with the optim section
+    "neither": (WIDE, {"tp": 4}, 2, 1, {}),
+    "qk_norm": ({**WIDE, "qk_norm": True}, {"tp": 4}, 2, 1, {}),
+    "z_loss": (WIDE, {"tp": 4}, 2, 1, {"z_loss": 1e-4}),
+}
+
+
+def test_qk_norm_and_the_z_loss_add_the_memory_the_model_predicts():
+    """TP4: QK-norm adds two of q and of k (local heads) per layer and token, and its
+    weights; the z-loss one float32 [tokens, vocab / tp]. Predicted and measured growth agree
+    within 15% (measured: 5% over, the slack), as do the totals. Without data parallelism the
+    loss is the step's peak; with it (TP2 x dp2) the peak is elsewhere, in backward, and the
+    z-loss's logits add little to it (4 KB measured): the model counts them at the peak all
+    the same, as it does the loss's own logits."""
+    from tests.multiproc import run_ranks
+
+    per_rank = run_ranks(_measure, WORLD, list(STABILITY.values()), timeout=240)
+    predicted = {}
+    for name, (model, parallel, microbatch, microbatches, optim) in STABILITY.items():
+        cfg = validate_job(_raw(model, parallel, microbatch, microbatches, optim)).model
+        plan = replace(_plan(model, parallel, microbatch, microbatches),
+                       z_loss=bool(optim.get("z_loss")))
+        predicted[name] = rank_memory(cfg, plan).total
+    for peaks in per_rank:
+        got = dict(zip(STABILITY, peaks, strict=True))
+        for name in STABILITY:
+            assert predicted[name] == pytest.approx(got[name], rel=0.15), name
+        for name in ("qk_norm", "z_loss"):
+            grew = got[name] - got["neither"]
+            assert predicted[name] - predicted["neither"] == pytest.approx(grew, rel=0.15), name
+            assert grew > 0.03 * got["neither"]  # large enough to be told from noise
 
 
 # --- `optimus config check` refuses a job that cannot fit -------------------------------------

@@ -8,7 +8,9 @@ The transforms:
 - `rope`: Optimus rotates the pairs (x[2i], x[2i+1]) of each head, Transformers the pairs
   (x[i], x[i + head_dim/2]) (`rotate_half`). Permuting the rows of wq and wk inside each head
   (even rows first, then odd) makes q and k come out in Transformers' order; the attention
-  scores, and so everything downstream, are unchanged.
+  scores, and so everything downstream, are unchanged. The q/k norms' weights (`qk_norm`, one
+  head_dim vector each) are permuted the same way: the RMS of a head does not depend on the
+  order of its elements, and each weight element must stay with its element of q or k.
 - `experts`: Optimus stacks experts as w1/w3 [E, dim, hidden] and w2 [E, hidden, dim] (input
   first); checkpoints of every Transformers MoE family hold one nn.Linear weight per expert
   ([out, in]: `mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`), which Transformers 5
@@ -69,6 +71,9 @@ def _layer(cfg, family: Family, i: int) -> list[Piece]:
         Piece(f"{ours}attention.wo.weight", (f"{hf}self_attn.o_proj.weight",)),
         Piece(f"{ours}ffn_norm.weight", (f"{hf}post_attention_layernorm.weight",)),
     ]
+    if cfg.qk_norm:  # one head's worth, shared by every head (Qwen3, Qwen3-MoE, GLM-4-MoE)
+        out += [Piece(f"{ours}attention.{n}_norm.weight", (f"{hf}self_attn.{n}_norm.weight",),
+                      "rope", 1) for n in "qk"]
     ffn, mlp = f"{ours}feed_forward.", f"{hf}mlp."
     if not is_moe_layer(cfg, i):
         return out + _swiglu(ffn, mlp)
@@ -99,14 +104,15 @@ def hf_shapes(piece: Piece, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 
 def _rope_to_hf(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows of each head reordered from interleaved pairs to halves: 0,2,4,..,1,3,5,.."""
-    rows, cols = w.shape
-    return w.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    """Rows of each head reordered from interleaved pairs to halves: 0,2,4,..,1,3,5,..
+    (`w` [rows, cols], or a vector [rows])."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
 
 def _rope_from_hf(w: torch.Tensor, heads: int) -> torch.Tensor:
-    rows, cols = w.shape
-    return w.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, -1).transpose(1, 2).reshape(w.shape)
 
 
 def to_hf(piece: Piece, tensor: torch.Tensor | None) -> list[torch.Tensor]:

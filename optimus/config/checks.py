@@ -78,6 +78,10 @@ def _job_problems(job: JobConfig) -> list[tuple[str, str, str]]:
     elif p.ep > 1:
         out.append(("parallel.ep", f"ep={p.ep} needs experts to shard",
                     "set model.moe.experts, or ep: 1"))
+    if moe.router_z_loss and not moe.experts:
+        out.append(("model.moe.router_z_loss", f"{moe.router_z_loss} is set on a dense model: "
+                    "it is a loss on the MoE layers' routers", "set model.moe.experts, or "
+                    "remove router_z_loss (optim.z_loss is the output logits' z-loss)"))
     if job.training.float8 != "off" and p.tp > 1:
         out.append(("training.float8", f"{job.training.float8} float8 with tensor parallel "
                     f"(tp={p.tp}) is not supported: the tp plan's sequence-parallel inputs and "

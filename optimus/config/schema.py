@@ -44,6 +44,9 @@ class MoEConfig(Section):
     bias_update_rate: NonNegativeFloat = Field(
         1e-3, description="bias: the step by which an under- or over-loaded expert's bias moves")
     dense_layers: NonNegativeInt = Field(0, description="the first k layers stay dense")
+    router_z_loss: NonNegativeFloat = Field(
+        0.0, description="ST-MoE's router z-loss: this x the mean over tokens of "
+                         "logsumexp(router logits)^2, added to the loss's gradient; 0: off")
 
 
 class ModelConfig(Section):
@@ -58,6 +61,10 @@ class ModelConfig(Section):
     rope_theta: PositiveFloat = 10000.0
     norm_eps: PositiveFloat = 1e-5
     init_std: PositiveFloat = 0.02
+    qk_norm: bool = Field(
+        False, description="RMSNorm on each head's queries and keys before RoPE (as Qwen3 "
+                           "does): one learnt weight of head_dim for q, one for k, shared by "
+                           "every head")
     moe: MoEConfig = Field(default_factory=MoEConfig)
     init_from: Annotated[str, Field(pattern=r"^hf:.+")] | None = Field(
         None, description='"hf:DIR": start from the Hugging Face model in DIR (its config.json '
@@ -136,6 +143,10 @@ class OptimConfig(Section):
     eps: PositiveFloat = 1e-8
     grad_clip: Annotated[float, Field(ge=0)] = Field(1.0, description="0: no clipping")
     fused: bool | None = Field(None, description="None: fused where the device has it")
+    z_loss: NonNegativeFloat = Field(
+        0.0, description="PaLM's z-loss: this x log(Z)^2 per labelled token (log Z: the "
+                         "logsumexp of the output logits), normalised as the cross-entropy; "
+                         "in the gradient, not in the logged loss; 0: off")
 
 
 class DataSource(Section):

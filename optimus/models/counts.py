@@ -32,12 +32,15 @@ def matmul_param_count(cfg, active: bool = False) -> int:
 def param_count(cfg, active: bool = False) -> int:
     """Exact number of parameters of `GPT(cfg)` (with `active`: those one token uses).
 
-    embedding V*d + per layer (q d*h*hd, k and v d*kvh*hd each, o h*hd*d, two norms 2*d, and
-    a SwiGLU 3*d*ffn, or in an MoE layer a router d*E and (E + shared) experts of 3*d*ffn_e)
-    + final norm d + output head d*V, with hd = dim // n_heads.
+    embedding V*d + per layer (q d*h*hd, k and v d*kvh*hd each, o h*hd*d, two norms 2*d, with
+    `qk_norm` the q and k norms 2*hd, and a SwiGLU 3*d*ffn, or in an MoE layer a router d*E
+    and (E + shared) experts of 3*d*ffn_e) + final norm d + output head d*V, with
+    hd = dim // n_heads.
     """
     embedding = cfg.vocab_size * cfg.dim
     norms = (2 * cfg.n_layers + 1) * cfg.dim
+    if cfg.qk_norm:
+        norms += cfg.n_layers * 2 * (cfg.dim // cfg.n_heads)
     return embedding + norms + matmul_param_count(cfg, active)
 
 
@@ -51,7 +54,10 @@ def flops_per_token(cfg, seq_len: int) -> int:
     6 per weight per token. Attention scores (Q K^T) and the weighted sum (P V) each cost
     2 * head_dim * seq_len per head per token forward, so 4 forward and 12 in all; the full
     T x T matrix is counted although causal attention needs only half, as is conventional
-    (PaLM, Megatron, torchtitan). Embedding lookups, norms, RoPE and softmax are not counted.
+    (PaLM, Megatron, torchtitan). Embedding lookups, norms, RoPE and softmax are not counted,
+    nor is the loss: so neither `model.qk_norm` (two more norms per layer, ~4 FLOPs per
+    element of q and k) nor `optim.z_loss` (one more logsumexp over the vocabulary per token,
+    ~3 V FLOPs forward, as many as the cross-entropy's softmax) changes this count.
     """
     head_dim = cfg.dim // cfg.n_heads
     attention = 12 * cfg.n_layers * cfg.n_heads * head_dim * seq_len

@@ -51,6 +51,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2).type_as(x)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32, returned in x's dtype."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).type_as(x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -58,11 +63,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    """Grouped-query causal self-attention; q, k, v are separate so TP can shard each."""
+    """Grouped-query causal self-attention; q, k, v are separate so TP can shard each.
+
+    With `qk_norm`, each head's query and key are RMS-normalised before RoPE (Qwen3's QK-norm:
+    `q_norm` and `k_norm`, one weight of head_dim each, shared by every head), which bounds
+    the attention logits whatever the projections' scale."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -71,6 +80,11 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -78,6 +92,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True,

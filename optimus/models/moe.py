@@ -25,6 +25,11 @@ Either way a rank adds its own tokens' probabilities times the fractions; summed
 microbatches that is the loss, so only the counts (never a gradient) cross ranks, through
 `sum_over_batch` and `sum_over_sequence`, which the parallel plans set.
 
+The router z-loss (ST-MoE, `router_z_loss` > 0), whatever the balancing, is the mean over the
+step's tokens of logsumexp(router logits)^2, times its coefficient: each rank adds its own
+tokens' squares over the step's global token count, and its gradient joins the backward the
+same way as the balance loss's. Nothing crosses ranks for it.
+
 A forward counts the load, the dropped slots and the running totals once. Activation recompute
 replays the first forward's balancing decisions and counts nothing (`recompute_contexts`), and a
 pipeline's shape-inference pass on placeholder tensors counts nothing and talks to no other
@@ -194,6 +199,7 @@ class MoE(nn.Module):
         self.score, self.balance = m.score, m.balance
         self.capacity_factor, self.aux_loss_coeff = m.capacity_factor, m.aux_loss_coeff
         self.aux_scope = m.aux_loss_scope
+        self.router_z_coeff = m.router_z_loss
         self.router = nn.Linear(cfg.dim, m.experts, bias=False)
         self.experts = GroupedExperts(m.experts, cfg.dim, m.expert_ffn_dim)
         self.shared = shared  # the shared experts: one SwiGLU, as wide as all of them
@@ -207,6 +213,7 @@ class MoE(nn.Module):
         self.register_buffer("batch_tokens", torch.zeros(()), persistent=False)
         self.step_tokens = 1  # the step's global token count (the trainer sets it)
         self.aux_total: torch.Tensor | None = None  # this rank's share of the step's aux loss
+        self.z_total: torch.Tensor | None = None  # ... and of its router z-loss (unscaled)
         # Counts summed over the ranks holding other tokens of the same global microbatch
         # (global scope) or of the same sequences (sequence scope): set by the parallel plans.
         self.sum_over_batch: Callable[[torch.Tensor], torch.Tensor] = _alone
@@ -222,25 +229,39 @@ class MoE(nn.Module):
         self.dropped.zero_()
         self.batch_slots.zero_()
         self.batch_tokens.zero_()
-        self.aux_total = None
+        self.aux_total = self.z_total = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, dim = x.shape
         tokens = x.reshape(-1, dim)
-        scores, chosen, weights = self.route(tokens)
+        logits = self.router(tokens).float()
+        scores, chosen, weights = self.choose(logits)
         out = self.dispatch(tokens, chosen, weights)
         if self.shared is not None:
             out = out + self.shared(tokens).to(out.dtype)
-        if self.balance == "aux_loss" and self.training and torch.is_grad_enabled():
-            aux = self.balance_loss(scores, chosen.view(b, s, -1))
-            if _counting():
-                self.aux_total = aux.detach() + (0 if self.aux_total is None else self.aux_total)
-            out = add_aux_loss(out, aux * self.aux_loss_coeff)
+        if self.training and torch.is_grad_enabled():
+            extra = None  # the auxiliary losses' terms, scaled by their coefficients
+            if self.balance == "aux_loss":
+                aux = self.balance_loss(scores, chosen.view(b, s, -1))
+                if _counting():
+                    self.aux_total = aux.detach() + (0 if self.aux_total is None
+                                                     else self.aux_total)
+                extra = aux * self.aux_loss_coeff
+            if self.router_z_coeff:
+                z = self.router_z_loss(logits)
+                if _counting():
+                    self.z_total = z.detach() + (0 if self.z_total is None else self.z_total)
+                extra = z * self.router_z_coeff + (0 if extra is None else extra)
+            if extra is not None:
+                out = add_aux_loss(out, extra)
         return out.view(b, s, dim)
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Scores [T, E] (float32), the chosen experts [T, k] and their weights [T, k]."""
-        logits = self.router(tokens).float()
+        return self.choose(self.router(tokens).float())
+
+    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`route` from the router's float32 logits [T, E]."""
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         choice = scores + self.expert_bias if self.balance == "bias" else scores
         chosen = choice.topk(self.top_k, dim=-1).indices
@@ -285,6 +306,14 @@ class MoE(nn.Module):
         y32 = y.float() * weights.reshape(-1)[kept].unsqueeze(-1).float()
         out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
         return out.index_add(0, kept // self.top_k, y32).to(y.dtype)
+
+    def router_z_loss(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's share of ST-MoE's router z-loss: the sum over its tokens of
+        logsumexp(router logits)^2, over the step's global token count (as the balance loss:
+        summed over ranks and microbatches, the mean over the step's tokens). It keeps the
+        router's logits small, where the softmax (or sigmoid) is not saturated and rounding
+        in bf16 costs little. Local: no count crosses ranks."""
+        return logits.logsumexp(-1).square().sum() / self.step_tokens
 
     def balance_loss(self, scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """This rank's share of the auxiliary loss: experts x sum over experts of (the fraction

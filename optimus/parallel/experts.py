@@ -7,13 +7,13 @@ ranks (each holds a share of the sequence's positions). Only counts travel, neve
 each rank adds its own tokens' probabilities times the shared fractions.
 
 After each step (`expert_step`), every MoE layer's counts of the step (slots routed to each of
-its experts, slots dropped for capacity, its share of the auxiliary loss) are summed over every
-rank, one all-reduce of a [n_layers, experts + 2] tensor indexed by global layer per parallel
-axis: a pipeline stage fills its own rows, a data-parallel replica or a tensor-parallel sequence
-shard adds its tokens. So every rank sees the whole model's load. With `balance: bias` each
-layer then moves its expert bias by `bias_update_rate` towards the mean load (up for an expert
-below it, down above it): the same update on every replica, since every replica saw the same
-sums.
+its experts, slots dropped for capacity, its share of the auxiliary loss and of the router
+z-loss) are summed over every rank, one all-reduce of a [n_layers, experts + 3] tensor indexed
+by global layer per parallel axis: a pipeline stage fills its own rows, a data-parallel replica
+or a tensor-parallel sequence shard adds its tokens. So every rank sees the whole model's load.
+With `balance: bias` each layer then moves its expert bias by `bias_update_rate` towards the
+mean load (up for an expert below it, down above it): the same update on every replica, since
+every replica saw the same sums.
 """
 
 from __future__ import annotations
@@ -57,17 +57,20 @@ def expert_step(layers: list[MoE], cfg, mesh: DeviceMesh, device: torch.device,
     """Sum the step's load over the data-parallel replicas, pipeline stages and tensor-parallel
     sequence shards, update the biases (unless not `update`: a step whose update is skipped
     leaves them too), reset the counters; the step's figures ({"load": per
-    MoE layer, "dropped": slots, "aux_loss": the step's, token-weighted, mean over layers}),
-    None without MoE."""
+    MoE layer, "dropped": slots, "aux_loss": the step's, token-weighted, mean over layers; with
+    a router z-loss, "router_z_loss": the mean over tokens of logsumexp(router logits)^2,
+    unscaled, mean over layers}), None without MoE."""
     m = cfg.moe
     if not m.experts:
         return None
-    stats = torch.zeros(cfg.n_layers, m.experts + 2, device=device)
+    stats = torch.zeros(cfg.n_layers, m.experts + 3, device=device)
     for layer in layers:
         stats[layer.layer, :m.experts] = layer.load
         stats[layer.layer, m.experts] = layer.dropped
         if layer.aux_total is not None:  # this rank's share: its own tokens
             stats[layer.layer, m.experts + 1] = layer.aux_total
+        if layer.z_total is not None:
+            stats[layer.layer, m.experts + 2] = layer.z_total
     for axis in ("dp", "pp", "tp"):  # tp ranks route their own shares of the sequence
         if mesh[axis].size() > 1:
             dist.all_reduce(stats, group=mesh[axis].get_group())
@@ -77,6 +80,9 @@ def expert_step(layers: list[MoE], cfg, mesh: DeviceMesh, device: torch.device,
             layer.expert_bias += m.bias_update_rate * torch.sign(load.mean() - load)
         layer.reset_counters()
     moe_rows = [i for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
-    return {"load": [[int(v) for v in stats[i, :m.experts].tolist()] for i in moe_rows],
-            "dropped": int(stats[moe_rows, m.experts].sum()),
-            "aux_loss": float(stats[moe_rows, m.experts + 1].mean())}
+    out = {"load": [[int(v) for v in stats[i, :m.experts].tolist()] for i in moe_rows],
+           "dropped": int(stats[moe_rows, m.experts].sum()),
+           "aux_loss": float(stats[moe_rows, m.experts + 1].mean())}
+    if m.router_z_loss:
+        out["router_z_loss"] = float(stats[moe_rows, m.experts + 2].mean())
+    return out

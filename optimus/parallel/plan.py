@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -33,6 +32,11 @@ from optimus.parallel.data_parallel import (
 from optimus.parallel.expert_parallel import apply_expert_parallel, expert_group
 from optimus.parallel.experts import share_balance_counts
 from optimus.parallel.float8 import apply_float8
+from optimus.parallel.loss import (  # noqa: F401 (the first two are re-exported)
+    IGNORE_INDEX,
+    TokenSumLoss,
+    cross_entropy_sum,
+)
 from optimus.parallel.pipeline import (
     build_schedule,
     build_stage_models,
@@ -47,30 +51,6 @@ from optimus.parallel.tensor_parallel import (
     sum_grads_over_tp,
 )
 from optimus.runtime.device import compute_dtype
-
-IGNORE_INDEX = -100  # label value that carries no loss
-
-
-class TokenSumLoss:
-    """Summed cross-entropy over the global token count of the current step.
-
-    Dividing by the tokens of the whole global batch (all microbatches, all dp replicas) makes
-    the gradients, summed over microbatches and ranks, those of the global mean loss.
-    """
-
-    def __init__(self, compile_backend: str | None = None) -> None:
-        self.tokens = 1
-        self._sum = (torch.compile(cross_entropy_sum, backend=compile_backend)
-                     if compile_backend else cross_entropy_sum)
-
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self._sum(logits, labels) / self.tokens
-
-
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of every labelled token, its softmax taken in float32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                           ignore_index=IGNORE_INDEX)
 
 
 @dataclass
@@ -196,7 +176,8 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
     p = job.parallel
     # The vocab-parallel loss (tp > 1) stays eager: its DTensor backward does not compile.
     loss_fn = TokenSumLoss(job.training.compile_backend
-                           if job.training.compile and layout.tp == 1 else None)
+                           if job.training.compile and layout.tp == 1 else None,
+                           z_loss=job.optim.z_loss)
     if layout.pp > 1:
         num_stages = layout.pp * layout.virtual_stages
         ids = pipeline_stage_ids(mesh["pp"].get_local_rank(), layout.pp, layout.virtual_stages,

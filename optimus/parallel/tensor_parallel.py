@@ -8,7 +8,8 @@ The plan follows torchtitan's Llama plan, written with PyTorch's stock styles:
   r*s/tp .. (r+1)*s/tp - 1). The sequence length must divide by tp.
 - each block: norms SequenceParallel; attention and feed-forward inputs all-gathered to the full
   sequence; wq, wk, wv, w1, w3 column-parallel (heads / hidden units split); wo and w2
-  row-parallel, reduce-scattered back to [b, s / tp, dim].
+  row-parallel, reduce-scattered back to [b, s / tp, dim]. With `model.qk_norm`, the per-head
+  `q_norm` and `k_norm` (`_HeadNorm`) normalise each rank's own heads.
 - a block whose feed-forward is a mixture of experts: the MoE layer takes the LOCAL sequence
   shard as it is and returns its output for those positions (no all-gather): each tp rank
   routes its own tokens (under expert parallelism, over its own ep group). The MoE's
@@ -35,6 +36,14 @@ rank r uses kv head r // (tp / n_kv_heads), the one its query heads map to under
 attention.
 
 Beyond PyTorch's stock styles, and why:
+- `_HeadNorm` (q_norm, k_norm): their input is the local heads of column-parallel wq / wk, a
+  plain tensor, and their weight (head_dim, shared by every head) belongs to every rank. No
+  stock style takes a local input with a replicated weight. The weight is a Replicate
+  DTensor; in forward each rank uses its local value, declared to have a Partial gradient
+  (`to_local(grad_placements=[Partial()])`): each rank's gradient is its heads' share, and the
+  pending sum over tp is the weight's gradient, as for the SequenceParallel norms. Under
+  `_KVHeadCopies` a rank's k is a copy of one kv head, used by that rank's queries only; the
+  sum over ranks of each copy's share is again the whole gradient.
 - `_KVHeadCopies` (wk, wv when n_kv_heads < tp): no stock style splits fewer heads than ranks.
   The weights stay replicated parameters; in forward each is expanded to tp copies of
   [head_dim, dim], one per rank, and sharded by rank (a local slice, no communication).
@@ -54,7 +63,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -65,6 +81,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from optimus.models.gpt import RMSNorm, rms_norm
 from optimus.models.moe import MoE
 
 
@@ -108,6 +125,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             "attention.wk": kv_style,
             "attention.wv": kv_style,
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            **({"attention.q_norm": _HeadNorm(), "attention.k_norm": _HeadNorm()}
+               if block.attention.q_norm is not None else {}),
             "ffn_norm": SequenceParallel(),
             **(_moe_plan() if isinstance(block.feed_forward, MoE) else _feed_forward_plan()),
         })
@@ -158,6 +177,30 @@ def loss_context(tp_enabled: bool) -> contextlib.AbstractContextManager:
     return loss_parallel() if tp_enabled else contextlib.nullcontext()
 
 
+class _HeadNorm(ParallelStyle):
+    """q_norm or k_norm: a replicated weight over each rank's own heads (module docstring)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert isinstance(module, RMSNorm), module
+        distribute_module(module, device_mesh,
+                          partial(_replicate_params, src_data_rank=self.src_data_rank))
+        module.forward = partial(_head_norm_forward, module)
+        return module
+
+
+def _head_norm_forward(module: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    weight = module.weight  # read at call time: FSDP2 swaps in the unsharded parameter
+    return rms_norm(x, weight.to_local(grad_placements=[Partial()]), module.eps)
+
+
+def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh,
+                      src_data_rank: int | None) -> None:
+    """`module`'s own parameters as Replicate DTensors (a `distribute_module` partition_fn)."""
+    for key, param in list(module.named_parameters(recurse=False)):
+        dist = distribute_tensor(param, mesh, [Replicate()], src_data_rank=src_data_rank)
+        module.register_parameter(key, nn.Parameter(dist, param.requires_grad))
+
+
 class _KVHeadCopies(ParallelStyle):
     """wk or wv when n_kv_heads < tp: replicated weight, each rank computes its own kv head.
 
@@ -171,15 +214,11 @@ class _KVHeadCopies(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         assert isinstance(module, nn.Linear) and module.bias is None, module
-        distribute_module(module, device_mesh, self._replicate)
+        distribute_module(module, device_mesh,
+                          partial(_replicate_params, src_data_rank=self.src_data_rank))
         # The module's own forward would use every kv head; this one uses the rank's.
         module.forward = partial(_own_kv_head_forward, module, self.n_kv_heads)
         return module
-
-    def _replicate(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        for key, param in list(module.named_parameters(recurse=False)):
-            dist = distribute_tensor(param, mesh, [Replicate()], src_data_rank=self.src_data_rank)
-            module.register_parameter(key, nn.Parameter(dist, param.requires_grad))
 
 
 def _own_kv_head_forward(module: nn.Linear, n_kv_heads: int, x: torch.Tensor) -> torch.Tensor:

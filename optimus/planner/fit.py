@@ -26,7 +26,8 @@ def job_layout(job: JobConfig, layout: Layout, precision: str) -> PlanLayout:
                       v=layout.virtual_stages, schedule=p.schedule, microbatches=d.microbatches,
                       microbatch_size=max(1, d.batch_size // (layout.dp * d.microbatches)),
                       seq_len=d.seq_len, recompute=p.activation_checkpoint,
-                      ac_every=p.ac_every, precision=precision, param_gather=p.param_gather)
+                      ac_every=p.ac_every, precision=precision, param_gather=p.param_gather,
+                      z_loss=job.optim.z_loss > 0)
 
 
 def job_precision(job: JobConfig, machine_precision: str = "bf16") -> str:

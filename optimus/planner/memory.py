@@ -23,7 +23,10 @@ on real gloo ranks (tests/test_planner.py):
 - activations: per token per layer (the `_layer_activation` table below), times the tokens of a
   microbatch, times the microbatches each stage holds at the rank's worst moment under its
   schedule (schedules.py, from torch's own action lists); the last stage adds the
-  vocab-parallel loss's logits, the first the embedding's output.
+  vocab-parallel loss's logits, the first the embedding's output. `model.qk_norm` adds its
+  norms' inputs and outputs to a block that does not recompute; `optim.z_loss` adds a float32
+  [tokens, vocab / tp] to the loss's logits (two in bf16: the cast copy its log Z keeps, and
+  one more gradient in backward), measured where the loss is the step's peak.
 - backward: while a block runs backward its recomputed activations (full, selective, op) and
   the gradients of its activations exist besides.
 - slack: `SLACK` of the rest, for what no formula here follows (communication buffers,
@@ -67,6 +70,7 @@ class PlanLayout:
     ac_every: int = 2
     precision: str = "bf16"  # fp32, or bf16 compute with fp32 master weights
     param_gather: str = "microbatch"  # or "step": FSDP2 parameters kept gathered a whole step
+    z_loss: bool = False  # optim.z_loss > 0: the loss keeps more of the logits (module text)
 
     @property
     def keeps_gathered(self) -> bool:
@@ -134,6 +138,7 @@ class Shape(NamedTuple):
     n_kv_heads: int
     ffn_dim: int
     moe: _MoEShape
+    qk_norm: bool = False
 
 
 def shape_of(cfg) -> Shape:
@@ -142,7 +147,7 @@ def shape_of(cfg) -> Shape:
     m = cfg.moe
     return Shape(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
                  cfg.ffn_dim, _MoEShape(m.experts, m.top_k, m.expert_ffn_dim or cfg.ffn_dim,
-                                        m.shared_experts, m.dense_layers))
+                                        m.shared_experts, m.dense_layers), cfg.qk_norm)
 
 
 def _kv_local(cfg, tp: int) -> float:
@@ -156,7 +161,7 @@ def _layer_params(cfg, layer: int, tp: int, ep: int) -> tuple[float, float]:
     """(elements of layer `layer` on one rank outside experts, inside experts)."""
     hd = cfg.dim // cfg.n_heads
     attention = 2 * cfg.dim * cfg.n_heads * hd / tp + 2 * cfg.dim * _kv_local(cfg, tp)
-    norms = 2 * cfg.dim
+    norms = 2 * cfg.dim + (2 * hd if cfg.qk_norm else 0)  # whole on every tp rank
     if not is_moe_layer(cfg, layer):
         return attention + norms + 3 * cfg.dim * cfg.ffn_dim / tp, 0.0
     m = cfg.moe
@@ -174,9 +179,11 @@ def _layer_activation(cfg, layer: int, mode: str, tp: int) -> float:
     under sequence parallel), q, q after RoPE, the attention output and its reshaped copy,
     the residual after attention and the block output (the last two on the local sequence),
     k and v (and k after RoPE, in part), the softmax statistics, and the SwiGLU's four
-    ffn-wide tensors. `op` keeps the matmul and attention outputs and the block input;
-    `full` the block input alone. An MoE feed-forward keeps, per routed slot (top_k per
-    token), the dispatched token, its padded copy and the expert's three hidden tensors.
+    ffn-wide tensors; with QK-norm, two more of q and of k (the norm's normalised input and its
+    output) and their per-head statistics. `op` keeps the matmul and attention outputs and the
+    block input (the q/k norms are recomputed); `full` the block input alone. An MoE
+    feed-forward keeps, per routed slot (top_k per token), the dispatched token, its padded copy
+    and the expert's three hidden tensors.
     """
     d, h = cfg.dim, cfg.n_heads
     kv = _kv_local(cfg, tp) if tp > 1 else cfg.n_kv_heads * (d // h)  # per rank
@@ -194,6 +201,8 @@ def _layer_activation(cfg, layer: int, mode: str, tp: int) -> float:
         return attention + d + 2 * cfg.ffn_dim / tp
     gathered = 2 * d  # the norm outputs all-gathered to the full sequence (tp > 1), or not
     attention = gathered + 6 * d / tp + 2 * kv + (h + 2) / tp
+    if cfg.qk_norm:
+        attention += 2 * (d / tp + kv) + h / tp + kv / (d // h)
     if moe:
         return attention + m.top_k * (5 * d + 3 * m.expert_ffn_dim) + 2 * m.experts
     return attention + 4 * cfg.ffn_dim / tp
@@ -295,6 +304,8 @@ def rank_memory(cfg, lay: PlanLayout, pp_rank: int = 0) -> Memory:
             # microbatch held stays too)
             logits = (cfg.dim / tp + 3 * cfg.vocab_size / tp
                       + max(held.get(sid, 0.0) - 1, 0.0) * cfg.vocab_size / tp) * tokens * c
+            if lay.z_loss:  # float32 whatever the compute dtype (module text)
+                logits += (4 if c == 4 else 8) * cfg.vocab_size / tp * tokens
     backward = (_recompute_extra(cfg, lay, layers, c) + 4 * cfg.dim / tp * c) * tokens
     if any(is_moe_layer(cfg, i) for i in layers):
         # an MoE layer's backward: the padded expert inputs' and hidden states' gradients

@@ -73,7 +73,8 @@ def layouts(job: JobConfig, devices: int, machine: Machine, precision: str):
                         for recompute in RECOMPUTE:
                             lay = PlanLayout(dp=dp, tp=tp, pp=pp, ep=ep, v=v, schedule=schedule,
                                              microbatches=m, microbatch_size=size, seq_len=seq,
-                                             recompute=recompute, precision=precision)
+                                             recompute=recompute, precision=precision,
+                                             z_loss=job.optim.z_loss > 0)
                             yield lay
                             if dp > 1 and not lay.keeps_gathered:  # else the same layout
                                 yield replace(lay, param_gather="step")
@@ -122,4 +123,5 @@ def parse_layout(text: str, job: JobConfig, precision: str) -> PlanLayout:
         raise ConfigError("--explain", f"cannot read layout {text!r}",
                           "write it as optimus plan prints it, e.g. "
                           "tp8.pp4.dp32.interleaved_1f1b.v2.mb1x48.full") from None
-    return PlanLayout(seq_len=job.data.seq_len, precision=precision, **fields)
+    return PlanLayout(seq_len=job.data.seq_len, precision=precision,
+                      z_loss=job.optim.z_loss > 0, **fields)
