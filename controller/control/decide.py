@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from controller.control import detect, operator, recovery, rewind, watching
+from controller.control.actions import counted, live, with_action
 from controller.control.detect import COLLATERAL, HARD, Evidence
 from controller.control.shortage import names, shortage
 from controller.control.view import (  # noqa: F401 (re-exported: the rules' vocabulary)
@@ -70,34 +71,34 @@ def decide(obs: Observed, s: Settings) -> Decision:
             d.exclude.append((node, f"bad tile {why}"))
     window = job.suspect or {}
     if (obs.suspect_steps is not None and not window.get("set_aside")
-            and (plan is None or not _live(obs, plan))):
+            and (plan is None or not live(obs, plan))):
         recovery.set_aside(obs, d)
     if obs.rewind_asked is not None:  # an operator's (operator.take_requests checked it)
-        _operator_rewind(obs, s, d)
+        rewind.by_operator(obs, s, d)
         return d
     if job.state in TERMINAL:
         if plan is None or plan["action"] != "end":
-            d.plan = _with_action(plan, "end", s.failure_grace_s, job.reason, obs.now)
+            d.plan = with_action(plan, "end", s.failure_grace_s, job.reason, obs.now)
         return d
     if job.desired == "stop" and job.state != STOPPING:
         who = job.desired_by or "an operator"
         who += f" ({job.desired_reason})" if job.desired_reason else ""
         # A running generation is observed without the per-node view (`nodes` is empty).
         if plan is not None and plan["action"] == "run" and (
-                job.state in ACTIVE or _live(obs, plan)):
-            d.plan = _with_action(plan, "stop", s.stop_grace_s, f"stop asked by {who}", obs.now)
+                job.state in ACTIVE or live(obs, plan)):
+            d.plan = with_action(plan, "stop", s.stop_grace_s, f"stop asked by {who}", obs.now)
             d.job.update({"state": STOPPING,
                           "reason": f"stop asked by {who}: ranks save and exit"})
             d.note("stopping", f"stop asked by {who}: generation {plan['generation']} saves a "
                    "checkpoint and exits")
-        elif plan is not None and _live(obs, plan):  # a failed generation still draining
+        elif plan is not None and live(obs, plan):  # a failed generation still draining
             _finish(d, obs, s, STOPPED, f"stopped by {who} while generation "
                     f"{plan['generation']} was stopping")
         else:
             _finish(d, obs, s, STOPPED, f"stopped by {who} before any rank ran")
         return d
     if job.state == STOPPING:
-        if plan is None or not _live(obs, plan):
+        if plan is None or not live(obs, plan):
             at = f" at step {obs.latest_step}" if obs.latest_step is not None else ""
             _finish(d, obs, s, STOPPED, f"stopped by {job.desired_by or 'an operator'}; latest "
                     f"committed checkpoint{at}")
@@ -119,7 +120,7 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
         _complete(obs, s, d)
         return
     if (_checkpoints_failed(obs, s, d) or _input_refused(obs, s, d)
-            or _rewind_asked(obs, s, d)):
+            or rewind.by_ranks(obs, s, d)):
         return
     watching.track_progress(obs, s, d)
     recovery.loaded(obs, d)
@@ -191,13 +192,13 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
                 restarts=restarts)
         return
     wait = s.backoff(restarts)
-    d.plan = _with_action(plan, "stop", s.failure_grace_s, reason, obs.now, save=not wrong)
+    d.plan = with_action(plan, "stop", s.failure_grace_s, reason, obs.now, save=not wrong)
     # Who failed: its agent kills it at the grace; the others may take longer to leave in
     # process (controller/node/lifecycle.py).
     d.plan["culprit"] = {"node": culprit.node, "rank": culprit.rank} if culprit else None
     d.job.update({"state": RESTARTING, "reason": reason, "restarts": restarts,
                   "failure_since": None, "next_plan_at": obs.now + wait, "hang_since": None,
-                  "failures": failures, "restart_causes": _counted(job, cause)})
+                  "failures": failures, "restart_causes": counted(job, cause)})
     d.note("restarting", f"restart {restarts} of at most {s.max_restarts}: generation "
            f"{gen + 1} after {wait:g} s, from the "
            + ("newest checkpoint committed before the bad tile's last passing health check"
@@ -256,71 +257,6 @@ def _input_refused(obs: Observed, s: Settings, d: Decision) -> bool:
     return True
 
 
-def _rewind_asked(obs: Observed, s: Settings, d: Decision) -> bool:
-    """Ranks that stopped for a rewind (exit 90): once every rank has (or settle_s passed),
-    the rewind they asked for (controller/control/rewind.py)."""
-    waiting, request, exits = rewind.asked(obs, s)
-    if not exits or waiting:
-        return bool(exits)
-    if request is None:  # resuming on would meet the spike again: an operator chooses
-        why = (f"{len(exits)} rank(s) stopped for a rewind, but their logs' tails name no one "
-               "step (no readable rewind-request line, or lines that disagree)")
-        d.job.update({"desired": "pause", "desired_by": "controller", "desired_reason": why})
-        d.control = {**obs.control, "pause": True}
-        _rewind(obs, s, d, step=None, window=None, floor=None, by="controller", reason=why)
-        return True
-    first, last, floor = rewind.window_for(request, s)
-    what = (f"{request['verdict']} at step {request['step']}"
-            + (f" ({request['rule']} {request['value']:.4g} > {request['threshold']:.4g})"
-               if request["value"] is not None and request["threshold"] is not None else ""))
-    _rewind(obs, s, d, step=request["step"], window=(first, last), floor=floor,
-            by="controller", reason=what)
-    return True
-
-
-def _operator_rewind(obs: Observed, s: Settings, d: Decision) -> None:
-    asked = obs.rewind_asked
-    window = rewind.operator_window(asked["to"], asked["skip"], asked["samples"], s.batch_size)
-    reason = f"asked by {asked['by']}" + (f": {asked['reason']}" if asked["reason"] else "")
-    _rewind(obs, s, d, step=asked["to"] + 1, window=window, floor=asked["to"],
-            by=asked["by"], reason=reason, said=asked["said"])
-
-
-def _rewind(obs: Observed, s: Settings, d: Decision, *, step: int | None,
-            window: tuple[int, int] | None, floor: int | None, by: str, reason: str,
-            said: dict | None = None) -> None:
-    """The running generation (if any) stops without saving; the next resumes from the newest
-    point at or before `floor` (None: the latest, as after a failure) and skips `window`."""
-    job, plan = obs.job, obs.plan
-    message = f"rewind ({reason})"
-    if floor is not None:
-        d.job.update(rewind.record(job, step=step, window=window, floor=floor, by=by,
-                                   reason=reason, now=obs.now))
-        message += (f": the next generation resumes from the newest point at or before step "
-                    f"{floor}" + (f" and skips the batches of steps {window[0]}..{window[1]}"
-                                  if window else ""))
-    earlier = rewind.over_budget(job, s, step) if by == "controller" and step else None
-    if earlier is not None:
-        at = f" (at step {', '.join(map(str, earlier))})" if earlier else ""
-        why = (f"rewind budget used: {len(earlier)} rewind(s) of at most {s.rewind_budget} "
-               f"within {s.rewind_budget_steps} steps{at}, now one at step {step}")
-        d.job.update({"desired": "pause", "desired_by": "controller", "desired_reason": why})
-        d.control = {**obs.control, "pause": True}
-        d.note("rewind_budget", f"{why}: the rewind is planned and the job pauses before its "
-               "first step; `optimus job resume` goes on from there, `optimus job rewind` "
-               "chooses another point", step=step, earlier=earlier)
-    if plan is not None and plan["action"] == "run":
-        d.plan = _with_action(plan, "stop", s.failure_grace_s, message, obs.now, save=False)
-    d.job.update({"state": RESTARTING, "reason": message, "failure_since": None,
-                  "next_plan_at": obs.now, "hang_since": None,
-                  "restart_causes": _counted(job, "rewind")})
-    first, last = window or ("", "")
-    d.note("rewind", message, **{**(said or {}), "step": "" if step is None else step,
-                                  "first": first, "last": last,
-                                  "to": "" if floor is None else floor, "by": by,
-                                  "reason": reason})
-
-
 def _said(e: Exit) -> str:
     """The last `error: ` line a rank printed (what it refused, in its own words), or how it
     ended."""
@@ -341,10 +277,10 @@ def _leave(obs: Observed, s: Settings, d: Decision) -> bool:
     reason = (f"{names(leaving)} excluded ({obs.excluded[leaving[0]]}): generation {gen} "
               "saves a checkpoint and stops, the next runs without "
               + ("it" if len(leaving) == 1 else "them"))
-    d.plan = _with_action(plan, "stop", s.stop_grace_s, reason, obs.now)
+    d.plan = with_action(plan, "stop", s.stop_grace_s, reason, obs.now)
     d.job.update({"state": RESTARTING, "reason": reason, "failure_since": None,
                   "next_plan_at": obs.now, "hang_since": None,
-                  "restart_causes": _counted(obs.job, "operator")})
+                  "restart_causes": counted(obs.job, "operator")})
     d.note("restarting", reason)
     return True
 
@@ -369,16 +305,12 @@ def _rebuddy(obs: Observed, d: Decision) -> None:
                                  for n in moved[:8]), generation=plan["generation"])
 
 
-def _counted(job: JobView, cause: str) -> dict:
-    return {**job.restart_causes, cause: job.restart_causes.get(cause, 0) + 1}
-
-
 def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
     """PENDING, WAITING, RESTARTING: drain the last generation, back off, then plan the next."""
     job, plan = obs.job, obs.plan
-    if plan is not None and _live(obs, plan):
+    if plan is not None and live(obs, plan):
         if plan["action"] == "run":  # e.g. a state written before its plan: stop it first
-            d.plan = _with_action(plan, "stop", s.failure_grace_s, job.reason, obs.now)
+            d.plan = with_action(plan, "stop", s.failure_grace_s, job.reason, obs.now)
         return
     first = plan is None
     if not first and job.next_plan_at is not None and obs.now < job.next_plan_at:
@@ -457,24 +389,5 @@ def _finish(d: Decision, obs: Observed, s: Settings, state: str, reason: str,
             save: bool = True, **fields: Any) -> None:
     d.job.update({"state": state, "reason": reason, "failure_since": None,
                   "next_plan_at": None, **fields})
-    d.plan = _with_action(obs.plan, "end", s.failure_grace_s, reason, obs.now, save=save)
+    d.plan = with_action(obs.plan, "end", s.failure_grace_s, reason, obs.now, save=save)
     d.note(state.lower(), reason)
-
-
-def _with_action(plan: dict | None, action: str, grace_s: float, reason: str,
-                 now: float, save: bool = True) -> dict:
-    """The plan with a new action; `save` False: the ranks it stops save nothing. A generation
-    once told not to save (wrong arithmetic) is never told to save again: an operator's stop
-    or the job's end while its ranks drain must not commit the suspect state."""
-    base = plan or {"generation": -1, "nodes": [], "world_size": 0}
-    save = save and base.get("save") is not False
-    return {**base, "action": action, "grace_s": grace_s, "reason": reason, "issued": now,
-            "save": save}
-
-
-def _live(obs: Observed, plan: dict) -> bool:
-    """Whether any rank of `plan`'s generation still runs (on a node whose agent is alive:
-    a lost agent's ranks die with it)."""
-    return any((n := obs.nodes.get(name)) is not None and n.alive
-               and n.generation == plan["generation"] and n.live_ranks > 0
-               for name in plan["nodes"])

@@ -34,13 +34,84 @@ from __future__ import annotations
 import json
 import math
 
+from controller.control.actions import counted, with_action
 from controller.control.detect import EXIT_REWIND
-from controller.control.view import Exit, JobView, Observed, Settings
+from controller.control.view import RESTARTING, Decision, Exit, JobView, Observed, Settings
 
 REWIND_LINE = "rewind-request "  # optimus/stability.py writes it
 MAX_LINE = 2048  # a request line is ~150 bytes
 KEPT = 100  # rewinds the job record keeps (the newest); the budget looks at fewer
 
+
+# --- the decision, applied (decide.py calls these) ----------------------------------------
+
+def by_ranks(obs: Observed, s: Settings, d: Decision) -> bool:
+    """Ranks that stopped for a rewind (exit 90): once every rank has (or settle_s passed),
+    the rewind they asked for. True: the ranks' exits are taken (waited for, or acted on)."""
+    waiting, request, exits = asked(obs, s)
+    if not exits or waiting:
+        return bool(exits)
+    if request is None:  # resuming on would meet the spike again: an operator chooses
+        why = (f"{len(exits)} rank(s) stopped for a rewind, but their logs' tails name no one "
+               "step (no readable rewind-request line, or lines that disagree)")
+        d.job.update({"desired": "pause", "desired_by": "controller", "desired_reason": why})
+        d.control = {**obs.control, "pause": True}
+        apply(obs, s, d, step=None, window=None, floor=None, by="controller", reason=why)
+        return True
+    first, last, floor = window_for(request, s)
+    what = (f"{request['verdict']} at step {request['step']}"
+            + (f" ({request['rule']} {request['value']:.4g} > {request['threshold']:.4g})"
+               if request["value"] is not None and request["threshold"] is not None else ""))
+    apply(obs, s, d, step=request["step"], window=(first, last), floor=floor,
+            by="controller", reason=what)
+    return True
+
+
+def by_operator(obs: Observed, s: Settings, d: Decision) -> None:
+    """An operator's rewind (operator.take_requests took and checked it)."""
+    asked = obs.rewind_asked
+    window = operator_window(asked["to"], asked["skip"], asked["samples"], s.batch_size)
+    reason = f"asked by {asked['by']}" + (f": {asked['reason']}" if asked["reason"] else "")
+    apply(obs, s, d, step=asked["to"] + 1, window=window, floor=asked["to"],
+            by=asked["by"], reason=reason, said=asked["said"])
+
+
+def apply(obs: Observed, s: Settings, d: Decision, *, step: int | None,
+            window: tuple[int, int] | None, floor: int | None, by: str, reason: str,
+            said: dict | None = None) -> None:
+    """The running generation (if any) stops without saving; the next resumes from the newest
+    point at or before `floor` (None: the latest, as after a failure) and skips `window`."""
+    job, plan = obs.job, obs.plan
+    message = f"rewind ({reason})"
+    if floor is not None:
+        d.job.update(record(job, step=step, window=window, floor=floor, by=by,
+                                   reason=reason, now=obs.now))
+        message += (f": the next generation resumes from the newest point at or before step "
+                    f"{floor}" + (f" and skips the batches of steps {window[0]}..{window[1]}"
+                                  if window else ""))
+    earlier = over_budget(job, s, step) if by == "controller" and step else None
+    if earlier is not None:
+        at = f" (at step {', '.join(map(str, earlier))})" if earlier else ""
+        why = (f"rewind budget used: {len(earlier)} rewind(s) of at most {s.rewind_budget} "
+               f"within {s.rewind_budget_steps} steps{at}, now one at step {step}")
+        d.job.update({"desired": "pause", "desired_by": "controller", "desired_reason": why})
+        d.control = {**obs.control, "pause": True}
+        d.note("rewind_budget", f"{why}: the rewind is planned and the job pauses before its "
+               "first step; `optimus job resume` goes on from there, `optimus job rewind` "
+               "chooses another point", step=step, earlier=earlier)
+    if plan is not None and plan["action"] == "run":
+        d.plan = with_action(plan, "stop", s.failure_grace_s, message, obs.now, save=False)
+    d.job.update({"state": RESTARTING, "reason": message, "failure_since": None,
+                  "next_plan_at": obs.now, "hang_since": None,
+                  "restart_causes": counted(job, "rewind")})
+    first, last = window or ("", "")
+    d.note("rewind", message, **{**(said or {}), "step": "" if step is None else step,
+                                  "first": first, "last": last,
+                                  "to": "" if floor is None else floor, "by": by,
+                                  "reason": reason})
+
+
+# --- the rules ------------------------------------------------------------------------------
 
 def request_of(e: Exit) -> dict | None:
     """A rank's rewind request from its log's tail (the last one), or None."""
