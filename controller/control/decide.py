@@ -125,7 +125,7 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
     watching.track_progress(obs, s, d)
     recovery.loaded(obs, d)
     operator.pause_transition(obs, d)
-    if _leave(obs, s, d):
+    if _leave(obs, s, d) or _grow(obs, s, d):
         return
     _rebuddy(obs, d)
     found = detect.evidence(obs, s)
@@ -282,6 +282,31 @@ def _leave(obs: Observed, s: Settings, d: Decision) -> bool:
                   "next_plan_at": obs.now, "hang_since": None,
                   "restart_causes": counted(obs.job, "operator")})
     d.note("restarting", reason)
+    return True
+
+
+def _grow(obs: Observed, s: Settings, d: Decision) -> bool:
+    """A generation on fewer nodes than the job asks for (it shrank: no spare was left) grows
+    back once nodes are free again (a node included, a new agent) and a checkpoint of its own
+    is committed (the layout changes, so the next generation reshards from disk): its ranks
+    save a checkpoint and stop, and the next runs on as many nodes as fit. Not a failure."""
+    job, plan = obs.job, obs.plan
+    have = len(plan["nodes"])
+    if (obs.spare_count is None or job.state != RUNNING or job.desired is not None
+            or obs.latest_step is None or obs.latest_step <= (plan.get("resume_step") or 0)):
+        return False
+    bigger = [c for c in s.allowed_nodes if have < c <= have + obs.spare_count]
+    if not bigger:
+        return False
+    gen = plan["generation"]
+    reason = (f"{obs.spare_count} node(s) free again: generation {gen} saves a checkpoint and "
+              f"stops, the next runs on {max(bigger)} of {s.nodes} nodes instead of {have} (the "
+              "data-parallel degree grows with them)")
+    d.plan = with_action(plan, "stop", s.stop_grace_s, reason, obs.now)
+    d.job.update({"state": RESTARTING, "reason": reason, "failure_since": None,
+                  "next_plan_at": obs.now, "hang_since": None,
+                  "restart_causes": counted(job, "resize")})
+    d.note("grow", reason, generation=gen, nodes=have, to=max(bigger))
     return True
 
 

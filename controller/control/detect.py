@@ -39,7 +39,7 @@ COLLECTIVE_PHASES = ("grad_sync", "checkpoint_sync", "sync")
 HARD, SOFT, COLLATERAL = "hard", "soft", "collateral"
 # Why a generation ended, for the restarts counter (bounded: these values only).
 CAUSES = ("rank_exit", "heartbeat", "node_lost", "hang", "bad_tile", "straggler", "operator",
-          "rewind", "unattributed")
+          "rewind", "resize", "unattributed")
 
 
 @dataclass(frozen=True)
