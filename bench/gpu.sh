@@ -135,7 +135,8 @@ if [ "$WITH_TESTS" = 1 ] && command -v taskset >/dev/null; then
     tests/test_recompute.py tests/test_param_gather.py tests/test_checkpoint_resume.py \
     tests/test_hf.py tests/test_eval.py tests/test_memory_snapshots.py tests/test_clean_exit.py \
     tests/test_float8.py tests/test_planner.py tests/test_runtime.py tests/test_config.py \
-    tests/test_data.py tests/test_mixture.py tests/test_torch_compat.py >"$DIR/tests.log" 2>&1 &
+    tests/test_data.py tests/test_mixture.py tests/test_torch_compat.py tests/test_stability.py \
+    tests/test_z_loss.py >"$DIR/tests.log" 2>&1 &
   TESTS_PID=$!
   taskset -pc "0-$(( half - 1 ))" $$ >/dev/null
   echo "GPU_TESTS=1: the training path's CPU tests run on cores $half and up (tests.log)"

@@ -8,6 +8,7 @@ the fallback working without a GPU.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -50,7 +51,8 @@ def test_process_saves_commit_when_torch_closes_the_stager_after_each_save(tmp_p
     script = tmp_path / "closing.py"
     script.write_text(code)
     env = {"PATH": "/usr/bin:/bin", "OPTIMUS_RANK": "0", "OPTIMUS_WORLD_SIZE": "1",
-           "PYTHONPATH": str(ROOT)}
+           # what this interpreter sees beside the repo (the GPU image's carried wheels)
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
