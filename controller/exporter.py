@@ -11,14 +11,17 @@ Names follow Prometheus's conventions: the `optimus_` prefix, base units (second
 `_total` on counters, ratios 0..1. docs/monitoring.md lists them all.
 
 What agents wrote is read as untrusted: a record a scrape cannot read (a node's `rank_states`,
-rank 0's heartbeat) is skipped and counted in `optimus_exporter_unreadable_records`, and the
-scrape goes on; one bad record never takes the others, or `optimus_controller_up`, with it.
+rank 0's heartbeat or its stability figures) is skipped and counted in
+`optimus_exporter_unreadable_records`, and the scrape goes on; one bad record never takes the
+others, or `optimus_controller_up`, with it. The job record's list of rewinds is read with a
+bound on its size, and counted there too when it cannot be read.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -38,7 +41,7 @@ log = logging.getLogger("optimus.exporter")
 AGE_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 RANK_STATES = ("startup", "training", "checkpoint", "paused", "stopping", "done")
 NODE_STATES = ("active", "spare", "excluded", "draining", "silent", "unhealthy")
-UNREADABLE = ("rank_states", "rank_beat", "restarts")  # agents' records a scrape parses
+UNREADABLE = ("rank_states", "rank_beat", "stability", "restarts", "rewinds")  # records parsed
 RESTART_KINDS = ("in_process", "process")
 TRAINING = (  # rank 0's logged figures (its heartbeat's `metrics`), as gauges; and "tokens"
     ("loss", "optimus_loss", "The last logged training loss"),
@@ -49,6 +52,21 @@ TRAINING = (  # rank 0's logged figures (its heartbeat's `metrics`), as gauges; 
      "The last save, from its start to rank 0's files written"),
     ("val_loss", "optimus_validation_loss",
      "The last validation loss: mean cross-entropy of the held-out tokens (eval.every)"))
+# Rank 0's heartbeat's "stability" (optimus/stability.py): its verdicts along the run's line,
+# carried through checkpoints, so a rewind or a restart takes them back to its resume point's
+# (a counter reset to Prometheus); and the spike thresholds the next step is judged by.
+STABILITY = (
+    ("spikes", "optimus_loss_spikes", "Loss spikes judged along the run's line (a rewind or a "
+     "restart takes the count back to its checkpoint's)"),
+    ("divergences", "optimus_divergences", "Divergences judged along the run's line"),
+    ("skipped_steps", "optimus_skipped_steps", "Steps whose update a spike left out, along the "
+     "run's line"))
+THRESHOLDS = (
+    ("loss_threshold", "optimus_stability_loss_threshold",
+     "The loss above which the next step is a spike (absent: rule off or not armed yet)"),
+    ("grad_norm_threshold", "optimus_stability_grad_norm_threshold",
+     "The gradient norm above which the next step is a spike (absent: rule off or not armed)"))
+MAX_REWINDS_CHARS = 1 << 20  # the job record's list of rewinds: ~150 bytes each
 
 
 class JobCollector(Collector):
@@ -104,10 +122,14 @@ class JobCollector(Collector):
             yield from self._memory()
 
         causes = _json(record.get("restart_causes"), {})
+        if not isinstance(causes, dict):  # the controller writes an object: left out if not
+            causes = {}
+        yield from _rewinds(record.get("rewinds"), causes.get("rewind", 0), unreadable)
         restarts = CounterMetricFamily("optimus_restarts", "Restarts of the job, by cause",
                                        labels=["cause"])
         for cause in CAUSES:
-            restarts.add_metric([cause], float(causes.get(cause, 0)))
+            count = causes.get(cause, 0)
+            restarts.add_metric([cause], float(count) if type(count) is int else 0.0)
         yield restarts
 
         beats = store.agent_beats()  # node -> its agent's last beat: read once a scrape
@@ -121,17 +143,19 @@ class JobCollector(Collector):
                          "snapshot", float(record["memory_snapshot"]))
         yield _gauge("optimus_heartbeat_timeout_seconds", "supervision.heartbeat_timeout_s",
                      self.job.supervision.heartbeat_timeout_s)
-        skipped = GaugeMetricFamily("optimus_exporter_unreadable_records", "Records agents "
-                                    "wrote that this scrape could not read, and skipped",
+        skipped = GaugeMetricFamily("optimus_exporter_unreadable_records", "Records (agents', "
+                                    "the job record's rewinds) that this scrape could not "
+                                    "read, and skipped",
                                     labels=["record"])
         for name in UNREADABLE:
             skipped.add_metric([name], float(unreadable[name]))
         yield skipped
 
     def _training(self, plan: dict, unreadable: Counter) -> Iterator:
-        """Rank 0's last logged step: loss, throughput, MFU, step time, tokens, last save; its
-        last validation."""
-        metrics = self._rank0_figures(plan) if plan.get("nodes") else {}
+        """Rank 0's last logged step: loss, throughput, MFU, step time, tokens, last save,
+        stability counts and thresholds; its last validation."""
+        beat = self._rank0_metrics(plan) if plan.get("nodes") else {}
+        metrics = _figures(beat)
         if metrics is None:
             unreadable["rank_beat"] += 1
             metrics = {}
@@ -141,17 +165,29 @@ class JobCollector(Collector):
         if metrics.get("tokens") is not None:  # a gauge: a restart goes back to its checkpoint's
             yield _gauge("optimus_tokens", "Tokens trained up to the last logged step",
                          metrics["tokens"])
+        raw = beat.get("stability") if isinstance(beat, dict) else None
+        if raw is None:  # stability off, or a rank from before it was sent
+            return
+        stability = _stability(raw)
+        if stability is None:  # the other figures stand: only these are left out
+            unreadable["stability"] += 1
+            return
+        for key, name, text in STABILITY:
+            yield CounterMetricFamily(name, text, value=float(stability[key]))
+        for key, name, text in THRESHOLDS:
+            if stability[key] is not None:
+                yield _gauge(name, text, stability[key])
 
-    def _rank0_figures(self, plan: dict) -> dict | None:
-        """Rank 0's logged figures when its heartbeat is of the plan's generation ({} when
-        there is none); None when that heartbeat cannot be read."""
+    def _rank0_metrics(self, plan: dict):
+        """Rank 0's heartbeat's `metrics` when that heartbeat is of the plan's generation ({}
+        when there is none), as it came; None when that heartbeat cannot be read."""
         node = plan["nodes"][0]
         beat = self.store.rank_beats(node).get(0)
         if beat is None:  # none, or one the store skipped: not a JSON object
             return None if self.store.rank_beat_stored(node, 0) else {}
         if beat.get("generation") != plan.get("generation"):
             return {}
-        return _figures(beat.get("metrics") or {})
+        return beat.get("metrics") or {}
 
     def _memory(self) -> Iterator:
         """The largest peak memory of any rank, each over its last logged step: how near the
@@ -304,6 +340,37 @@ def _figures(metrics) -> dict | None:
                for v in served.values()):
         return None
     return served
+
+
+def _stability(raw) -> dict | None:
+    """Rank 0's stability figures: three counts and two thresholds (each a finite number or
+    None; absent reads as None); None when they are not that."""
+    if not isinstance(raw, dict):
+        return None
+    counts = [raw.get(key) for key, _, _ in STABILITY]
+    if not all(type(v) is int and 0 <= v < 1 << 53 for v in counts):
+        return None
+    limits = {key: raw.get(key) for key, _, _ in THRESHOLDS}
+    if not all(v is None or (type(v) in (int, float) and math.isfinite(v))
+               for v in limits.values()):
+        return None
+    return {key: raw[key] for key, _, _ in STABILITY} | limits
+
+
+def _rewinds(raw: str | None, restarts, unreadable: Counter) -> Iterator:
+    """The job's rewinds so far: the restarts whose cause was a rewind (each rewind is one),
+    or the job record's list's length where that is more (a record from before the cause was
+    counted). The list keeps only the newest 100 (controller/control/rewind.py), so it alone
+    would stop a counter there. A list too long or not a JSON list of objects is skipped and
+    counted."""
+    rewinds = [] if not raw else _json(raw, None) if len(raw) <= MAX_REWINDS_CHARS else None
+    if not isinstance(rewinds, list) or not all(isinstance(r, dict) for r in rewinds):
+        unreadable["rewinds"] += 1
+        return
+    counted = restarts if type(restarts) is int and 0 <= restarts < 1 << 53 else 0
+    yield CounterMetricFamily("optimus_rewinds", "Rewinds of the job: a generation planned "
+                              "from an earlier checkpoint past a loss spike or divergence",
+                              value=float(max(len(rewinds), counted)))
 
 
 def _json(raw: str | None, default):

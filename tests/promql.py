@@ -5,7 +5,8 @@ query) without a full parser: PromQL's lexical rules are enough. Strings, commen
 matchers `{...}`, ranges and subqueries `[...]`, Grafana variables and the label lists of
 by / without / on / ignoring / group_left / group_right go first; of the identifiers left, one
 followed by `(` is a function or aggregation, a keyword is a keyword, and the rest are metrics.
-`monitoring_expressions()` collects every expression of the dashboard and the alert rules;
+`monitoring_expressions()` collects every expression of the dashboard (its panels, annotations
+and variables) and the alert rules;
 `exported_names(text)` lists the sample names of a Prometheus exposition.
 """
 
@@ -113,7 +114,8 @@ def _panels(panels: list[dict]):
 
 
 def dashboard_expressions(path: Path) -> dict[str, str]:
-    """Every target's expr and every query variable's query in one dashboard JSON file."""
+    """Every target's expr, every annotation query's and every query variable's query in one
+    dashboard JSON file."""
     dashboard = json.loads(path.read_text())
     found = {}
     for panel in _panels(dashboard.get("panels", [])):
@@ -125,6 +127,9 @@ def dashboard_expressions(path: Path) -> dict[str, str]:
             if key in found:
                 raise ValueError(f"{path.name}: two expressions at {key!r}; titles must differ")
             found[key] = target["expr"]
+    for note in dashboard.get("annotations", {}).get("list", []):
+        if note.get("expr"):
+            found[f"dashboard annotation: {note['name']}"] = note["expr"]
     for variable in dashboard.get("templating", {}).get("list", []):
         if variable.get("type") != "query":
             continue

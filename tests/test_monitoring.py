@@ -58,10 +58,16 @@ CONTRACT = {
     "optimus_controller_up",
     "optimus_controller_leader",
     "optimus_exporter_unreadable_records",
+    "optimus_loss_spikes_total",
+    "optimus_divergences_total",
+    "optimus_skipped_steps_total",
+    "optimus_rewinds_total",
+    "optimus_stability_loss_threshold",
+    "optimus_stability_grad_norm_threshold",
 }
 ALERT_NAMES = {"OptimusHeartbeatsStale", "OptimusTrainingStalled", "OptimusRestartsHigh",
                "OptimusCheckpointOverdue", "OptimusMFUDrop", "OptimusControllerDown",
-               "OptimusJobFailed"}
+               "OptimusJobFailed", "OptimusRepeatedRewinds", "OptimusLossDiverging"}
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +199,49 @@ def test_dashboard_panels_do_not_overlap():
             apart = (pa["x"] + pa["w"] <= pb["x"] or pb["x"] + pb["w"] <= pa["x"]
                      or pa["y"] + pa["h"] <= pb["y"] or pb["y"] + pb["h"] <= pa["y"])
             assert apart, (a, b)
+
+
+def test_the_loss_panel_marks_spikes_skipped_steps_divergences_and_rewinds():
+    dashboard = json.loads(DASHBOARD.read_text())
+    loss = next(p for p in panels(dashboard["panels"]) if p.get("title") == "Loss")
+    notes = {n["name"]: n for n in dashboard["annotations"]["list"]}
+    counted = {"Loss spikes": "optimus_loss_spikes_total",
+               "Skipped steps": "optimus_skipped_steps_total",
+               "Divergences": "optimus_divergences_total", "Rewinds": "optimus_rewinds_total"}
+    assert notes.keys() == counted.keys()
+    for name, metric in counted.items():
+        note = notes[name]
+        assert metric_names(note["expr"]) == {metric}, name
+        assert note["enable"] and note["datasource"]["uid"] == "${datasource}", name
+        assert loss["id"] in note["filter"]["ids"] and not note["filter"]["exclude"], name
+    assert 'optimus_stability_loss_threshold{instance=~"$instance"}' in [
+        t["expr"] for t in loss["targets"]]
+
+
+def test_the_marks_come_where_a_count_rose_not_where_a_rewind_took_it_back(promtool,
+                                                                          tmp_path):
+    # Each annotation's query, evaluated by promtool on a count that rises at 10m, goes back
+    # at 30m (a rewind to an earlier checkpoint) and rises again at 50m.
+    notes = json.loads(DASHBOARD.read_text())["annotations"]["list"]
+    labels = '{instance="ctl-a:9780", job="optimus"}'
+    tests = []
+    for note in notes:
+        (metric,) = metric_names(note["expr"])
+        expr = note["expr"].replace("$instance", ".+")
+        at = lambda t, value, expr=expr: {"expr": expr, "eval_time": t, "exp_samples": [
+            {"labels": labels, "value": value}] if value else []}
+        tests.append({"name": note["name"], "interval": "1m",
+                      "input_series": [{"series": metric + labels,
+                                        "values": "2x9 3x19 1x19 2x19"}],
+                      "promql_expr_test": [at("9m", 0), at("10m", 1), at("14m", 1),
+                                           at("16m", 0), at("31m", 0), at("40m", 0),
+                                           at("50m", 1), at("56m", 0)]})
+    path = tmp_path / "marks_test.yml"
+    path.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m",
+                                    "tests": tests}))
+    result = run(promtool, "test", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout and len(tests) == 4
 
 
 def test_grafana_provisioning_files():

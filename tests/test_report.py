@@ -1,8 +1,9 @@
 """`optimus report`: the run report of the demo job under the real control plane (a fault with
 its culprit excluded, a restart on the spare, an operator's pause), the events mirrored into
 the run dir, the report of a plain run's metrics file with what a crash and restarts leave,
-and a real run on a mixture of two sources (the first steps logged, checkpoints and validations
-on the timeline, each source's realised share).
+a real run on a mixture of two sources (the first steps logged, checkpoints and validations
+on the timeline, each source's realised share), and a run with loss spikes, skipped steps, a
+divergence and a rewind (marked on the loss figure and the timeline, counted in the facts).
 """
 
 from __future__ import annotations
@@ -192,6 +193,8 @@ def test_a_plain_run_s_metrics_file_with_restarts_and_a_crash(tmp_path):
     assert table["MFU, mean"] == "25.0%" and table["pauses"] == "1, 2.0 s in all"
     assert table["checkpoints committed"] == "1 (latest: step 2); 1 failed"
     assert table["time lost to restarts"] == "12.0 s"
+    assert table["stability"] == "no loss spike, divergence, skipped step or rewind"
+    assert "loss spikes" not in table and not figures["loss.png"].marks
 
     result = CliRunner().invoke(main, ["report", str(tmp_path), "--out", str(tmp_path / "r")])
     assert result.exit_code == 0, result.output

@@ -141,3 +141,101 @@ def test_a_scrape_sums_the_agents_rank_restarts_and_skips_a_malformed_count(redi
     assert samples[("optimus_rank_restarts_total", (("kind", "in_process"),))] == 5.0
     assert samples[("optimus_rank_restarts_total", (("kind", "process"),))] == 5.0
     assert samples[("optimus_exporter_unreadable_records", (("record", "restarts"),))] == 2.0
+
+
+# --- stability: rank 0's counts and thresholds, the job record's rewinds --------------------
+
+REWIND = {"step": 240, "first": 241, "last": 250, "resume_step": 200, "to": 200,
+          "by": "controller", "reason": "spike at step 240", "time": 1700000000.0}
+FIGURES = {"spikes": 3, "divergences": 1, "skipped_steps": 2, "loss_threshold": 3.25,
+           "grad_norm_threshold": None}
+
+
+def _stability_job(store: Store, stability, rewinds: str | None) -> None:
+    beat = {"generation": 0, "metrics": {"loss": 2.5, "tokens_per_s": 10.0,
+                                         "stability": stability}}
+    store.r.hset(store.k("node:n0:ranks"), "0", json.dumps(beat))
+    if rewinds is not None:
+        store.update_job({"rewinds": rewinds})
+
+
+def test_a_scrape_serves_rank_0_s_stability_counts_thresholds_and_the_rewinds(redis_server,
+                                                                               tmp_path):
+    store = _running(redis_server.url)
+    _stability_job(store, FIGURES, json.dumps([REWIND, {**REWIND, "step": 300,
+                                                        "by": "operator ana"}]))
+    url = _exporter(store, tmp_path)
+    status, samples = _scrape(url)
+    assert status == 200
+    assert samples[("optimus_loss_spikes_total", ())] == 3.0
+    assert samples[("optimus_divergences_total", ())] == 1.0
+    assert samples[("optimus_skipped_steps_total", ())] == 2.0
+    assert samples[("optimus_rewinds_total", ())] == 2.0
+    assert samples[("optimus_stability_loss_threshold", ())] == 3.25
+    assert ("optimus_stability_grad_norm_threshold", ()) not in samples  # that rule is off
+    assert samples[("optimus_loss", ())] == 2.5
+    for record in ("rank_beat", "stability", "rewinds"):
+        assert samples[("optimus_exporter_unreadable_records", (("record", record),))] == 0.0
+    with urllib.request.urlopen(url.replace("0.0.0.0", "127.0.0.1"), timeout=10) as reply:
+        text = reply.read().decode()
+    for name in ("loss_spikes", "divergences", "skipped_steps", "rewinds"):
+        assert f"# TYPE optimus_{name}_total counter" in text
+
+    # Armed gradient-norm rule, a rewind later: the count goes back with the line (a counter
+    # reset, to Prometheus), and the job record's third rewind is counted.
+    _stability_job(store, {**FIGURES, "spikes": 1, "grad_norm_threshold": 4},
+                   json.dumps([REWIND] * 3))
+    _, samples = _scrape(url)
+    assert samples[("optimus_loss_spikes_total", ())] == 1.0
+    assert samples[("optimus_stability_grad_norm_threshold", ())] == 4.0
+    assert samples[("optimus_rewinds_total", ())] == 3.0
+    # Past the 100 rewinds the record keeps, the restarts a rewind caused go on counting.
+    store.update_job({"rewinds": json.dumps([REWIND] * 100),
+                      "restart_causes": json.dumps({"rewind": 130, "failure": 2})})
+    _, samples = _scrape(url)
+    assert samples[("optimus_rewinds_total", ())] == 130.0
+    store.update_job({"restart_causes": json.dumps({"rewind": "130"})})  # not a count
+    _, samples = _scrape(url)
+    assert samples[("optimus_rewinds_total", ())] == 100.0
+    store.r.hdel(store.k("job"), "restart_causes")
+
+    # Stability off (no "stability" in the heartbeat), no rewind yet: no counts, rewinds 0.
+    store.r.hdel(store.k("job"), "rewinds")
+    _stability_job(store, None, None)
+    _, samples = _scrape(url)
+    assert not [k for k in samples if k[0].startswith(("optimus_loss_spikes", "optimus_stab"))]
+    assert samples[("optimus_rewinds_total", ())] == 0.0
+    assert samples[("optimus_exporter_unreadable_records", (("record", "stability"),))] == 0.0
+
+
+@pytest.mark.parametrize("stability", [
+    ["a list"], {**FIGURES, "spikes": "3"}, {**FIGURES, "divergences": True},
+    {**FIGURES, "skipped_steps": -1}, {k: v for k, v in FIGURES.items() if k != "spikes"},
+    {**FIGURES, "loss_threshold": "high"}, {**FIGURES, "grad_norm_threshold": float("nan")},
+])
+def test_a_scrape_skips_and_counts_unreadable_stability_figures(redis_server, tmp_path,
+                                                                 stability):
+    store = _running(redis_server.url)
+    _stability_job(store, stability, None)
+    status, samples = _scrape(_exporter(store, tmp_path))
+    assert status == 200 and samples[("optimus_controller_up", ())] == 1.0
+    assert samples[("optimus_exporter_unreadable_records", (("record", "stability"),))] == 1.0
+    assert samples[("optimus_exporter_unreadable_records", (("record", "rank_beat"),))] == 0.0
+    assert samples[("optimus_loss", ())] == 2.5  # the other figures stand
+    assert not [k for k in samples if k[0].startswith(("optimus_loss_spikes", "optimus_diverg",
+                                                       "optimus_skipped", "optimus_stability"))]
+
+
+@pytest.mark.parametrize("rewinds", [
+    "not json", json.dumps({"step": 1}), json.dumps([1, 2]),
+    json.dumps([REWIND] * 10_000),  # over the bound (1 MiB) on what a scrape parses
+])
+def test_a_scrape_skips_and_counts_an_unreadable_list_of_rewinds(redis_server, tmp_path,
+                                                                  rewinds):
+    store = _running(redis_server.url)
+    _stability_job(store, FIGURES, rewinds)
+    status, samples = _scrape(_exporter(store, tmp_path))
+    assert status == 200 and samples[("optimus_controller_up", ())] == 1.0
+    assert samples[("optimus_exporter_unreadable_records", (("record", "rewinds"),))] == 1.0
+    assert ("optimus_rewinds_total", ()) not in samples
+    assert samples[("optimus_loss_spikes_total", ())] == 3.0

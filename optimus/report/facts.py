@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from optimus.config import ModelConfig
 from optimus.report.runlog import Run
-from optimus.report.timeline import culprit, failed_save, lost_to_restarts, marks
+from optimus.report.timeline import culprit, failed_save, lost_to_restarts, marks, rewind_text
 
 NONE = "—"
 
@@ -48,10 +48,52 @@ def facts(run: Run) -> list[tuple[str, str]]:
         ("checkpoints committed", _committed(run)),
         ("time lost to restarts", _duration(lost_to_restarts(run))),
         ("pauses", _pauses(run)),
+        *stability(run),
     ]
     if run.unreadable:
         rows.append(("unreadable lines", f"{run.unreadable} (cut short by a crash, skipped)"))
     return rows
+
+
+def stability(run: Run) -> list[tuple[str, str]]:
+    """The stability rules' verdicts, the skipped steps, the rewinds and the windows of data
+    they skipped; one row when there were none."""
+    spikes = [v for v in run.verdicts if v.kind == "spike"]
+    divergences = [v for v in run.verdicts if v.kind == "divergence"]
+    if not (spikes or divergences or run.skipped or run.rewinds or run.data_skips):
+        off = ((run.config or {}).get("stability") or {}).get("enabled") is False
+        return [("stability", "off (stability.enabled: false)" if off else
+                 "no loss spike, divergence, skipped step or rewind")]
+    return [
+        ("loss spikes", _verdicts(spikes)),
+        ("divergences", _verdicts(divergences)),
+        ("skipped steps", f"{len(run.skipped)}" + (": steps " + _few(
+            [str(s) for s, _ in run.skipped]) if run.skipped else "")),
+        ("rewinds", f"{len(run.rewinds)}" + (": " + _few(
+            [rewind_text(r) for r in run.rewinds], sep="; ") if run.rewinds else "")),
+        ("skipped data windows", f"{len(run.data_skips)}" + (": " + _few(
+            [f"steps {d.first}..{d.last}, samples [{d.start:,}, {d.end:,}) not read"
+             for d in run.data_skips], sep="; ") if run.data_skips else "")),
+    ]
+
+
+def _verdicts(found: list) -> str:
+    """"3: 2 skipped their step, 1 asked for a rewind; by the loss 3" from verdicts."""
+    if not found:
+        return "none"
+    did = {"skip_step": "skipped their step", "warn": "warned",
+           "rewind": "asked for a rewind"}
+    actions = [f"{sum(v.action == a for v in found)} {text}" for a, text in did.items()
+               if any(v.action == a for v in found)]
+    rules = {"loss": "the loss", "grad_norm": "the gradient norm", "trend": "the trend"}
+    by = [f"{sum(v.rule == r for v in found)} by {text}" for r, text in rules.items()
+          if any(v.rule == r for v in found)]
+    return f"{len(found)}: " + ", ".join(actions) + "; " + ", ".join(by)
+
+
+def _few(items: list[str], limit: int = 10, sep: str = ", ") -> str:
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return sep.join(items[:limit]) + more
 
 
 def model_size(model: dict | None) -> str:

@@ -9,6 +9,8 @@ text, not a formula.
 
 from __future__ import annotations
 
+import bisect
+import math
 import re
 import statistics
 from collections.abc import Callable
@@ -23,7 +25,15 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import EngFormatter, FuncFormatter, MaxNLocator, NullFormatter  # noqa: E402
 
 from optimus.report.runlog import Run  # noqa: E402
-from optimus.report.timeline import STYLE, Mark, marks, progress_marks  # noqa: E402
+from optimus.report.timeline import (  # noqa: E402
+    AT_A_STEP,
+    STYLE,
+    Mark,
+    marks,
+    progress_marks,
+    rewind_text,
+    stability_marks,
+)
 
 DPI = 110
 MAX_POINTS = 10_000  # per line drawn
@@ -113,10 +123,11 @@ def timeline_figure(run: Run, out: Path) -> Figure:
     for ax in (progress, speed):
         _mark_lines(ax, moments, x)
         ax.grid(alpha=0.3)
-    for kind in ("checkpoint", "validation"):
+    for kind in AT_A_STEP:
         on = [m for m in at_steps if m.kind == kind]
-        progress.plot([x(m.time) for m in on], [m.step for m in on], STYLE[kind][1],
-                      color=STYLE[kind][0], ms=6, ls="none", zorder=3)
+        if on:
+            progress.plot([x(m.time) for m in on], [m.step for m in on], **_marker(kind),
+                          ls="none", zorder=3)
     kinds = sorted({m.kind for m in figure.marks}, key=list(STYLE).index)
     if kinds:
         fig.legend([_handle(k) for k in kinds], [_LEGEND.get(k, k.replace("_", " "))
@@ -129,13 +140,22 @@ def timeline_figure(run: Run, out: Path) -> Figure:
     return figure
 
 
-_LEGEND = {"checkpoint": "checkpoint committed", "validation": "validation"}
+_LEGEND = {"checkpoint": "checkpoint committed", "validation": "validation",
+           "spike": "loss spike", "skipped": "step skipped"}
+
+
+def _marker(kind: str) -> dict:
+    """How a mark at a step is drawn: a skipped step hollow, around its spike's cross."""
+    colour, marker = STYLE[kind]
+    if kind == "skipped":
+        return {"marker": marker, "color": colour, "ms": 10, "mfc": "none", "mew": 1.4}
+    return {"marker": marker, "color": colour, "ms": 7 if kind == "spike" else 6}
 
 
 def _handle(kind: str) -> Line2D:
     colour, style = STYLE[kind]
-    if kind in ("checkpoint", "validation"):
-        return Line2D([], [], color=colour, marker=style, ls="none", ms=6)
+    if kind in AT_A_STEP:
+        return Line2D([], [], ls="none", **_marker(kind))
     if kind == "pause":
         return Line2D([], [], color=colour, lw=6, alpha=0.25)
     return Line2D([], [], color=colour, ls=style, lw=1.5)
@@ -215,6 +235,7 @@ def loss_figure(run: Run, out: Path) -> Figure:
         vy = [e.loss for e in run.evals]
         ax.plot(vx, vy, "o-", color="#d62728", ms=4, lw=1.2, label="validation")
         figure.series["validation loss"] = (vx, vy)
+    _stability_on_loss(run, ax, figure)
     ax.set_xlabel("tokens")
     ax.xaxis.set_major_formatter(EngFormatter())
     ax.set_ylabel("loss")
@@ -223,6 +244,69 @@ def loss_figure(run: Run, out: Path) -> Figure:
     fig.tight_layout()
     _save(fig, out / figure.file)
     return figure
+
+
+def _stability_on_loss(run: Run, ax, figure: Figure) -> None:
+    """The stability rules' verdicts and the skipped steps at their step's tokens and loss
+    (a spike by the loss at its value), and each rewind: a line where its line ended, the
+    steps it trained again shaded back to the checkpoint it resumed from."""
+    at = _along(run)
+    found = stability_marks(run)
+    if not found and not run.rewinds:
+        return
+    heights = {}
+    for v in run.verdicts:
+        point = at(v.step)
+        by_loss = v.rule in ("loss", "trend") and v.value is not None and math.isfinite(v.value)
+        if point is not None:
+            heights[v.step] = (point[0], v.value if by_loss else point[1])
+    for kind, name in (("spike", "spikes"), ("divergence", "divergences"),
+                       ("skipped", "skipped steps")):
+        points = [heights.get(m.step) or at(m.step) for m in found if m.kind == kind]
+        points = [p for p in points if p is not None]
+        if points:
+            xs, ys = [p[0] for p in points], [p[1] for p in points]
+            ax.plot(xs, ys, ls="none", zorder=3, label=_LEGEND.get(kind, kind), **_marker(kind))
+            figure.series[name] = (xs, ys)
+    lines = []
+    for r in run.rewinds:
+        point = at(r.step) if r.step is not None else None
+        if point is None:
+            continue
+        colour = STYLE["rewind"][0]
+        ax.axvline(point[0], color=colour, ls=STYLE["rewind"][1], lw=1.2,
+                   label=None if lines else "rewind")
+        resumed = r.resume_step if r.resume_step is not None else r.to  # at or before
+        back = at(resumed) if resumed is not None else None
+        if back is not None:
+            ax.axvspan(back[0], point[0], color=colour, alpha=0.08, lw=0)
+        lines.append(point)
+    if lines:
+        figure.series["rewinds"] = ([p[0] for p in lines], [p[1] for p in lines])
+    figure.marks = found + [Mark(r.time, "rewind", rewind_text(r), step=r.step)
+                            for r in run.rewinds]
+    figure.caption += (" Marks: the stability rules' verdicts (crosses: loss spikes, at the "
+                       "loss judged; triangles: divergences), steps whose update was skipped "
+                       "(squares), and rewinds (dashed lines, where a line ended; shaded back "
+                       "to the checkpoint it resumed from, the steps trained again).")
+
+
+def _along(run: Run) -> Callable[[int], tuple[float, float] | None]:
+    """(tokens, training loss) at a step, read between the logged steps that count around it;
+    None without any."""
+    keys = [s.step for s in run.steps]
+
+    def at(step: int) -> tuple[float, float] | None:
+        if not keys:
+            return None
+        i = bisect.bisect_left(keys, step)
+        if i < len(keys) and keys[i] == step or i in (0, len(keys)):
+            s = run.steps[min(i, len(keys) - 1)]
+            return float(s.tokens), s.loss
+        a, b = run.steps[i - 1], run.steps[i]
+        f = (step - a.step) / (b.step - a.step)
+        return a.tokens + f * (b.tokens - a.tokens), a.loss + f * (b.loss - a.loss)
+    return at
 
 
 def _tokens_at(run: Run, step: int) -> int | None:

@@ -10,7 +10,9 @@ from optimus.data.audit import audit_run
 from optimus.report.facts import facts
 from optimus.report.figures import Figure, draw_all
 from optimus.report.runlog import Run, read_run
-from optimus.report.timeline import marks
+from optimus.report.timeline import marks, rewind_text, stability_marks
+
+MAX_ROWS = 200  # rows of the stability table; the rest counted
 
 STYLE_SHEET = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 1.5em auto; max-width: 1240px;
@@ -64,6 +66,7 @@ def render(run: Run, figures: list[Figure], mixture: list[dict] | None = None) -
                   f"<img src='{escape(figure.file)}' alt='{escape(figure.title)}'>",
                   f"<p class='caption'>{escape(figure.caption)}</p>"]
     parts += _mixture_table(mixture or [])
+    parts += _stability_table(run)
     parts += _events_table(run)
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
@@ -92,13 +95,41 @@ def _form(value, form: str) -> str:
     return "—" if value is None else escape(form.format(value))
 
 
+def _stability_table(run: Run) -> list[str]:
+    """Every verdict and skipped step at its step, every rewind and every window of data it
+    skipped, in time order: what the loss figure marks, in words."""
+    said = {v.step for v in run.verdicts if v.action == "skip_step"}  # "...: step skipped"
+    found = [(m.time, m.kind, m.label) for m in stability_marks(run)
+             if m.kind != "skipped" or m.step not in said]
+    found += [(r.time, "rewind", rewind_text(r) + (f": {r.reason}" if r.reason else ""))
+              for r in run.rewinds]
+    found += [(d.time, "data skipped", f"before step {d.step}: the batches of steps "
+               f"{d.first}..{d.last}, samples [{d.start:,}, {d.end:,}), not read")
+              for d in run.data_skips]
+    if not found:
+        return []
+    found.sort(key=lambda row: row[0])
+    rows = [f"<tr><td class='time'>{time.strftime('%H:%M:%S', time.localtime(t))}</td>"
+            f"<td class='kind'>{escape(kind)}</td><td>{escape(text)}</td></tr>"
+            for t, kind, text in found[:MAX_ROWS]]
+    more = (f"<p class='caption'>and {len(found) - MAX_ROWS} more: metrics.jsonl's "
+            "<code>stability</code> and <code>data_skip</code> events, events.jsonl's "
+            "<code>rewind</code>s.</p>" if len(found) > MAX_ROWS else "")
+    return ["<h2>Stability</h2>",
+            "<p class='caption'>The stability rules' verdicts and the steps whose update was "
+            "skipped (on the steps that count, and each that asked for a rewind), the "
+            "controller's rewinds and the windows of data they skipped "
+            "(<code>optimus data audit</code> checks them).</p>",
+            "<table>", *rows, "</table>", more]
+
+
 def _events_table(run: Run) -> list[str]:
     found = marks(run)
     where = ("the control plane's events (events.jsonl)" if run.control
              else "rank 0's events (metrics.jsonl; this run has no events.jsonl)")
     if not found:
         return ["<h2>Events</h2>", f"<p>Nothing happened worth a mark, from {where}: no "
-                "restart, fault, exclusion, pause or failed save.</p>"]
+                "restart, fault, exclusion, pause, failed save or rewind.</p>"]
     start = run.start or found[0].time
     rows = []
     for m in found:

@@ -2,13 +2,16 @@
 
 - `metrics.jsonl`, rank 0's: a line per logged step, a short line ({"time", "step", "data"}) per
   step between logged ones, and event lines ({"time", "event", "message", ...}: resume,
-  checkpoint, paused, stopped, eval, ...). Every generation appends to it, so a restart shows up
-  as the steps going back: the new generation retrains the steps after the checkpoint it resumed
-  from, and for each step the record of the generation that trained it last is the one that
-  counts (as in `optimus data audit`).
+  checkpoint, paused, stopped, eval, stability, data_skip, ...). Every generation appends to it,
+  so a restart shows up as the steps going back: the new generation retrains the steps after
+  the checkpoint it resumed from, and for each step the record of the generation that trained
+  it last is the one that counts (as in `optimus data audit`). So do its stability verdicts,
+  skipped steps (`"skipped": true` in a step's `data`) and skipped data windows, except a
+  verdict that asked for a rewind: it ended its line, and is kept as the rewind's reason.
 - `events.jsonl`, the control plane's events mirrored by the leading controller (none for a
-  plain `optimus train`).
-- `controller.json`, the controller's journal: the job record, the last plan, the exclusions.
+  plain `optimus train`), among them each `rewind` (its fields as Redis holds them: text).
+- `controller.json`, the controller's journal: the job record (with its `rewinds`, read when
+  events.jsonl has none), the last plan, the exclusions.
 - the checkpoint manifests (`optimus.json`): the resolved job configuration and layout.
 
 Robust to what a crash leaves: a line cut short, or not JSON, is skipped and counted.
@@ -66,6 +69,48 @@ class Save:
 
 
 @dataclass
+class Verdict:
+    """A `stability` event: what the rules found at a step, and what the ranks did."""
+
+    step: int
+    time: float
+    kind: str  # spike or divergence
+    rule: str  # loss, grad_norm or trend
+    value: float | None
+    threshold: float | None
+    action: str  # warn, skip_step or rewind
+
+
+@dataclass
+class DataSkip:
+    """A rewind's window of batches not read (a `data_skip` event): steps first..last's."""
+
+    step: int  # the step that read on after them
+    time: float
+    start: int  # samples [start, end) not read
+    end: int
+    first: int
+    last: int
+
+
+@dataclass
+class Rewind:
+    """A rewind, the controller's or an operator's: the line ended at `step` (None: the ranks
+    named no one step, and the job paused for an operator) and went on from the newest point
+    at or before `to`, which was `resume_step` (0: from scratch; None: not known, or not
+    planned yet), the batches of steps first..last skipped."""
+
+    time: float
+    step: int | None
+    first: int | None
+    last: int | None
+    to: int | None
+    resume_step: int | None
+    by: str
+    reason: str
+
+
+@dataclass
 class Event:
     time: float
     kind: str
@@ -86,6 +131,13 @@ class Run:
     saves: list[Save] = field(default_factory=list)
     rank_events: list[Event] = field(default_factory=list)  # metrics.jsonl's event lines
     control: list[Event] = field(default_factory=list)  # events.jsonl
+    # stability: the verdicts that count (and those that asked for a rewind), by time; the
+    # steps that count whose update was skipped, (step, time) by step; the rewinds' windows
+    # of batches not read that count; the controller's rewinds, by time
+    verdicts: list[Verdict] = field(default_factory=list)
+    skipped: list[tuple[int, float]] = field(default_factory=list)
+    data_skips: list[DataSkip] = field(default_factory=list)
+    rewinds: list[Rewind] = field(default_factory=list)
     segments: list[float] = field(default_factory=list)  # when each start of training began
     journal: dict = field(default_factory=dict)
     config: dict | None = None  # the resolved job configuration, when the run dir holds it
@@ -124,6 +176,7 @@ def read_run(run_dir: Path | str) -> Run:
                           if k not in ("id", "time", "kind", "message", "actor")})
                    for e in _json_lines(run, run_dir / "events.jsonl")]
     run.journal = _json_file(run_dir / "controller.json") or {}
+    run.rewinds = _rewinds(run)
     _read_config(run)
     return run
 
@@ -159,6 +212,10 @@ def _json_lines(run: Run, path: Path) -> Iterator[dict]:
 def _read_metrics(run: Run, rows: Iterable[dict]) -> None:
     counted: dict[int, Step] = {}
     evals: dict[int, Eval] = {}
+    verdicts: dict[int, Verdict] = {}
+    skipped: dict[int, float] = {}
+    skips: dict[int, DataSkip] = {}
+    asked: list[Verdict] = []  # verdicts that asked for a rewind, whose line was rolled back
     last_step = None
     committed_before = 0  # this segment's saves_committed so far
     ended: dict[int, float] = {}  # the recent steps' times, to place a save at its step
@@ -169,7 +226,8 @@ def _read_metrics(run: Run, rows: Iterable[dict]) -> None:
     ends: list[tuple[int, tuple]] = []
 
     def roll_back(after: int) -> None:  # a restart: steps after `after` were not kept
-        for table in (counted, evals):
+        asked.extend(v for s, v in verdicts.items() if s > after and v.action == "rewind")
+        for table in (counted, evals, verdicts, skipped, skips):
             for s in [s for s in table if s > after]:
                 del table[s]
 
@@ -191,6 +249,10 @@ def _read_metrics(run: Run, rows: Iterable[dict]) -> None:
                 step = int(row.get("step", last_step or 0))
                 evals[step] = Eval(step, when, _int(row.get("tokens")), float(row["val_loss"]),
                                    _number(row.get("perplexity")))
+            elif kind == "stability" and (verdict := _verdict(row, when)) is not None:
+                verdicts[verdict.step] = verdict
+            elif kind == "data_skip" and (skip := _data_skip(row, when)) is not None:
+                skips[skip.step] = skip
             continue
         step = _int(row.get("step"))
         if step is None:
@@ -213,6 +275,8 @@ def _read_metrics(run: Run, rows: Iterable[dict]) -> None:
         ended[step] = when
         if len(ended) > RECENT:
             del ended[next(iter(ended))]
+        if isinstance(row.get("data"), dict) and row["data"].get("skipped") is True:
+            skipped[step] = when
         if _number(row.get("loss")) is None:
             continue  # a step between logged ones: only its samples' fingerprint
         line = Step(step, when, segment, float(row["loss"]),
@@ -233,6 +297,63 @@ def _read_metrics(run: Run, rows: Iterable[dict]) -> None:
     run.trace = [p for _, p in sorted(dict(trace + ends).items())]
     run.steps = [counted[s] for s in sorted(counted)]
     run.evals = [evals[s] for s in sorted(evals)]
+    run.verdicts = sorted([*asked, *verdicts.values()], key=lambda v: (v.time, v.step))
+    run.skipped = sorted(skipped.items())
+    run.data_skips = [skips[s] for s in sorted(skips)]
+
+
+def _verdict(row: dict, when: float) -> Verdict | None:
+    step = _int(row.get("step"))
+    if step is None or row.get("verdict") not in ("spike", "divergence"):
+        return None
+    return Verdict(step, when, str(row["verdict"]), str(row.get("rule", "")),
+                   _number(row.get("value")), _number(row.get("threshold")),
+                   str(row.get("action", "")))
+
+
+def _data_skip(row: dict, when: float) -> DataSkip | None:
+    numbers = [_int(row.get(k)) for k in ("step", "start", "end")]
+    window = row.get("window")
+    if None in numbers or not isinstance(window, list) or len(window) != 2:
+        return None
+    first, last = (_int(x) for x in window)
+    if first is None or last is None:
+        return None
+    return DataSkip(numbers[0], when, numbers[1], numbers[2], first, last)
+
+
+def _rewinds(run: Run) -> list[Rewind]:
+    """The rewinds: the control plane's `rewind` events (their fields are text there: Redis
+    holds text), each with the point it resumed from where the job record's list in the
+    journal says (it keeps the newest 100); that list alone where events.jsonl has none."""
+    listed = (run.journal.get("job") or {}).get("rewinds")
+    try:
+        listed = json.loads(listed) if isinstance(listed, str) else listed
+    except ValueError:
+        listed = None
+    kept = [_rewind(r) for r in listed if isinstance(r, dict)] if isinstance(listed, list) else []
+    said = [_rewind({**e.fields, "time": e.time}) for e in run.control if e.kind == "rewind"]
+    if not said:
+        return sorted(kept, key=lambda r: r.time)
+    for r in said:  # the record's entry: same step and actor, written in the same tick
+        entry = next((k for k in kept if (k.step, k.by) == (r.step, r.by)
+                      and abs(k.time - r.time) < 60), None)
+        if entry is not None:
+            r.resume_step = entry.resume_step
+    return sorted(said, key=lambda r: r.time)
+
+
+def _rewind(r: dict) -> Rewind:
+    return Rewind(_number(r.get("time")) or 0.0, _count(r.get("step")), _count(r.get("first")),
+                  _count(r.get("last")), _count(r.get("to")), _count(r.get("resume_step")),
+                  str(r.get("by") or ""), str(r.get("reason") or ""))
+
+
+def _count(value) -> int | None:
+    """A whole number, given as one or as the text Redis keeps it as ("12"); else None."""
+    if isinstance(value, str) and value.isdigit() and len(value) < 19:
+        return int(value)
+    return value if type(value) is int else None
 
 
 def _read_config(run: Run) -> None:

@@ -1,12 +1,13 @@
 """The run's timeline: what the control plane and the ranks did, as marks on the wall clock.
 
 Each mark is a moment (a generation planned, a fault with its culprit, an exclusion, a failed
-save, a failover) or a span (a pause), with a short label for the figure. The control plane's
-events (`events.jsonl`) are the source where the run has them; a plain `optimus train` run has
-only rank 0's events, from which restarts and pauses are still told.
+save, a failover, a rewind) or a span (a pause), with a short label for the figure. The control
+plane's events (`events.jsonl`) are the source where the run has them; a plain `optimus train`
+run has only rank 0's events, from which restarts and pauses are still told.
 
-Checkpoint commits and validations happen every few hundred steps all run long: they are marks
-at a step (`progress_marks`), drawn on the progress line rather than across the figure.
+Checkpoint commits, validations, the stability rules' verdicts (loss spikes, divergences) and
+the steps whose update was skipped can come every few steps all run long: they are marks at a
+step (`progress_marks`), drawn on the progress line rather than across the figure.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from optimus.report.runlog import Event, Run
+from optimus.report.runlog import Event, Rewind, Run, Verdict
 
 # kind -> what it looks like on a figure: colour, line style
 STYLE = {
@@ -27,9 +28,14 @@ STYLE = {
     "straggler": ("#9333ea", ":"),
     "failover": ("#0d9488", "-."),
     "end": ("#111827", "-"),
+    "rewind": ("#7c3aed", "--"),
     "checkpoint": ("#059669", "v"),  # marks at a step: colour, marker
     "validation": ("#d62728", "D"),
+    "spike": ("#f59e0b", "X"),
+    "divergence": ("#b91c1c", "^"),
+    "skipped": ("#a16207", "s"),  # drawn hollow, around its spike's cross
 }
+AT_A_STEP = ("checkpoint", "validation", "spike", "divergence", "skipped")
 TERMINAL = {"completed": "completed", "failed": "FAILED", "stopped": "stopped"}
 
 
@@ -68,7 +74,38 @@ def progress_marks(run: Run) -> list[Mark]:
                                 step=last.step)  # the last step's save, on disk
     checks = [Mark(e.time, "validation", f"validation at step {e.step}: {e.loss:.4f}",
                    step=e.step) for e in run.evals]
-    return sorted([*found.values(), *checks], key=lambda m: m.time)
+    return sorted([*found.values(), *checks, *stability_marks(run)], key=lambda m: m.time)
+
+
+def stability_marks(run: Run) -> list[Mark]:
+    """The stability rules' verdicts (a loss spike, a divergence) and the steps whose update
+    was skipped, each at its step, in time order."""
+    found = [Mark(v.time, v.kind, verdict_text(v), step=v.step) for v in run.verdicts]
+    found += [Mark(t, "skipped", f"step {step} skipped", step=step) for step, t in run.skipped]
+    return sorted(found, key=lambda m: m.time)
+
+
+def verdict_text(v: Verdict) -> str:
+    """"spike at step 120 (loss 7.1 > 4.3): step skipped" from a Verdict."""
+    what = {"loss": "loss", "grad_norm": "gradient norm", "trend": "window mean"}.get(v.rule,
+                                                                                   v.rule)
+    than = (f" ({what} {v.value:.4g} > {v.threshold:.4g})"
+            if v.value is not None and v.threshold is not None else "")
+    did = {"warn": "", "skip_step": ": step skipped",
+           "rewind": ": rewind asked"}.get(v.action, f": {v.action}")
+    return f"{v.kind} at step {v.step}{than}{did}"
+
+
+def rewind_text(r: Rewind) -> str:
+    """"rewind at step 120 to step 100, batches of steps 120..130 skipped" from a Rewind."""
+    text = f"rewind at step {r.step}" if r.step is not None else "rewind (no one step named)"
+    if r.resume_step is not None:
+        text += f" to step {r.resume_step}" if r.resume_step else " to the start"
+    elif r.to is not None:
+        text += f" to step {r.to} or before"
+    if r.first is not None and r.last is not None:
+        text += f", batches of steps {r.first}..{r.last} skipped"
+    return text + (f" (by {r.by})" if r.by and r.by != "controller" else "")
 
 
 def failed_save(e: Event) -> bool:
@@ -103,6 +140,12 @@ def _control_marks(events: list[Event]) -> list[Mark]:
                 found.append(Mark(e.time, "failover", "controller failover", detail=e.message))
         elif e.kind == "rebuilt":
             found.append(Mark(e.time, "failover", "Redis rebuilt", detail=e.message))
+        elif e.kind == "rewind":
+            at = f.get("step")
+            found.append(Mark(e.time, "rewind", f"rewind at step {at}" if str(at).isdigit()
+                              else "rewind", detail=e.message))
+        elif e.kind == "rewind_budget":
+            found.append(Mark(e.time, "rewind", "rewinds used up", detail=e.message))
         elif e.kind in TERMINAL:
             found.append(Mark(e.time, "end", TERMINAL[e.kind], detail=e.message))
     end = events[-1].time if events else None
