@@ -14,9 +14,10 @@ data parallel, as above; Table 1 does not give the interleaving depth v, so the 
 planner finds for that tp x pp), beside the published figure; and the planner's own top 3
 layouts, and whether the paper's tp x pp is among them.
 
-Then the job files (`--jobs`): seed 000's 175B on Aurora's Max 1550 tiles (jobs/gpt-175b.yaml,
-on as many tiles as its own layout has) and the Mula models on 64 Aurora nodes (768 tiles):
-the planner's prediction for the job file's own layout beside its best layout.
+Then the job files (`--jobs`): seed 000's 175B (run on SuperMUC-NG Phase 2's Max 1550 tiles;
+here jobs/gpt-175b.yaml on Aurora's profile, on as many tiles as its own layout has) and the
+Mula models on 64 Aurora nodes (768 tiles): the planner's prediction for the job file's own
+layout beside its best layout.
 
     .venv/bin/python bench/planner_papers.py [--markdown] [--terms] [--jobs]
 """

@@ -186,8 +186,10 @@ def config_check(job: Path, overrides: tuple[str, ...], world: int | None, machi
         from optimus.planner.machines import get_machine
 
         profile = get_machine(machine, machines) if machine else None
-        capacity = memory_gib or profile.memory_gib
+        capacity = memory_gib or profile.usable_gib
         device = profile.name if profile else "a device"
+        if profile and not memory_gib and profile.headroom_gib:
+            device += f" ({profile.memory_gib:g} GiB less {profile.headroom_gib:g} of headroom)"
         memory = check_fits(cfg, layout, capacity, device, job_precision(
             cfg, profile.precision if profile else "bf16"), source=str(job))
     d = cfg.data
@@ -241,7 +243,9 @@ def plan(job: Path, overrides: tuple[str, ...], devices: int, machine: str | Non
                    "picks another)", err=True)
     profile = get_machine(chosen, machines)
     precision = job_precision(cfg, profile.precision)
-    capacity = memory_gib or profile.memory_gib
+    capacity = memory_gib or profile.usable_gib
+    room = (f" ({profile.memory_gib:g} GiB less {profile.headroom_gib:g} of headroom: allocator, "
+            "collective buffers, context)" if not memory_gib and profile.headroom_gib else "")
     if explain_layout:
         lay = search.parse_layout(explain_layout, cfg, precision)
         shape = shape_of(cfg.model)
@@ -250,12 +254,15 @@ def plan(job: Path, overrides: tuple[str, ...], devices: int, machine: str | Non
         if output == "json":
             click.echo(json.dumps(report.as_dict(found), indent=2))
         else:
-            report.explain(found, capacity, Console(width=None if sys.stdout.isatty() else 160))
+            report.explain(found, capacity, Console(width=None if sys.stdout.isatty() else 160),
+                           room)
         return
     fits, seen = search.plan(cfg, devices, profile, precision, capacity)
     if output == "json":
         click.echo(json.dumps({"devices": devices, "machine": profile.name, "considered": seen,
-                               "fit": len(fits), "layouts": [report.as_dict(c)
+                               "fit": len(fits), "capacity_gib": capacity,
+                               "headroom_gib": 0.0 if memory_gib else profile.headroom_gib,
+                               "layouts": [report.as_dict(c)
                                                              for c in fits[:top]]}, indent=2))
         return
     if not seen:
@@ -265,11 +272,11 @@ def plan(job: Path, overrides: tuple[str, ...], devices: int, machine: str | Non
                           "choose a device count that divides the batch, e.g. a power of two")
     if not fits:
         raise ConfigError(str(job), f"none of {seen} layouts on {devices} devices fits "
-                          f"{profile.name}'s {capacity:g} GiB", "plan for more devices, or a "
-                          "smaller data.batch_size or model")
+                          f"{profile.name}'s {capacity:g} GiB{room}",
+                          "plan for more devices, or a smaller data.batch_size or model")
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(report.table(fits[:top], f"{cfg.name} on {devices} x {profile.name}: "
-                               f"{len(fits)} of {seen} layouts fit {capacity:g} GiB"))
+                               f"{len(fits)} of {seen} layouts fit {capacity:g} GiB{room}"))
 
 
 @main.group()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from optimus.config import ConfigError, JobConfig, Layout
+from optimus.parallel.schedule_rules import schedule_problem
 from optimus.planner.memory import Memory, PlanLayout, peak_memory
 
 GIB = 2**30
@@ -57,18 +58,48 @@ def fixes(cfg, lay: PlanLayout, capacity: float) -> list[str]:
                                         microbatches=more)).total <= capacity:
                 out.append(f"data.microbatches: {more}")
                 break
+    if lay.microbatches > 1 and lay.pp == 1 and lay.dp > 1:
+        # FSDP2 accumulates unsharded gradients across microbatches; one microbatch of the
+        # same sequences reduce-scatters each block's gradient as it is made
+        whole = replace(lay, microbatch_size=lay.microbatch_size * lay.microbatches,
+                        microbatches=1)
+        if peak_memory(cfg, whole).total <= capacity:
+            out.append("data.microbatches: 1")
     for axis in ("pp", "tp"):
-        grown = replace(lay, **{axis: getattr(lay, axis) * 2})
-        if lay.dp % 2 or (lay.dp // 2) % lay.ep:
-            continue
-        grown = replace(grown, dp=lay.dp // 2)
-        if axis == "pp" and cfg.n_layers < grown.pp * grown.v:
-            continue
-        if axis == "tp" and (cfg.n_heads % grown.tp or cfg.ffn_dim % grown.tp):
-            continue
-        if peak_memory(cfg, grown).total <= capacity:
-            out.append(f"parallel.{axis}: {getattr(grown, axis)} (dp {grown.dp})")
+        for times in (2, 4, 8):  # the smallest growth that fits, dp shrinking to match
+            if lay.dp % times or (lay.dp // times) % lay.ep:
+                break
+            # the job file's one change: the same global batch and data.microbatches over
+            # fewer replicas, so each microbatch holds `times` more sequences
+            grown = replace(lay, **{axis: getattr(lay, axis) * times, "dp": lay.dp // times,
+                                    "microbatch_size": lay.microbatch_size * times})
+            if axis == "pp" and (cfg.n_layers < grown.pp * grown.v or schedule_problem(
+                    grown.schedule, grown.pp, grown.v, grown.microbatches)):
+                break
+            if axis == "tp" and (cfg.n_heads % grown.tp or cfg.ffn_dim % grown.tp
+                                 or cfg.vocab_size % grown.tp):
+                break
+            if peak_memory(cfg, grown).total <= capacity:
+                out.append(f"parallel.{axis}: {getattr(grown, axis)} (dp {grown.dp})")
+                break
     return out
+
+
+def more_devices(cfg, lay: PlanLayout, capacity: float) -> int | None:
+    """The fewest devices (dp doubled up to 8 times, the global batch kept) on which the job
+    fits, by the same model; None when growing dp does not make it fit (what it does not
+    shard: the activations, the unsharded gradients a step accumulates)."""
+    grown = lay
+    for _ in range(8):
+        if grown.microbatch_size * grown.microbatches % 2:
+            return None
+        if grown.microbatches % 2 == 0:
+            grown = replace(grown, dp=grown.dp * 2, microbatches=grown.microbatches // 2)
+        else:
+            grown = replace(grown, dp=grown.dp * 2, microbatch_size=grown.microbatch_size // 2)
+        if peak_memory(cfg, grown).total <= capacity:
+            return grown.devices
+    return None
 
 
 def check_fits(job: JobConfig, layout: Layout, capacity_gib: float, device: str,
@@ -81,9 +112,14 @@ def check_fits(job: JobConfig, layout: Layout, capacity_gib: float, device: str,
         return memory
     term, size = memory.largest()
     found = fixes(job.model, lay, capacity)
+    if not found:  # name more devices only where the model says they make it fit
+        devices = more_devices(job.model, lay, capacity)
+        if devices:
+            found = [f"{devices} devices (a larger dp shards the state; the same global batch)"]
     fix = " or ".join(found) if found else (
-        "more devices (a larger dp shards the state), a smaller data.batch_size, or a device "
-        "with more memory")
+        "none of the changes the planner tries fits (recompute, smaller microbatches, one "
+        "microbatch, more tp or pp, more devices): a smaller model or data.batch_size, or a "
+        "device with more memory; `optimus plan` ranks what fits")
     where = f" (pipeline rank {memory.pp_rank})" if lay.pp > 1 else ""
     raise ConfigError(source, f"needs {memory.total / GIB:.1f} GiB per rank{where} on {device} "
                       f"with {capacity_gib:g} GiB: {_LABELS[term]} {size / GIB:.1f} GiB", fix)

@@ -35,7 +35,15 @@ class Machine(BaseModel):
     intra_gbps: Positive
     inter_gbps: Positive
     latency_us: Annotated[float, Field(ge=0)] = 5.0
+    hbm_gbps: Positive = 2000.0  # device memory bandwidth, GB/s: memory-bound work
+    headroom_gib: Annotated[float, Field(ge=0)] = 0.0  # kept free: allocator, NCCL, context
     precision: Literal["bf16", "fp32"] = "bf16"
+
+    @property
+    def usable_gib(self) -> float:
+        """What the memory model's peak may reach: the device's memory less the headroom
+        kept for what the model does not follow (machines.yaml says what)."""
+        return max(self.memory_gib - self.headroom_gib, 0.0)
 
 
 def load_machines(extra: str | Path | None = None) -> dict[str, Machine]:

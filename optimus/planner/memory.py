@@ -23,16 +23,18 @@ on real gloo ranks (tests/test_planner.py):
 - activations: per token per layer (the `_layer_activation` table below), times the tokens of a
   microbatch, times the microbatches each stage holds at the rank's worst moment under its
   schedule (schedules.py, from torch's own action lists); the last stage adds the
-  vocab-parallel loss's logits, the first the embedding's output. `model.qk_norm` adds its
-  norms' inputs and outputs to a block that does not recompute; `optim.z_loss` adds a float32
-  [tokens, vocab / tp] to the loss's logits (two in bf16: the cast copy its log Z keeps, and
-  one more gradient in backward), measured where the loss is the step's peak.
+  vocab-parallel loss's logits, the first the embedding's output. The loss is float32 in
+  either precision (`LOSS`: the logits are upcast, so in bf16 it holds twice the bytes of the
+  compute dtype's logits). `model.qk_norm` adds its norms' inputs and outputs to a block that
+  does not recompute; `optim.z_loss` adds a float32 [tokens, vocab / tp] to the loss's
+  logits, measured where the loss is the step's peak.
 - backward: while a block runs backward its recomputed activations (full, selective, op) and
   the gradients of its activations exist besides.
 - slack: `SLACK` of the rest, for what no formula here follows (communication buffers,
   allocator rounding and fragmentation on a GPU, small buffers). The test's predictions
   include it. On a GPU the caching allocator's reserve sits above `max_memory_allocated`,
-  which this model does not predict.
+  which this model does not predict: the machine profile's `headroom_gib` keeps room for it
+  (and for the context and the collectives' buffers) when the planner decides what fits.
 
 docs/planner.md has the per-token table of `_layer_activation` and the measured errors.
 """
@@ -48,6 +50,14 @@ from optimus.parallel.schedule_rules import SPLIT_BACKWARD, stage_ids, stage_lay
 from optimus.planner.schedules import in_flight
 
 SLACK = 0.05
+# Bytes per vocabulary entry (of the rank's vocab / tp) per token of the loss at its peak, in
+# either precision: the loss upcasts the logits (`F.cross_entropy(logits.float())`,
+# parallel/loss.py), so its softmax, the softmax's saved output and its gradient are float32
+# even in bf16: 3 x 4 bytes (the bf16 logits are freed by then). Measured with `PeakMemory`
+# on the loss alone (tests/test_planner_calibration.py): 12.0 bytes in bf16 and in fp32.
+# A pipeline's last stage keeps each other held microbatch's float32 softmax output (4 bytes);
+# the z-loss adds one more float32 [tokens, vocab / tp] (its exp, measured in a whole step).
+LOSS, LOSS_HELD, Z_LOSS = 12, 4, 4
 # Bytes per element: fp32 master weights, gradients (reduced in fp32) and AdamW's two moments.
 MASTER, GRAD, OPTIM = 4, 4, 8
 COMPUTE = {"fp32": 4, "bf16": 2}
@@ -302,10 +312,11 @@ def rank_memory(cfg, lay: PlanLayout, pp_rank: int = 0) -> Memory:
         if st.last:  # the head's input and the vocab-parallel loss's logits and softmax
             # (a pipeline computes the loss in the last stage's forward: the softmax of each
             # microbatch held stays too)
-            logits = (cfg.dim / tp + 3 * cfg.vocab_size / tp
-                      + max(held.get(sid, 0.0) - 1, 0.0) * cfg.vocab_size / tp) * tokens * c
+            logits = (cfg.dim / tp * c + LOSS * cfg.vocab_size / tp
+                      + max(held.get(sid, 0.0) - 1, 0.0) * LOSS_HELD * cfg.vocab_size / tp
+                      ) * tokens
             if lay.z_loss:  # float32 whatever the compute dtype (module text)
-                logits += (4 if c == 4 else 8) * cfg.vocab_size / tp * tokens
+                logits += Z_LOSS * cfg.vocab_size / tp * tokens
     backward = (_recompute_extra(cfg, lay, layers, c) + 4 * cfg.dim / tp * c) * tokens
     if any(is_moe_layer(cfg, i) for i in layers):
         # an MoE layer's backward: the padded expert inputs' and hidden states' gradients

@@ -42,10 +42,12 @@ def table(candidates: list[Candidate], title: str) -> Table:
     return out
 
 
-def explain(c: Candidate, capacity_gib: float, console: Console) -> None:
-    """Every term of one layout's memory and step time."""
+def explain(c: Candidate, capacity_gib: float, console: Console, room: str = "") -> None:
+    """Every term of one layout's memory and step time; `room` says what headroom the
+    capacity leaves."""
+    fits = "fits" if c.memory.total <= capacity_gib * GIB else "does NOT fit"
     console.print(f"{c.layout.label()}: memory of pipeline rank {c.memory.pp_rank} (the "
-                  f"largest), of {capacity_gib:g} GiB")
+                  f"largest), {fits} in {capacity_gib:g} GiB{room}")
     console.print(_terms(c.memory.terms(), c.memory.total, "GiB", lambda v: f"{v / GIB:.2f}"))
     console.print(_terms(c.time.terms(), c.time.total, "s", lambda v: f"{v:.4f}"))
     t = c.time

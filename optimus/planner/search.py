@@ -82,9 +82,11 @@ def layouts(job: JobConfig, devices: int, machine: Machine, precision: str):
 
 def plan(job: JobConfig, devices: int, machine: Machine, precision: str,
          capacity_gib: float | None = None) -> tuple[list[Candidate], int]:
-    """(the layouts that fit, fastest first; how many were considered)."""
+    """(the layouts that fit, fastest first; how many were considered). A layout fits when
+    its largest rank needs at most `capacity_gib`, by default the profile's memory less its
+    headroom (`Machine.usable_gib`)."""
     cfg = shape_of(job.model)
-    capacity = (capacity_gib or machine.memory_gib) * GIB
+    capacity = (capacity_gib or machine.usable_gib) * GIB
     fits, seen = [], 0
     for lay in layouts(job, devices, machine, precision):
         seen += 1

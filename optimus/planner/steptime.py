@@ -3,13 +3,18 @@
 Assumptions, all of them here:
 - compute: the FLOPs of `optimus.models.counts.flops_per_token` (6 per active matmul weight
   per token, plus attention), plus the forward recomputed under activation checkpointing
-  (full: every block's; selective: every other block's; op: element-wise ops only, counted as
-  free), at the profile's peak times its `sustained` fraction, times a matmul-shape factor:
+  (full: every block's; selective: the blocks it checkpoints, one in `ac_every`), at the
+  profile's peak times its `sustained` fraction, times a matmul-shape factor:
   a matmul of M tokens and width K runs at M / (M + 128) x K / (K + 128) of the sustained
   rate (small microbatches and narrow tensor-parallel shards starve the device). Under a
   pipeline the step waits for the busiest rank: its stages' blocks (the earlier stages take
   the extra layers) plus the output projection and loss on the rank holding the last stage
   (`_busiest_rank_flops`); without one, every rank does the same.
+- op-level recompute redoes no matmul, only the element-wise ops (norms, RoPE, the SwiGLU's
+  gate, softmax statistics): memory-bound work, priced as the bytes of what it recomputes
+  (what a block keeps without recompute less what `op` keeps, memory.py's table) read and
+  written once each, at the profile's HBM bandwidth (`recompute_s`; bench/recompute.py
+  measured it at 1.06x the step on a CPU, where bandwidth is scarce against compute).
 - tensor parallel: per block per microbatch two all-gathers and two reduce-scatters of the
   microbatch's hidden states forward, as many backward (and again forward under recompute),
   on the intra-node link while tp fits a node; not overlapped with compute.
@@ -20,8 +25,10 @@ Assumptions, all of them here:
   forward and again for its backward (under a pipeline torch's stages hold them from a
   backward to the next forward: m + 1 a step), or once a step where they stay gathered
   (`param_gather: step`, or a zero-bubble schedule: PlanLayout.keeps_gathered); gradients
-  reduce-scattered in fp32 once per step, on the inter-node link; overlapped with compute,
-  so only what exceeds the compute time shows.
+  reduce-scattered in fp32 once per step, on the inter-node link; overlapped per unit (one
+  block) with the compute of the unit before: the first gather of each pass and the last
+  reduce-scatter show whole, and a unit whose traffic exceeds its compute shows the excess
+  (`fsdp_exposed`).
 - expert parallel: four all-to-alls per MoE layer per microbatch (dispatch and combine,
   forward and backward) of top_k copies of each token, intra-node while tp x ep fits a node.
 - ring collectives: a device sends (n - 1) / n of the buffer; latency per step of the ring.
@@ -30,12 +37,13 @@ Assumptions, all of them here:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 from optimus.models.counts import flops_per_token, matmul_param_count
 from optimus.models.moe import is_moe_layer
 from optimus.parallel.schedule_rules import stage_ids, stage_layers, stage_style
 from optimus.planner.machines import Machine
-from optimus.planner.memory import COMPUTE, GRAD, PlanLayout
+from optimus.planner.memory import COMPUTE, GRAD, PlanLayout, _layer_activation, shape_of
 from optimus.planner.schedules import bubble
 
 SHAPE_KNEE = 128  # tokens or width at which a matmul runs at half its sustained rate
@@ -51,6 +59,7 @@ class StepTime:
     ep_comm: float
     bubble: float
     dp_exposed: float
+    recompute_s: float = 0.0  # op-level recompute: memory-bound element-wise work
     tokens_per_s_per_device: float = 0.0
     tflops_per_device: float = 0.0  # model FLOPs with recompute, as seed 001 counts them
     mfu: float = 0.0  # model FLOPs without recompute, against the peak
@@ -58,7 +67,7 @@ class StepTime:
     @property
     def total(self) -> float:
         return (self.compute + self.tp_comm + self.pp_comm + self.ep_comm + self.bubble
-                + self.dp_exposed)
+                + self.dp_exposed + self.recompute_s)
 
     def terms(self) -> dict[str, float]:
         return {k: v for k, v in asdict(self).items()
@@ -72,13 +81,71 @@ def _ring(n: int, size: float, gbps: float, latency_us: float) -> float:
     return (n - 1) / n * size / (gbps * 1e9) + (n - 1) * latency_us * 1e-6
 
 
+def _passes(lay: PlanLayout) -> list[tuple[int, bool, bool, bool]]:
+    """FSDP2's passes over the rank's units in a step: (how many, forward, gathers,
+    reduce-scatters). Counted (tests/test_param_gather.py): a gather per microbatch's forward
+    and backward; m + 1 under a pipeline, whose stages hold the units gathered from a
+    backward to the next forward; one a step where they stay gathered. The reduce-scatter
+    runs in the last backward."""
+    m = lay.microbatches
+    if lay.keeps_gathered:
+        return [(1, True, True, False), (1, False, False, True)]
+    if lay.pp > 1:  # the first forward gathers, then each backward (forwards find them held)
+        return [(1, True, True, False), (m - 1, False, True, False), (1, False, True, True)]
+    return [(m, True, True, False), (m - 1, False, True, False), (1, False, True, True)]
+
+
+def fsdp_exposed(forward: float, backward: float, units: int, gather: float, reduce: float,
+                 passes: list[tuple[int, bool, bool, bool]]) -> float:
+    """Seconds of FSDP2 traffic that do not hide under compute, per-unit overlap.
+
+    In a pass over `units` units the collectives of the next unit overlap the compute of this
+    one (FSDP2's prefetch): the first unit's gather waits with nothing to hide under, the last
+    unit's reduce-scatter has nothing left to hide under, and a unit whose traffic takes longer
+    than its compute (`forward` or `backward` seconds a unit) shows the excess. The link is
+    the dp traffic's alone while compute runs: the TP, PP and EP transfers are priced as not
+    overlapped, so they hold the link outside that time, and their time is not a window."""
+    exposed = 0.0
+    for count, is_forward, gathers, reduces in passes:
+        traffic = (gather if gathers else 0.0) + (reduce if reduces else 0.0)
+        work = forward if is_forward else backward
+        exposed += count * (traffic + (units - 1) * max(0.0, traffic - work))
+    return exposed
+
+
 def recompute_flops(cfg, lay: PlanLayout) -> float:
     """Extra FLOPs per token of the forwards recomputed in backward."""
     forward = flops_per_token(cfg, lay.seq_len) / 3
     head = 2 * cfg.dim * cfg.vocab_size  # the head is never recomputed
     blocks = forward - head
-    share = {"none": 0.0, "op": 0.0, "full": 1.0, "selective": 0.5}[lay.recompute]
-    return share * blocks
+    return selective_share(cfg, lay) * blocks
+
+
+def selective_share(cfg, lay: PlanLayout) -> float:
+    """The share of blocks whose forward runs twice: all under `full`, those whose index in
+    the whole model is a multiple of `ac_every` under `selective` (activation_checkpoint.py),
+    none under `op` (it recomputes no matmul) or `none`."""
+    if lay.recompute == "full":
+        return 1.0
+    if lay.recompute == "selective":
+        return len(range(0, cfg.n_layers, lay.ac_every)) / cfg.n_layers
+    return 0.0
+
+
+def op_recompute_bytes(cfg, lay: PlanLayout) -> float:
+    """Bytes per token of one rank's blocks (all layers / tp) that op-level recompute reads
+    and writes: the elements a block keeps without recompute and not under `op`, once read
+    and once written, in the compute dtype."""
+    if lay.recompute != "op":
+        return 0.0
+    return 2 * _op_redone(shape_of(cfg), lay.tp) * COMPUTE[lay.precision]
+
+
+@lru_cache(maxsize=4096)
+def _op_redone(cfg, tp: int) -> float:
+    """Elements per token, over all layers, kept under `none` and not under `op`."""
+    return sum(_layer_activation(cfg, i, "none", tp) - _layer_activation(cfg, i, "op", tp)
+               for i in range(cfg.n_layers))
 
 
 def _busiest_rank_flops(cfg, lay: PlanLayout) -> float:
@@ -109,11 +176,16 @@ def step_time(cfg, lay: PlanLayout, machine: Machine, global_batch: int) -> Step
              * (cfg.dim / lay.tp) / (cfg.dim / lay.tp + SHAPE_KNEE))
     rate = machine.peak_tflops * 1e12 * machine.sustained * shape
     compute = m * tokens_mb * _busiest_rank_flops(cfg, lay) / lay.tp / rate
+    # the busiest pipeline rank's blocks, at most those of the first stage
+    share = max(len(r) for r in stage_layers(cfg.n_layers, lay.pp * lay.v)) * lay.v \
+        / cfg.n_layers if lay.pp > 1 else 1.0
+    recompute_s = (m * tokens_mb * op_recompute_bytes(cfg, lay) * share
+                   / (machine.hbm_gbps * 1e9))
 
     layers_here = cfg.n_layers / lay.pp
     hidden = tokens_mb * cfg.dim * c
     tp_link = machine.intra_gbps if lay.tp <= node else machine.inter_gbps
-    per_block = 8 + (4 if lay.recompute in ("full", "selective") else 0)
+    per_block = 8 + 4 * selective_share(cfg, lay)  # the recomputed forwards gather again
     tp_comm = m * layers_here * per_block * _ring(lay.tp, hidden, tp_link, machine.latency_us)
 
     pp_link = machine.intra_gbps if lay.tp * lay.pp <= node else machine.inter_gbps
@@ -129,7 +201,8 @@ def step_time(cfg, lay: PlanLayout, machine: Machine, global_batch: int) -> Step
         routed = tokens_mb / lay.tp * cfg.moe.top_k * cfg.dim * c
         ep_comm = m * moe_layers * 4 * (lay.ep - 1) / lay.ep * routed / (ep_link * 1e9)
 
-    pipeline_bubble = (compute + tp_comm + ep_comm) * bubble(lay.schedule, lay.pp, lay.v, m)
+    pipeline_bubble = ((compute + recompute_s + tp_comm + ep_comm)
+                       * bubble(lay.schedule, lay.pp, lay.v, m))
 
     dp_exposed = 0.0
     if lay.dp > 1:
@@ -140,14 +213,19 @@ def step_time(cfg, lay: PlanLayout, machine: Machine, global_batch: int) -> Step
         dp_link = machine.intra_gbps if lay.devices <= node else machine.inter_gbps
         # counted (tests/test_param_gather.py): 2 per microbatch; m + 1 under a pipeline,
         # whose stages hold the units gathered from a backward to the next forward
-        gathers = 1 if lay.keeps_gathered else (m + 1 if lay.pp > 1 else 2 * m)
-        dp = (gathers * _ring(lay.dp, params * c, dp_link, machine.latency_us)
-              + _ring(lay.dp, params * GRAD, dp_link, machine.latency_us))
-        dp_exposed = max(0.0, dp - compute)
+        units = max(len(r) for r in stage_layers(cfg.n_layers, lay.pp * lay.v)) * lay.v \
+            if lay.pp > 1 else cfg.n_layers
+        gather = _ring(lay.dp, params * c / units, dp_link, machine.latency_us)
+        reduce = _ring(lay.dp, params * GRAD / units, dp_link, machine.latency_us)
+        forward = 1 / (3 + selective_share(cfg, lay))  # of each microbatch's compute
+        dp_exposed = fsdp_exposed(compute / m * forward / units,
+                                  compute / m * (1 - forward) / units, units, gather, reduce,
+                                  _passes(lay))
 
-    result = StepTime(compute, tp_comm, pp_comm, ep_comm, pipeline_bubble, dp_exposed)
+    result = StepTime(compute, tp_comm, pp_comm, ep_comm, pipeline_bubble, dp_exposed,
+                      recompute_s)
     tokens = global_batch * lay.seq_len
     per_device = tokens / result.total / lay.devices
     return StepTime(compute, tp_comm, pp_comm, ep_comm, pipeline_bubble, dp_exposed,
-                    per_device, per_device * hw_flops / 1e12,
+                    recompute_s, per_device, per_device * hw_flops / 1e12,
                     per_device * model_flops / (machine.peak_tflops * 1e12))
