@@ -87,6 +87,7 @@ from bench.ettr_model import (  # noqa: E402
     simulate,  # noqa: F401 (re-exported for tests/test_ettr.py)
     young_daly_s,
 )
+from bench.ettr_spares import table  # noqa: E402
 
 TARGET = 0.95
 
@@ -271,6 +272,26 @@ def main(argv: list[str] | None = None) -> None:
         f" at MTTF 14 min: {ettr14:.1%}, {'met' if ettr14 >= TARGET else 'MISSED'}. "
         f"Meeting it at MTTF {c.mttf_s / 60:.1f} min leaves {budget:.0f} s per failure for "
         f"detection, restart, load and lost work.", markup=False, soft_wrap=True)
+
+    spares_table(c, i, ettr, args, console)
+
+
+def spares_table(c: Costs, i: Inputs, ettr: float, args, console: Console) -> None:
+    """Spares run out (bench/ettr_spares.py): waiting for a repair against shrinking, with
+    the disk interval of the memory policy above and a shorter one (a shrink resumes from
+    disk: the work since that checkpoint is trained again)."""
+    rows = []
+    for minutes in (i.disk_behind_memory_min, 10.0):
+        for r in table(c.nodes, c.mttf_s, minutes * 60.0, c.restart_s["kill_node", "warm"],
+                       c.load_disk_s, args.days, args.trials, args.seed):
+            rows.append([f"{minutes:g} min", str(r["spares"]), f"{r['repair_h']} h",
+                         f"{r['wait']:.2%}", f"{r['shrink']:.2%}",
+                         f"{ettr * (1 - r['wait']):.1%}", f"{ettr * (1 - r['shrink']):.1%}"])
+    show(rows, ("disk every", "spares", "repair (mean)", "lost: wait", "lost: shrink",
+                "ETTR: wait", "ETTR: shrink"),
+         f"No spare left (MTTF {c.mttf_s / 60:.1f} min, {c.nodes:,} nodes): "
+         "supervision.when_no_spare, time lost beyond the table above", args.markdown, console)
+
 
 if __name__ == "__main__":
     try:

@@ -115,7 +115,11 @@ def write_job(path: Path, run_dir: Path, *, name: str = "e2e", steps: int = 30,
         # few that freeze a rank or kill a node.
         "supervision": {"log_every": 1, "heartbeat_interval_s": 0.25,
                         "heartbeat_timeout_s": 8.0, "restart_backoff_s": 0.2,
-                        "failure_grace_s": 1.0, "stop_grace_s": 30.0, **supervision},
+                        "failure_grace_s": 1.0, "stop_grace_s": 30.0,
+                        # a test that loses a node with no spare waits for it unless it says
+                        # how far the job may shrink (the default, shrink, is tested by name)
+                        "when_no_spare": "shrink" if "min_nodes" in supervision else "wait",
+                        **supervision},
         "fault_injection": {"faults": faults or []},
         "monitoring": {"metrics_port": 0},  # tests that scrape /metrics pick a free port
     }

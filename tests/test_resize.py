@@ -1,21 +1,28 @@
-"""A job that shrank (no spare left, `supervision.min_nodes`) grows back when nodes are free
-again: the rule (decide._grow), then end to end with a real Redis, controller, agents and gloo
-ranks: a node lost with no spare, the run goes on on one node, the node's agent comes back and
-is included, the run grows back to two at its next checkpoint and completes, every sample read
-exactly once."""
+"""A job that shrank (no spare left, `supervision.when_no_spare: shrink`) grows back when nodes
+are free again: the rule (decide._grow), then end to end with a real Redis, controller, agents
+and gloo ranks: a node lost with no spare, the run goes on on one node, the node's agent comes
+back and is included, the run grows back to two at its next checkpoint and completes, every
+sample read exactly once; and a pipeline that cannot stay on the nodes left goes on on the
+planner's layout, exactly as a plain run of that layout from the same checkpoint. The rules
+of re-planning: tests/test_replan.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
-from cluster import ROOT, wait_for, write_job
+import yaml
+from cluster import ROOT, metrics, train_ranks, wait_for, write_job
 from test_decide import NOW, busy, running
 
 from controller.control.decide import RESTARTING, Settings, decide
 from controller.store.store import Store
+from optimus.checkpoint.manifest import step_dir
+from optimus.config import apply_override
 from optimus.data.audit import audit_run
 
 S = Settings(nodes=2, ranks_per_node=1, heartbeat_interval_s=0.5, heartbeat_timeout_s=5,
@@ -87,6 +94,63 @@ def test_a_lost_node_shrinks_the_run_and_its_return_grows_it_back(redis_server, 
     events = [json.loads(t) for t in (run / "events.jsonl").read_text().splitlines()]
     (grow,) = [e for e in events if e["kind"] == "grow"]
     assert (grow["nodes"], grow["to"]) == ("1", "2")
+    audit = audit_run(run)
+    assert audit.ok, audit.problems
+    assert audit.unread == [] and audit.skipped == []
+
+
+def test_a_pipeline_that_cannot_stay_on_the_nodes_left_is_replanned_and_trains_exactly(
+        redis_server, procs, tmp_path):
+    """3 nodes, no spare, pp 3: a node lost at step 15 leaves 2, where pp 3 cannot run. The
+    controller asks the planner and goes on from the checkpoint of step 10 on its layout (the
+    job waits for no one); from there, losses and samples equal a plain run that had that
+    layout from the same checkpoint."""
+    run = tmp_path / "run"
+    job = write_job(tmp_path / "job.yaml", run, steps=24, async_mode="sync", min_nodes=2,
+                    batch_size=6, faults=[{"kind": "kill_node", "node": 2, "step": 15}])
+    raw = yaml.safe_load(job.read_text())
+    raw["model"]["n_layers"] = 6
+    raw["parallel"].update({"pp": 3, "schedule": "1f1b"})
+    raw["data"]["microbatches"] = 3
+    job.write_text(yaml.safe_dump(raw))
+    procs.start("c1", "controller", str(job), "--nodes", "3", "--ranks-per-node", "1",
+                "--redis", redis_server.url, "--exit-when-done")
+    for i in range(3):
+        procs.start(f"agent{i}", "agent", "--job", "e2e", "--node", f"node{i}",
+                    "--redis", redis_server.url, "--interval", "0.25")
+    store = Store(redis_server.url, "e2e")
+    procs.procs["c1"].wait(timeout=600)
+    record = store.job_record()
+    assert record["state"] == "COMPLETED", record
+    plan = store.plan()
+    assert plan["generation"] == 1 and plan["world_size"] == 2 and plan["resume_step"] == 10
+    assert ".pp3." not in plan["layout"]
+    replanned = plan["overrides"]
+    events = [json.loads(t) for t in (run / "events.jsonl").read_text().splitlines()]
+    (shrunk,) = [e for e in events if e["kind"] == "generation" and e.get("layout")]
+    assert (shrunk["layout"], shrunk["nodes"]) == (plan["layout"], "2")
+    assert f"shrunk to 2 of 3 nodes: the planner's layout {plan['layout']} instead of " in (
+        shrunk["message"])
+    assert shrunk["full_layout"].startswith("tp1.pp3.dp1.1f1b")
+
+    # The reference: a plain run with the re-planned layout from the same checkpoint (its
+    # run's key beside it, so that it is trusted), on two local ranks.
+    ref = tmp_path / "ref"
+    (ref / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run / "secrets", ref / "secrets")
+    shutil.copytree(step_dir(run / "checkpoints", 10), step_dir(ref / "checkpoints", 10))
+    for assignment in replanned:
+        apply_override(raw, assignment)
+    raw.update({"run_dir": str(ref), "fault_injection": {"faults": []}})
+    (tmp_path / "ref.yaml").write_text(yaml.safe_dump(raw))
+    train_ranks(tmp_path / "ref.yaml", 2, timeout=300)
+
+    def after_resume(where: Path) -> dict:
+        lines = {m["step"]: m for m in metrics(where) if "loss" in m and m["step"] > 10}
+        return {s: (m["loss"], m["data"]) for s, m in sorted(lines.items())}
+
+    ours, theirs = after_resume(run), after_resume(ref)
+    assert list(ours) == list(range(11, 25)) and ours == theirs
     audit = audit_run(run)
     assert audit.ok, audit.problems
     assert audit.unread == [] and audit.skipped == []

@@ -35,7 +35,7 @@ from typing import Any
 from controller.control import detect, operator, recovery, rewind, watching
 from controller.control.actions import counted, live, with_action
 from controller.control.detect import COLLATERAL, HARD, Evidence
-from controller.control.shortage import names, shortage
+from controller.control.shortage import names, resized, shortage
 from controller.control.view import (  # noqa: F401 (re-exported: the rules' vocabulary)
     ACTIVE,
     COMPLETED,
@@ -289,15 +289,17 @@ def _grow(obs: Observed, s: Settings, d: Decision) -> bool:
     """A generation on fewer nodes than the job asks for (it shrank: no spare was left) grows
     back once nodes are free again (a node included, a new agent) and a checkpoint of its own
     is committed (the layout changes, so the next generation reshards from disk): its ranks
-    save a checkpoint and stop, and the next runs on as many nodes as fit. Not a failure."""
+    save a checkpoint and stop, and the next runs on as many nodes as fit: all of them
+    whenever they are free, a size between only when the planner predicts more tokens/s there
+    (Settings.layouts). Not a failure."""
     job, plan = obs.job, obs.plan
     have = len(plan["nodes"])
     if (obs.spare_count is None or job.state != RUNNING or job.desired is not None
             or obs.latest_step is None or obs.latest_step <= (plan.get("resume_step") or 0)):
         return False
     bigger = [c for c in s.allowed_nodes if have < c <= have + obs.spare_count]
-    if not bigger:
-        return False
+    if not bigger or (max(bigger) < s.nodes and not _gains(s, have, max(bigger))):
+        return False  # back on all its nodes it always goes: the size the job asked for
     gen = plan["generation"]
     reason = (f"{obs.spare_count} node(s) free again: generation {gen} saves a checkpoint and "
               f"stops, the next runs on {max(bigger)} of {s.nodes} nodes instead of {have} (the "
@@ -308,6 +310,12 @@ def _grow(obs: Observed, s: Settings, d: Decision) -> bool:
                   "restart_causes": counted(job, "resize")})
     d.note("grow", reason, generation=gen, nodes=have, to=max(bigger))
     return True
+
+
+def _gains(s: Settings, have: int, to: int) -> bool:
+    """Whether the planner predicts more tokens/s on `to` nodes than on `have` (unknown: yes)."""
+    now, then = s.layouts.get(have), s.layouts.get(to)
+    return not (now and then) or then["tokens_per_s"] > now["tokens_per_s"]
 
 
 def _rebuddy(obs: Observed, d: Decision) -> None:
@@ -345,7 +353,8 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
     usable = {n for n, v in obs.nodes.items() if v.alive and v.healthy and not v.excluded}
     chosen = [n for n in previous if n in usable]
     chosen += sorted(usable - set(chosen))  # then spares, in name order
-    fits = [c for c in s.allowed_nodes if c <= len(chosen)]
+    fits = [c for c in s.allowed_nodes if c <= len(chosen) and (c == s.nodes or not first
+                                                                or s.start_short)]
     if not fits:
         reason = shortage(obs, s, usable)
         if job.state != WAITING or job.reason != reason:
@@ -384,11 +393,13 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
         reason += f" (newer ones fail their size check: {'; '.join(obs.skipped[:3])})"
     if previous and spares:
         reason += f" (spares brought in: {names(spares)})"
+    layout = s.layouts.get(len(chosen)) if len(chosen) < s.nodes else None
     if len(chosen) < s.nodes:
-        reason += (f" (shrunk to {len(chosen)} of {s.nodes} nodes: the data-parallel degree "
-                   "shrinks with it)")
+        reason += f" (shrunk to {len(chosen)} of {s.nodes} nodes: {resized(s, len(chosen))})"
     d.plan = {
         **s.launch,
+        **({"overrides": [*s.launch.get("overrides", []), *layout["overrides"]],
+            "layout": layout["layout"]} if layout and layout["overrides"] else {}),
         "generation": gen, "action": "run", "nodes": chosen,
         "ranks_per_node": s.ranks_per_node, "world_size": len(chosen) * s.ranks_per_node,
         "master_addr": obs.nodes[chosen[0]].host, "master_port": 0,  # node 0's agent picks it
@@ -407,7 +418,11 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
     d.job.update({"state": PAUSING if job.desired == "pause" else RUNNING, "generation": gen,
                   "reason": reason, "failure_since": None, "next_plan_at": None,
                   "suspect": None})  # the window is acted on: set aside, or judged above
-    d.note("generation", reason)
+    d.note("generation", reason, **({"nodes": len(chosen), "layout": layout["layout"],
+                                      "tokens_per_s": layout["tokens_per_s"],
+                                      "full_layout": s.layouts[s.nodes]["layout"],
+                                      "full_tokens_per_s": s.layouts[s.nodes]["tokens_per_s"]}
+                                     if layout and s.nodes in s.layouts else {}))
 
 
 def _finish(d: Decision, obs: Observed, s: Settings, state: str, reason: str,

@@ -1,31 +1,54 @@
 """The controller's Settings from a job file: supervision's values, the node counts the job may
-run on (supervision.min_nodes), and what each plan carries for the ranks (the launch)."""
+run on and the layout of each (supervision.when_no_spare, min_nodes), and what each plan
+carries for the ranks (the launch)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from controller.control.view import Settings
-from optimus.config import ConfigError, JobConfig, check_job
+from optimus.config import JobConfig
+from optimus.planner.machines import default_machine, get_machine
+from optimus.planner.replan import replan
+
+# Node counts below --nodes for which the planner searches a layout (where the job's own does
+# not run), nearest first: a search takes ~0.05 s for a small model and up to seconds for the
+# largest, once, when the controller starts (2 s for jobs/gpt-175b.yaml's 192 nodes).
+MAX_REPLANS = 16
 
 
-def node_counts(job: JobConfig, nodes: int, ranks_per_node: int) -> tuple[int, ...]:
-    """Node counts the job may run on, largest first: from `nodes` down to
-    supervision.min_nodes, those whose world size the layout accepts (dp shrinks)."""
-    lowest = min(job.supervision.min_nodes or nodes, nodes)
-    counts = []
-    for n in range(nodes, lowest - 1, -1):
-        try:
-            check_job(job, world=n * ranks_per_node)
-        except ConfigError:
+def node_counts(job: JobConfig, nodes: int, ranks_per_node: int
+                ) -> tuple[tuple[int, ...], dict[int, dict], dict[int, str]]:
+    """Node counts the job may run on, largest first; the layout of each count below `nodes`
+    (optimus/planner/replan.py: the job's own with a smaller dp, or the planner's best); and
+    why each count it may not run on is refused. With `when_no_spare: wait`: `nodes` only."""
+    s = job.supervision
+    if s.when_no_spare == "wait":
+        return (nodes,), {}, {}
+    machine = get_machine(default_machine(job.parallel.device))
+    lowest = min(s.min_nodes or -(-nodes // 2), nodes)
+    counts, layouts, refused = [nodes], {}, {}
+    searched = 0
+    for n in range(nodes - 1, lowest - 1, -1):
+        found = replan(job, n * ranks_per_node, ranks_per_node, machine,
+                       search=searched < MAX_REPLANS)
+        searched += isinstance(found, str) or not found.own
+        if isinstance(found, str):
+            refused[n] = found
             continue
         counts.append(n)
-    return tuple(counts) or (nodes,)
+        layouts[n] = found.as_dict()
+    if counts != [nodes]:  # the full size's own layout, for the events' comparison
+        full = replan(job, nodes * ranks_per_node, ranks_per_node, machine)
+        if not isinstance(full, str):
+            layouts[nodes] = full.as_dict()
+    return tuple(counts), layouts, refused
 
 
 def settings_for(job: JobConfig, job_file: str, overrides: list[str], nodes: int,
                  ranks_per_node: int) -> Settings:
     s = job.supervision
+    counts, layouts, refused = node_counts(job, nodes, ranks_per_node)
     faults = [{"node": f.node, "step": f.step, "generation": f.generation}
               for f in job.fault_injection.faults if f.kind == "kill_node"]
     return Settings(
@@ -40,7 +63,8 @@ def settings_for(job: JobConfig, job_file: str, overrides: list[str], nodes: int
         backoff_s=s.restart_backoff_s, backoff_max_s=s.restart_backoff_max_s,
         failure_grace_s=s.failure_grace_s, stop_grace_s=s.stop_grace_s,
         final_step=job.optim.steps if job.checkpoint.interval else None,
-        node_counts=node_counts(job, nodes, ranks_per_node),
+        node_counts=counts, layouts=layouts, refusals=refused,
+        start_short=s.min_nodes is not None,
         rewind_skip_before=job.stability.rewind_skip_before,
         rewind_skip_after=job.stability.rewind_skip_after,
         rewind_back=job.stability.rewind_back, rewind_budget=job.stability.rewind_budget,

@@ -28,6 +28,25 @@ def shortage(obs: Observed, s: Settings, usable: set[str]) -> str:
             why.append(f"{name} unhealthy ({node.health})")
     need = (f"{s.nodes}" if s.allowed_nodes == (s.nodes,)
             else f"{min(s.allowed_nodes)} to {s.nodes}")
+    refused = s.refusals.get(len(usable))  # the planner's reason the nodes left cannot run it
     return (f"waiting for nodes: the layout needs {need} x {s.ranks_per_node} ranks, "
             f"{len(usable)} healthy node(s) available"
+            + (f" (on {len(usable)}: {refused})" if refused else "")
             + (f"; {'; '.join(why)}" if why else ""))
+
+
+def resized(s: Settings, count: int) -> str:
+    """How a generation on `count` of the job's nodes is laid out, and what the planner
+    predicts of it against the full size (Settings.layouts)."""
+    layout, full = s.layouts.get(count), s.layouts.get(s.nodes)
+    if not layout or not layout["overrides"]:
+        text = "the data-parallel degree shrinks with it"
+        if layout and full:
+            text += (f": {layout['layout']}, predicted {layout['tokens_per_s']:,.0f} tokens/s "
+                     f"against {full['tokens_per_s']:,.0f} on {s.nodes}")
+        return text
+    text = f"the planner's layout {layout['layout']}"
+    if full:
+        text += (f" instead of {full['layout']}, predicted {layout['tokens_per_s']:,.0f} "
+                 f"tokens/s against {full['tokens_per_s']:,.0f} on {s.nodes}")
+    return text + "; the checkpoint is resharded to it"

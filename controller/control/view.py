@@ -49,8 +49,16 @@ class Settings:
     # With checkpointing on, the step whose commit COMPLETED requires (optim.steps); else None.
     final_step: int | None = None
     # Node counts a generation may run on, largest first: (nodes,) unless the job may shrink
-    # its data-parallel degree (supervision.min_nodes) when too few nodes are left.
+    # when too few nodes are left (supervision.when_no_spare, min_nodes); the layout of each
+    # count (optimus/planner/replan.py Replanned.as_dict: the `--set` assignments of a layout
+    # other than the job file's, its label, predicted tokens/s; and the full size's), and why
+    # a count between min_nodes and nodes is refused.
     node_counts: tuple[int, ...] = ()
+    layouts: dict = field(default_factory=dict)
+    refusals: dict = field(default_factory=dict)
+    # Whether a first generation may start short (after agent_timeout_s): only when the job
+    # names supervision.min_nodes; the default floor is for nodes lost on the way.
+    start_short: bool = True
     launch: dict = field(default_factory=dict)  # job file, overrides, log dir: into each plan
     # Rewinds (stability.rewind_*; controller/control/rewind.py), and the global batch (an
     # operator's --skip-samples counts whole steps of it).

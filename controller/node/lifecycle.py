@@ -134,12 +134,16 @@ class Lifecycle:
         if self.no_save:  # that was the last generation's
             self.no_save = False
             self._write_control(self.control)
+        # A rank waiting in process holds the last generation's job file and overrides: a plan
+        # that changes them (a shrink's re-planned layout) starts new processes instead.
+        same_job = all((self.plan or {}).get(k) == plan.get(k) for k in ("job_file", "overrides"))
         self.generation, self.plan = gen, plan
         carried = plan.get("failed_saves")
         self.failed_saves = carried if isinstance(carried, int) and carried > 0 else 0
         self.ran_since_ok = True
         waiting = {lr: p for lr, p in self._waiting().items()
-                   if plan.get("restart") == "in_process" and lr < plan["ranks_per_node"]}
+                   if plan.get("restart") == "in_process" and lr < plan["ranks_per_node"]
+                   and same_job}
         self._dismiss([p for lr, p in self._waiting().items() if lr not in waiting])
         self.leaving += [p for p in self.procs.values() if p.popen.returncode is None
                          and all(p is not w for w in waiting.values())]

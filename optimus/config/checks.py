@@ -132,6 +132,11 @@ def _job_problems(job: JobConfig) -> list[tuple[str, str, str]]:
                     "snapshot, and this job keeps neither: every rewind would start from scratch",
                     "set checkpoint.interval (or checkpoint.memory_every), or on_spike: "
                     "skip_step"))
+    sv = job.supervision
+    if sv.when_no_spare == "wait" and sv.min_nodes is not None:
+        out.append(("supervision.min_nodes", f"{sv.min_nodes} is a floor for shrinking, and "
+                    "when_no_spare: wait never shrinks", "drop min_nodes, or when_no_spare: "
+                    "shrink"))
     for key, template, names in (("run_dir", job.run_dir, {"name"}),
                                  ("checkpoint.dir", job.checkpoint.dir, {"name", "run_dir"})):
         try:

@@ -248,9 +248,14 @@ class SupervisionConfig(Section):
     flaky_failures: PositiveInt = Field(
         1, description="attributed failures within flaky_window_s that exclude a node")
     flaky_window_s: PositiveFloat = 3600.0
+    when_no_spare: Literal["shrink", "wait"] = Field(
+        "shrink", description="a node lost and no spare left: shrink: go on on the nodes left "
+                              "(down to min_nodes), on the job's layout with a smaller dp or "
+                              "the planner's best layout there, and grow back when nodes "
+                              "return; wait: wait for a node")
     min_nodes: PositiveInt | None = Field(
-        None, description="with too few nodes left, run on as few as this many (dp shrinks); "
-                          "None: always on all of --nodes")
+        None, description="the fewest nodes a shrunk job runs on; None: half of --nodes, "
+                          "rounded up")
 
 
 class MonitoringConfig(Section):
