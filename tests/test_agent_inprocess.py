@@ -127,3 +127,24 @@ def test_a_waiting_rank_with_no_next_generation_is_told_to_exit_then_killed(
         agent._reap()
         agent._flush_exits()
         assert len(_own(store, "exits")) == 1  # its leaving, and not its death again
+
+
+def test_a_new_agent_waits_for_a_resubmission_before_leaving_on_an_ended_plan(
+        redis_server, tmp_path, monkeypatch):
+    """The ended plan a new agent finds may be the last submission's, which a controller
+    started beside it (--resubmit, --allocation) is about to replace: it leaves on it only once
+    it has been up FRESH_END_S. An agent that saw the job run leaves at once."""
+    from controller.node import lifecycle
+
+    ended = {"generation": 0, "action": "end", "nodes": ["n0"], "reason": "FAILED"}
+    with _agent(redis_server, tmp_path, monkeypatch) as (agent, store, procs):
+        agent._follow(ended)
+        assert not agent.ended  # a new agent: the end may be an earlier submission's
+        agent.end_seen -= lifecycle.FRESH_END_S  # no new plan came in time
+        agent._follow(ended)
+        assert agent.ended
+    (tmp_path / "b").mkdir()
+    with _agent(redis_server, tmp_path / "b", monkeypatch) as (agent, store, procs):
+        agent._follow({"generation": 0, "action": "run", "nodes": ["n1"]})  # a spare here
+        agent._follow(ended)
+        assert agent.ended  # it saw the job run: the end is this submission's

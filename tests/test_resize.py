@@ -55,6 +55,16 @@ def test_a_shrunk_generation_grows_back_once_a_node_is_free_and_its_checkpoint_c
                 if e[0] == "grow"]
 
 
+def _start(procs, url: str, job: Path, nodes: int) -> Store:
+    """A controller of `nodes` nodes of one rank, and their agents (no spare)."""
+    procs.start("c1", "controller", str(job), "--nodes", str(nodes), "--ranks-per-node", "1",
+                "--redis", url, "--exit-when-done")
+    for i in range(nodes):
+        procs.start(f"agent{i}", "agent", "--job", "e2e", "--node", f"node{i}",
+                    "--redis", url, "--interval", "0.25")
+    return Store(url, "e2e")
+
+
 def _optimus(*args: str, url: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "controller", *args, "--job", "e2e",
                            "--redis", url], cwd=ROOT, capture_output=True, text=True,
@@ -70,12 +80,7 @@ def test_a_lost_node_shrinks_the_run_and_its_return_grows_it_back(redis_server, 
                     faults=[{"kind": "kill_node", "node": 1, "step": 15},
                             {"kind": "slow_rank", "rank": 0, "step": 1, "seconds": 0.25,
                              "generation": 1}])
-    procs.start("c1", "controller", str(job), "--nodes", "2", "--ranks-per-node", "1",
-                "--redis", redis_server.url, "--exit-when-done")
-    for i in range(2):
-        procs.start(f"agent{i}", "agent", "--job", "e2e", "--node", f"node{i}",
-                    "--redis", redis_server.url, "--interval", "0.25")
-    store = Store(redis_server.url, "e2e")
+    store = _start(procs, redis_server.url, job, 2)
     wait_for(lambda: (store.plan() or {}).get("generation", 0) >= 1
              and store.plan()["action"] == "run", 240, "generation 1")
     plan = store.plan()
@@ -113,12 +118,7 @@ def test_a_pipeline_that_cannot_stay_on_the_nodes_left_is_replanned_and_trains_e
     raw["parallel"].update({"pp": 3, "schedule": "1f1b"})
     raw["data"]["microbatches"] = 3
     job.write_text(yaml.safe_dump(raw))
-    procs.start("c1", "controller", str(job), "--nodes", "3", "--ranks-per-node", "1",
-                "--redis", redis_server.url, "--exit-when-done")
-    for i in range(3):
-        procs.start(f"agent{i}", "agent", "--job", "e2e", "--node", f"node{i}",
-                    "--redis", redis_server.url, "--interval", "0.25")
-    store = Store(redis_server.url, "e2e")
+    store = _start(procs, redis_server.url, job, 3)
     procs.procs["c1"].wait(timeout=600)
     record = store.job_record()
     assert record["state"] == "COMPLETED", record

@@ -93,6 +93,8 @@ class Agent(Lifecycle, Commands, Checks):
         self.plan_stamp: str | None = None  # of the last plan read
         self.latest_plan: dict | None = None
         self.ended = False
+        # Set while no plan but an ended one was seen (lifecycle.FRESH_END_S): when it came.
+        self.end_seen: float | None = time.monotonic()
         self.redis_down = False
         self.waker = Waker(store, wake.AGENTS, min_gap_s=POLL_S)  # controller/store/wake.py
         self.told: tuple | None = None  # the state the controller last heard (`_told`)

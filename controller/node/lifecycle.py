@@ -27,6 +27,14 @@ LEAVE_S = 10.0  # at least this more, past a failed generation's grace, for the 
 # release of the generation's memory; seconds on a loaded machine)
 
 
+# A new agent that has seen no plan but an ended one leaves on it only once it has been up
+# this long: the ended plan may be a finished submission's that a controller starting beside
+# it (--resubmit, --allocation) is about to reset. Without the wait such an agent left at once
+# and the new submission waited for a node forever (seen under load in test_control_plane's
+# resubmission). An agent that saw the job run (its ranks, or as a spare) leaves at once.
+FRESH_END_S = 20.0
+
+
 class Lifecycle:
     # --- plans ---------------------------------------------------------------------------------
 
@@ -34,6 +42,10 @@ class Lifecycle:
         gen, action = plan["generation"], plan["action"]
         mine = self.node in plan.get("nodes", [])
         save = plan.get("save", True) or gen != self.generation  # about its own generation
+        if action != "end":
+            self.end_seen = None  # it has seen this submission run (its ranks, or a spare)
+        elif self.end_seen is not None and time.monotonic() - self.end_seen < FRESH_END_S:
+            return  # a new agent whose first plan is an ended one: maybe a stale one
         if action == "end":
             self._stop(plan.get("grace_s", 3.0), plan.get("reason", "the job ended"), save)
             self.ended = True
