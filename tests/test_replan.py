@@ -158,3 +158,16 @@ def test_a_first_generation_starts_short_only_when_the_job_names_min_nodes():
     assert d.plan is None and d.job["state"] == WAITING
     assert d.job["reason"].startswith("waiting for nodes: the layout needs 1 to 2 x 1 ranks")
     assert node_counts(validate_job({**_job(), "supervision": {}}), 2, 1)[0] == (2, 1)
+
+
+def test_a_planner_that_fails_refuses_its_counts_and_the_controller_still_starts(monkeypatch):
+    from controller.control import settings
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(settings, "replan", broken)
+    counts, layouts, refused = node_counts(validate_job(_job()), 4, 1)
+    assert counts == (4,) and layouts == {}
+    assert refused == {3: "the planner failed: ZeroDivisionError: a bug",
+                       2: "the planner failed: ZeroDivisionError: a bug"}

@@ -4,6 +4,7 @@ carries for the ranks (the launch)."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from controller.control.view import Settings
@@ -30,8 +31,11 @@ def node_counts(job: JobConfig, nodes: int, ranks_per_node: int
     counts, layouts, refused = [nodes], {}, {}
     searched = 0
     for n in range(nodes - 1, lowest - 1, -1):
-        found = replan(job, n * ranks_per_node, ranks_per_node, machine,
-                       search=searched < MAX_REPLANS)
+        try:
+            found = replan(job, n * ranks_per_node, ranks_per_node, machine,
+                           search=searched < MAX_REPLANS)
+        except Exception as e:  # noqa: BLE001 (a planner's bug must not stop the controller)
+            found = f"the planner failed: {type(e).__name__}: {e}"[:300]
         searched += isinstance(found, str) or not found.own
         if isinstance(found, str):
             refused[n] = found
@@ -39,9 +43,10 @@ def node_counts(job: JobConfig, nodes: int, ranks_per_node: int
         counts.append(n)
         layouts[n] = found.as_dict()
     if counts != [nodes]:  # the full size's own layout, for the events' comparison
-        full = replan(job, nodes * ranks_per_node, ranks_per_node, machine)
-        if not isinstance(full, str):
-            layouts[nodes] = full.as_dict()
+        with contextlib.suppress(Exception):  # without it the events say less, nothing else
+            full = replan(job, nodes * ranks_per_node, ranks_per_node, machine)
+            if not isinstance(full, str):
+                layouts[nodes] = full.as_dict()
     return tuple(counts), layouts, refused
 
 
