@@ -107,6 +107,14 @@ CONTROL_ENV = "OPTIMUS_CONTROL_FILE"
 PAUSE_POLL_S = 0.2  # while paused, how often the ranks agree on the commands again
 
 
+def _finite(value):
+    """A figure, or a dict of them (the stability rules' counts and thresholds), with every
+    number that is not finite as None."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    return value if value is None or math.isfinite(value) else None
+
+
 def start_heartbeat(env: LaunchEnv, interval_s: float) -> Heartbeat | NoHeartbeat:
     """Heartbeats to the agent at $OPTIMUS_AGENT_SOCKET; a do-nothing object when it is unset."""
     path = os.environ.get(SOCKET_ENV)
@@ -443,14 +451,6 @@ class Commands:
 # Exit statuses the agent reports and the controller reads (controller/control/decide.py).
 EXIT_BAD_TILE = 87  # this rank's own loss or gradients were NaN/Inf: its tile is suspect
 EXIT_NONFINITE_ELSEWHERE = 88  # the reduced gradients were NaN/Inf, this rank's own were not
-def _finite(value):
-    """A figure, or a dict of them (the stability rules' counts and thresholds), with every
-    number that is not finite as None."""
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    return value if value is None or math.isfinite(value) else None
-
-
 EXIT_CHECKPOINT_FAILED = 89  # the final step's save failed, or max_failed_saves in a row did
 
 
@@ -471,33 +471,3 @@ class CheckpointFailed(Exception):
     same way, so the controller ends the job with this message instead."""
 
     exit_code = EXIT_CHECKPOINT_FAILED
-
-
-def register_stack_dumps() -> None:
-    """SIGUSR1 dumps every thread's Python stack to $OPTIMUS_STACKS_FILE, from C, even while
-    the main thread is blocked in a collective or a device call: the agent's view of a hang.
-    And the agent may read this rank's memory from outside (py-spy), for a rank that cannot
-    answer the signal."""
-    path = os.environ.get("OPTIMUS_STACKS_FILE")
-    if not path:
-        return
-    import faulthandler  # a C signal handler: it runs with the interpreter stuck
-
-    faulthandler.register(signal.SIGUSR1, file=open(path, "a"), all_threads=True)  # noqa: SIM115
-    allow_parent_to_read()
-
-
-PR_SET_PTRACER = 0x59616D61
-
-
-def allow_parent_to_read() -> None:
-    """Under Yama (kernel.yama.ptrace_scope 1, Ubuntu's default) only a process's ancestors may
-    read its memory, and py-spy, started by the agent, is no ancestor of this rank: name the
-    agent (OPTIMUS_AGENT_PID; else the parent) this process's ptracer, which covers the agent's
-    children. A rank forked by the agent's warm process is the agent's grandchild, so the
-    parent would not do. Elsewhere a no-op."""
-    import ctypes
-
-    agent = int(os.environ.get("OPTIMUS_AGENT_PID") or os.getppid())
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PTRACER, agent, 0, 0, 0)

@@ -40,7 +40,6 @@ from optimus.health import (
     Agreed,
     Commands,
     NonFinite,
-    register_stack_dumps,
     start_heartbeat,
 )
 from optimus.metrics import (
@@ -71,6 +70,7 @@ from optimus.runtime import (
     pick_device,
     reset_peak_memory,
 )
+from optimus.runtime.stacks import register_stack_dumps
 from optimus.stability import (
     RewindRequest,
     StabilityWatch,

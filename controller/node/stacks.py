@@ -1,7 +1,7 @@
 """A hung rank's Python stacks, collected by its agent: first by asking the rank, then from
 outside it, then by asking again.
 
-1. SIGUSR1. The rank's faulthandler (optimus/health.py, `register_stack_dumps`) writes every
+1. SIGUSR1. The rank's faulthandler (optimus/runtime/stacks.py, `register_stack_dumps`) writes every
    thread's stack to its stacks file from C, even while the main thread is blocked in a
    collective or a device call. A rank answers within milliseconds, or not at all: one stuck
    in the kernel (a driver call, a dead filesystem) runs no signal handler, and a library may
