@@ -143,8 +143,7 @@ def test_a_new_agent_waits_for_a_resubmission_before_leaving_on_an_ended_plan(
         agent.end_seen -= lifecycle.FRESH_END_S  # no new plan came in time
         agent._follow(ended)
         assert agent.ended
-    (tmp_path / "b").mkdir()
-    with _agent(redis_server, tmp_path / "b", monkeypatch) as (agent, store, procs):
+        agent.ended, agent.end_seen = False, time.monotonic()  # as new again
         agent._follow({"generation": 0, "action": "run", "nodes": ["n1"]})  # a spare here
         agent._follow(ended)
-        assert agent.ended  # it saw the job run: the end is this submission's
+        assert agent.ended  # it saw the job run: the end is this submission's, at once

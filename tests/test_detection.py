@@ -252,7 +252,9 @@ def test_health_checks_on_demand_and_before_each_generation_exclude_bad_tiles(
     # Generation 0 is paced from step 20 (1.5 s a step): the bad tiles are made after step 20
     # is committed, and the check must find one while the generation still runs, however fast
     # this machine steps.
-    job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=40,
+    # Saves in the step (sync): a thread-mode save still in flight at the next interval is
+    # skipped (on_overlap: skip), and the last generation's step 30 was once (CI, 2026-11-28).
+    job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=40, async_mode="sync",
                     faults=[{"kind": "slow_rank", "rank": 0, "step": 21, "seconds": 1.5,
                              "generation": 0}])
     ckpts = tmp_path / "run" / "checkpoints"
