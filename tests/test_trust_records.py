@@ -88,3 +88,31 @@ def test_a_bad_tile_command_naming_no_tile_is_refused_and_the_agent_goes_on(redi
     ignored = [e["message"] for _, e in store.events(count=100) if "ignored" in e["message"]]
     assert ignored == [f"a bad_tile command for n0 ignored: tile {t!r} is no tile index"
                        for t in ("x", "-1", "True", "1000000000")]
+
+
+def test_a_planned_node_whose_beat_redis_lost_is_judged_silent_from_then_not_for_ever(
+        redis_server, tmp_path):
+    """Redis restarted empty after a tick read the job record: the beats the rest of the tick
+    read were gone, and the node was "silent for ever", lost and excluded at once (CI,
+    test_control_plane's Redis restart). Now it is silent from when the controller first
+    found no beat, and lost only after agent_timeout_s of that."""
+    import dataclasses
+
+    config, settings = _job(tmp_path)
+    settings = dataclasses.replace(settings, agent_timeout_s=1.0)
+    store = Store(redis_server.url, "j")
+    for name in ("n0", "n1"):
+        store.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
+    ctl = Controller(store, config, settings, ident="c")
+    wait_for(lambda: ctl.tick() and (store.plan() or {}).get("action") == "run", 20,
+             "generation 0 planned")
+    store.r.delete(store.k("agents"), store.k("node:n1:row"))  # n1's beat, gone
+    ctl.relay.forget()
+    ctl.tick()
+    assert store.excluded() == {} and store.job_record()["state"] == "RUNNING"
+    time.sleep(1.2)  # past agent_timeout_s with no beat from n1 (n0 beat once more)
+    store.register_node("n0", {"host": "n0", "health": "ok", "snapshot_addr": ""})
+    ctl.tick()
+    excluded = store.excluded()
+    assert list(excluded) == ["n1"], excluded
+    assert "its agent has been silent for 1." in excluded["n1"]["reason"]

@@ -73,6 +73,7 @@ class Controller:
     def __init__(self, store: Store, job: JobConfig, settings: Settings, *,
                  ident: str | None = None, lease_s: float = 5.0):
         self.store, self.job, self.s = store, job, settings
+        self._unbeaten: dict[tuple[int, str], float] = {}  # (generation, node): first missed
         self.ident = ident or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.lease_s = lease_s
         self.leading = False
@@ -266,6 +267,16 @@ class Controller:
             compute = self.store.compute_scores()
         agent_beats = {n: None if b is None else self._excused(b)
                        for n, b in sweep.agent_beats.items()}
+        # A planned node with no beat at all: it beat before the plan named it, so Redis lost
+        # the beat (restarted empty after this tick read the job record: the next tick
+        # rebuilds) or a new leader's relay has not mirrored it yet. It is judged silent from
+        # when this controller first found it so, not "for ever" (which excluded a healthy
+        # node at once when Redis restarted mid-tick).
+        self._unbeaten = {n: t for n, t in self._unbeaten.items()
+                          if n[0] == gen and agent_beats.get(n[1], 0) is None}
+        for n, b in agent_beats.items():
+            if b is None:
+                agent_beats[n] = self._unbeaten.setdefault((gen, n), now)
         spares = self._spares(plan, excluded, now, compute is not None)
         spare_count = (None if compute is None else
                        len(self._eligible - set(plan["nodes"])))  # for watching.stragglers
