@@ -156,7 +156,8 @@ def test_a_first_generation_starts_short_only_when_the_job_names_min_nodes():
     floor = dataclasses.replace(named, start_short=False)  # the default floor: lost nodes only
     d = decide(fresh, floor)
     assert d.plan is None and d.job["state"] == WAITING
-    assert d.job["reason"].startswith("waiting for nodes: the layout needs 1 to 2 x 1 ranks")
+    assert d.job["reason"].startswith("waiting for nodes: the layout needs 2 x 1 ranks, 1 "
+                                      "healthy node(s) available")  # all of them, to start
     assert node_counts(validate_job({**_job(), "supervision": {}}), 2, 1)[0] == (2, 1)
 
 

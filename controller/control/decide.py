@@ -356,7 +356,7 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
     fits = [c for c in s.allowed_nodes if c <= len(chosen) and (c == s.nodes or not first
                                                                 or s.start_short)]
     if not fits:
-        reason = shortage(obs, s, usable)
+        reason = shortage(obs, s, usable, whole=first and not s.start_short)
         if job.state != WAITING or job.reason != reason:
             d.job.update({"state": WAITING, "reason": reason})
             d.note("waiting", reason)

@@ -14,8 +14,9 @@ def names(nodes: list[str], shown: int = 8) -> str:
     return f"{', '.join(nodes[:shown])} and {len(nodes) - shown} more"
 
 
-def shortage(obs: Observed, s: Settings, usable: set[str]) -> str:
-    """Why the job waits: how many nodes the layout needs, and what keeps the others out."""
+def shortage(obs: Observed, s: Settings, usable: set[str], whole: bool = False) -> str:
+    """Why the job waits: how many nodes the layout needs (all of them with `whole`: a first
+    generation that may not start short), and what keeps the others out."""
     why = []
     for name, node in sorted(obs.nodes.items()):
         if name in usable:
@@ -26,7 +27,7 @@ def shortage(obs: Observed, s: Settings, usable: set[str]) -> str:
             why.append(f"{name} silent")
         elif not node.healthy:
             why.append(f"{name} unhealthy ({node.health})")
-    need = (f"{s.nodes}" if s.allowed_nodes == (s.nodes,)
+    need = (f"{s.nodes}" if whole or s.allowed_nodes == (s.nodes,)
             else f"{min(s.allowed_nodes)} to {s.nodes}")
     refused = s.refusals.get(len(usable))  # the planner's reason the nodes left cannot run it
     return (f"waiting for nodes: the layout needs {need} x {s.ranks_per_node} ranks, "
