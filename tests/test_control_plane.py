@@ -358,8 +358,10 @@ def test_the_checkpoint_named_is_the_one_the_ranks_load_and_corrupt_ones_are_set
     run = tmp_path / "run"
     ckpts = run / "checkpoints"
     # Rank 0 slows down once step 15 is saved (2 s a step): time for the test to damage it and
-    # for the kill to arrive before step 20 is saved, however loaded the machine.
-    job = write_job(tmp_path / "job.yaml", run, steps=25, faults=[
+    # for the kill to arrive before step 20 is saved, however loaded the machine. Saves in the
+    # step (sync): a thread-mode save still in flight at the next interval makes it skip, and
+    # step 10 was once never saved (stop 40 under a CPU hog; CI, 2026-11-28, quiet).
+    job = write_job(tmp_path / "job.yaml", run, steps=25, async_mode="sync", faults=[
         {"kind": "slow_rank", "rank": 0, "step": 16, "seconds": 2.0, "generation": 0}])
     p = subprocess.Popen([sys.executable, "-m", "controller", "run", str(job), "--nodes", "2",
                           "--ranks-per-node", "1", "--spares", "1", "--set",
