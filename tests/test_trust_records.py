@@ -116,3 +116,23 @@ def test_a_planned_node_whose_beat_redis_lost_is_judged_silent_from_then_not_for
     excluded = store.excluded()
     assert list(excluded) == ["n1"], excluded
     assert "its agent has been silent for 1." in excluded["n1"]["reason"]
+
+
+def test_a_tick_that_finds_redis_emptied_keeps_the_journal_for_the_rebuild(redis_server,
+                                                                          tmp_path):
+    """Redis restarted empty under a tick: its writes left a job record without a state, and
+    the journal was rewritten from it, so the rebuild found no job and submitted it afresh
+    (generation 1 from the last checkpoint: CI, test_control_plane's Redis restart)."""
+    config, settings = _job(tmp_path)
+    store = Store(redis_server.url, "j")
+    for name in ("n0", "n1"):
+        store.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
+    ctl = Controller(store, config, settings, ident="c")
+    wait_for(lambda: ctl.tick() and (store.plan() or {}).get("action") == "run", 20,
+             "generation 0 planned")
+    journal = json.loads(ctl.journal.read_text())
+    assert journal["job"]["state"] == "RUNNING"
+    store.r.flushdb()
+    store.update_job({"reason": "a write that landed after the restart"})
+    ctl._write_journal()
+    assert json.loads(ctl.journal.read_text()) == journal

@@ -417,6 +417,8 @@ class Controller:
         """On every change that matters after a loss of Redis: not on progress bookkeeping;
         and every tick while the disk refuses it (controller/disk.py), said once each way."""
         record = {k: v for k, v in self.store.job_record().items() if k not in VOLATILE}
+        if not record.get("state"):  # Redis restarted empty under this tick: the journal keeps
+            return  # the last good state, which the next tick rebuilds from
         state = {"job": record, "plan": self.store.plan(), "excluded": self.store.excluded(),
                  "control": self.store.control()}
         text = json.dumps(state, indent=1, sort_keys=True)
