@@ -210,7 +210,9 @@ def test_qk_norm_normalises_each_head_before_rope_with_one_shared_weight():
     model = _qk_norm_model()
     attn = model.layers["0"].attention
     assert attn.q_norm.weight.shape == attn.k_norm.weight.shape == (16,)  # head_dim
-    x = torch.randn(2, 8, cfg.dim)
+    # Seeded: drawn from whatever state the worker's earlier tests left, an input once missed
+    # the 1e-6 tolerance of the hand computation (make test-fast, -n 2).
+    x = torch.randn(2, 8, cfg.dim, generator=torch.Generator().manual_seed(0))
     cos, sin = model.rope_cos, model.rope_sin
 
     def heads(w, norm):  # by hand: every head's vector over its RMS, times the one weight
