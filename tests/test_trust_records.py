@@ -90,6 +90,17 @@ def test_a_bad_tile_command_naming_no_tile_is_refused_and_the_agent_goes_on(redi
                        for t in ("x", "-1", "True", "1000000000")]
 
 
+def _planned(redis_server, config, settings) -> tuple[Store, Controller]:
+    """Two registered nodes and a controller that has planned generation 0 on them."""
+    store = Store(redis_server.url, "j")
+    for name in ("n0", "n1"):
+        store.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
+    ctl = Controller(store, config, settings, ident="c")
+    wait_for(lambda: ctl.tick() and (store.plan() or {}).get("action") == "run", 20,
+             "generation 0 planned")
+    return store, ctl
+
+
 def test_a_planned_node_whose_beat_redis_lost_is_judged_silent_from_then_not_for_ever(
         redis_server, tmp_path):
     """Redis restarted empty after a tick read the job record: the beats the rest of the tick
@@ -100,12 +111,7 @@ def test_a_planned_node_whose_beat_redis_lost_is_judged_silent_from_then_not_for
 
     config, settings = _job(tmp_path)
     settings = dataclasses.replace(settings, agent_timeout_s=1.0)
-    store = Store(redis_server.url, "j")
-    for name in ("n0", "n1"):
-        store.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
-    ctl = Controller(store, config, settings, ident="c")
-    wait_for(lambda: ctl.tick() and (store.plan() or {}).get("action") == "run", 20,
-             "generation 0 planned")
+    store, ctl = _planned(redis_server, config, settings)
     store.r.delete(store.k("agents"), store.k("node:n1:row"))  # n1's beat, gone
     ctl.relay.forget()
     ctl.tick()
@@ -124,12 +130,7 @@ def test_a_tick_that_finds_redis_emptied_keeps_the_journal_for_the_rebuild(redis
     the journal was rewritten from it, so the rebuild found no job and submitted it afresh
     (generation 1 from the last checkpoint: CI, test_control_plane's Redis restart)."""
     config, settings = _job(tmp_path)
-    store = Store(redis_server.url, "j")
-    for name in ("n0", "n1"):
-        store.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
-    ctl = Controller(store, config, settings, ident="c")
-    wait_for(lambda: ctl.tick() and (store.plan() or {}).get("action") == "run", 20,
-             "generation 0 planned")
+    store, ctl = _planned(redis_server, config, settings)
     journal = json.loads(ctl.journal.read_text())
     assert journal["job"]["state"] == "RUNNING"
     store.r.flushdb()
