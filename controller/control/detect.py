@@ -95,20 +95,23 @@ def evidence(obs, s) -> list[Evidence]:
                               bad[0][1].get("rank") if bad else None,
                               f"{node}/{bad[0][0]}" if bad else ""))
 
-    # A node is lost when its agent is silent past agent_timeout_s, or sooner when one of its
-    # ranks is overdue and its agent has missed beats too (a healthy agent beats every
-    # interval whatever its ranks do): a dead node is then named at the speed of a frozen rank.
+    # A node is lost when its agent is silent past agent_timeout_s, or sooner when its agent
+    # has missed beats (a healthy agent beats every interval whatever its ranks do) and either
+    # its host no longer takes a connection to it (probe.py: the agent is gone, or the host)
+    # or one of its ranks is overdue: a dead node is then named in seconds, not half a minute.
     late = {o.node for o in obs.overdue}
     lost = set()
     for n in nodes:
         beat = obs.agent_beats.get(n)
         silent = obs.now - beat if beat else None
+        gone = obs.unreachable.get(n) if silent is not None else None
         if silent is None or silent > s.agent_timeout_s or (
-                n in late and silent > s.agent_silence_s):
+                (n in late or gone) and silent > s.agent_silence_s):
             lost.add(n)
+            why = f" and {gone}" if gone and silent <= s.agent_timeout_s else ""
             found.append(Evidence(n, f"node {n} lost: its agent has been silent for "
-                                  f"{f'{silent:.1f} s' if silent is not None else 'ever'}",
-                                  HARD, beat or 0.0, "node_lost"))
+                                  f"{f'{silent:.1f} s' if silent is not None else 'ever'}"
+                                  + why, HARD, beat or 0.0, "node_lost"))
     # A lost node's ranks fall silent with it: their heartbeats say nothing more. A rank is
     # overdue only once its agent has beaten after the deadline and still relays the old
     # heartbeat: an agent tick that is merely late is not a frozen rank.

@@ -194,6 +194,9 @@ class Observed:
     resumed: dict | None = None  # rank 0's report: {"step", "quarantined": [{step, reason}]}
     # The running generation's sweep (see Store.sweep):
     agent_beats: dict[str, float | None] = field(default_factory=dict)  # plan node -> beat
+    # Plan nodes whose agents are silent and whose hosts failed twice to take a connection to
+    # them (controller/control/probe.py): node -> why.
+    unreachable: dict[str, str] = field(default_factory=dict)
     progress: int | None = None  # the furthest step any rank is at
     unhealthy: dict[str, str] = field(default_factory=dict)  # node -> "<node>/<tile>: why"
     unhealthy_idle: frozenset[str] = frozenset()  # of those, where no rank ran since a pass

@@ -117,6 +117,11 @@ class LinkServer(socketserver.TCPServer):
                 link.sock.do_handshake()
             stage = "request"
             self._serve(link, peer)
+        except (ssl.SSLEOFError, ssl.SSLZeroReturnError) as e:
+            # Closed before its handshake: the controller asking whether this agent's host
+            # answers (controller/control/probe.py), or a port scan. Nothing to say at info.
+            log.log(logging.DEBUG if stage == "TLS handshake" else logging.WARNING,
+                    "snapshot connection from %s closed in its %s: %s", peer, stage, e)
         except ConnectionError as e:
             log.info("snapshot connection from %s ended in its %s: %s", peer, stage, e)
         except Exception as e:  # noqa: BLE001 - a peer's doing: one line, never a traceback
