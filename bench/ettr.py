@@ -17,10 +17,11 @@ Each failure kind maps to a fault this project measures (bench/recovery.py); the
 `Inputs.mix_*`. A kill_node picks one node at random (it matters for the buddy copies).
 
 Cost of a failure = detection (the measured decision, with the timeout moved to the job's
-setting) + restart (the measured warm or cold restart on 3 processes + a rendezvous that grows
-with the node count + a cold start's imports) + load of the recovery point (disk: the
-checkpoint over the storage's bandwidth; memory: host to device, and a lost node's shard from
-its buddy) + the work since the recovery point, which is simulated: training resumes at the
+setting; a lost node's with two of the job's beats and two unanswered probes of its host) +
+restart (the measured warm or cold restart on 3 processes + a rendezvous that grows with the
+node count + a cold start's imports) + load of the recovery point (disk: the checkpoint over the
+storage's bandwidth; memory: host to device, and a lost node's shard from its buddy) + the work
+since the recovery point, which is simulated: training resumes at the
 newest usable point, disk (committed `commit_s` after its save started) or memory (usable at
 once for a dead or hung rank, whose host survives; after its replication for a lost node).
 A second failure during a recovery starts the recovery over. Memory falls back to disk when a
@@ -44,7 +45,8 @@ disk interval sqrt(2 * MTTF * C) (C: the cost of one save) against the simulated
 
     decision_kill_rank_s, decision_freeze_rank_s, decision_kill_node_s: injection to the
         controller's decision, median, warm starts (bench/recovery.py)
-    recovery_timeout_s: the heartbeat timeout those decisions ran under
+    recovery_timeout_s, recovery_interval_s: the heartbeat timeout and interval those
+        decisions ran under
     recovery_grace_s: the failure grace they ran under (SIGTERM -> SIGKILL)
     next_step_{warm,cold}_{kill_rank,freeze_rank,kill_node}_s: injection to the next
         generation's first step, median
@@ -174,6 +176,8 @@ WHAT_IF = [
     ("the hang bound fixed at 600 s (before the adaptive one)", {"hang_floor_s": 600.0}, None),
     ("snapshots copied and written on the loop's path (before they moved behind the step)",
      SNAPSHOTS_BEFORE, None),
+    ("the controller kept from the agents (a lost node judged at heartbeat_timeout_s)",
+     {"controller_reaches_agents": 0.0}, None),
     ("+ heartbeat_timeout_s 10", {"heartbeat_timeout_s": 10.0}, None),
     ("+ rendezvous 1 s per 1,000 nodes", {"heartbeat_timeout_s": 10.0,
                                           "rendezvous_s_per_1k_nodes": 1.0}, None),

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from controller.control.probe import FAILS_NEEDED, PROBE_TIMEOUT_S
+
 KINDS = ("kill_rank", "kill_node", "freeze_rank", "hang")
 HOUR, DAY = 3600.0, 86400.0
 
@@ -39,6 +41,7 @@ class Inputs:
     decision_freeze_rank_s: float = measured(3.06, REC)
     decision_kill_node_s: float = measured(2.96, REC)
     recovery_timeout_s: float = measured(3.0, REC + ": heartbeat timeout of those runs")
+    recovery_interval_s: float = measured(0.5, REC + ": heartbeat interval of those runs")
     recovery_grace_s: float = measured(1.0, REC + ": failure grace of those runs")
     next_step_warm_kill_rank_s: float = measured(1.20, REC)
     next_step_warm_freeze_rank_s: float = measured(4.88, REC)
@@ -83,6 +86,16 @@ class Inputs:
               "watchdog timeouts 1.7%, plus GPU faults that hang rather than exit)")
     # -- job settings ----------------------------------------------------------------------
     heartbeat_timeout_s: float = assumed(30.0, "the job's setting: the project's default")
+    heartbeat_interval_s: float = assumed(1.0, "the job's setting: the project's default")
+    probe_timeout_s: float = assumed(
+        PROBE_TIMEOUT_S, "the controller's (controller/control/probe.py): a lost host answers "
+                         "nothing, so each probe of its silent agent waits this out")
+    probe_fails: float = assumed(FAILS_NEEDED, "the controller's: failed probes in a row that "
+                                               "make a silent node lost")
+    controller_reaches_agents: float = assumed(
+        1.0, "assumption: nothing stands between the controller and the agents' snapshot "
+             "servers (Slurm, PBS); 0 where a firewall keeps it out (the Helm chart's "
+             "NetworkPolicy): a lost node is then judged at heartbeat_timeout_s")
     hang_timeout_s: float = assumed(600.0, "the job's setting: the project's default (the "
                                            "bound of a generation's first steps and of saves)")
     hang_floor_s: float = assumed(
@@ -181,7 +194,12 @@ def costs(i: Inputs, ranks: int, ranks_per_node: int, mttf_min: float | None = N
     hang_threshold = max(i.hang_floor_s, i.hang_step_factor * step)  # detect.stall_threshold
     detect = {
         "kill_rank": i.decision_kill_rank_s + i.loop_p99_s,
-        "kill_node": i.decision_kill_node_s - i.recovery_timeout_s + i.heartbeat_timeout_s,
+        # A lost node (controller/control/detect.py): its agent silent for two beats and two
+        # probes of its host unanswered (the measured decision, whose host refused at once,
+        # with the job's beats and the probes' timeouts); else the heartbeat timeout.
+        "kill_node": (i.decision_kill_node_s - 2 * i.recovery_interval_s
+                      + 2 * i.heartbeat_interval_s + i.probe_fails * i.probe_timeout_s
+                      if i.controller_reaches_agents else i.heartbeat_timeout_s + i.loop_p99_s),
         "freeze_rank": i.decision_freeze_rank_s - i.recovery_timeout_s + i.heartbeat_timeout_s,
         "hang": i.decision_hang_s - i.hang_threshold_s + hang_threshold,
     }

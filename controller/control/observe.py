@@ -78,13 +78,20 @@ class Observer:
         beats = self.store.agent_beats()
         names = sorted(set(info) | set(beats))
         status = self.store.agent_status(names)
+        # A node of the last plan whose agent is silent and whose host refused (or no longer
+        # answers) a connection to it is not alive: its ranks died with it, and the next
+        # generation does not wait agent_timeout_s for them (probe.py).
+        gone = self.prober.unreachable({
+            n: self._addresses.get(n) for n in (plan["nodes"] if plan else [])
+            if n in beats and now - self._excused(beats[n]) > self.s.agent_silence_s})
         nodes = {}
         for name in names:
             st, node_info = status.get(name, {}), info.get(name, {})
             nodes[name] = NodeView(
                 name=name, host=node_info.get("host", st.get("host", name)),
                 alive=(name in beats and now - self._excused(beats[name])
-                       <= self.s.agent_timeout_s and st.get("state") != "gone"),
+                       <= self.s.agent_timeout_s and st.get("state") != "gone"
+                       and name not in gone),
                 healthy=node_info.get("health") == "ok",
                 health=node_info.get("health_detail", node_info.get("health", "unknown")),
                 excluded=excluded.get(name),

@@ -19,11 +19,12 @@ node. So a few plan nodes a tick that have not answered yet are probed in the ba
 to have been reachable.
 
 The controller connects and closes: nothing is sent, so no key is needed, and nothing is learnt
-but that. Two failures in a row, both begun after the agent fell silent, make the node
-unreachable (one lost SYN is not a lost node). Probes run on a small pool of threads, never on
-the controller's tick; a silent node is probed at most every PROBE_EVERY_S. Written here rather
-than taken from a library: it is one connect with a timeout, and what each outcome says about a
-node is the point.
+but that. A refusal from an address that answered before is the host's own word that nothing
+listens there any more: the node is unreachable at once. Otherwise two failures in a row, both
+begun after the agent fell silent, make it so (one lost SYN is not a lost node). Probes run on a
+small pool of threads, never on the controller's tick; a silent node is probed at most every
+PROBE_EVERY_S. Written here rather than taken from a library: it is one connect with a timeout,
+and what each outcome says about a node is the point.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 
 PROBE_TIMEOUT_S = 1.0
 PROBE_EVERY_S = 0.5  # between two probes of one silent node
-FAILS_NEEDED = 2  # failed probes in a row that make a node unreachable
+FAILS_NEEDED = 2  # probes in a row unanswered (or unroutable) that make a node unreachable
 BASELINE_PER_TICK = 8  # plan nodes not reached yet, probed per tick
 BASELINE_EVERY_S = 30.0  # between two baseline probes of one address that did not answer
 WORKERS = 4
@@ -110,7 +111,8 @@ class Prober:
     def unreachable(self, silent: dict[str, object]) -> dict[str, str]:
         """`silent`: node -> its agent's registered address, for the plan's nodes whose agents
         have missed beats now. Collects finished probes, starts those due, and returns
-        node -> why for the silent nodes found unreachable FAILS_NEEDED times in a row."""
+        node -> why for the silent nodes found unreachable: refused once, or unanswered
+        FAILS_NEEDED times in a row (only addresses that answered before count)."""
         now = time.monotonic()
         for node in [n for n, st in self._nodes.items() if st.silent and n not in silent]:
             del self._nodes[node]  # it beat again: its count starts afresh next time
@@ -120,7 +122,7 @@ class Prober:
             st = self._collect(node, addr, silent=True)
             if st is None:
                 continue
-            if st.fails >= FAILS_NEEDED and addr in self.reached:
+            if addr in self.reached and (st.last == REFUSED or st.fails >= FAILS_NEEDED):
                 out[node] = describe(st.last, self.timeout_s)
             elif st.future is None and now - st.started >= PROBE_EVERY_S:
                 self._start(st, now)
