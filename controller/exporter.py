@@ -131,6 +131,7 @@ class JobCollector(Collector):
             count = causes.get(cause, 0)
             restarts.add_metric([cause], float(count) if type(count) is int else 0.0)
         yield restarts
+        yield from _time_lost(record)
 
         beats = store.agent_beats()  # node -> its agent's last beat: read once a scrape
         yield from self._rank_restarts(beats, unreadable)
@@ -371,6 +372,27 @@ def _rewinds(raw: str | None, restarts, unreadable: Counter) -> Iterator:
     yield CounterMetricFamily("optimus_rewinds", "Rewinds of the job: a generation planned "
                               "from an earlier checkpoint past a loss spike or divergence",
                               value=float(max(len(rewinds), counted)))
+
+
+def _time_lost(record: dict) -> Iterator:
+    """Seconds lost to restarts, by cause (watching.track_progress: from where the job was when
+    the restart was decided until a later generation passed that step), and the last one."""
+    lost = _json(record.get("lost_s"), {})
+    lost = lost if isinstance(lost, dict) else {}
+    family = CounterMetricFamily(
+        "optimus_restart_lost_seconds", "Wall time lost to restarts, by cause: from the step "
+        "the job was at when a restart was decided until a later generation passed it, less "
+        "those steps at the usual step time", labels=["cause"])
+    for cause in CAUSES:
+        seconds = lost.get(cause, 0.0)
+        ok = type(seconds) in (int, float) and math.isfinite(seconds) and seconds >= 0
+        family.add_metric([cause], float(seconds) if ok else 0.0)
+    yield family
+    last = _json(record.get("last_recovery"), None)
+    seconds = last.get("seconds") if isinstance(last, dict) else None
+    if type(seconds) in (int, float) and math.isfinite(seconds) and seconds >= 0:
+        yield _gauge("optimus_last_recovery_seconds", "Time lost to the last restart the job "
+                     "recovered from (see optimus_restart_lost_seconds_total)", seconds)
 
 
 def _json(raw: str | None, default):

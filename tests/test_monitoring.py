@@ -47,6 +47,8 @@ CONTRACT = {
     "optimus_heartbeat_overdue_nodes",
     "optimus_restarts_total",
     "optimus_rank_restarts_total",
+    "optimus_restart_lost_seconds_total",
+    "optimus_last_recovery_seconds",
     "optimus_nodes",
     "optimus_excluded_nodes",
     "optimus_stragglers",

@@ -211,7 +211,10 @@ def test_a_live_scrape_exports_every_metric_the_dashboard_and_alerts_use(live):
     exported = exported_names(scrape)
     # Absent until the stability rules arm (stability.warmup_steps, then a full window), and
     # the gradient-norm rule is off by default: served in tests/test_trust_display.py.
-    unarmed = {"optimus_stability_loss_threshold", "optimus_stability_grad_norm_threshold"}
+    # The last recovery's time lost: absent until a restart's generation passed the job's step
+    # (served in tests/test_trust_display.py).
+    unarmed = {"optimus_stability_loss_threshold", "optimus_stability_grad_norm_threshold",
+               "optimus_last_recovery_seconds"}
     for where, expr in monitoring_expressions().items():
         missing = metric_names(expr) - exported - unarmed
         assert not missing, f"{where} uses {sorted(missing)}, which /metrics does not export"

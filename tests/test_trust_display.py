@@ -239,3 +239,26 @@ def test_a_scrape_skips_and_counts_an_unreadable_list_of_rewinds(redis_server, t
     assert samples[("optimus_exporter_unreadable_records", (("record", "rewinds"),))] == 1.0
     assert ("optimus_rewinds_total", ()) not in samples
     assert samples[("optimus_loss_spikes_total", ())] == 3.0
+
+
+@pytest.mark.parametrize("lost,last,served", [
+    ({"rank_exit": 12.5, "node_lost": 4.25}, {"seconds": 4.25, "cause": "node_lost"}, 4.25),
+    # What the controller did not write: a cause's figure that is not a non-negative number
+    # counts 0, and a last recovery that is not an object with one is left out.
+    ({"rank_exit": "12", "node_lost": -1, "hang": float("nan")}, {"seconds": "4"}, None),
+    ("not json", ["a list"], None),
+])
+def test_a_scrape_serves_the_time_lost_to_restarts_by_cause(redis_server, tmp_path, lost,
+                                                           last, served):
+    store = _running(redis_server.url)
+    store.r.hset(store.k("job"), mapping={
+        "lost_s": lost if isinstance(lost, str) else json.dumps(lost),
+        "last_recovery": json.dumps(last)})
+    status, samples = _scrape(_exporter(store, tmp_path))
+    assert status == 200 and samples[("optimus_controller_up", ())] == 1.0
+    by_cause = {c: samples[("optimus_restart_lost_seconds_total", (("cause", c),))]
+                for c in ("rank_exit", "node_lost", "hang", "operator")}
+    good = served is not None
+    assert by_cause == {"rank_exit": 12.5 if good else 0.0, "node_lost": 4.25 if good else 0.0,
+                        "hang": 0.0, "operator": 0.0}
+    assert samples.get(("optimus_last_recovery_seconds", ())) == served

@@ -27,3 +27,14 @@ def live(obs: Observed, plan: dict) -> bool:
 
 def counted(job: JobView, cause: str) -> dict:
     return {**job.restart_causes, cause: job.restart_causes.get(cause, 0) + 1}
+
+
+def restarted(job: JobView, cause: str, now: float) -> dict:
+    """The job record's fields for a restart of `cause`: its count, and where the job was when
+    it was decided (the furthest step and when it was reached: `behind`), which the time lost
+    is counted from once a later generation passes that step (watching.track_progress). A
+    restart before the job got back there keeps the first one's: the time is lost to it."""
+    behind = job.behind or {"generation": job.progress_gen, "step": job.progress_step,
+                            "at": now if job.progress_at is None else job.progress_at,
+                            "cause": cause}
+    return {"restart_causes": counted(job, cause), "behind": behind}

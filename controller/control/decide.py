@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from controller.control import detect, operator, recovery, rewind, watching
-from controller.control.actions import counted, live, with_action
+from controller.control.actions import live, restarted, with_action
 from controller.control.detect import COLLATERAL, HARD, Evidence
 from controller.control.shortage import names, resized, shortage
 from controller.control.view import (  # noqa: F401 (re-exported: the rules' vocabulary)
@@ -198,7 +198,7 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
     d.plan["culprit"] = {"node": culprit.node, "rank": culprit.rank} if culprit else None
     d.job.update({"state": RESTARTING, "reason": reason, "restarts": restarts,
                   "failure_since": None, "next_plan_at": obs.now + wait, "hang_since": None,
-                  "failures": failures, "restart_causes": counted(job, cause)})
+                  "failures": failures, **restarted(job, cause, obs.now)})
     d.note("restarting", f"restart {restarts} of at most {s.max_restarts}: generation "
            f"{gen + 1} after {wait:g} s, from the "
            + ("newest checkpoint committed before the bad tile's last passing health check"
@@ -280,7 +280,7 @@ def _leave(obs: Observed, s: Settings, d: Decision) -> bool:
     d.plan = with_action(plan, "stop", s.stop_grace_s, reason, obs.now)
     d.job.update({"state": RESTARTING, "reason": reason, "failure_since": None,
                   "next_plan_at": obs.now, "hang_since": None,
-                  "restart_causes": counted(obs.job, "operator")})
+                  **restarted(obs.job, "operator", obs.now)})
     d.note("restarting", reason)
     return True
 
@@ -307,7 +307,7 @@ def _grow(obs: Observed, s: Settings, d: Decision) -> bool:
     d.plan = with_action(plan, "stop", s.stop_grace_s, reason, obs.now)
     d.job.update({"state": RESTARTING, "reason": reason, "failure_since": None,
                   "next_plan_at": obs.now, "hang_since": None,
-                  "restart_causes": counted(job, "resize")})
+                  **restarted(job, "resize", obs.now)})
     d.note("grow", reason, generation=gen, nodes=have, to=max(bigger))
     return True
 

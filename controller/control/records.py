@@ -33,7 +33,8 @@ def job_view(r: dict[str, str]) -> JobView:
                    resumed_gen=int(r["resumed_gen"]) if r.get("resumed_gen") else None,
                    resumed_step=int(r["resumed_step"]) if r.get("resumed_step") else None,
                    suspect=loaded("suspect", None), skips=tuple(loaded("skips", [])),
-                   rewinds=tuple(loaded("rewinds", [])))
+                   rewinds=tuple(loaded("rewinds", [])), behind=loaded("behind", None),
+                   lost_s=loaded("lost_s", {}), last_recovery=loaded("last_recovery", None))
 
 
 def request(rid: str, r: dict[str, str]) -> Request:

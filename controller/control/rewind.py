@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import math
 
-from controller.control.actions import counted, with_action
+from controller.control.actions import restarted, with_action
 from controller.control.detect import EXIT_REWIND
 from controller.control.view import RESTARTING, Decision, Exit, JobView, Observed, Settings
 
@@ -103,7 +103,7 @@ def apply(obs: Observed, s: Settings, d: Decision, *, step: int | None,
         d.plan = with_action(plan, "stop", s.failure_grace_s, message, obs.now, save=False)
     d.job.update({"state": RESTARTING, "reason": message, "failure_since": None,
                   "next_plan_at": obs.now, "hang_since": None,
-                  "restart_causes": counted(job, "rewind")})
+                  **restarted(job, "rewind", obs.now)})
     first, last = window or ("", "")
     d.note("rewind", message, **{**(said or {}), "step": "" if step is None else step,
                                   "first": first, "last": last,

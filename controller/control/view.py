@@ -126,6 +126,13 @@ class JobView:
     # "by", "reason", "time"}), the newest KEPT.
     skips: tuple = ()
     rewinds: tuple = ()
+    # Time lost to restarts (watching.track_progress): where the job was when a restart was
+    # decided ({"generation", "step", "at", "cause"}: actions.restarted), until a later
+    # generation passes that step; then the seconds lost, per cause, and the last recovery
+    # ({"generation", "cause", "seconds", "step", "time"}).
+    behind: dict | None = None
+    lost_s: dict = field(default_factory=dict)
+    last_recovery: dict | None = None
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,28 @@ def track_progress(obs: Observed, s: Settings, d: Decision) -> None:
         d.job["step_times"] = [*job.step_times, per_step][-32:]
     d.job.update({"progress_step": obs.progress, "progress_at": obs.now,
                   "progress_moves": moves, "hang_since": None})
+    _recovered(obs, d)
+
+
+def _recovered(obs: Observed, d: Decision) -> None:
+    """A generation after a restart passed the step the job was at when the restart was
+    decided: the time lost is the wall time since the job was last there, less the steps in
+    between at the usual step time (the time they would have taken anyway). Detection, the
+    restart, the load and the steps trained again are all in it."""
+    job, gen, behind = obs.job, obs.plan["generation"], obs.job.behind
+    if not behind or behind.get("generation") == gen or obs.progress <= behind["step"]:
+        return
+    steps = obs.progress - max(behind["step"], 0)
+    usual = sorted(job.step_times)[len(job.step_times) // 2] if job.step_times else 0.0
+    lost = max(0.0, obs.now - behind["at"] - steps * usual)
+    cause = behind["cause"]
+    d.job.update({"behind": None,
+                  "lost_s": {**job.lost_s, cause: round(job.lost_s.get(cause, 0.0) + lost, 3)},
+                  "last_recovery": {"generation": gen, "cause": cause, "seconds": round(lost, 3),
+                                    "step": obs.progress, "time": obs.now}})
+    d.note("recovered", f"generation {gen} passed step {behind['step']}, where the {cause} "
+           f"restart found the job: {lost:.1f} s lost", generation=gen, cause=cause,
+           seconds=round(lost, 3), step=behind["step"])
 
 
 def stalled(obs: Observed, s: Settings) -> bool:
