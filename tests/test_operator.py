@@ -241,7 +241,9 @@ def test_a_live_scrape_exports_every_metric_the_dashboard_and_alerts_use(live):
     assert len(status["nodes"]) == 2 and status["generation"] == 0
     assert status["step"] >= sample(scrape, "optimus_step")
     snapshot = sample(scrape, "optimus_memory_snapshot_step")
-    assert snapshot > 0 and snapshot % 2 == 0 and snapshot <= sample(scrape, "optimus_step")
+    # Against the step read after the scrape: one scrape reads the furthest step before the
+    # snapshot's record, and a fast job takes steps between the two (CI: 136 against 133).
+    assert snapshot > 0 and snapshot % 2 == 0 and snapshot <= status["step"]
     # The controller reads the newest usable snapshot every 5 s. A read can find none usable for
     # a moment: each node pushes its newest complete point and skips older ones, so under load
     # the two nodes' replicated points may not meet (docs/checkpoints.md, "Replication"). Then
