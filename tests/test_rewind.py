@@ -89,9 +89,17 @@ def _optimus(*args: str, url: str) -> subprocess.CompletedProcess:
                           timeout=180)
 
 
+def _ok(*args: str, url: str) -> subprocess.CompletedProcess:
+    out = _optimus(*args, url=url)
+    assert out.returncode == 0, f"optimus {' '.join(args)}: {out.stdout}{out.stderr}"
+    return out
+
+
 def test_an_operators_chaos_spike_and_rewind_on_a_running_job(redis_server, procs, tmp_path):
     run = tmp_path / "run"
-    job = _job(tmp_path / "job.yaml", run, steps=70)
+    # Steps to spare: each pause below is asked for once the job is past a step, and a 70-step
+    # job finished before the second pause reached it under a CPU hog.
+    job = _job(tmp_path / "job.yaml", run, steps=300)
     procs.start("c1", "controller", str(job), "--nodes", "2", "--ranks-per-node", "1",
                 "--redis", redis_server.url, "--exit-when-done")
     for i in range(3):
@@ -100,18 +108,18 @@ def test_an_operators_chaos_spike_and_rewind_on_a_running_job(redis_server, proc
     store = Store(redis_server.url, "e2e")
     wait_for(lambda: (store.furthest_step() or 0) >= 12, 180, "step 12")
     # Paused while the commands go out: what they ask for does not race a fast job.
-    assert _optimus("job", "pause", "--yes", "--wait", url=redis_server.url).returncode == 0
+    _ok("job", "pause", "--yes", "--wait", url=redis_server.url)
     at = store.furthest_step() + 3
     out = _optimus("chaos", "spike", "--at-step", str(at), "--yes", url=redis_server.url)
     assert out.returncode == 0, out.stderr
     assert f"every rank poisons its share of step {at}'s batch" in out.stdout
-    assert _optimus("job", "resume", "--yes", url=redis_server.url).returncode == 0
+    _ok("job", "resume", "--yes", url=redis_server.url)
     wait_for(lambda: int(store.job_record().get("generation", 0)) >= 1, 180, "the rewind")
     (auto,) = json.loads(store.job_record()["rewinds"])
     assert (auto["step"], auto["first"], auto["last"], auto["by"]) == (at, at, at, "controller")
 
     wait_for(lambda: (store.furthest_step() or 0) >= at + 8, 180, f"step {at + 8}")
-    assert _optimus("job", "pause", "--yes", "--wait", url=redis_server.url).returncode == 0
+    _ok("job", "pause", "--yes", "--wait", url=redis_server.url)
     back = at + 2
     out = _optimus("job", "rewind", "--to", str(back), "--skip-samples", "12", "--reason",
                    "a bad shard", "--yes", "--wait", url=redis_server.url)
@@ -119,7 +127,7 @@ def test_an_operators_chaos_spike_and_rewind_on_a_running_job(redis_server, proc
     assert f"resumes from the newest point at or before step {back} and skips the batches of " \
            f"steps {back + 1}..{back + 2}" in out.stdout  # 12 samples: two batches of 8
     assert "job PAUSED" in out.stdout or "job PAUSING" in out.stdout  # a pause outlasts it
-    assert _optimus("job", "resume", "--yes", url=redis_server.url).returncode == 0
+    _ok("job", "resume", "--yes", url=redis_server.url)
     procs.procs["c1"].wait(timeout=300)
     record = store.job_record()
     assert record["state"] == "COMPLETED", record
