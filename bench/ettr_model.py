@@ -95,9 +95,9 @@ class Inputs:
     probe_fails: float = assumed(FAILS_NEEDED, "the controller's: failed probes in a row that "
                                                "make a silent node lost")
     controller_reaches_agents: float = assumed(
-        1.0, "assumption: nothing stands between the controller and the agents' snapshot "
-             "servers (Slurm, PBS); 0 where a firewall keeps it out (the Helm chart's "
-             "NetworkPolicy): a lost node is then judged at heartbeat_timeout_s")
+        1.0, "assumption: the controller may open the agents' snapshot server ports (Slurm, "
+             "PBS; the Helm chart's agents.snapshotPort); 0 where a firewall keeps it out: "
+             "a lost node is then judged at heartbeat_timeout_s")
     hang_timeout_s: float = assumed(600.0, "the job's setting: the project's default (the "
                                            "bound of a generation's first steps and of saves)")
     hang_floor_s: float = assumed(

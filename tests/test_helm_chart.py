@@ -42,7 +42,7 @@ CUSTOM = {
             "file": (ROOT / "jobs" / "gpt-1.3b.yaml").read_text()},
     "agents": {"accelerator": {"resource": "gpu.intel.com/i915", "count": 8},
                "hostNetwork": True, "env": [{"name": "ZE_FLAT_DEVICE_HIERARCHY", "value": "FLAT"}],
-               "nodeSelector": {"pool": "gpu"}},
+               "nodeSelector": {"pool": "gpu"}, "snapshotPort": 9311},
     "redis": {"passwords": {"controller": "c-secret", "operator": "o-secret"}},
     "shared": {"existingClaim": "lustre-scratch", "mountPath": "/lustre/optimus"},
     "networkPolicy": {"extraFrom": [{"ipBlock": {"cidr": "10.0.0.0/16"}}]},

@@ -198,7 +198,17 @@ def test_agents_are_reached_by_this_releases_agents_only(which, request):
     objects = request.getfixturevalue(which)
     agent, controller = pod_labels(one(objects, "Job")), pod_labels(one(objects, "Deployment"))
     other_release = {**agent, "app.kubernetes.io/instance": "other"}
-    # Ports are picked at run time (snapshot servers, the rendezvous, gloo/NCCL): any port.
+    # The controllers reach the snapshot server's port alone, to learn whether a silent
+    # agent's pod still answers (controller/control/probe.py); the agent listens there.
+    snapshot = 9311 if which == "custom" else 7790
+    assert reaches(objects, "Job", controller, RELEASE_NS, snapshot)
+    env = {e["name"]: e.get("value") for e in main(objects, "Job")["env"]}
+    assert env["OPTIMUS_SNAPSHOT_PORT"] == str(snapshot)
+    assert not reaches(objects, "Job", controller, RELEASE_NS, snapshot + 1)
+    assert not reaches(objects, "Job", pod_labels(one(objects, "StatefulSet")), RELEASE_NS,
+                       snapshot)
+    assert not reaches(objects, "Job", other_release, RELEASE_NS, snapshot)
+    # Ports are picked at run time (the rendezvous, gloo/NCCL): any port, agents only.
     for port in (20000, 34567, 61000):
         assert reaches(objects, "Job", agent, RELEASE_NS, port)
         assert not reaches(objects, "Job", controller, RELEASE_NS, port)

@@ -161,6 +161,30 @@ def test_without_a_secret_no_server_starts_and_the_node_keeps_its_snapshots(
 
 # --- bounds ------------------------------------------------------------------------------------
 
+def test_the_server_listens_where_the_firewall_says_or_says_why_it_cannot(
+        keeper, monkeypatch, caplog):
+    """OPTIMUS_SNAPSHOT_PORT (the Helm chart's agents.snapshotPort, the one port of an agent's
+    pod the controller may reach: controller/control/probe.py)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    monkeypatch.setenv("OPTIMUS_SNAPSHOT_PORT", str(free))
+    a = keeper("a")
+    assert a.address == f"127.0.0.1:{free}" and a.off is None
+    with caplog.at_level(logging.WARNING, logger="optimus.agent"):
+        b = keeper("b")  # the port is a's
+    assert b.address == "" and b.off.startswith(f"cannot listen on 127.0.0.1:{free} (")
+    assert b.off.endswith("free the port or set another in OPTIMUS_SNAPSHOT_PORT")
+    for bad in ("0", "65536", "http", "-1", "7790x"):
+        monkeypatch.setenv("OPTIMUS_SNAPSHOT_PORT", bad)
+        c = keeper(f"c{bad}")
+        assert c.address == "" and c.off.startswith("OPTIMUS_SNAPSHOT_PORT="), c.off
+    said = [r.getMessage() for r in caplog.records if r.name == "optimus.agent"]
+    assert len(said) == 6 and all("serves no snapshots" in m for m in said)
+    monkeypatch.setenv("OPTIMUS_SNAPSHOT_PORT", " ")
+    assert keeper("d").address.startswith("127.0.0.1:")  # unset or blank: any free port
+
+
 def _peak_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):

@@ -71,6 +71,7 @@ log = logging.getLogger("optimus.agent")
 SECRET_ENV, SECRET_FILE_ENV = "OPTIMUS_SNAPSHOT_SECRET", "OPTIMUS_SNAPSHOT_SECRET_FILE"
 TLS_CERT_ENV, TLS_KEY_ENV = "OPTIMUS_SNAPSHOT_TLS_CERT", "OPTIMUS_SNAPSHOT_TLS_KEY"
 TLS_CA_ENV = "OPTIMUS_SNAPSHOT_TLS_CA"
+PORT_ENV = "OPTIMUS_SNAPSHOT_PORT"  # where the server listens; unset: a free port
 SECRET_MIN, SECRET_MAX = 16, 4096  # bytes of secret
 AUTH_S = 10.0  # from a worker taking a connection to its authenticated request
 TIMEOUT_S = 60.0  # the rest of a request, beyond the time its bytes take at MIN_RATE
@@ -156,6 +157,19 @@ def link_tls() -> LinkTLS | None:
     except OSError as e:  # ssl.SSLError is one
         raise ValueError(f"snapshot TLS ({TLS_CERT_ENV}={cert}): {e}") from None
     return LinkTLS(server, client)
+
+
+def listen_port() -> int:
+    """The port the snapshot server listens on: OPTIMUS_SNAPSHOT_PORT where a firewall rule
+    names it (the Helm chart lets the controller reach only that port of an agent's pod:
+    controller/control/probe.py), else 0, any free port. ValueError says what is wrong."""
+    raw = os.environ.get(PORT_ENV, "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        raise ValueError(f"{PORT_ENV}={raw[:20]!r} is not a port: give a number from 1 to "
+                         "65535, or leave it unset for any free port")
+    return int(raw)
 
 
 def bind_address(host: str) -> str:

@@ -48,8 +48,8 @@ class LinkServer(socketserver.TCPServer):
     allow_reuse_address = True
     request_queue_size = 64  # the listen backlog: connections are accepted (or closed) at once
 
-    def __init__(self, keeper, bind: str, tls: ssl.SSLContext | None):
-        super().__init__((bind, 0), socketserver.BaseRequestHandler)
+    def __init__(self, keeper, bind: str, tls: ssl.SSLContext | None, port: int = 0):
+        super().__init__((bind, port), socketserver.BaseRequestHandler)
         self.keeper, self.tls, self.port = keeper, tls, self.server_address[1]
         self._waiting: queue.Queue = queue.Queue(QUEUED)
         self._active: set[Link] = set()

@@ -47,9 +47,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from controller.node.snapshot_link import (
+    PORT_ENV,
     LinkTLS,
     bind_address,
     link_tls,
+    listen_port,
     pull,
     push,
     secret_problem,
@@ -126,9 +128,17 @@ class SnapshotKeeper:
         self._server: LinkServer | None = None
         self.address = ""  # host:port of the server; "" where none runs
         if self.off is None:
-            self._server = LinkServer(self, bind_address(host), self.tls and self.tls.server)
-            self.address = f"{host}:{self._server.port}"
-        else:
+            try:
+                port = listen_port()
+                self._server = LinkServer(self, bind_address(host), self.tls and self.tls.server,
+                                          port)
+                self.address = f"{host}:{self._server.port}"
+            except ValueError as e:
+                self.off = str(e)
+            except OSError as e:
+                self.off = (f"cannot listen on {bind_address(host)}:{port} "
+                            f"({e.strerror or e}): free the port or set another in {PORT_ENV}")
+        if self.off is not None:
             log.warning("%s serves no snapshots (no server on %s): %s. Its memory snapshots "
                         "stay on the node, neither replicated nor served; a restart resumes "
                         "from the disk checkpoint", node, bind_address(host), self.off)
