@@ -5,6 +5,7 @@ the detect rule that names a node lost on it before agent_timeout_s.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -13,7 +14,10 @@ import sys
 import time
 
 import pytest
+import yaml
+from cluster import wait_for, write_job
 
+from controller.control.controller import Controller
 from controller.control.detect import HARD, Evidence, evidence
 from controller.control.probe import (
     FAILS_NEEDED,
@@ -25,7 +29,10 @@ from controller.control.probe import (
     parse_address,
     probe,
 )
+from controller.control.settings import settings_for
 from controller.control.view import Observed, Overdue, Settings
+from controller.store.store import Store
+from optimus.config import validate_job
 
 NOW = 1000.0
 # agent_silence_s = 2 x 0.5 = 1.0 s; agent_timeout_s = 5 s.
@@ -174,3 +181,51 @@ def test_an_unreachable_silent_node_is_lost_before_the_agent_timeout():
 def test_each_outcome_says_what_it_means(outcome):
     assert describe(outcome, 1.0).startswith("its host ")
     assert describe(NO_ANSWER, 1.5) == "its host did not answer a connection within 1.5 s"
+
+
+def test_a_silent_node_whose_host_refuses_is_lost_and_the_next_plan_does_not_wait_for_it(
+        redis_server, tmp_path):
+    """The controller itself, on a real Redis with real listening sockets for the agents'
+    snapshot servers: it reaches both in the background; n1's agent falls silent and its port
+    closes (its processes died): n1 is excluded as lost on the refusal, long before the
+    (here 300 s) agent timeout, and the next generation is planned without waiting for n1's
+    ranks, which its stale status still counts as running."""
+    raw = yaml.safe_load(write_job(tmp_path / "job.yaml", tmp_path / "run", name="j").read_text())
+    config = validate_job(raw, world=2)
+    settings = dataclasses.replace(
+        settings_for(config, str(tmp_path / "job.yaml"), [], 2, 1), agent_timeout_s=300.0,
+        heartbeat_timeout_s=300.0)
+    servers = {}
+    store = Store(redis_server.url, "j")
+    for name in ("n0", "n1"):
+        servers[name] = socket.socket()
+        servers[name].bind(("127.0.0.1", 0))
+        servers[name].listen(8)
+        store.register_node(name, {"host": name, "health": "ok",
+                                   "snapshot_addr": f"127.0.0.1:{servers[name].getsockname()[1]}"})
+    ctl = Controller(store, config, settings, ident="c")
+    try:
+        def running(*nodes, ranks: int = 1):
+            for n in nodes:
+                store.agent_tick(n, {"state": "running", "generation": 0, "live_ranks": ranks},
+                                 {}, None, False)
+            ctl.tick()
+            return store.job_record().get("state")
+
+        wait_for(lambda: running("n0", "n1") == "RUNNING", 30, "generation 0 running")
+        wait_for(lambda: running("n0", "n1") and len(ctl.observer.prober.reached) == 2, 30,
+                 "both agents reached once")
+        servers["n1"].close()  # n1's agent is gone: it beats no more, its port is closed
+        wait_for(lambda: running("n0") and "n1" in store.excluded(), 60, "n1 lost")
+        reason = store.excluded()["n1"]["reason"]
+        assert reason.startswith("node n1 lost: its agent has been silent for ")
+        assert reason.endswith("and its host refused a connection to it (the agent is gone)")
+        # No spare and the job waits for its nodes: it says so at once, not after n1's stale
+        # status (generation 0, a live rank) has outlived agent_timeout_s.
+        # n0's rank left the stopped generation.
+        wait_for(lambda: running("n0", ranks=0) == "WAITING", 60, "the next plan's verdict")
+        assert store.plan()["generation"] == 0 and store.plan()["action"] == "stop"
+    finally:
+        ctl.release()
+        for s in servers.values():
+            s.close()
