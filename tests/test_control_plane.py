@@ -109,6 +109,16 @@ def test_fault_excludes_the_culprit_and_finishes_on_the_spare(fault, evidence, m
     kept = launches[survivor, "generation 1"]
     assert (kept["in_process"], kept["pids"]) == ("1", launches[survivor, "generation 0"]["pids"])
     assert launches[spare, "generation 1"]["in_process"] == "0"
+    # What the restart cost, counted once generation 1 passed the step the fault found the job
+    # at (watching.track_progress): under the failure's cause, and said in an event.
+    cause = {"kill_rank": "rank_exit", "freeze_rank": "heartbeat",
+             "kill_node": "node_lost"}[fault["kind"]]
+    lost = json.loads(journal["job"]["lost_s"])
+    assert list(lost) == [cause] and lost[cause] > 0, lost
+    (recovered,) = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
+                    if e["kind"] == "recovered"]
+    assert (recovered["cause"], recovered["generation"]) == (cause, "1")
+    assert float(recovered["seconds"]) == lost[cause]
 
     resumes = [m for m in metrics(run) if m.get("event") == "resume"]
     assert len(resumes) == 1  # generation 1 resumed; generation 0 started from scratch
