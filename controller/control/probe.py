@@ -126,18 +126,24 @@ class Prober:
                 out[node] = describe(st.last, self.timeout_s)
             elif st.future is None and now - st.started >= PROBE_EVERY_S:
                 self._start(st, now)
+        # Baselines: collect those in flight (a few), then start up to BASELINE_PER_TICK more.
+        for node, st in [(n, st) for n, st in self._nodes.items() if not st.silent]:
+            self._collect(node, st.addr, silent=False)
+            if st.addr in self.reached:
+                del self._nodes[node]
+                self._pending.pop(node, None)
         started = 0
-        for node, addr in list(self._pending.items()):
-            if addr in self.reached:
-                del self._pending[node]
+        for node, addr in self._pending.items():
+            if started >= BASELINE_PER_TICK:
+                break
+            st = self._nodes.get(node)
+            if node in silent or addr in self.reached or (st is not None and (
+                    st.future is not None or now - st.started < BASELINE_EVERY_S)):
                 continue
-            if node in silent:
-                continue
-            st = self._collect(node, addr, silent=False)
-            if st.future is None and started < BASELINE_PER_TICK and (
-                    now - st.started >= BASELINE_EVERY_S):
-                self._start(st, now)
-                started += 1
+            if st is None:
+                st = self._nodes[node] = _Node(addr)
+            self._start(st, now)
+            started += 1
         return out
 
     def _collect(self, node: str, addr: tuple[str, int] | None, silent: bool) -> _Node | None:
