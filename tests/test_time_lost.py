@@ -103,3 +103,12 @@ def test_the_decision_of_a_failure_remembers_where_the_job_was():
                    agent_beats={"n0": 119.9, "n1": 119.9}, progress=40)
     d = decide(obs, S)
     assert d.job["behind"] == {"generation": 3, "step": 40, "at": 100.0, "cause": "rank_exit"}
+
+
+def test_a_record_that_is_not_what_the_controller_writes_reads_as_none():
+    for raw in ('{"step": "40", "at": 1.0, "cause": "hang"}', '["a list"]',
+                '{"step": 40, "cause": "hang"}', '{"step": 40, "at": 1.0, "cause": 7}'):
+        assert records.job_view({"state": RUNNING, "behind": raw}).behind is None, raw
+    job = records.job_view({"state": RUNNING, "lost_s": '{"hang": 2.5, "x": "3", "y": null}'})
+    assert job.lost_s == {"hang": 2.5}
+    assert records.job_view({"state": RUNNING, "lost_s": "[1]"}).lost_s == {}

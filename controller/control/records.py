@@ -33,8 +33,24 @@ def job_view(r: dict[str, str]) -> JobView:
                    resumed_gen=int(r["resumed_gen"]) if r.get("resumed_gen") else None,
                    resumed_step=int(r["resumed_step"]) if r.get("resumed_step") else None,
                    suspect=loaded("suspect", None), skips=tuple(loaded("skips", [])),
-                   rewinds=tuple(loaded("rewinds", [])), behind=loaded("behind", None),
-                   lost_s=loaded("lost_s", {}), last_recovery=loaded("last_recovery", None))
+                   rewinds=tuple(loaded("rewinds", [])), behind=_behind(loaded("behind", None)),
+                   lost_s=_seconds(loaded("lost_s", {})),
+                   last_recovery=loaded("last_recovery", None))
+
+
+def _behind(value) -> dict | None:
+    """Where a restart found the job (actions.restarted), or None when it is not one: the
+    rules do arithmetic on its step and time."""
+    if (isinstance(value, dict) and type(value.get("step")) is int
+            and type(value.get("at")) in (int, float) and isinstance(value.get("cause"), str)):
+        return value
+    return None
+
+
+def _seconds(value) -> dict:
+    """Cause -> seconds, only the entries that are numbers."""
+    return {k: v for k, v in value.items() if type(v) in (int, float)} if isinstance(
+        value, dict) else {}
 
 
 def request(rid: str, r: dict[str, str]) -> Request:
