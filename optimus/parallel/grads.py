@@ -38,9 +38,22 @@ def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float,
         dist.all_reduce(squared, group=pp_group)
     norm = squared.sqrt()
     if max_norm > 0 and not (leave_nonfinite and not bool(torch.isfinite(norm))):
-        for group in by_mesh.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+        _scale(params, torch.clamp(max_norm / (norm + 1e-6), max=1.0))  # torch's coefficient
     return norm
+
+
+def _scale(params: list[torch.nn.Parameter], coef: torch.Tensor) -> None:
+    """Multiply every gradient by `coef`, each rank its own part: a DTensor's local tensor
+    whatever its placement (a shard, a replica, or a pending sum: the scale is linear). Not
+    torch's clip_grads_with_norm_ on the DTensors themselves: on torch 2.11 its multiply left
+    the sequence-parallel norm weights' gradients unscaled (the norm matched, the update did
+    not: tests/test_tensor_parallel.py, run on 2.11)."""
+    by_device: dict = {}
+    for p in params:
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        by_device.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, _), grads in by_device.items():
+        torch._foreach_mul_(grads, coef.to(device))
 
 
 def local_grads_finite(params: Iterable[torch.nn.Parameter]) -> bool:

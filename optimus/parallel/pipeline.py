@@ -125,6 +125,17 @@ class _Stage(PipelineStage):
         with moe_pass("dry"):
             return super()._forward_metadata_inference(*args, **kwargs)
 
+    def _get_init_p2p_neighbors_ops(self):
+        """The warm-up exchange with the neighbouring stages, less those on this rank itself.
+
+        A V-shaped schedule (zbv_zero_bubble, dualpipev) puts two adjacent stages on one rank,
+        and torch 2.11's first step sends a warm-up tensor between every adjacent pair: to
+        itself there, which gloo refuses ("Pair is not connected"; NCCL allows it). Activations
+        between two stages of one rank never cross the wire, so nothing needs warming up;
+        torch 2.13 warms up by a vote instead and calls this only on its fallback path."""
+        return [op for op in super()._get_init_p2p_neighbors_ops()
+                if op.group_peer != self.group_rank]
+
 
 def run_pipeline_step(schedule, stage_ids: list[int], num_stages: int,
                       inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
