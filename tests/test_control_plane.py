@@ -157,7 +157,12 @@ def _events(store: Store, kind: str) -> list[dict]:
 
 def test_chaos_command_reaches_the_agent_and_the_job_recovers(redis_server, procs, tmp_path):
     run = tmp_path / "run"
-    job = write_job(tmp_path / "job.yaml", run, steps=60)
+    # Generation 0's steps paced at 0.5 s (a sleep, not the machine's speed): the command
+    # must land while it runs (under a CPU hog the job's 60 fast steps were done before the
+    # `optimus chaos` process had started).
+    pace = [{"kind": "slow_rank", "rank": r, "step": 0, "seconds": 0.5, "generation": 0}
+            for r in range(2)]
+    job = write_job(tmp_path / "job.yaml", run, steps=60, faults=pace)
     procs.start("c1", "controller", str(job), "--nodes", "2", "--ranks-per-node", "1",
                 "--redis", redis_server.url, "--exit-when-done")
     _agents(procs, redis_server.url, n=3)
