@@ -118,7 +118,14 @@ def test_a_node_lost_with_its_buddy_falls_back_to_disk_and_says_why(tmp_path, re
                                                                     procs):
     run, store = _start(tmp_path, redis_server, procs)
     wait_for(lambda: _rank0_step(store) >= FAULT_STEP, 300, f"step {FAULT_STEP}")
-    _kill_nodes(store, "node3", "node1")  # node1's copy is on node3
+    # node1's copy is on node3, a spare: node3 dies first, then node1 at once. (Both commands
+    # together, node1 could be found lost before node3's agent had read its own: node3, alive
+    # then, replaced it with the copy, as it should.) The dead spare is not chosen: its agent
+    # is silent and its host refuses a connection (probe.py), though it is within the agent
+    # timeout still.
+    _kill_nodes(store, "node3")
+    wait_for(lambda: procs.procs["agent3"].poll() is not None, 60, "node3's agent to die")
+    _kill_nodes(store, "node1")
     procs.procs["controller"].wait(timeout=180)
     assert store.job_record()["state"] == "COMPLETED"
     (generation,) = [e["message"] for e in _events(run, "generation")

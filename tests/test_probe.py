@@ -186,10 +186,11 @@ def test_each_outcome_says_what_it_means(outcome):
 def test_a_silent_node_whose_host_refuses_is_lost_and_the_next_plan_does_not_wait_for_it(
         redis_server, tmp_path):
     """The controller itself, on a real Redis with real listening sockets for the agents'
-    snapshot servers: it reaches both in the background; n1's agent falls silent and its port
-    closes (its processes died): n1 is excluded as lost on the refusal, long before the
-    (here 300 s) agent timeout, and the next generation is planned without waiting for n1's
-    ranks, which its stale status still counts as running."""
+    snapshot servers: it reaches the two nodes and the spare in the background; n1's agent
+    and the spare's fall silent and their ports close (their processes died): n1 is excluded
+    as lost on the refusal, long before the (here 300 s) agent timeout; the next generation
+    is planned without waiting for n1's ranks, which its stale status still counts as running,
+    and without the dead spare, which the timeout still counts as alive: the job waits."""
     raw = yaml.safe_load(write_job(tmp_path / "job.yaml", tmp_path / "run", name="j").read_text())
     config = validate_job(raw, world=2)
     settings = dataclasses.replace(
@@ -197,7 +198,7 @@ def test_a_silent_node_whose_host_refuses_is_lost_and_the_next_plan_does_not_wai
         heartbeat_timeout_s=300.0)
     servers = {}
     store = Store(redis_server.url, "j")
-    for name in ("n0", "n1"):
+    for name in ("n0", "n1", "n2"):
         servers[name] = socket.socket()
         servers[name].bind(("127.0.0.1", 0))
         servers[name].listen(8)
@@ -213,15 +214,18 @@ def test_a_silent_node_whose_host_refuses_is_lost_and_the_next_plan_does_not_wai
             return store.job_record().get("state")
 
         wait_for(lambda: running("n0", "n1") == "RUNNING", 30, "generation 0 running")
-        wait_for(lambda: running("n0", "n1") and len(ctl.observer.prober.reached) == 2, 30,
-                 "both agents reached once")
-        servers["n1"].close()  # n1's agent is gone: it beats no more, its port is closed
+        assert store.plan()["nodes"] == ["n0", "n1"]  # n2 is the spare
+        wait_for(lambda: running("n0", "n1") and len(ctl.observer.prober.reached) == 3, 30,
+                 "the three agents reached once")
+        for name in ("n1", "n2"):  # gone: they beat no more, their ports are closed
+            servers[name].close()
         wait_for(lambda: running("n0") and "n1" in store.excluded(), 60, "n1 lost")
         reason = store.excluded()["n1"]["reason"]
         assert reason.startswith("node n1 lost: its agent has been silent for ")
         assert reason.endswith("and its host refused a connection to it (the agent is gone)")
-        # No spare and the job waits for its nodes: it says so at once, not after n1's stale
-        # status (generation 0, a live rank) has outlived agent_timeout_s.
+        # No spare left and the job waits for its nodes: it says so at once, not after n1's
+        # stale status (generation 0, a live rank) or n2's last beat has outlived
+        # agent_timeout_s.
         # n0's rank left the stopped generation.
         wait_for(lambda: running("n0", ranks=0) == "WAITING", 60, "the next plan's verdict")
         assert store.plan()["generation"] == 0 and store.plan()["action"] == "stop"

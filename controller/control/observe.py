@@ -78,11 +78,12 @@ class Observer:
         beats = self.store.agent_beats()
         names = sorted(set(info) | set(beats))
         status = self.store.agent_status(names)
-        # A node of the last plan whose agent is silent and whose host refused (or no longer
-        # answers) a connection to it is not alive: its ranks died with it, and the next
-        # generation does not wait agent_timeout_s for them (probe.py).
+        # A node whose agent is silent and whose host refused (or no longer answers) a
+        # connection to it is not alive (probe.py): a node of the last plan, whose ranks died
+        # with it, so that the next generation does not wait agent_timeout_s for them; a spare,
+        # so that it is not chosen to replace one.
         gone = self.prober.unreachable({
-            n: self._addresses.get(n) for n in (plan["nodes"] if plan else [])
+            n: info.get(n, {}).get("snapshot_addr") or self._addresses.get(n) for n in names
             if n in beats and now - self._excused(beats[n]) > self.s.agent_silence_s})
         nodes = {}
         for name in names:
@@ -228,12 +229,13 @@ class Observer:
     def _unreachable(self, plan: dict, agent_beats: dict[str, float],
                      now: float) -> dict[str, str]:
         """Plan nodes whose agents are silent and whose hosts take no connection to them
-        (probe.py). Their addresses are read when the plan or the registrations change."""
+        (probe.py). The registered nodes' addresses (the plan's and the spares': a spare may
+        replace a node) are read when the plan or the registrations change, and reached once
+        in the background."""
         key = (plan["generation"], self._agents_seen)
         if key != self._watched:
             self._watched = key
-            self._addresses = {n: i.get("snapshot_addr")
-                               for n, i in self.store.node_info(plan["nodes"]).items()}
+            self._addresses = {n: i.get("snapshot_addr") for n, i in self.store.nodes().items()}
             self.prober.watch(self._addresses)
         return self.prober.unreachable({n: self._addresses.get(n) for n, b in agent_beats.items()
                                         if now - b > self.s.agent_silence_s})

@@ -101,8 +101,8 @@ class Prober:
     _pool: ThreadPoolExecutor | None = None
 
     def watch(self, plan: dict[str, object]) -> None:
-        """The plan's nodes, node -> registered address: those not reached yet are probed in
-        the background, BASELINE_PER_TICK a tick."""
+        """The registered nodes (the plan's and the spares'), node -> address: those not
+        reached yet are probed in the background, BASELINE_PER_TICK a tick."""
         self._pending = {n: a for n, raw in plan.items()
                          if (a := parse_address(raw)) is not None and a not in self.reached}
         for node in [n for n, st in self._nodes.items() if not st.silent and n not in plan]:
