@@ -37,6 +37,7 @@ import json
 import os
 import re
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -129,6 +130,11 @@ def release_memory() -> None:
     in reference cycles), and the heap's free pages handed back to the system (glibc keeps
     them otherwise, and a rank's resident memory would creep up generation by generation)."""
     gc.collect()
+    if "torch.distributed.device_mesh" in sys.modules:  # a generation built meshes
+        from optimus.runtime.dist import drop_stale_groups
+
+        if drop_stale_groups():
+            gc.collect()  # the groups the stale meshes held
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 

@@ -86,16 +86,44 @@ def forget_meshes() -> None:
     if clear_native is not None:  # the C++ fast path's own cache (torch >= 2.8)
         clear_native()
     propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
-    for cached in (getattr(propagator, "propagate_op_sharding", None),
-                   getattr(propagator, "_propagate_tensor_meta_cached", None)):
-        if hasattr(cached, "cache_clear"):
-            cached.cache_clear()
     from torch.distributed.tensor import _collective_utils, _redistribute
 
-    for cached in (getattr(_redistribute, "_gen_transform_infos", None),
+    for cached in (getattr(propagator, "propagate_op_sharding", None),
+                   getattr(propagator, "_propagate_tensor_meta_cached", None),
+                   getattr(_redistribute, "_gen_transform_infos", None),
                    getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh",
                            None)):
-        if hasattr(cached, "cache_clear"):
-            cached.cache_clear()
+        # torch 2.11 keeps the propagator's cache per thread (its `cache`: this thread's, the
+        # one training ran in); 2.13 a plain lru_cache. Missed, 2.11 kept every generation's
+        # meshes, and with them their process groups (their threads and sockets), and handed
+        # a new generation the last one's decisions.
+        for clear in (getattr(cached, "cache_clear", None),
+                      getattr(getattr(cached, "cache", None), "cache_clear", None)):
+            if clear is not None:
+                clear()
+    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_planners is not None:  # torch 2.11: a redistribution planner per mesh, kept
+        clear_planners()
     if "torch._dynamo" in sys.modules:  # compiled graphs guard on (and bake in) meshes too;
         torch._dynamo.reset()  # recompiling is cheap from Inductor's on-disk cache
+
+
+def drop_stale_groups() -> int:
+    """Between generations, after `forget_meshes` and a collection: every DeviceMesh still
+    alive is the last generation's, held by some cache of torch's; each lets go of its process
+    groups (torch 2.11's meshes keep them in `_pg_registry`), so that the groups' threads and
+    sockets go with them. Returns how many meshes held some. Without it, in-process restarts
+    on 2.11 kept ~12 threads and ~20 descriptors a generation (tests/test_inprocess.py's
+    twenty generations)."""
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    held = 0
+    for obj in gc.get_objects():
+        registry = getattr(obj, "_pg_registry", None) if isinstance(obj, DeviceMesh) else None
+        if isinstance(registry, dict) and registry:
+            registry.clear()
+            held += 1
+    return held
+
