@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 import yaml
 from cluster import wait_for, write_job
 
@@ -177,10 +176,10 @@ def test_an_unreachable_silent_node_is_lost_before_the_agent_timeout():
     assert lost.what == "node n1 lost: its agent has been silent for 5.5 s"
 
 
-@pytest.mark.parametrize("outcome", [REFUSED, NO_ANSWER, NO_ROUTE])
-def test_each_outcome_says_what_it_means(outcome):
-    assert describe(outcome, 1.0).startswith("its host ")
+def test_each_outcome_says_what_it_means():
+    assert describe(REFUSED) == "its host refused a connection to it (the agent is gone)"
     assert describe(NO_ANSWER, 1.5) == "its host did not answer a connection within 1.5 s"
+    assert describe(NO_ROUTE) == "its host cannot be reached"
 
 
 def test_a_silent_node_whose_host_refuses_is_lost_and_the_next_plan_does_not_wait_for_it(

@@ -44,7 +44,7 @@ class Observer:
         self._unhealthy_seen: frozenset = frozenset()
         self.prober = Prober()  # whether a silent agent's host still takes a connection
         self._watched: tuple | None = None  # (generation, _agents_seen) the prober was given
-        self._addresses: dict[str, object] = {}  # plan node -> its registered snapshot_addr
+        self._addresses: dict[str, object] = {}  # registered node -> its snapshot_addr
 
     def close(self) -> None:
         self.prober.close()
