@@ -83,6 +83,10 @@ def _child(fn: Callable, rank: int, world_size: int, args: tuple, port: int, res
 
         torch.set_num_threads(1)
         init_distributed(launch_env(), "gloo", torch.device("cpu"), timeout_s=120)
+        # Every rank's gloo mesh is whole before any rank goes on: a rank whose `fn` returns at
+        # once would otherwise tear its connections down while a slower peer (a loaded
+        # machine) is still connecting to it ("Connection closed by peer" in connectFullMesh).
+        torch.distributed.barrier()
         payload = pickle.dumps(fn(rank, world_size, *args))  # an unpicklable result fails here
         destroy_distributed()
         results.put((rank, True, payload, time.time()))

@@ -418,8 +418,9 @@ def test_harness_shows_where_a_rank_crashed_natively(run_ranks):
 
 
 def test_harness_kills_a_hung_rank_at_the_timeout(run_ranks):
-    with pytest.raises(RanksTimedOut, match=r"ranks \[2\] of 3 did not finish within 3 s"):
-        run_ranks(_hangs_on_rank_2, 3, timeout=3)
+    # 10 s: room for ranks 0 and 1 to start and finish on a loaded machine; only rank 2 hangs.
+    with pytest.raises(RanksTimedOut, match=r"ranks \[2\] of 3 did not finish within 10 s"):
+        run_ranks(_hangs_on_rank_2, 3, timeout=10)
 
 
 # --- memory ---------------------------------------------------------------------------------
