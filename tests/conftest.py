@@ -85,22 +85,36 @@ TIMELINE = os.environ.get("OPTIMUS_TEST_TIMELINE") if os.environ.get("PYTEST_XDI
     else None
 
 
-_started: dict[str, float] = {}
+_started: dict[str, tuple[float, float]] = {}
+
+
+def _cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy (/proc/stat): with one worker and nothing
+    beside it, a test's difference is what it cost, its ranks, agents and daemons included
+    (processes a forkserver starts are no child of the worker's, so its rusage misses them)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def pytest_runtest_logstart(nodeid, location):
     if TIMELINE:
-        _started[nodeid] = time.time()
+        _started[nodeid] = (time.time(), _cpu_s())
 
 
 def pytest_runtest_logfinish(nodeid, location):
     """With OPTIMUS_TEST_TIMELINE, one JSON line per test (set-up and tear-down included): its
-    worker, start and end: how the workers were kept busy (docs/benchmarks.md)."""
+    worker, start, end and the machine's busy CPU seconds meanwhile: how the workers were kept
+    busy, and (one worker, a quiet machine) what each test costs (docs/benchmarks.md)."""
     if TIMELINE and nodeid in _started:
+        start, cpu = _started.pop(nodeid)
         with open(TIMELINE, "a") as out:
             out.write(json.dumps({"worker": os.environ["PYTEST_XDIST_WORKER"],
-                                  "test": nodeid, "start": _started.pop(nodeid),
-                                  "end": time.time()}) + "\n")
+                                  "test": nodeid, "start": start, "end": time.time(),
+                                  "machine_cpu_s": round(_cpu_s() - cpu, 2)}) + "\n")
 
 
 # The files whose tests take longest (measured: docs/benchmarks.md), started first: with

@@ -53,6 +53,15 @@ def test_rules_import_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
 
 
+def test_the_trainer_imports_no_dynamo_until_a_pipeline_or_a_compile_needs_it():
+    """Dynamo (~1.5 s of CPU) stays out of a rank's start: every rank, warm process and
+    standby pays its imports. Building a pipeline schedule or compiling brings it in."""
+    code = ("import sys; import optimus.train; "
+            "assert 'torch._dynamo' not in sys.modules, 'dynamo was imported'; "
+            "import torch.distributed.pipelining; assert 'torch._dynamo' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+
+
 @pytest.mark.parametrize(("schedule", "pp", "v", "m", "wrong", "fix"), [
     ("gpipe", 2, 2, 4, "gpipe runs one stage per rank, got virtual_stages=2", "virtual_stages: 1"),
     ("1f1b", 2, 3, 4, "1f1b runs one stage per rank", "virtual_stages: 1"),

@@ -135,12 +135,16 @@ class _AddAuxLoss(torch.autograd.Function):
         return grad, torch.ones_like(aux)
 
 
-@torch.compiler.disable
 def add_aux_loss(out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
     """`out`, unchanged, carrying `aux`'s gradient into backward. Always eager: traced into a
     compiled graph (torch 2.13), the function's backward lost the auxiliary loss's gradient
-    (the output does not depend on `aux`, and the graph dropped the branch)."""
+    (the output does not depend on `aux`, and the graph dropped the branch). The compile
+    path marks it so (optimus/parallel/compile.py `keep_eager`), not a decorator here: the
+    mark imports dynamo, ~1.5 s of CPU that every rank would pay at import, compiled or not."""
     return _AddAuxLoss.apply(out, aux)
+
+
+EAGER_ONLY = ("add_aux_loss",)  # this module's functions torch.compile must not trace into
 
 
 # How the current forward pass treats the layers' bookkeeping (counters, running totals, the

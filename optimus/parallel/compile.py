@@ -38,10 +38,28 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> int:
     if backend == "inductor" and not _swept:
         _swept = True
         drop_broken_kernels()
+    keep_eager()
     for block in model.layers.values():
         inner = getattr(block, "_checkpoint_wrapped_module", None)
         (inner if inner is not None and has_moe(inner) else block).compile(backend=backend)
     return len(model.layers)
+
+
+def keep_eager() -> None:
+    """Mark the model code's eager-only functions (`EAGER_ONLY` of a models module) as never
+    traced: dynamo breaks the graph at each and runs it as Python. Marked here, where compiling
+    has imported dynamo anyway, rather than decorated where defined (which would import it in
+    every rank). A module's calls look the name up when they run, so they get the mark."""
+    import torch
+
+    from optimus.models import moe
+
+    for name in moe.EAGER_ONLY:
+        fn = getattr(moe, name)
+        if not getattr(fn, "_optimus_eager", False):
+            marked = torch.compiler.disable(fn)
+            marked._optimus_eager = True
+            setattr(moe, name, marked)
 
 
 def inductor_cache() -> Path:

@@ -32,15 +32,12 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.pipelining as pipelining
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage
 
 from optimus.models import GPT, materialize
-from optimus.models.moe import moe_pass
 from optimus.parallel.schedule_rules import (
     SCHEDULES,
     SPLIT_BACKWARD,
@@ -95,10 +92,16 @@ def build_schedule(stage_models: list[nn.Module], stage_ids: list[int], num_stag
             for module in model.modules():
                 if isinstance(module, FSDPModule):
                     module.set_reshard_after_forward(False, recurse=False)
+    # Imported here, not at the top: torch's pipelining imports dynamo (~1.5 s of CPU), which
+    # a rank without a pipeline never needs.
+    import torch.distributed.pipelining as pipelining
+
+    from optimus.parallel.pipeline_stage import Stage
+
     group = pp_group.get_group() if isinstance(pp_group, DeviceMesh) else pp_group
     device = torch.device(device)
     order = sorted(range(len(stage_ids)), key=stage_ids.__getitem__)  # ascending, as torch wants
-    stages = [_Stage(stage_models[i], stage_ids[i], num_stages, device, group=group)
+    stages = [Stage(stage_models[i], stage_ids[i], num_stages, device, group=group)
               for i in order]
     cls = getattr(pipelining, SCHEDULES[schedule])
     if not is_multi_stage(schedule):
@@ -106,35 +109,6 @@ def build_schedule(stage_models: list[nn.Module], stage_ids: list[int], num_stag
             raise ValueError(f"{schedule} runs one stage per rank, this rank has {len(stages)}")
         stages = stages[0]
     return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
-
-
-class _Stage(PipelineStage):
-    """A PipelineStage whose one-time metadata inference leaves no trace in MoE counters.
-
-    At its first step torch runs each stage once on placeholder tensors (uninitialised memory
-    of the right shapes), with grad, to infer the shapes it sends. MoE layers would count that
-    pass's routing as training load (and its auxiliary loss), and sum its counts with other
-    ranks. Giving every stage static metadata instead would avoid the pass, but under tensor
-    parallelism the last stage returns a DTensor, which then needs gradient metadata for every
-    stage too; so the pass runs as a dry one (`moe_pass("dry")`: nothing counted, no
-    collective). torch 2.13 has no public hook there: this overrides the private method that
-    runs it (pinned torch, see pyproject.toml).
-    """
-
-    def _forward_metadata_inference(self, *args, **kwargs):
-        with moe_pass("dry"):
-            return super()._forward_metadata_inference(*args, **kwargs)
-
-    def _get_init_p2p_neighbors_ops(self):
-        """The warm-up exchange with the neighbouring stages, less those on this rank itself.
-
-        A V-shaped schedule (zbv_zero_bubble, dualpipev) puts two adjacent stages on one rank,
-        and torch 2.11's first step sends a warm-up tensor between every adjacent pair: to
-        itself there, which gloo refuses ("Pair is not connected"; NCCL allows it). Activations
-        between two stages of one rank never cross the wire, so nothing needs warming up;
-        torch 2.13 warms up by a vote instead and calls this only on its fallback path."""
-        return [op for op in super()._get_init_p2p_neighbors_ops()
-                if op.group_peer != self.group_rank]
 
 
 def run_pipeline_step(schedule, stage_ids: list[int], num_stages: int,
