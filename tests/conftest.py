@@ -86,18 +86,46 @@ TIMELINE = os.environ.get("OPTIMUS_TEST_TIMELINE") if os.environ.get("PYTEST_XDI
 
 
 _started: dict[str, tuple[float, float]] = {}
+_CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+_own_group: list[Path | None] = []  # this worker's cpuacct group, once tried
+
+
+def _worker_group() -> Path | None:
+    """A cpuacct cgroup (v1) of this worker's own, the worker moved into it, where the machine
+    lets it (root): everything the worker's tests start (ranks, agents, Redis, forkservers'
+    children) is counted there, whoever reaps it. None elsewhere."""
+    if not _own_group:
+        group = _CPUACCT / f"optimus-tests-{os.getpid()}"
+        try:
+            group.mkdir(exist_ok=True)
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+            int((group / "cpuacct.usage").read_text())
+        except (OSError, ValueError):
+            group = None
+        _own_group.append(group)
+    return _own_group[0]
 
 
 def _cpu_s() -> float:
-    """CPU seconds the whole machine has spent busy (/proc/stat): with one worker and nothing
-    beside it, a test's difference is what it cost, its ranks, agents and daemons included
-    (processes a forkserver starts are no child of the worker's, so its rusage misses them)."""
+    """CPU seconds this worker and all it started have used (its cgroup); without a cgroup,
+    the whole machine's busy seconds (/proc/stat: a test's own only with one worker and a
+    quiet machine)."""
+    group = _worker_group()
+    if group is not None:
+        return int((group / "cpuacct.usage").read_text()) / 1e9
     try:
         fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
     except OSError:
         return 0.0
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def pytest_unconfigure(config):
+    if _own_group and _own_group[0] is not None:  # out of it, and it gone once it is empty
+        with contextlib.suppress(OSError):
+            (_CPUACCT / "cgroup.procs").write_text(str(os.getpid()))
+            _own_group[0].rmdir()
 
 
 def pytest_runtest_logstart(nodeid, location):
@@ -107,14 +135,15 @@ def pytest_runtest_logstart(nodeid, location):
 
 def pytest_runtest_logfinish(nodeid, location):
     """With OPTIMUS_TEST_TIMELINE, one JSON line per test (set-up and tear-down included): its
-    worker, start, end and the machine's busy CPU seconds meanwhile: how the workers were kept
-    busy, and (one worker, a quiet machine) what each test costs (docs/benchmarks.md)."""
+    worker, start, end and CPU seconds (`_cpu_s`): how the workers were kept busy, and what
+    each test costs the machine (docs/benchmarks.md)."""
     if TIMELINE and nodeid in _started:
         start, cpu = _started.pop(nodeid)
         with open(TIMELINE, "a") as out:
             out.write(json.dumps({"worker": os.environ["PYTEST_XDIST_WORKER"],
                                   "test": nodeid, "start": start, "end": time.time(),
-                                  "machine_cpu_s": round(_cpu_s() - cpu, 2)}) + "\n")
+                                  "cpu_s": round(_cpu_s() - cpu, 2),
+                                  "cpu_of": "worker" if _worker_group() else "machine"}) + "\n")
 
 
 # The files whose tests take longest (measured: docs/benchmarks.md), started first: with
