@@ -180,8 +180,8 @@ def test_a_training_process_sends_heartbeats_in_the_protocol(socket_dir, tmp_pat
 
 def _train_beating(rank: int, world_size: int, overrides: list[str], agent_socket: str) -> None:
     os.environ["OPTIMUS_AGENT_SOCKET"] = agent_socket
-    if rank == 1:  # rank 1 peaks 128 MiB higher: the largest is not rank 0's own
-        torch.ones(32 << 20).sum()
+    if rank == 1:  # rank 1 peaks 512 MiB higher: the largest is not rank 0's own (the ranks'
+        torch.ones(128 << 20).sum()  # own peaks differ by ~65 MB: rank 0 writes the metrics)
     train(load_job(JOB, overrides))
 
 
@@ -200,7 +200,7 @@ def test_metrics_record_the_largest_peak_memory_any_rank_sent(run_ranks, socket_
     last = lines[-1]["memory"]
     assert last == {"allocated_bytes": own[1]["allocated_bytes"], "allocated_rank": 1,
                     "reserved_bytes": own[1]["reserved_bytes"], "reserved_rank": 1}
-    assert own[1]["allocated_bytes"] > own[0]["allocated_bytes"] + (64 << 20)
+    assert own[1]["allocated_bytes"] > own[0]["allocated_bytes"] + (256 << 20)
     # On a CPU: the peak RSS so far, in bytes, so at least the weights, their gradients and
     # Adam's two moments (float32), and never falling from one logged step to the next.
     model = build_model(load_job(JOB, overrides).model, seed=0, device="cpu")
