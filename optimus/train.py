@@ -274,13 +274,6 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             with heartbeat.phase("grad_sync"):  # the experts' load, all ranks; their balance
                 experts = expert_step(model.moe, job.model, mesh, device, update)
             progress.advance(step_tokens)
-            with heartbeat.phase("checkpoint"):
-                saves.after_step(step)
-            if snapshots is not None and step < job.optim.steps:
-                with heartbeat.phase("checkpoint_sync"):  # an all-reduce once, when auto
-                    note = snapshots.after_step(step, time.perf_counter() - started, state)
-                if note:
-                    log.event("snapshot", note, every=snapshots.every)
             if keep_sample_ids:
                 result.sample_ids.append([int(s) for mb in microbatches for s in mb["sample_ids"]])
 
@@ -304,6 +297,18 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                                        memory=memory))
             else:
                 log.samples(step, marked(data, update))
+
+            # The step's record first, then any save or snapshot of it: a rank lost after a
+            # point of step N is committed but before step N's record is written would leave a
+            # point that a restart resumes from with no record of what step N read (the data
+            # audit's hole, found under a CPU hog with a node killed at that moment).
+            with heartbeat.phase("checkpoint"):
+                saves.after_step(step)
+            if snapshots is not None and step < job.optim.steps:
+                with heartbeat.phase("checkpoint_sync"):  # an all-reduce once, when auto
+                    note = snapshots.after_step(step, time.perf_counter() - started, state)
+                if note:
+                    log.event("snapshot", note, every=snapshots.every)
 
             if held_out is not None and (step % job.eval.every == 0 or step == job.optim.steps):
                 with heartbeat.phase("eval"):

@@ -136,6 +136,22 @@ def test_metrics_file_holds_one_line_per_step(tmp_path):
         assert m["grad_norm"] > 0 and math.isfinite(m["loss"])
 
 
+def test_a_steps_record_is_written_before_its_checkpoint_is_saved(tmp_path):
+    """Step N's line (its samples' fingerprint) is on disk before a save of step N starts: a
+    rank lost after that save commits but before the line would leave a checkpoint a restart
+    resumes from with no record of what step N read (the data audit's hole). A synchronous
+    save every 2 steps: each save step's line counts the saves before it, not its own."""
+    raw = tiny(str(tmp_path), optim={"steps": 6},
+               checkpoint={"interval": 2, "async_mode": "sync"})
+    train(validate_job(raw, world=1))
+    lines = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    started = {m["step"]: m["checkpoint"]["saves_started"] for m in lines if "step" in m}
+    assert started == {1: 0, 2: 0, 3: 1, 4: 1, 5: 2, 6: 2}, started
+    committed = sorted(p.name for p in (tmp_path / "checkpoints").iterdir()
+                       if p.name.startswith("step_"))
+    assert committed == ["step_000000002", "step_000000004", "step_000000006"]
+
+
 def _write_job(tmp_path: Path, raw: dict) -> Path:
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(raw))
