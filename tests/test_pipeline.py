@@ -54,7 +54,7 @@ def test_rules_import_no_torch():
 
 
 def test_the_trainer_imports_no_dynamo_until_a_pipeline_or_a_compile_needs_it():
-    """Dynamo (~1.5 s of CPU) stays out of a rank's start: every rank, warm process and
+    """Dynamo (~0.6 s of CPU) stays out of a rank's start: every rank, warm process and
     standby pays its imports. Building a pipeline schedule or compiling brings it in."""
     code = ("import sys; import optimus.train; "
             "assert 'torch._dynamo' not in sys.modules, 'dynamo was imported'; "
