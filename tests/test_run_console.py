@@ -44,20 +44,23 @@ def test_run_says_load_validations_commits_and_completion_once_in_order(redis_se
     lines = out.stdout.splitlines()
     rows = metrics(run)
 
-    # Validations and commits, in the order rank 0 wrote them: a save is synchronous here, so
-    # each commit is in its own step's row, ahead of that step's validation; the final step's
-    # commit (after the last row) is the closing summary's.
+    # Validations and commits, in the order rank 0 wrote them: a step's row is written before
+    # its save starts (a step's record first), so a synchronous save's commit is in the next
+    # logged row, after that step's validation; the final step's commit (after the last row)
+    # is the closing summary's.
     said = [line for line in lines if line.startswith(("  validation", "  checkpoint"))]
     val = {r["step"]: r["val_loss"] for r in rows if r.get("event") == "eval"}
-    wrote = {r["step"]: r["checkpoint"]["last_write_s"] for r in rows
-             if "loss" in r and r["checkpoint"]["last_commit_step"] == r["step"]}
+    wrote: dict[int, float] = {}  # commit step -> its write time, from the first row saying it
+    for r in rows:
+        if "loss" in r and r["checkpoint"]["last_commit_step"] is not None:
+            wrote.setdefault(r["checkpoint"]["last_commit_step"], r["checkpoint"]["last_write_s"])
     assert sorted(val) == [10, 20, 30, 40] and sorted(wrote) == [10, 20, 30]
     expected = []
     for step in (10, 20, 30, 40):
+        expected.append(f"  validation loss {val[step]:.4f} at step {step}")
         if step in wrote:
             expected.append(f"  checkpoint step {step} committed (written in "
                             f"{wrote[step]:.1f} s)")
-        expected.append(f"  validation loss {val[step]:.4f} at step {step}")
     assert said == expected
     assert committed_steps(run / "checkpoints") == [10, 20, 30, 40]
     assert f"latest committed checkpoint: step {STEPS} in {run / 'checkpoints'}" in lines
