@@ -127,6 +127,11 @@ def write_job(path: Path, run_dir: Path, *, name: str = "e2e", steps: int = 30,
     return path
 
 
+def maps_torch(pid: int) -> bool:
+    """Whether process `pid` has torch's library mapped: it imported torch."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
 def metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -129,7 +129,10 @@ def chaos(url: str, *args: str) -> str:
 def test_chaos_stall_rank_is_a_slow_step_and_chaos_hang_rank_a_hang_with_its_rank_named(
         redis_server, tmp_path):
     run_dir = tmp_path / "run"
-    job = write_job(tmp_path / "job.yaml", run_dir, steps=10_000, **HANG)
+    # Paced like PACED, in both generations: the job trains on while the test waits on the
+    # control plane, at the CPU of the steps it needs.
+    pace = [{**f, "generation": g} for f in PACED for g in (0, 1)]
+    job = write_job(tmp_path / "job.yaml", run_dir, steps=10_000, faults=pace, **HANG)
     with open(tmp_path / "run.out", "w") as out:
         p = subprocess.Popen([sys.executable, "-m", "controller", "run", str(job), "--nodes",
                               "2", "--ranks-per-node", "1", "--spares", "1"], cwd=ROOT,

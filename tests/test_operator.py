@@ -41,6 +41,11 @@ from optimus.checkpoint.quarantine import quarantined
 from optimus.files import human_bytes
 
 JOB = "ops"
+# The module's job trains on while the tests talk to it (and the last one trains a reference
+# as far again): paced by a sleep in each rank's step, in every generation the module makes,
+# it costs the CPU of the steps the tests need, not of as many as the machine can run.
+PACE = [{"kind": "slow_rank", "rank": r, "step": 0, "seconds": 0.3, "generation": g}
+        for r in range(2) for g in range(4)]
 
 
 def optimus(*args: str, url: str, timeout: float = 120, stdin=None) -> subprocess.CompletedProcess:
@@ -60,7 +65,8 @@ class Live:
         self.run = tmp / "run"
         self.job = write_job(tmp / "job.yaml", self.run, name=JOB, steps=10_000,
                              memory_every=2,  # the controller reports the newest usable one
-                             peak_tflops=0.05)  # MFU is exported only with a known peak
+                             peak_tflops=0.05,  # MFU is exported only with a known peak
+                             faults=PACE)
         self.port = free_port()
         self.out = tmp / "optimus-run.out"
         with open(self.out, "w") as out:

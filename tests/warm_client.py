@@ -12,6 +12,7 @@ import os
 import select
 import socket
 import sys
+import time
 
 ZYGOTE_ENV = "OPTIMUS_TEST_WARM_SERVER"
 
@@ -24,6 +25,12 @@ def main() -> None:
     path = os.environ.get(ZYGOTE_ENV)
     if not path:
         fresh()
+    # The server binds its socket once it has imported the trainer (seconds after the test
+    # session starts): an agent of the session's first test waits for it rather than paying
+    # those imports again in a fresh warm process.
+    deadline = time.monotonic() + 15.0
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.1)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(30)

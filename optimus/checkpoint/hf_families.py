@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from optimus.checkpoint.manifest import CheckpointError
-from optimus.models.moe import is_moe_layer
+from optimus.models.counts import is_moe_layer
 
 
 @dataclass(frozen=True)

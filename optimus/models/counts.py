@@ -1,8 +1,15 @@
-"""Parameter and FLOP counts of the GPT (dense or MoE), by formula (for MFU and planning)."""
+"""Parameter and FLOP counts of the GPT (dense or MoE), by formula (for MFU and planning).
+
+Torch-free: the planner and the controller (which plans the layouts a smaller job may take)
+read these without importing torch."""
 
 from __future__ import annotations
 
-from optimus.models.moe import is_moe_layer
+
+def is_moe_layer(cfg, layer: int) -> bool:
+    """Whether layer `layer` of a model config has a mixture of experts as its feed-forward."""
+    moe = getattr(cfg, "moe", None)
+    return bool(moe is not None and moe.experts) and layer >= moe.dense_layers
 
 
 def _matmul_params_per_layer(cfg, layer: int, active: bool) -> int:

@@ -56,11 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def is_moe_layer(cfg, layer: int) -> bool:
-    """Whether layer `layer` of a model config has a mixture of experts as its feed-forward."""
-    moe = getattr(cfg, "moe", None)
-    return bool(moe is not None and moe.experts) and layer >= moe.dense_layers
+from optimus.models.counts import is_moe_layer  # noqa: F401 (where the model's users look)
 
 
 class GroupedExperts(nn.Module):

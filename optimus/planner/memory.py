@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
-from optimus.models.moe import is_moe_layer
+from optimus.models.counts import is_moe_layer
 from optimus.parallel.schedule_rules import SPLIT_BACKWARD, stage_ids, stage_layers, stage_style
 from optimus.planner.schedules import in_flight
 

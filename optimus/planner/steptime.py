@@ -39,8 +39,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from optimus.models.counts import flops_per_token, matmul_param_count
-from optimus.models.moe import is_moe_layer
+from optimus.models.counts import flops_per_token, is_moe_layer, matmul_param_count
 from optimus.parallel.schedule_rules import stage_ids, stage_layers, stage_style
 from optimus.planner.machines import Machine
 from optimus.planner.memory import COMPUTE, GRAD, PlanLayout, _layer_activation, shape_of
