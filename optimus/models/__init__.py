@@ -1,21 +1,14 @@
 """The dense GPT: plain PyTorch, built on meta and initialised deterministically.
 
-The model's classes are imported on first use (PEP 562): the counts, which the planner and the
+The model's classes load on first use (optimus/lazy.py): the counts, which the planner and the
 controller read, need no torch, and importing any module of this package runs this file.
 """
 
+from optimus.lazy import lazy_names
 from optimus.models.counts import flops_per_token, matmul_param_count, param_count
 
-_FROM_GPT = ("GPT", "Attention", "Block", "FeedForward", "RMSNorm", "build_model",
-             "default_ffn_dim", "init_weights", "materialize")
-
-
-def __getattr__(name: str):
-    if name in _FROM_GPT:
-        from optimus.models import gpt
-
-        return getattr(gpt, name)
-    raise AttributeError(f"module 'optimus.models' has no attribute {name!r}")
-
-
-__all__ = [*_FROM_GPT, "flops_per_token", "matmul_param_count", "param_count"]
+_WHERE = {name: "gpt" for name in ("GPT", "Attention", "Block", "FeedForward", "RMSNorm",
+                                   "build_model", "default_ffn_dim", "init_weights",
+                                   "materialize")}
+__all__ = [*sorted(_WHERE), "flops_per_token", "matmul_param_count", "param_count"]
+__getattr__ = lazy_names(__name__, _WHERE)
