@@ -97,9 +97,13 @@ def _ok(*args: str, url: str) -> subprocess.CompletedProcess:
 
 def test_an_operators_chaos_spike_and_rewind_on_a_running_job(redis_server, procs, tmp_path):
     run = tmp_path / "run"
-    # Steps to spare: each pause below is asked for once the job is past a step, and a 70-step
-    # job finished before the second pause reached it under a CPU hog.
-    job = _job(tmp_path / "job.yaml", run, steps=300)
+    # Each pause below is asked for once the job is past a step: a 70-step job that ran flat
+    # out finished before the second pause reached it under a CPU hog. Paced (0.3 s a step in
+    # every rank of the three generations), 80 steps leave the second pause 10 s or more
+    # however fast the machine, and the job ends soon after the last command.
+    pace = [{"kind": "slow_rank", "rank": r, "step": 0, "seconds": 0.3, "generation": g}
+            for r in (0, 1) for g in range(3)]
+    job = _job(tmp_path / "job.yaml", run, pace, steps=80)
     procs.start("c1", "controller", str(job), "--nodes", "2", "--ranks-per-node", "1",
                 "--redis", redis_server.url, "--exit-when-done")
     for i in range(3):
