@@ -91,7 +91,9 @@ def test_training_rides_out_a_failover_of_the_redis_primary(sentinels, tmp_path)
     agents = [(run / "control" / f"agent-node{i}.log").read_text() for i in range(3)]
     assert all("Redis unreachable" in a and "Redis answers again" in a for a in agents)
     # Longer than the heartbeat timeout: judged on the wall clock alone, every node was lost.
-    assert HEARTBEAT_TIMEOUT_S < failover_s < 15
+    # How much longer is the sentinels' election and the machine's load (printed above), not
+    # the controller's: no upper bound is asserted.
+    assert HEARTBEAT_TIMEOUT_S < failover_s
 
 
 def _lease_ttl(port: int) -> int:
