@@ -363,11 +363,14 @@ def test_over_tls_a_pull_works_and_a_plain_client_is_refused(tmp_path, keeper, m
         assert shard_files(c.held / source.name, rank)[0].read_bytes() == \
             shard_files(source, rank)[0].read_bytes()
 
-    with caplog.at_level(logging.WARNING, logger="optimus.agent"):
+    # DEBUG: a plain client that closes before sending a byte is, to the server, a connection
+    # closed in its TLS handshake (what the controller's probe does too: said at debug); one
+    # that sent its bytes is dropped there with a warning. Either names the TLS handshake.
+    with caplog.at_level(logging.DEBUG, logger="optimus.agent"):
         with pytest.raises((OSError, ValueError)):
             pull(b.address, SECRET, tmp_path / "plain" / source.name, [0, 1], c.lock)  # no TLS
         # The server says why on its connection's thread, maybe after the client gave up.
-        wait_for(lambda: any("TLS" in r.getMessage() for r in caplog.records), 30,
+        wait_for(lambda: any("TLS handshake" in r.getMessage() for r in caplog.records), 30,
                  "the server's warning about the plain client")
     assert not (tmp_path / "plain").exists()
 
