@@ -27,7 +27,7 @@ import torch
 
 from optimus.checkpoint.hf_families import GLM4_MOE, QWEN2_MOE, Family
 from optimus.checkpoint.manifest import CheckpointError
-from optimus.models.moe import is_moe_layer
+from optimus.models.counts import is_moe_layer
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from optimus.models.moe import MoE, is_moe_layer
+from optimus.models.counts import is_moe_layer
+from optimus.models.moe import MoE
 
 
 def default_ffn_dim(dim: int, multiple_of: int) -> int:

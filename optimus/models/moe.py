@@ -56,8 +56,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from optimus.models.counts import is_moe_layer  # noqa: F401 (where the model's users look)
-
 
 class GroupedExperts(nn.Module):
     """`experts` SwiGLU feed-forwards with stacked weights: w2(silu(w1 x) * w3 x) each."""

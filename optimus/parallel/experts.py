@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from optimus.models.moe import MoE, is_moe_layer
+from optimus.models.counts import is_moe_layer
+from optimus.models.moe import MoE
 from optimus.runtime.dims import own_group
 
 
