@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from optimus.config import validate_job
-from optimus.data import SyntheticCorpus, build_loader, build_source, prepare
+from optimus.data import SyntheticCorpus, build_loader, build_source
+from optimus.data.prepare import prepare
 from optimus.models import build_model
 from optimus.train import train
 

@@ -19,8 +19,8 @@ from optimus.data import (
     build_loader,
     build_source,
     load_tokenizer,
-    prepare,
 )
+from optimus.data.prepare import prepare
 
 EOS = 256
 

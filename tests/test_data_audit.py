@@ -11,9 +11,10 @@ import pytest
 from click.testing import CliRunner
 
 from optimus.cli import main
-from optimus.data import Mixture, TokenShards, prepare
+from optimus.data import Mixture, TokenShards
 from optimus.data.audit import _source_counts, audit
 from optimus.data.mixture import BLOCK, quotas
+from optimus.data.prepare import prepare
 from optimus.metrics import sample_fingerprint
 
 B = 8  # samples per step

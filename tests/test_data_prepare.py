@@ -19,7 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from optimus.data import DataError, TokenShards, prepare
+from optimus.data import DataError, TokenShards
+from optimus.data.prepare import prepare
 
 EOS = 256
 REPO = Path(__file__).resolve().parents[1]

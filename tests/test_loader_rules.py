@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from optimus.data import DataError, SyntheticCorpus, TokenShards, prepare
+from optimus.data import DataError, SyntheticCorpus, TokenShards
 from optimus.data.loader import MicrobatchSampler, WindowDataset, build_loader, build_source
 from optimus.data.mixture import Mixture
 from optimus.data.order import FeistelPermutation, SampleOrder, _mix64, block_permutation
+from optimus.data.prepare import prepare
 
 SEQ = 8
 

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from optimus.config import ConfigError, validate_job
-from optimus.data import DataError, Mixture, TokenShards, build_loader, build_source, prepare
+from optimus.data import DataError, Mixture, TokenShards, build_loader, build_source
 from optimus.data.mixture import BLOCK, quotas
+from optimus.data.prepare import prepare
 
 SEQ = 8
 WEIGHTS = [0.6, 0.3, 0.1]

@@ -26,7 +26,8 @@ from controller.control.event_log import EventLog
 from controller.store.store import Store
 from optimus.cli import main
 from optimus.config import validate_job
-from optimus.data import Mixture, TokenShards, prepare
+from optimus.data import Mixture, TokenShards
+from optimus.data.prepare import prepare
 from optimus.metrics import logs_step
 from optimus.report import build_report, read_run
 from optimus.report.facts import facts

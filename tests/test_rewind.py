@@ -99,18 +99,23 @@ def test_an_operators_chaos_spike_and_rewind_on_a_running_job(redis_server, proc
     run = tmp_path / "run"
     # Each pause below is asked for once the job is past a step: a 70-step job that ran flat
     # out finished before the second pause reached it under a CPU hog. Paced (0.3 s a step in
-    # every rank of the three generations), 80 steps leave the second pause 10 s or more
+    # every rank of the three generations), 84 steps leave the second pause 10 s or more
     # however fast the machine, and the job ends soon after the last command.
     pace = [{"kind": "slow_rank", "rank": r, "step": 0, "seconds": 0.3, "generation": g}
             for r in (0, 1) for g in range(3)]
-    job = _job(tmp_path / "job.yaml", run, pace, steps=80)
+    # The spike lands 3 steps after the pause, at step 19 or later: in the first steps the loss
+    # falls so fast that 6 sigma of the window reached a random batch's loss (~5.9: a quiet
+    # run paused at 13 and its spike at 16 stayed under a threshold of 6.08). At 3 sigma the
+    # threshold from step 19 on is ~4.2; a tiny model's noisy late steps are held off by
+    # `loss_min_rise` (50%).
+    job = _job(tmp_path / "job.yaml", run, pace, steps=84, loss_sigma=3.0)
     procs.start("c1", "controller", str(job), "--nodes", "2", "--ranks-per-node", "1",
                 "--redis", redis_server.url, "--exit-when-done")
     for i in range(3):
         procs.start(f"agent{i}", "agent", "--job", "e2e", "--node", f"node{i}",
                     "--redis", redis_server.url, "--interval", "0.25")
     store = Store(redis_server.url, "e2e")
-    wait_for(lambda: (store.furthest_step() or 0) >= 12, 180, "step 12")
+    wait_for(lambda: (store.furthest_step() or 0) >= 16, 180, "step 16")
     # Paused while the commands go out: what they ask for does not race a fast job.
     _ok("job", "pause", "--yes", "--wait", url=redis_server.url)
     at = store.furthest_step() + 3

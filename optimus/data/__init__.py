@@ -1,11 +1,11 @@
 """Data: tokenizers, token shards, a synthetic corpus, and the resumable sample loader.
 
 The loader's names load on first use (optimus/lazy.py): it imports torch, and the `optimus`
-command imports `DataError` from here.
+command imports `DataError` from here. `prepare` is imported from its own module
+(`optimus.data.prepare`, which loads numpy): a lazy name cannot share a submodule's name.
 """
 
 from optimus.data.errors import DataError
-from optimus.data.prepare import prepare
 from optimus.lazy import lazy_names
 
 _WHERE = {
@@ -14,5 +14,5 @@ _WHERE = {
     "Mixture": "mixture", "TokenShards": "shards", "SyntheticCorpus": "synthetic",
     "ByteTokenizer": "tokenizer", "HFTokenizer": "tokenizer", "load_tokenizer": "tokenizer",
 }
-__all__ = ["DataError", "prepare", *sorted(_WHERE)]
+__all__ = ["DataError", *sorted(_WHERE)]
 __getattr__ = lazy_names(__name__, _WHERE)
