@@ -146,17 +146,19 @@ def pytest_runtest_logfinish(nodeid, location):
                                   "cpu_of": "worker" if _worker_group() else "machine"}) + "\n")
 
 
-# The files whose tests take longest (measured: docs/benchmarks.md), started first: with
+# The files whose tests take longest (wall, measured: docs/benchmarks.md), started first: with
 # `--dist loadfile --no-loadscope-reorder` (make test) each worker takes the next file when it
 # is nearly free, so the longest begin at once and the short ones fill the gaps, instead of a
 # several-minute file starting last and running alone. A file stays in one worker: its tests
 # share module-scoped set-up (a live job that later tests build on, a Slurm cluster). A file
 # not named here only starts later.
-LONGEST_FIRST = ("test_compile", "test_detection", "test_chaos_soak", "test_control_plane",
-                 "test_readme", "test_moe", "test_memory_recovery", "test_operator",
-                 "test_checkpoint_resume", "test_parallel_matrix", "test_slurm", "test_clean_exit",
-                 "test_pbs", "test_health", "test_precision", "test_health_warm",
-                 "test_torch_compat", "test_trust_secrets")
+LONGEST_FIRST = ("test_chaos_soak", "test_detection", "test_control_plane", "test_compile",
+                 "test_readme", "test_slurm", "test_moe", "test_pbs", "test_checkpoint_resume",
+                 "test_inprocess", "test_operator", "test_rewind", "test_parallel_matrix",
+                 "test_clean_exit", "test_trust_secrets", "test_resize", "test_compile_cache",
+                 "test_memory_recovery", "test_precision", "test_snapshot_link_security",
+                 "test_health", "test_stability", "test_planner", "test_sentinel",
+                 "test_warm_start", "test_checkpoint_commit")
 
 
 def pytest_collection_modifyitems(config, items):
