@@ -77,6 +77,7 @@ def main() -> None:
     import optimus.train  # noqa: F401  (the point: every import a rank would do, done once)
     from optimus.cli import main as optimus_main
 
+    _first_use_imports()
     serve(optimus_main)
 
 
@@ -177,11 +178,22 @@ def standby(device_index: int) -> None:
     import optimus.train  # noqa: F401  (the point: every import a rank would do, done now)
     from optimus.cli import main as optimus_main
 
+    _first_use_imports()
     _start_device(device_index)
     line = sys.stdin.buffer.readline()
     if not line:
         return  # the agent is gone, or let this standby go
     _run_as_rank(json.loads(line), optimus_main)  # never returns
+
+
+def _first_use_imports() -> None:
+    """What a rank imports on its first use of torch rather than at its own imports: building
+    the model on the meta device (torch's meta kernels are Python references that import
+    dynamo on first call) and DTensor's first sharding decision both import torch._dynamo,
+    ~0.5 s of CPU that every forked rank paid again, on a restart's critical path (a new
+    rank's peers wait for it in the resume's agreement). `optimus.train` itself does not
+    import it: a one-process job that builds no model on meta never needs it."""
+    import torch._dynamo  # noqa: F401
 
 
 def _start_device(index: int) -> None:

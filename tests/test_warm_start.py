@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -178,3 +179,35 @@ def test_a_standby_process_becomes_the_rank_it_is_handed(tmp_path):
     finally:
         s.close()
     assert not any(_alive(pid) for pid in (*waiting.values(), *replaced.values()))
+
+
+FIRST_STEPS = """
+import json, os, sys
+import optimus.train
+from optimus import warm
+from optimus.cli import main
+if sys.argv[1] == "prepared":
+    warm._first_use_imports()
+before = set(sys.modules)
+try:
+    main(["train", sys.argv[2]], standalone_mode=False)
+finally:
+    print(json.dumps(sorted(set(sys.modules) - before)))
+"""
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "bare"])
+def test_the_warm_process_is_past_what_a_ranks_first_steps_import(tmp_path, prepared):
+    """What a rank forked from the warm process would import in its first steps (its model
+    built on meta, a step, DTensor's first decisions): nothing of dynamo once the warm process
+    is prepared as it is before it serves; without that, dynamo and its friends (~0.5 s of
+    CPU, on a restart's critical path: the resume's agreement waits for the new rank)."""
+    job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=5, memory_every=0)
+    env = {**_env(), "OPTIMUS_WARM_START": "0"}
+    out = subprocess.run([sys.executable, "-c", FIRST_STEPS,
+                          "prepared" if prepared else "bare", str(job)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    imported = json.loads(out.stdout.strip().splitlines()[-1])
+    dynamo = [m for m in imported if m.startswith("torch._dynamo")]
+    assert (dynamo == []) == prepared, (prepared, dynamo[:5], len(imported))

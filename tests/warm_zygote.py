@@ -88,6 +88,8 @@ def main() -> None:
     from optimus import warm
     from optimus.cli import main as optimus_main
 
+    warm._first_use_imports()  # as the warm process does before it serves
+
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
