@@ -28,7 +28,8 @@ def assumed(value: float, source: str):
 REC = ("bench/recovery.py --trials 3 --modes warm-memory-inprocess, 2026-11-28 05:01 "
        "(2-core VM)")
 REC2 = ("bench/recovery.py --trials 3 --faults kill_node,kill_rank --modes "
-        "warm-memory-inprocess, 2026-11-29 01:35, a lost node decided by the probe (2-core VM)")
+        "warm-memory-inprocess, 2026-11-29 12:09, a lost node decided by the probe, the warm "
+        "process past the ranks' first-use imports (2-core VM)")
 REC_COLD = "bench/recovery.py --trials 3, cold starts, 2026-11-23 21:59 (2-core VM)"
 CKPT = "bench/checkpoint.py, process mode, bare-bytes storage, 2026-11-21 08:35 (2-core VM)"
 SNAP = "bench/snapshot_overhead.py, 1 training thread, 2026-11-28 (2-core VM)"
@@ -39,13 +40,13 @@ SCALE = "bench/controller_scale.py --sizes ...,131072, 2026-11-21 11:40 (2-core 
 @dataclass(frozen=True)
 class Inputs:
     # -- measured here (docs/benchmarks.md) --------------------------------------------------
-    decision_kill_rank_s: float = measured(0.11, REC2)
+    decision_kill_rank_s: float = measured(0.07, REC2)
     decision_freeze_rank_s: float = measured(3.06, REC)
     decision_kill_node_s: float = measured(1.45, REC2)
     recovery_timeout_s: float = measured(3.0, REC + ": heartbeat timeout of those runs")
     recovery_interval_s: float = measured(0.5, REC2 + ": heartbeat interval of those runs")
     recovery_grace_s: float = measured(1.0, REC + ": failure grace of those runs")
-    next_step_warm_kill_rank_s: float = measured(1.22, REC2)
+    next_step_warm_kill_rank_s: float = measured(1.31, REC2)
     next_step_warm_freeze_rank_s: float = measured(4.88, REC)
     next_step_warm_kill_node_s: float = measured(2.12, REC2)
     next_step_cold_kill_rank_s: float = measured(5.26, REC_COLD)
