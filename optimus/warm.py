@@ -191,8 +191,9 @@ def _first_use_imports() -> None:
     the model on the meta device (torch's meta kernels are Python references that import
     dynamo on first call) and DTensor's first sharding decision both import torch._dynamo,
     ~0.5 s of CPU that every forked rank paid again, on a restart's critical path (a new
-    rank's peers wait for it in the resume's agreement). `optimus.train` itself does not
-    import it: a one-process job that builds no model on meta never needs it."""
+    rank's peers wait for it in the resume's agreement). Here it is paid once per node;
+    `optimus.train` does not import it at import (a cold rank pays it at its first model
+    build either way; what imports the trainer without training does not)."""
     import torch._dynamo  # noqa: F401
 
 
