@@ -264,3 +264,38 @@ def test_forgetting_the_meshes_empties_dtensor_s_cached_decisions():
         assert stats() == (0, 0)
     finally:
         destroy_distributed()
+
+
+def test_stale_groups_are_looked_for_only_when_a_mesh_outlived_its_generation(monkeypatch):
+    """drop_stale_groups walks every object of the process (~0.1-0.3 s between generations) only
+    when a mesh the rank built is still alive after the collection (a cache of torch's holding
+    it, as 2.11's did): then it still finds it and empties its registry of groups."""
+    import gc
+
+    import torch.distributed as dist
+
+    from optimus.runtime import dims
+    from optimus.runtime.dims import ParallelDims, meshes_alive
+    from optimus.runtime.dist import destroy_distributed, drop_stale_groups
+
+    walks = []
+    real = gc.get_objects
+    monkeypatch.setattr(gc, "get_objects", lambda *a: walks.append(1) or real(*a))
+    monkeypatch.setattr(dims, "_BUILT", [])  # whatever meshes this test process built before
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = ParallelDims(dp=1, tp=1, pp=1, ep=1, world_size=1).build_mesh("cpu")
+        held_by_a_cache = [mesh["dp"]]  # a submesh: it holds its root
+        del mesh
+        gc.collect()
+        assert meshes_alive()
+        mesh_of_submesh = held_by_a_cache[0]._get_root_mesh()
+        mesh_of_submesh._pg_registry["stale"] = object()  # as 2.11 kept its groups
+        assert drop_stale_groups() >= 1 and walks == [1]
+        assert mesh_of_submesh._pg_registry == {}
+        del held_by_a_cache, mesh_of_submesh
+        gc.collect()
+        assert not meshes_alive() and dims._BUILT == []
+        assert drop_stale_groups() == 0 and walks == [1]  # no second walk
+    finally:
+        destroy_distributed()

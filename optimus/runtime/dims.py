@@ -10,6 +10,7 @@ all exist, size 1 included.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -108,7 +109,20 @@ class ParallelDims:
         with _unbound_if_unsplittable():
             mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_DIMS)
             mesh["edp", "ep"]._flatten("dp")
+        _BUILT.append(weakref.ref(mesh))
         return mesh
+
+
+# The root meshes this process built, by identity (DeviceMesh's own equality calls two
+# generations' meshes of one shape the same): whether one outlived its generation. Every
+# submesh and flattened mesh holds its root, so none is alive once these are gone.
+_BUILT: list[weakref.ref] = []
+
+
+def meshes_alive() -> bool:
+    """Whether a mesh this process built (or one derived from it) is still alive."""
+    _BUILT[:] = [ref for ref in _BUILT if ref() is not None]
+    return bool(_BUILT)
 
 
 def own_group(mesh: DeviceMesh, axes: tuple[str, ...]) -> dist.ProcessGroup | None:
