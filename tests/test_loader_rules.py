@@ -8,6 +8,7 @@ of the on-disk contract (a resumed job would read other samples), not a refactor
 
 from __future__ import annotations
 
+import threading
 import types
 
 import numpy as np
@@ -251,6 +252,41 @@ def test_build_loader_defaults_start_at_0_in_this_process():
     assert (loader.num_workers, loader.prefetch_factor) == (0, None)
     assert _take(loader, 1)[0] == [[0, 1, 2, 3]]
     assert build_source("synthetic", vocab_size=257).seed == 0
+
+
+_HELD = threading.Lock()  # held by a thread of the test process while its loader's workers read
+
+
+class LockedRamp(Ramp):
+    """A Ramp that reads only where _HELD is free: in a process forked from the test's, the
+    lock is held (a fork copies it as the holding thread left it), in a fresh one it is not."""
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        if not _HELD.acquire(blocking=False):
+            raise RuntimeError("this worker inherited a lock another thread of its parent held")
+        _HELD.release()
+        return super().read(start, length)
+
+
+def test_workers_do_not_inherit_the_ranks_threads_half_way():
+    """A rank's threads (collectives, heartbeat, checkpoint writer, torch's pools) hold locks
+    at any moment; a worker forked from the rank inherits them held (and a pool half-built:
+    SIGSEGV at start-up). The loader's workers come from a forkserver, so a lock one of the
+    rank's threads holds while they start is free in them, and they read what num_workers=0
+    reads."""
+    loader = build_loader(LockedRamp(SEQ * 50 + 1), seq_len=SEQ, batch_size=8, microbatches=2,
+                          dp_rank=0, dp_size=1, seed=0, num_workers=2)
+    assert loader.multiprocessing_context.get_start_method() == "forkserver"
+    held, done = threading.Event(), threading.Event()
+    holder = threading.Thread(target=lambda: (_HELD.acquire(), held.set(), done.wait(60),
+                                              _HELD.release()))
+    holder.start()
+    try:
+        held.wait(60)
+        assert _take(loader, 6) == _take(_loader(), 6)
+    finally:
+        done.set()
+        holder.join()
 
 
 def test_prefetch_factor_is_passed_only_with_workers():

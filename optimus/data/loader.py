@@ -13,6 +13,8 @@ index.
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.forkserver
 import warnings
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -170,7 +172,31 @@ def build_loader(
             batch_sampler=sampler,
             num_workers=num_workers,
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            multiprocessing_context=_worker_context() if num_workers > 0 else None,
         )
+
+
+# Modules a loader worker needs before it reads a sample (what unpickling its dataset imports).
+_WORKER_IMPORTS = ("torch", "numpy", __name__)
+
+
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """Workers are forked from a forkserver (a single-threaded process that imported torch
+    and this module once), never from the rank: a rank holds threads (its collectives', its
+    heartbeat's, a checkpoint writer's, torch's thread pools) and a child forked from it
+    inherits their locks and pools half-way; a worker forked from a test process that had run
+    hundreds of tests died of SIGSEGV at start-up (both of a loader's workers at once). The
+    server outlives the loader: an in-process restart's new loader forks from it at once.
+
+    The preload list is the process's one forkserver's (multiprocessing has one a process):
+    ours is added to what another part of the process asked for, never put in its place.
+    Reading it is a private attribute of CPython's forkserver module (3.11); without it, ours
+    alone."""
+    ctx = multiprocessing.get_context("forkserver")
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    asked = [m for m in getattr(server, "_preload_modules", None) or [] if m != "__main__"]
+    ctx.set_forkserver_preload(asked + [m for m in _WORKER_IMPORTS if m not in asked])
+    return ctx
 
 
 def build_source(
