@@ -100,6 +100,9 @@ def test_fault_excludes_the_culprit_and_finishes_on_the_spare(fault, evidence, m
             "and its host refused a connection to it (the agent is gone)")
     assert journal["plan"]["generation"] == 1
     assert journal["plan"]["nodes"] == [survivor, spare]  # the spare took the culprit's place
+    # The plan carried the port node 0's agent held for it (controller/node/ports.py): the
+    # spare launched without waiting for it to be picked and relayed.
+    assert 1024 <= int(journal["plan"]["master_port"]) < 65_536, journal["plan"]
     assert f"node {culprit} excluded" in out.stdout
     assert f"spares brought in: {spare}" in out.stdout
     # The survivor's rank went on in process: the same PID in generation 1 (in-process

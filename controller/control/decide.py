@@ -402,7 +402,7 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
             "layout": layout["layout"]} if layout and layout["overrides"] else {}),
         "generation": gen, "action": "run", "nodes": chosen,
         "ranks_per_node": s.ranks_per_node, "world_size": len(chosen) * s.ranks_per_node,
-        "master_addr": obs.nodes[chosen[0]].host, "master_port": 0,  # node 0's agent picks it
+        "master_addr": obs.nodes[chosen[0]].host, "master_port": _offered(obs, chosen[0]),
         "resume_step": resume_step, "grace_s": s.failure_grace_s,
         "buddies": recovery.buddies(chosen, sorted(usable - set(chosen)),
                                     {n: v.snapshot_addr for n, v in obs.nodes.items()}),
@@ -423,6 +423,15 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
                                       "full_layout": s.layouts[s.nodes]["layout"],
                                       "full_tokens_per_s": s.layouts[s.nodes]["tokens_per_s"]}
                                      if layout and s.nodes in s.layouts else {}))
+
+
+def _offered(obs: Observed, node: str) -> int:
+    """The rendezvous port node 0's agent holds for the next plan (controller/node/ports.py):
+    with it in the plan every node launches at once. 0 (its agent picks one when the plan
+    arrives, relayed to the others) when it offers none, or still the one the last plan took
+    (its status not yet renewed: that generation's store may still listen there)."""
+    port = obs.nodes[node].next_port
+    return port if port and port != (obs.plan or {}).get("master_port") else 0
 
 
 def _finish(d: Decision, obs: Observed, s: Settings, state: str, reason: str,

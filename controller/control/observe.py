@@ -99,6 +99,7 @@ class Observer:
                 generation=int(st["generation"]) if st.get("generation") else None,
                 live_ranks=int(st.get("live_ranks", 0)), last_beat=beats.get(name, 0.0),
                 snapshot_addr=node_info.get("snapshot_addr", ""),
+                next_port=records.port(st.get("next_port")),
                 failed_saves=records.count(st.get("failed_saves")))
         return Observed(now=now, job=job, plan=plan, nodes=nodes, latest_step=latest,
                         skipped=skipped, suspect_steps=suspect, unhealthy=unhealthy,

@@ -92,3 +92,12 @@ def number(value) -> float | None:
 def count(text: str | None) -> int | None:
     """A small count an agent wrote (validated: it crossed a boundary)."""
     return int(text) if isinstance(text, str) and text.isdigit() and len(text) < 7 else None
+
+
+def port(text: str | None) -> int:
+    """A rendezvous port an agent offers (`next_port`, controller/node/ports.py): a number
+    above the privileged range, else 0 (none offered: the plan carries none)."""
+    if (isinstance(text, str) and text.isascii() and text.isdigit() and len(text) <= 5
+            and 1024 <= int(text) < 65_536):
+        return int(text)
+    return 0

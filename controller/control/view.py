@@ -147,6 +147,7 @@ class NodeView:
     live_ranks: int = 0
     last_beat: float = 0.0
     snapshot_addr: str = ""  # host:port of its agent's snapshot server
+    next_port: int = 0  # the rendezvous port its agent holds for a plan making it node 0
     failed_saves: int | None = None  # saves failed in a row, as its ranks last said
 
 

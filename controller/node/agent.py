@@ -55,6 +55,7 @@ from controller.node.checks import Checks
 from controller.node.commands import Commands
 from controller.node.folders import private_folder
 from controller.node.lifecycle import Lifecycle
+from controller.node.ports import PortOffer
 from controller.node.ranks import (
     RankProcess,
     deadline,
@@ -88,6 +89,7 @@ class Agent(Lifecycle, Commands, Checks):
         self.generation: int | None = None  # the generation launched here, if any
         self.plan: dict | None = None  # its plan
         self.waiting_port: dict | None = None  # a run plan waiting for node 0's master port
+        self.ports = PortOffer()  # the rendezvous port offered for the next plan (ports.py)
         self.unreported: list[dict] = []  # exits Redis has not taken yet
         self.reset_ranks = True
         self.plan_stamp: str | None = None  # of the last plan read
@@ -164,6 +166,7 @@ class Agent(Lifecycle, Commands, Checks):
             return 0
         finally:
             self.waker.close()
+            self.ports.close()
             self.spawner.close()
             self.snapshots.close()
             self.sock.close()
@@ -200,7 +203,8 @@ class Agent(Lifecycle, Commands, Checks):
                 "state": state, "live_ranks": len(live), "host": self.host,
                 "pids": [p.popen.pid for p in live], "rank_states": rank_states(live, self.beats),
                 "failed_saves": self.failed_saves, "refused": self.refusal or "",
-                "waiting_ranks": len(self._waiting()), "restarts": self.restarts}
+                "waiting_ranks": len(self._waiting()), "restarts": self.restarts,
+                "next_port": self.ports.port}
 
     @staticmethod
     def _told(status: dict) -> tuple:

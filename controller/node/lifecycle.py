@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import time
 from collections import deque
 from pathlib import Path
@@ -124,24 +123,25 @@ class Lifecycle:
     def _launch(self, plan: dict) -> None:
         gen = plan["generation"]
         node_rank = plan["nodes"].index(self.node)
-        port = plan.get("master_port") or 0
-        if not port:
-            if node_rank == 0:
-                port = _free_port()
+        port = plan.get("master_port") or 0  # node 0's offered port (ports.py), or none yet
+        if node_rank == 0:
+            taken = self.ports.take(port)
+            if not port:  # a plan without it: the others hear it by the controller's relay
+                port = taken
                 try:
                     self.store.set_master_port(gen, port)
                 except StoreUnavailable as e:
                     self._note_outage(e)
                     return
-            else:
-                try:
-                    port = self.store.master_port(gen) or 0
-                except StoreUnavailable as e:
-                    self._note_outage(e)
-                    return
-                if not port:
-                    self.waiting_port = plan  # node 0 has not picked it yet: next tick
-                    return
+        elif not port:
+            try:
+                port = self.store.master_port(gen) or 0
+            except StoreUnavailable as e:
+                self._note_outage(e)
+                return
+            if not port:
+                self.waiting_port = plan  # node 0 has not picked it yet: next tick
+                return
         self.waiting_port = None
         if self.no_save:  # that was the last generation's
             self.no_save = False
@@ -360,12 +360,6 @@ class Lifecycle:
         p.stop_sent, p.spared = None, False  # a stop it was sent is done: no SIGKILL for it
         if self.ended:
             self._dismiss([p])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def skip_steps(plan: dict) -> str:
