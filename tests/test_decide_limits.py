@@ -13,6 +13,7 @@ messages that name what they cut short.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from test_decide import NOW, H, S, beat, busy, node, running, running_plan
@@ -312,3 +313,27 @@ def test_names_lists_eight_nodes_and_counts_the_rest():
     assert names(eight) == "n0, n1, n2, n3, n4, n5, n6, n7"
     assert names([*eight, "n8"]) == "n0, n1, n2, n3, n4, n5, n6, n7 and 1 more"
     assert names([*eight, "n8", "n9"], shown=2) == "n0, n1 and 8 more"
+
+
+def test_a_spare_that_missed_beats_is_launched_on_only_once_it_beats_again_or_is_gone():
+    """Killed a moment before the node it was to replace, a spare is still alive to the
+    controller (its probe not yet answered, agent_timeout_s not passed): the plan waits for
+    it rather than launching on it (or resuming from the copy it held)."""
+    restarting = JobView(state=RESTARTING, generation=0, restarts=1, next_plan_at=NOW - 1)
+    plan = {**running_plan(), "action": "stop"}
+    drained = {"n0": node("n0", excluded="killed", generation=0), "n1": node("n1", generation=0),
+               "n2": dataclasses.replace(node("n2"), silent=True)}
+
+    def planned(nodes):
+        return decide(Observed(now=NOW, job=restarting, plan=plan, nodes=nodes,
+                               latest_step=40), S).plan
+
+    assert planned(drained) is None
+    assert planned({**drained, "n2": node("n2")})["nodes"] == ["n1", "n2"]  # it beat again
+    gone = {**drained, "n2": dataclasses.replace(node("n2", alive=False), silent=True),
+            "n3": node("n3")}
+    assert planned(gone)["nodes"] == ["n1", "n3"]
+    # A survivor's own silence is the lost-node rule's to judge (detect.py), not this one's.
+    quiet_survivor = {**drained, "n1": dataclasses.replace(drained["n1"], silent=True),
+                      "n2": node("n2")}
+    assert planned(quiet_survivor)["nodes"] == ["n1", "n2"]

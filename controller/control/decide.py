@@ -377,6 +377,11 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
     memory, not_used = recovery.memory_resume(obs, chosen, usable)
     if memory is not None:
         chosen = memory.pop("nodes")
+    if any(obs.nodes[n].silent for n in chosen if n not in previous):
+        # A spare whose agent missed beats is not launched on, nor trusted with the copy it
+        # holds, until it beats again or is found gone (its host probed, or agent_timeout_s):
+        # a spare killed a moment before the node it was to replace was chosen, with its copy.
+        return
     gen = max(job.generation, plan["generation"] if plan else -1) + 1
     spares = [n for n in chosen if n not in previous]
     resume_step = memory["step"] if memory else obs.latest_step

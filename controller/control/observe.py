@@ -98,6 +98,7 @@ class Observer:
                 excluded=excluded.get(name),
                 generation=int(st["generation"]) if st.get("generation") else None,
                 live_ranks=int(st.get("live_ranks", 0)), last_beat=beats.get(name, 0.0),
+                silent=name in beats and now - self._excused(beats[name]) > self.s.agent_silence_s,
                 snapshot_addr=node_info.get("snapshot_addr", ""),
                 next_port=records.port(st.get("next_port")),
                 failed_saves=records.count(st.get("failed_saves")))

@@ -146,6 +146,7 @@ class NodeView:
     generation: int | None = None  # the generation its agent runs or last ran
     live_ranks: int = 0
     last_beat: float = 0.0
+    silent: bool = False  # alive, but its agent missed beats (agent_silence_s): a suspect
     snapshot_addr: str = ""  # host:port of its agent's snapshot server
     next_port: int = 0  # the rendezvous port its agent holds for a plan making it node 0
     failed_saves: int | None = None  # saves failed in a row, as its ranks last said
