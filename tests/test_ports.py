@@ -101,8 +101,8 @@ def test_the_plan_carries_node_0s_offer_unless_the_last_plan_took_it():
     assert (again["generation"], again["master_port"]) == (1, 0)
     renewed = {**nodes, "n0": dataclasses.replace(nodes["n0"], next_port=43_000)}
     assert _plan(renewed, ended)["master_port"] == 43_000
-    silent = {**nodes, "n0": dataclasses.replace(nodes["n0"], next_port=0)}
-    assert _plan(silent)["master_port"] == 0  # n1's offer is not node 0's
+    no_offer = {**nodes, "n0": dataclasses.replace(nodes["n0"], next_port=0)}
+    assert _plan(no_offer)["master_port"] == 0  # n1's offer is not node 0's
 
 
 @pytest.mark.parametrize("raw, port", [
