@@ -329,6 +329,12 @@ def test_a_spare_that_missed_beats_is_launched_on_only_once_it_beats_again_or_is
                                latest_step=40), S).plan
 
     assert planned(drained) is None
+    held = decide(Observed(now=NOW, job=restarting, plan=plan, nodes=drained, latest_step=40), S)
+    assert held.job["reason"].startswith("next generation held: spare n2 missed its agent's")
+    assert [(kind, fields) for kind, _, fields in held.events] == [("held", {"nodes": ["n2"]})]
+    said = dataclasses.replace(restarting, reason=held.job["reason"])  # said once, not each tick
+    again = decide(Observed(now=NOW, job=said, plan=plan, nodes=drained, latest_step=40), S)
+    assert again.plan is None and "reason" not in again.job and not again.events
     assert planned({**drained, "n2": node("n2")})["nodes"] == ["n1", "n2"]  # it beat again
     gone = {**drained, "n2": dataclasses.replace(node("n2", alive=False), silent=True),
             "n3": node("n3")}

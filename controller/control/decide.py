@@ -377,10 +377,17 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
     memory, not_used = recovery.memory_resume(obs, chosen, usable)
     if memory is not None:
         chosen = memory.pop("nodes")
-    if any(obs.nodes[n].silent for n in chosen if n not in previous):
+    held = [n for n in chosen if n not in previous and obs.nodes[n].silent]
+    if held:
         # A spare whose agent missed beats is not launched on, nor trusted with the copy it
         # holds, until it beats again or is found gone (its host probed, or agent_timeout_s):
         # a spare killed a moment before the node it was to replace was chosen, with its copy.
+        reason = (f"next generation held: spare {names(held)} missed its agent's beats; "
+                  f"launching once it beats again or is found gone (at most "
+                  f"{s.agent_timeout_s:g} s)")
+        if job.reason != reason:
+            d.job["reason"] = reason
+            d.note("held", reason, nodes=held)
         return
     gen = max(job.generation, plan["generation"] if plan else -1) + 1
     spares = [n for n in chosen if n not in previous]
