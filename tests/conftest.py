@@ -151,14 +151,17 @@ def pytest_runtest_logfinish(nodeid, location):
 # is nearly free, so the longest begin at once and the short ones fill the gaps, instead of a
 # several-minute file starting last and running alone. A file stays in one worker: its tests
 # share module-scoped set-up (a live job that later tests build on, a Slurm cluster). A file
-# not named here only starts later.
-LONGEST_FIRST = ("test_chaos_soak", "test_detection", "test_control_plane", "test_compile",
-                 "test_readme", "test_slurm", "test_moe", "test_pbs", "test_checkpoint_resume",
-                 "test_inprocess", "test_operator", "test_rewind", "test_parallel_matrix",
-                 "test_clean_exit", "test_trust_secrets", "test_resize", "test_compile_cache",
-                 "test_memory_recovery", "test_precision", "test_snapshot_link_security",
-                 "test_health", "test_stability", "test_planner", "test_sentinel",
-                 "test_warm_start", "test_checkpoint_commit")
+# not named here only starts later. The order alternates files that mostly wait (on a control
+# plane's timeouts, a paced soak: ~0.4 of a core) with files that compute (compiles, layouts:
+# a core or more), so that the two workers do not both wait at once: the first two files go
+# to one worker each, the third queues behind the first (it has one test).
+LONGEST_FIRST = ("test_chaos_soak", "test_compile", "test_readme", "test_control_plane",
+                 "test_moe", "test_detection", "test_parallel_matrix", "test_checkpoint_resume",
+                 "test_precision", "test_pbs", "test_inprocess", "test_operator",
+                 "test_planner", "test_rewind", "test_warm_start", "test_slurm",
+                 "test_memory_recovery", "test_clean_exit", "test_health_warm",
+                 "test_stability", "test_resize", "test_health", "test_compile_cache",
+                 "test_trust_secrets", "test_checkpoint_commit", "test_sentinel")
 
 
 def pytest_collection_modifyitems(config, items):
