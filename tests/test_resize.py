@@ -132,6 +132,13 @@ def test_a_pipeline_that_cannot_stay_on_the_nodes_left_is_replanned_and_trains_e
     assert f"shrunk to 2 of 3 nodes: the planner's layout {plan['layout']} instead of " in (
         shrunk["message"])
     assert shrunk["full_layout"].startswith("tp1.pp3.dp1.1f1b")
+    # The two survivors' ranks waited in process, but a re-planned layout is a new job file's
+    # worth of overrides: each node's launch says its ranks started as new processes, and why.
+    relaunched = [e for e in events if e["kind"] == "launch" and e["message"].startswith(
+        "generation 1:")]
+    assert len(relaunched) == 2 and all(
+        e.get("restart") == "process" and e["in_process"] in (0, "0")
+        and "re-planned layout" in e["message"] for e in relaunched), relaunched
 
     # The reference: a plain run with the re-planned layout from the same checkpoint (its
     # run's key beside it, so that it is trusted), on two local ranks.

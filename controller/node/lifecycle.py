@@ -156,6 +156,10 @@ class Lifecycle:
         waiting = {lr: p for lr, p in self._waiting().items()
                    if plan.get("restart") == "in_process" and lr < plan["ranks_per_node"]
                    and same_job}
+        # Ranks that wait in process but cannot take this plan: the launch event says why.
+        refused = ("the plan changes the job's overrides (a re-planned layout), which a rank "
+                   "waiting in process cannot take" if self._waiting() and not same_job
+                   and plan.get("restart") == "in_process" else None)
         self._dismiss([p for lr, p in self._waiting().items() if lr not in waiting])
         self.leaving += [p for p in self.procs.values() if p.popen.returncode is None
                          and all(p is not w for w in waiting.values())]
@@ -203,11 +207,13 @@ class Lifecycle:
         if gen > 0:  # a rank of a later generation is a restart, of one kind or the other
             self.restarts["in_process"] += reused
             self.restarts["process"] += rpn - reused
-        kept = f" ({reused} of them in process)" if reused else ""
+        kept = (f" ({reused} of them in process)" if reused else
+                f" (restart: process: {refused})" if refused else "")
         self._event("launch", f"generation {gen}: ranks {node_rank * rpn}-"
                     f"{node_rank * rpn + rpn - 1} started on {self.node}{kept}",
                     in_process=reused, pids=",".join(str(self.procs[lr].popen.pid)
-                                                     for lr in sorted(self.procs)))
+                                                     for lr in sorted(self.procs)),
+                    **({"restart": "process"} if refused else {}))
 
     def _snapshot_env(self, plan: dict) -> dict[str, str]:
         """Where this generation's ranks write snapshots, and the point they resume from when
