@@ -157,9 +157,9 @@ class Lifecycle:
                    if plan.get("restart") == "in_process" and lr < plan["ranks_per_node"]
                    and same_job}
         # Ranks that wait in process but cannot take this plan: the launch event says why.
-        refused = ("the plan changes the job's overrides (a re-planned layout), which a rank "
-                   "waiting in process cannot take" if self._waiting() and not same_job
-                   and plan.get("restart") == "in_process" else None)
+        refused = ("the plan changes the job file or its overrides (a re-planned layout), "
+                   "which a rank waiting in process cannot take" if self._waiting()
+                   and not same_job and plan.get("restart") == "in_process" else None)
         self._dismiss([p for lr, p in self._waiting().items() if lr not in waiting])
         self.leaving += [p for p in self.procs.values() if p.popen.returncode is None
                          and all(p is not w for w in waiting.values())]
