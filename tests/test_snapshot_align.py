@@ -178,7 +178,7 @@ def test_skewed_keepers_meet_on_the_named_point_and_keep_it_until_a_newer_one_is
     seen = reports()
     assert align_point(plan, seen, 14, _p(14), 1) is None
     for k in (a, b):
-        k.align = None
+        k.align, k.keep = None, _p(14)  # and the usable point named to keep
     seen = reports()
     assert sorted(seen["a"]["own"]) == [_p(13), _p(14)]
     assert sorted(seen["b"]["held"]) == [_p(13), _p(14)]
@@ -189,6 +189,78 @@ def test_skewed_keepers_meet_on_the_named_point_and_keep_it_until_a_newer_one_is
     take(15, 16)
     _pushed(a, b, 15, 16)
     assert usable() == 14
+    # Without a name (a generation's first seconds, a controller that lags or is away) each
+    # keeps its newest UNNAMED_KEEP: 14 stays usable, until the skew outgrows that too.
     for k in (a, b):
         k.keep = None
+    assert usable() == 14
+    take(17, 18)
+    _pushed(a, b, 17, 18)
     assert usable() is None
+
+
+def test_with_no_point_named_a_node_whose_pushes_ran_ahead_keeps_the_one_both_confirmed(
+        keeper):  # noqa: F811 (test_snapshot_push's fixture)
+    """b's pushes lag (8 is the newest it sent) while a's ran ahead (10 and 12 confirmed by b),
+    then b is lost before the controller named any point to keep (a generation's first
+    seconds; the controller stopped). 8 is the one point whose every shard has a copy off its
+    node: a keeps its own 8 and the copy of b's, so the next generation resumes from memory.
+    (Seen in CI under a CPU hog: a kept only its two newest confirmed, 10 and 12, and the job
+    restarted from scratch.)"""
+    a, b = keeper("a"), keeper("b")
+    for step in (6, 8, 10, 12):
+        _take(a.own, step, [0, 1])
+        _take(b.own, step, [2, 3])
+    _pushed(a, b, 6, 8, 10, 12)
+    _pushed(b, a, 6, 8)
+    reports = {}
+    for k in (a, b):
+        k.unreported()
+        reports[k.node] = k.poll(None, None, [])
+    assert sorted(reports["a"]["own"]) == [_p(s) for s in (6, 8, 10, 12)]
+    lost_b = {"a": reports["a"], "b@1.aa": reports["b"]}  # its last report, kept apart
+    point, why = memory_point(PLAN, lost_b, {"a"}, None)
+    assert point == {"step": 8, "generation": 2, "slots": [["a"], ["a"]]} and why is None
+    # Once a usable point is named the steady rule is back: the newest two confirmed and the
+    # named one.
+    a.keep = _p(8)
+    a.unreported()
+    assert sorted(a.poll(None, None, [])["own"]) == [_p(8), _p(10), _p(12)]
+
+
+def test_the_watch_reads_every_second_until_a_point_is_named_to_keep(monkeypatch):
+    """A generation's first usable point is named within FIRST_CHECK_S of existing, not
+    CHECK_S: until then the nodes keep more (UNNAMED_KEEP); once named, every CHECK_S."""
+    from controller.control import snapshot_watch
+
+    now = [1000.0]
+    monkeypatch.setattr(snapshot_watch.time, "monotonic", lambda: now[0])
+    reports, written, reads = skewed(), [], []
+
+    class Store:
+        def snapshots(self):
+            reads.append(now[0])
+            return reports
+
+        def drop_snapshots(self, keys):
+            pass
+
+        def set_snapshot_align(self, generation, push, keep):
+            written.append(keep)
+    watch, job = SnapshotWatch(Store()), {}
+    watch.check(PLAN, job)
+    assert written == [None]  # nothing usable yet: pushes named only
+    reports["a"]["replicated"][_p(6)] = "b"
+    reports["b"]["held"][_p(6)] = [0, 1]
+    now[0] += snapshot_watch.FIRST_CHECK_S / 2
+    watch.check(PLAN, job)
+    assert len(reads) == 1
+    now[0] += snapshot_watch.FIRST_CHECK_S / 2  # the next read comes after a second, not five
+    watch.check(PLAN, job)
+    assert len(reads) == 2 and written[-1] == _p(6) and job == {"memory_snapshot": 6}
+    now[0] += snapshot_watch.FIRST_CHECK_S
+    watch.check(PLAN, job)
+    assert len(reads) == 2  # one is named: back to every CHECK_S
+    now[0] += snapshot_watch.CHECK_S
+    watch.check(PLAN, job)
+    assert len(reads) == 3

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.node.snapshots import KEEP, SnapshotKeeper, pull, push
+from controller.node.snapshots import KEEP, UNNAMED_KEEP, SnapshotKeeper, pull, push
 from optimus.checkpoint import snapshot_files
 from optimus.checkpoint.snapshot_files import (
     check_shard,
@@ -124,6 +124,10 @@ def test_pushes_while_the_receiver_retains_are_confirmed_and_retention_still_dec
             assert _push_at_once(b.address, source, parts) == [None] * len(parts)
             # The newest point holds every rank: retention keeps it whole.
             _assert_identical(source, b.held / source.name, RANKS)
+    b.poll(None, None)  # no usable point named: the newest UNNAMED_KEEP stay
+    assert [p.name for *_, p in points(b.held)] == \
+        [point_name(s, 0) for s in range(ROUNDS - UNNAMED_KEEP + 1, ROUNDS + 1)]
+    b.keep = point_name(ROUNDS, 0)  # one named (the steady state): the newest KEEP
     b.poll(None, None)
     assert [p.name for *_, p in points(b.held)] == \
         [point_name(s, 0) for s in range(ROUNDS - KEEP + 1, ROUNDS + 1)]
@@ -204,6 +208,7 @@ def test_a_poll_reads_each_marker_at_most_once_and_between_ticks_only_unsent_poi
     markers = {(point_name(s, 0), folder, r) for s in (1, 2, 3)
                for folder, ranks in (("own", (0, 1)), ("held", (2, 3))) for r in ranks}
 
+    a.keep = point_name(3, 0)  # a usable point named (the steady state): the newest KEEP stay
     report = poll(full=True)  # the tick: step 1 goes in both folders, step 3 goes to b
     assert dict(reads) == {m: 1 for m in markers}
     kept = [point_name(2, 0), point_name(3, 0)]

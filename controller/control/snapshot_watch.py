@@ -27,6 +27,9 @@ from controller.control import recovery
 from optimus.checkpoint.snapshot_files import parse_point, point_name
 
 CHECK_S = 5.0  # how often the nodes' snapshot reports are read while a job runs
+# ... until the generation has a usable point named to keep: its first one is named within a
+# second of existing (the nodes keep more meanwhile: controller/node/snapshots.py UNNAMED_KEEP).
+FIRST_CHECK_S = 1.0
 ALIGN_READS = 3  # a named point not replicated by every node after this many reads gives way
 
 
@@ -78,7 +81,9 @@ class SnapshotWatch:
     def check(self, plan: dict, job: dict) -> None:
         """Every CHECK_S while `plan` runs: the usable step into `job` (the job record's
         changes) when it changed, and the point to align on into the store."""
-        if time.monotonic() - self.read_at < CHECK_S:
+        named_keep = self.written is not None and self.written[0] == plan["generation"] \
+            and self.written[2] is not None
+        if time.monotonic() - self.read_at < (CHECK_S if named_keep else FIRST_CHECK_S):
             return
         self.read_at = time.monotonic()
         reports = self.store.snapshots()

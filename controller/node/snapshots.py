@@ -75,6 +75,10 @@ log = logging.getLogger("optimus.agent")
 Point = tuple[int, int, Path, dict[int, dict]]
 
 KEEP = 2  # complete points kept per folder (and the one the running generation resumed from)
+# ... and while the controller names no usable point of the generation to keep (its first
+# seconds, a controller that lags or is away): the nodes' pushes may not meet, and the newest
+# point every node confirmed can then be older than a node's two newest confirmed ones.
+UNNAMED_KEEP = 4
 
 
 def default_root() -> Path:
@@ -178,9 +182,11 @@ class SnapshotKeeper:
         if full:
             keep = {self.align, self.keep, _resume_point(plan) if plan and
                     plan.get("generation") == generation else None} - {None}
+            depth = KEEP if self.keep else UNNAMED_KEEP
             with self.lock:
-                own = _retain_own(_scan(self.own), set(self.replicated), keep, lineage or [])
-                held = _retain_held(_scan(self.held), keep, lineage or [])
+                own = _retain_own(_scan(self.own), set(self.replicated), keep, lineage or [],
+                                  depth)
+                held = _retain_held(_scan(self.held), keep, lineage or [], depth)
         if running:
             self._replicate(plan, own)
         if not full:
@@ -336,17 +342,22 @@ def _current(found: list[Point], lineage: list) -> list[Point]:
 
 
 def _retain_own(found: list[Point], replicated: set[str], keep_also: set[str],
-                lineage: list) -> list[Point]:
+                lineage: list, depth: int = KEEP) -> list[Point]:
     """This node's points: keep the newest KEEP its buddy confirmed and every newer one (being
     written or replicated), the point the running generation resumed from and the one the
     controller names (`keep_also`); before any is confirmed, the newest KEEP. The newest point
     committed for the whole job (every node's shards replicated) may be one behind this node's
     newest confirmed one: keeping both lets a surviving node load its own copy instead of
-    fetching it. Returns the points kept."""
+    fetching it. While the controller names no usable point (`depth` UNNAMED_KEEP), the newest
+    `depth` stay too, confirmed or not: a node whose pushes ran ahead of its buddy's would
+    otherwise drop its only copy of the one point they both confirmed. Returns those kept."""
     found = _current(found, lineage)
     confirmed = [path for _, _, path, _ in found if path.name in replicated]
     floor = (confirmed[-KEEP:][0] if confirmed else
              found[-KEEP][2] if len(found) >= KEEP else None)
+    if floor is not None and depth > KEEP:
+        wider = found[-depth][2] if len(found) >= depth else None
+        floor = wider and min(floor, wider, key=lambda path: parse_point(path.name))
     if floor is None:
         return found
     kept = []
@@ -359,15 +370,16 @@ def _retain_own(found: list[Point], replicated: set[str], keep_also: set[str],
     return kept
 
 
-def _retain_held(found: list[Point], keep_also: set[str], lineage: list) -> list[Point]:
-    """Replicas: for every rank, the newest KEEP points that hold its shard (pushers are not in
-    step: one node's newest may be another's older), the resumed-from point and the one the
+def _retain_held(found: list[Point], keep_also: set[str], lineage: list,
+                 depth: int = KEEP) -> list[Point]:
+    """Replicas: for every rank, the newest `depth` points that hold its shard (pushers are not
+    in step: one node's newest may be another's older), the resumed-from point and the one the
     controller names (`keep_also`). Returns the points kept."""
     found = _current(found, lineage)
     keep, seen = set(keep_also), {}
     for _, _, path, shards in reversed(found):
         for rank in shards:
-            if seen.get(rank, 0) < KEEP:
+            if seen.get(rank, 0) < depth:
                 seen[rank] = seen.get(rank, 0) + 1
                 keep.add(path.name)
     for _, _, path, _ in found:
