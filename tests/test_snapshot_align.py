@@ -264,3 +264,13 @@ def test_the_watch_reads_every_second_until_a_point_is_named_to_keep(monkeypatch
     now[0] += snapshot_watch.CHECK_S
     watch.check(PLAN, job)
     assert len(reads) == 3
+
+
+def test_a_lone_node_keeps_its_two_newest_whatever_is_named(keeper):  # noqa: F811
+    """A node that sends and holds no copies is out of step with no one: no point is ever
+    named for it, and it keeps its newest two, not four."""
+    a = keeper("a")
+    for step in range(1, 7):
+        _take(a.own, step, [0, 1])
+    a.unreported()
+    assert sorted(a.poll(None, None, [])["own"]) == [_p(5), _p(6)]

@@ -182,11 +182,12 @@ class SnapshotKeeper:
         if full:
             keep = {self.align, self.keep, _resume_point(plan) if plan and
                     plan.get("generation") == generation else None} - {None}
-            depth = KEEP if self.keep else UNNAMED_KEEP
             with self.lock:
-                own = _retain_own(_scan(self.own), set(self.replicated), keep, lineage or [],
-                                  depth)
-                held = _retain_held(_scan(self.held), keep, lineage or [], depth)
+                own, held = _scan(self.own), _scan(self.held)
+                # (a lone node, sending and holding no copies, is out of step with no one)
+                depth = UNNAMED_KEEP if not self.keep and (self.replicated or held) else KEEP
+                own = _retain_own(own, set(self.replicated), keep, lineage or [], depth)
+                held = _retain_held(held, keep, lineage or [], depth)
         if running:
             self._replicate(plan, own)
         if not full:
