@@ -221,6 +221,38 @@ def test_missing_torchao_refuses_the_job_before_training(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_optimus_run_loads_torch_for_the_float8_check_only_when_float8_is_asked(tmp_path):
+    """`optimus run`'s own process (Redis, controller and agents are its children) imports torch
+    (~1.5 s of CPU) only to check float8 on this machine: a job without float8 starts without
+    it, one with float8 and no torchao is refused before anything starts."""
+    script = textwrap.dedent("""
+        import sys
+        import controller.cli.run
+        def started(*args, **kwargs):
+            print("started; torch loaded:", "torch" in sys.modules)
+            return 0
+        controller.cli.run.run_local = started
+        sets = sys.argv[2:]  # a float8 job: with torchao unimportable
+        if sets:
+            sys.modules["torchao"] = None
+        from controller.cli.main import main
+        main(["run", sys.argv[1], *sets], prog_name="optimus")
+    """)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"name": "f8", "run_dir": str(tmp_path / "run"),
+                                   "model": {"dim": 32, "n_layers": 1, "n_heads": 2},
+                                   "parallel": {"device": "cpu"}}))
+    said = {}
+    for recipe, sets in (("off", []), ("tensorwise", ["--set", "training.float8=tensorwise"])):
+        done = subprocess.run([sys.executable, "-c", script, str(job), *sets],
+                              capture_output=True, text=True, timeout=120)
+        said[recipe] = done.returncode, done.stdout + done.stderr
+    assert said["off"] == (0, "started; torch loaded: False\n"), said
+    code, out = said["tensorwise"]
+    assert code == 2 and "started" not in out, said
+    assert "tensorwise cannot run here: torchao is not installed" in out and "Traceback" not in out
+
+
 class _Store:
     def __init__(self):
         self.requests, self.events = [], []
