@@ -11,8 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from cluster import WARM_COMMAND, WARM_SERVER, metrics, wait_for, write_job
 from multiproc import free_port
+from warm_zygote import BEFORE, differs
 
 from controller.node.spawn import Spawner, WarmRank, warm_command
 
@@ -98,3 +100,23 @@ def test_what_is_read_at_import_differing_gets_a_fresh_warm_process(server, monk
         assert spawner.health_check("n0", set(), 60)["health"] == "ok"
     finally:
         spawner.close()
+
+
+def test_a_pythonpath_of_directories_the_server_imports_from_is_no_difference(tmp_path):
+    """The Slurm and PBS tests set PYTHONPATH to the repository, which the server's sys.path
+    holds already: their agents' warm processes fork from the server. A directory it does not
+    hold could shadow a module it imported: that one gets a fresh warm process."""
+    root = str(Path(__file__).resolve().parents[1])
+    same = {**BEFORE, "PYTHONPATH": f"{root}{os.pathsep}{root}/tests/.."}
+    assert differs(same) == []
+    assert differs({**BEFORE, "PYTHONPATH": f"{root}{os.pathsep}{tmp_path}"}) == ["PYTHONPATH"]
+    assert differs({**BEFORE, "OMP_NUM_THREADS": "7"}) == ["OMP_NUM_THREADS"]
+
+
+def test_a_device_runtimes_variable_differs_only_where_torch_has_that_runtime():
+    """The PBS script sets Level Zero's ZE_FLAT_DEVICE_HIERARCHY (Aurora's tiles): a CPU build
+    of torch reads no Level Zero variable, a build with XPU would."""
+    aurora = {**BEFORE, "ZE_FLAT_DEVICE_HIERARCHY": "FLAT", "CUDA_VISIBLE_DEVICES": "3"}
+    assert differs(aurora) == sorted(
+        [k for k, built in (("ZE_FLAT_DEVICE_HIERARCHY", torch.xpu._is_compiled()),
+                            ("CUDA_VISIBLE_DEVICES", torch.backends.cuda.is_built())) if built])

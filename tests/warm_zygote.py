@@ -38,9 +38,35 @@ REQUEST_LIMIT = 1 << 20  # bytes of one request (an environment)
 BEFORE = dict(os.environ)  # this server's environment before its imports (which set some)
 
 
+def added_paths(env: dict[str, str]) -> list[str]:
+    """The client's PYTHONPATH entries, which `python -m optimus.warm` would put on sys.path."""
+    return [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+
+
+def _same_modules(env: dict[str, str]) -> bool:
+    """A PYTHONPATH whose every entry this server has on sys.path already (the Slurm and PBS
+    tests name the repository, which the editable install puts there) finds the same modules:
+    the imports done here are what a fresh warm process would have done."""
+    here = {os.path.realpath(p) for p in sys.path if p}
+    return all(os.path.realpath(entry) in here for entry in added_paths(env))
+
+
+def _unread(key: str) -> bool:
+    """A device runtime's variable where this server's torch is built without that runtime:
+    nothing reads it (the PBS script sets Level Zero's ZE_FLAT_DEVICE_HIERARCHY for Aurora)."""
+    import torch
+
+    if key.startswith(("ZE_", "XPU", "ONEAPI")):
+        return not torch.xpu._is_compiled()
+    if key.startswith("CUDA"):
+        return not torch.backends.cuda.is_built()
+    return False
+
+
 def differs(env: dict[str, str]) -> list[str]:
     keys = {k for k in (*env, *BEFORE) if k.startswith(AT_IMPORT)}
-    return sorted(k for k in keys if env.get(k) != BEFORE.get(k))
+    return sorted(k for k in keys if env.get(k) != BEFORE.get(k) and not _unread(k)
+                  and not (k == "PYTHONPATH" and _same_modules(env)))
 
 
 def imports_set() -> dict[str, str]:
@@ -73,7 +99,8 @@ def _become_warm(request: dict, fds: list[int], optimus_main) -> None:
         added = imports_set()
         os.environ.clear()
         os.environ.update({**request["env"], **added})
-        sys.path[0] = request["cwd"]  # as `python -m optimus.warm` started there has it
+        # As `python -m optimus.warm` started there has it: its directory, then PYTHONPATH.
+        sys.path[:1] = [request["cwd"], *added_paths(request["env"])]
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         warm.serve(optimus_main)
         code = 0
