@@ -154,7 +154,7 @@ def pytest_runtest_logfinish(nodeid, location):
 # not named here only starts later. The order alternates files that mostly wait (on a control
 # plane's timeouts, a paced soak: ~0.4 of a core) with files that compute (compiles, layouts:
 # a core or more), so that the two workers do not both wait at once: the first two files go
-# to one worker each, the third queues behind the first (it has one test).
+# to one worker each, and the third waits for whichever of them frees first.
 LONGEST_FIRST = ("test_chaos_soak", "test_compile", "test_readme", "test_control_plane",
                  "test_moe", "test_detection", "test_parallel_matrix", "test_checkpoint_resume",
                  "test_precision", "test_pbs", "test_inprocess", "test_operator",
