@@ -20,6 +20,13 @@ a change:
   saying goodbye: killed) ends it quietly too, and its process group is collected before the
   child's interpreter finalizes.
 - `stop()` sends the writer DCP's own TERMINATE request and waits for it to exit.
+- `install()` also gives DCP `writer_port` to pick the writers' store port. DCP binds port 0,
+  closes it and hands the number to the writer, which binds it only once spawned: seconds of
+  imports later, far more on a loaded node. Meanwhile the kernel may give that very port to
+  any outgoing connection of the host (their local ports come from the same ephemeral range),
+  and the writers' rendezvous fails: the save fails (seen under a CPU hog: a process-mode
+  run's first save lost, the later ones committed). `writer_port` picks a free port below
+  the ephemeral range, which the kernel never hands out by itself.
 
 `SharedStager` is the stager PROCESS-mode saves share, kept open across saves whatever the torch.
 """
@@ -30,6 +37,9 @@ import contextlib
 import gc
 import logging
 import os
+import random
+import socket
+from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -65,10 +75,38 @@ class QuietWriterProcess(_TORCH_WRITER):
     _checkpointing_subprocess = staticmethod(_quiet_loop)
 
 
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST = 20000  # below it: the well-known services' ports (Redis 6379, Prometheus 9090, ...)
+
+
+def writer_port() -> int:
+    """A free TCP port below the kernel's ephemeral range (see the top of this module), or,
+    where the range leaves no room below it, one the kernel picks."""
+    try:
+        first = int(_EPHEMERAL.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first = 32768  # Linux's default range starts there
+    choose = random.SystemRandom()
+    for _ in range(64 if first - _LOWEST >= 1000 else 0):
+        port = choose.randrange(_LOWEST, first)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                continue  # in use: try another
+        return port
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
 def install() -> None:
-    """Make DCP spawn its writer process as `QuietWriterProcess` (idempotent)."""
+    """Make DCP spawn its writer process as `QuietWriterProcess`, on a store port from
+    `writer_port` (idempotent)."""
     if _executor is not None:
         _executor._AsyncCheckpointProcess = QuietWriterProcess
+        if hasattr(_executor, "get_free_port"):
+            _executor.get_free_port = writer_port
 
 
 def stop(kill: bool = False) -> None:
