@@ -365,13 +365,14 @@ def test_the_writers_store_port_is_one_the_kernel_never_hands_out(monkeypatch, t
     first = _ephemeral_start()
     ports = {writer_process.writer_port() for _ in range(20)}
     assert all(writer_process._LOWEST <= p < first for p in ports) and len(ports) > 1, ports
+    free = writer_process.writer_port()
     with socket.socket() as taken:  # a port in use is passed over
         taken.bind(("", 0))
         taken.listen()
         busy = taken.getsockname()[1]
-        picks = iter([busy, 23456])
+        picks = iter([busy, free])
         monkeypatch.setattr(random.SystemRandom, "randrange", lambda self, a, b: next(picks))
-        assert writer_process.writer_port() == 23456
+        assert writer_process.writer_port() == free
     # A range that leaves no room below it: the kernel picks, as DCP itself would.
     (tmp_path / "range").write_text("1024\t65535\n")
     monkeypatch.setattr(writer_process, "_EPHEMERAL", tmp_path / "range")
