@@ -86,15 +86,16 @@ def writer_port() -> int:
         first = int(_EPHEMERAL.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         first = 32768  # Linux's default range starts there
-    choose = random.SystemRandom()
-    for _ in range(64 if first - _LOWEST >= 1000 else 0):
-        port = choose.randrange(_LOWEST, first)
-        with socket.socket() as probe:
-            try:
-                probe.bind(("", port))
-            except OSError:
-                continue  # in use: try another
-        return port
+    if first - _LOWEST >= 1000:
+        choose = random.SystemRandom()
+        for _ in range(64):
+            port = choose.randrange(_LOWEST, first)
+            with socket.socket() as probe:
+                try:
+                    probe.bind(("", port))
+                except OSError:
+                    continue  # in use: try another
+            return port
     with socket.socket() as probe:
         probe.bind(("", 0))
         return probe.getsockname()[1]
