@@ -15,13 +15,14 @@ import multiprocessing
 import os
 import pickle
 import queue
-import socket
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from optimus.ports import unclaimed_port
 
 # Launcher variables a child must not inherit: they would outrank or contradict RANK/WORLD_SIZE.
 _INHERITED = ("OPTIMUS_", "SLURM_", "PALS_", "PMIX_", "PMI_", "OMPI_", "TORCHELASTIC_", "GROUP_")
@@ -37,10 +38,10 @@ class RanksTimedOut(RanksFailed):
 
 
 def free_port() -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port free a moment ago, below the kernel's ephemeral range: no connection the
+    machine opens meanwhile takes it before the server meant for it (rank 0's store after a
+    fork, a Redis, an agent) binds it, however loaded the machine (optimus/ports.py)."""
+    return unclaimed_port("127.0.0.1")
 
 
 def _context() -> multiprocessing.context.BaseContext:

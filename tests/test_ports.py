@@ -1,21 +1,27 @@
 """The rendezvous port a node's agent holds and offers before a plan asks (controller/node/
 ports.py): the kernel gives it to no one else while held, rank 0's store listens on it all the
 same, the controller puts node 0's offer into the plan (every node launches at once), and a
-port a node wrote is read as a port or as none."""
+port a node wrote is read as a port or as none. And the ports picked for a server that binds
+later (optimus/ports.py: DCP's writers' store, `optimus run`'s Redis, an agent without an
+offer, the tests' ranks): below the kernel's ephemeral range."""
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from test_decide import NOW, S, node, running_plan
 
+from controller.cli.run import LocalCluster, start_redis
 from controller.control import records
 from controller.control.decide import RESTARTING, JobView, Observed, decide
 from controller.node.ports import PortOffer
+from optimus import ports
 
 STORE = """
 import datetime, sys
@@ -111,3 +117,58 @@ def test_the_plan_carries_node_0s_offer_unless_the_last_plan_took_it():
     (" 29500", 0), ("9" * 5000, 0)])
 def test_a_port_an_agent_wrote_is_a_port_or_none(raw, port):
     assert records.port(raw) == port
+
+
+def _ephemeral_start() -> int:
+    return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+
+
+def test_an_unclaimed_port_is_below_the_ephemeral_range_free_and_else_the_kernels(
+        monkeypatch, tmp_path):
+    """A port picked by bind(0) and closed comes from the range the kernel takes outgoing
+    connections' local ports from: a server binding it a moment (or, after a spawn's imports,
+    seconds) later could find it taken by any connection of the host meanwhile."""
+    first = _ephemeral_start()
+    picked = [ports.unclaimed_port() for _ in range(50)]
+    assert all(ports._LOWEST <= p < first for p in picked), picked
+    assert len(set(picked)) == len(picked), picked  # none handed out twice in a row
+    loopback = ports.unclaimed_port("127.0.0.1")
+    assert ports._LOWEST <= loopback < first
+    given, free = ports.unclaimed_port(), ports.unclaimed_port()
+    ports._recent.remove(free)  # as if handed out long ago
+    with socket.socket() as taken:  # passed over: a port in use, and one handed out lately
+        taken.bind(("", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        picks = iter([busy, given, free])
+        monkeypatch.setattr(random.SystemRandom, "randrange", lambda self, a, b: next(picks))
+        assert ports.unclaimed_port() == free
+    monkeypatch.undo()
+    # A range that leaves no room below it: the kernel picks.
+    (tmp_path / "range").write_text("20500\t65535\n")
+    monkeypatch.setattr(ports, "_EPHEMERAL", tmp_path / "range")
+    assert ports.unclaimed_port() >= first
+    # An unreadable range: Linux's default start (32768) is assumed.
+    monkeypatch.setattr(ports, "_EPHEMERAL", tmp_path / "missing")
+    assert ports._LOWEST <= ports.unclaimed_port() < 32768
+
+
+def test_servers_that_bind_later_get_an_unclaimed_port(tmp_path):
+    """`optimus run`'s Redis, an agent whose plan carried no port and held no offer, the tests'
+    rank 0 store: each binds a port picked before it, so each takes one below the range."""
+    first = _ephemeral_start()
+    cluster = LocalCluster(tmp_path)
+    try:
+        url = start_redis(cluster)
+    finally:
+        cluster.stop_all()
+    redis_port = int(url.rsplit(":", 1)[1].split("/")[0])
+    assert ports._LOWEST <= redis_port < first, url
+    offer = PortOffer()
+    offer.close()  # holds nothing (no port could be held): take() falls back to a pick
+    try:
+        assert ports._LOWEST <= offer.take() < first
+    finally:
+        offer.close()
+    from multiproc import free_port
+    assert ports._LOWEST <= free_port() < first

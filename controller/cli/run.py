@@ -42,6 +42,7 @@ from controller.store.store import Store, StoreUnavailable
 from optimus.checkpoint.manifest import committed_steps
 from optimus.config import ConfigError, JobConfig
 from optimus.data.errors import DataError
+from optimus.ports import unclaimed_port
 
 POLL_S = 0.25
 
@@ -84,10 +85,11 @@ class LocalCluster:
 
 
 def start_redis(cluster: LocalCluster) -> str:
-    """A private redis-server on a free loopback port, no persistence, with a password of its
-    own (in its configuration, which it reads from stdin: on no command line, in no file); its
-    URL."""
-    port, password = _free_port(), secrets.token_hex(24)
+    """A private redis-server on a free loopback port (below the ephemeral range: no client's
+    connection takes it before the server binds it, optimus/ports.py), no persistence, with a
+    password of its own (in its configuration, which it reads from stdin: on no command line,
+    in no file); its URL."""
+    port, password = unclaimed_port("127.0.0.1"), secrets.token_hex(24)
     config = "".join(f"{line}\n" for line in (
         f"port {port}", "bind 127.0.0.1", 'save ""', "appendonly no",
         f"dir {_quoted(str(cluster.control_dir))}", f"requirepass {password}"))
@@ -277,7 +279,3 @@ def _write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import socket
 
+from optimus.ports import unclaimed_port
+
 
 def _held_socket() -> socket.socket:
     sock = socket.socket()
@@ -49,7 +51,7 @@ class PortOffer:
             self._taken.close()
         self._taken, self._offered = self._offered, None
         self._renew()
-        return port or _free_port()
+        return port or unclaimed_port()
 
     def close(self) -> None:
         for sock in (self._offered, self._taken):
@@ -60,9 +62,3 @@ class PortOffer:
     def _renew(self) -> None:
         with contextlib.suppress(OSError):  # no port to hold: the plan then carries none
             self._offered = _held_socket()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]

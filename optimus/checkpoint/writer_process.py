@@ -26,7 +26,7 @@ a change:
   any outgoing connection of the host (their local ports come from the same ephemeral range),
   and the writers' rendezvous fails: the save fails (seen under a CPU hog: a process-mode
   run's first save lost, the later ones committed). `writer_port` picks a free port below
-  the ephemeral range, which the kernel never hands out by itself.
+  the ephemeral range, which the kernel never hands out by itself (optimus/ports.py).
 
 `SharedStager` is the stager PROCESS-mode saves share, kept open across saves whatever the torch.
 """
@@ -37,12 +37,11 @@ import contextlib
 import gc
 import logging
 import os
-import random
-import socket
-from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from optimus.ports import unclaimed_port
 
 try:  # private names: another torch (a GPU image's) may lack them; then DCP's writer is as is
     import torch.distributed.checkpoint._async_process_executor as _executor
@@ -75,30 +74,10 @@ class QuietWriterProcess(_TORCH_WRITER):
     _checkpointing_subprocess = staticmethod(_quiet_loop)
 
 
-_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
-_LOWEST = 20000  # below it: the well-known services' ports (Redis 6379, Prometheus 9090, ...)
-
-
 def writer_port() -> int:
-    """A free TCP port below the kernel's ephemeral range (see the top of this module), or,
-    where the range leaves no room below it, one the kernel picks."""
-    try:
-        first = int(_EPHEMERAL.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        first = 32768  # Linux's default range starts there
-    if first - _LOWEST >= 1000:
-        choose = random.SystemRandom()
-        for _ in range(64):
-            port = choose.randrange(_LOWEST, first)
-            with socket.socket() as probe:
-                try:
-                    probe.bind(("", port))
-                except OSError:
-                    continue  # in use: try another
-            return port
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
+    """The writers' store port: one the kernel hands to no other connection before they bind
+    it (optimus/ports.py)."""
+    return unclaimed_port()
 
 
 def install() -> None:
