@@ -113,6 +113,22 @@ def test_a_pythonpath_of_directories_the_server_imports_from_is_no_difference(tm
     assert differs({**BEFORE, "OMP_NUM_THREADS": "7"}) == ["OMP_NUM_THREADS"]
 
 
+def test_what_the_servers_own_imports_set_is_no_difference(monkeypatch):
+    """Importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR (to its default) in the importing
+    process: a pytest worker that did so once handed it on to every later agent, whose warm
+    processes the server then refused (all of a worker's later control-plane tests paid a
+    cold warm process per agent). The same value is what a fresh warm process sets itself."""
+    import warm_zygote
+
+    key = "TORCHINDUCTOR_CACHE_DIR"
+    monkeypatch.setattr(warm_zygote, "BEFORE", {k: v for k, v in BEFORE.items() if k != key})
+    monkeypatch.setenv(key, "/tmp/torchinductor_default")  # as the server's imports left it
+    client = dict(warm_zygote.BEFORE)
+    assert differs({**client, key: "/tmp/torchinductor_default"}) == []
+    assert differs(client) == []  # unset: a fresh one sets it too
+    assert differs({**client, key: "/elsewhere"}) == [key]  # another cache: a fresh one
+
+
 def test_a_device_runtimes_variable_differs_only_where_torch_has_that_runtime():
     """The PBS script sets Level Zero's ZE_FLAT_DEVICE_HIERARCHY (Aurora's tiles): a CPU build
     of torch reads no Level Zero variable, a build with XPU would."""

@@ -64,8 +64,14 @@ def _unread(key: str) -> bool:
 
 
 def differs(env: dict[str, str]) -> list[str]:
+    """What in the client's environment would make a fresh warm process differ from this
+    server's forks. A value this server's own imports set is no difference: a fresh warm
+    process's imports set the same (importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to
+    its default, and a pytest worker that imported it hands that on to every agent after)."""
+    made = imports_set()
     keys = {k for k in (*env, *BEFORE) if k.startswith(AT_IMPORT)}
     return sorted(k for k in keys if env.get(k) != BEFORE.get(k) and not _unread(k)
+                  and not (k in made and env.get(k) == made[k])
                   and not (k == "PYTHONPATH" and _same_modules(env)))
 
 
