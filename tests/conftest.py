@@ -20,6 +20,12 @@ from pathlib import Path
 # torch's default of a thread per core makes two ranks on two cores spin-wait for each other's
 # cores; a reference run and the faulted run it is compared with then use the same count.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Inductor's CPU backend checks every vector ISA the CPU's flags name by building and loading a
+# probe library for each (ten on this VM, ~1.5 s of gcc apiece) in each kernel cache it finds
+# without them: the suite's compiles (a fresh cache per compile-cache test) trust the flags
+# instead. The ISA picked is the same (every probe passes here); a compiler that could not
+# build it would fail the compile loudly, not change what a test compares.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 import pytest  # noqa: E402
 
