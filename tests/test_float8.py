@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from optimus.config import ConfigError, JobConfig, check_job
+from optimus.config import ConfigError, JobConfig, check_job, validate_job
 from optimus.config.schema import ModelConfig
 from optimus.models import build_model, materialize
 from optimus.parallel.float8 import (
+    MIN_DIM,
     apply_float8,
     check_float8_here,
     float8_message,
@@ -302,31 +303,44 @@ def _train_job(rank: int, world_size: int, raw: dict) -> dict:
 
 
 def test_the_trainer_runs_float8_blocks_and_names_what_it_left(run_ranks, tmp_path):
-    """Through `train()`: a model wide enough for the size rule (1024) converts its blocks'
-    linears under bf16 mixed precision, logs the output head and the narrower key and value
-    projections (2 kv heads: 1024x256) as left alone, and trains to a loss near, but not equal
-    to, the same run without float8 (float8 keeps 3 significant bits: the losses of 3 steps
-    stay within 2% of bf16's, measured 0.25%; a layer that computed garbage would move them by
-    far more, or to NaN). torch's `_scaled_mm` on CPU takes ~1 s a 1024-wide matmul: each
-    layer left out of float8 saves ~9 s of CPU here."""
+    """Through `train()`: a model as wide as `training.float8_min_dim` (256 here) converts its
+    blocks' linears under bf16 mixed precision, logs the output head and the narrower key and
+    value projections (2 kv heads: 256x64) as left alone, and trains to a loss near, but not
+    equal to, the same run without float8 (float8 keeps 3 significant bits: the losses of 3
+    steps stay within 2% of bf16's; a layer that computed garbage would move them by far more,
+    or to NaN). The size rule's default (1024) is tested on its own above: torch's
+    `_scaled_mm` on CPU takes ~1 s a 1024-wide matmul, 64x a 256-wide one's."""
     def raw(float8: str) -> dict:
         return {"name": f"f8-{float8}", "run_dir": str(tmp_path / float8),
-                "model": {"vocab_size": 256, "dim": 1024, "n_layers": 1, "n_heads": 8,
-                          "n_kv_heads": 2, "ffn_dim": 1024, "max_seq_len": 16},
+                "model": {"vocab_size": 256, "dim": 256, "n_layers": 1, "n_heads": 8,
+                          "n_kv_heads": 2, "ffn_dim": 256, "max_seq_len": 16},
                 "optim": {"steps": 3, "lr": 1e-3, "warmup_steps": 1},
                 "data": {"seq_len": 16, "batch_size": 2},
                 "parallel": {"device": "cpu"},
-                "training": {"mixed_precision": "bf16", "float8": float8}}
+                "training": {"mixed_precision": "bf16", "float8": float8,
+                             "float8_min_dim": 256}}
 
-    # Emulated float8 matmuls at dim 1024 take seconds a step, a minute on a loaded machine:
-    # the timeout only guards against a hang.
+    # Emulated float8 matmuls are slow on a loaded machine: the timeout only guards a hang.
     (plain,) = run_ranks(_train_job, 1, raw("off"), timeout=600)
     (f8,) = run_ranks(_train_job, 1, raw("tensorwise"), timeout=600)
     assert plain["events"] == []
     (event,) = f8["events"]
     kv = {"layers.0.attention.wk", "layers.0.attention.wv"}
     assert set(event["skipped"]) == {"output", *kv}, event
-    assert "1024x256: narrower than 1024" in event["skipped"]["layers.0.attention.wk"], event
+    assert "256x64: narrower than 256" in event["skipped"]["layers.0.attention.wk"], event
     assert "tensorwise" in event["message"]
     assert f8["losses"] == pytest.approx(plain["losses"], rel=2e-2)
     assert f8["losses"] != plain["losses"]
+
+
+def test_float8_min_dim_is_a_multiple_of_16_from_16(tmp_path):
+    """The job's size rule: validated where it is read, with the fix named."""
+    base = {"name": "f8", "model": {"vocab_size": 256, "dim": 64, "n_layers": 1, "n_heads": 4},
+            "parallel": {"device": "cpu"}}
+    assert validate_job(base, world=1).training.float8_min_dim == MIN_DIM == 1024
+    assert validate_job({**base, "training": {"float8_min_dim": 2048}},
+                        world=1).training.float8_min_dim == 2048
+    for bad, said in ((0, "greater than or equal to 16"), (100, "multiple of 16"),
+                      ("wide", "valid integer")):
+        with pytest.raises(ConfigError, match=f"training.float8_min_dim: .*{said}"):
+            validate_job({**base, "training": {"float8_min_dim": bad}}, world=1)

@@ -130,6 +130,11 @@ class TrainingConfig(Section):
     float8: Literal["off", "tensorwise", "rowwise"] = Field(
         "off", description="float8 matmuls in the blocks' linear layers (torchao): tensorwise "
                            "or rowwise scales; needs a device with float8 matmuls")
+    float8_min_dim: int = Field(
+        1024, ge=16, multiple_of=16,
+        description="under float8, a block linear narrower than this on either side stays in "
+                    "high precision (its scaling and casting would cost more than its faster "
+                    "matmul saves); where float8 starts to pay depends on the device")
 
 
 class OptimConfig(Section):

@@ -36,12 +36,14 @@ import torch
 from torch import nn
 
 from optimus.config import ConfigError, JobConfig
+from optimus.config.schema import TrainingConfig
 from optimus.models.moe import GroupedExperts
 
 RECIPES = ("tensorwise", "rowwise")
 FLOAT8_CUDA_CAPABILITY = (8, 9)  # Ada Lovelace (sm_89): the first with float8 tensor cores
-# A linear narrower than this on either side stays in bf16 (see `skip_reason`).
-MIN_DIM = 1024
+# A linear narrower than this on either side stays in bf16 (see `skip_reason`): the default of
+# `training.float8_min_dim`.
+MIN_DIM = TrainingConfig.model_fields["float8_min_dim"].default
 INSTALL_HINT = "pip install 'optimus[float8]'"
 
 
@@ -82,11 +84,11 @@ def skip_reason(name: str, module: nn.Module, min_dim: int = MIN_DIM) -> str | N
     scores pick the experts, and float8 rounding would flip near-tied choices); grouped experts
     (stacked [experts, in, out] weights, not nn.Linear: torchao's float8 grouped GEMM is not
     wired in here); a dimension not a multiple of 16 (float8 matmul kernels need both); and
-    the rule "both in_features and out_features >= `min_dim`" (default 1024). Below that the
-    per-call cost of scaling and casting the operands, which is memory-bound, takes back most
-    of what the faster matmul saves. torchao's own filter, drawn from H100 measurements, skips
-    layers up to about 1024 wide under tensorwise and 2048 under rowwise; 1024 for both keeps
-    the projections of a 1B-class model (dim 2048) in float8.
+    the rule "both in_features and out_features >= `min_dim`" (`training.float8_min_dim`,
+    default 1024). Below that the per-call cost of scaling and casting the operands, which is
+    memory-bound, takes back most of what the faster matmul saves. torchao's own filter, drawn
+    from H100 measurements, skips layers up to about 1024 wide under tensorwise and 2048 under
+    rowwise; 1024 for both keeps the projections of a 1B-class model (dim 2048) in float8.
     """
     leaf = name.rsplit(".", 1)[-1]
     if isinstance(module, GroupedExperts):

@@ -194,7 +194,8 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
     for part in parts:
         if recipe != "off":  # first: TP and FSDP2 then wrap the Float8Linear layers
             float8_skipped += apply_float8(
-                part, recipe, fsdp_float8_all_gather=recipe == "tensorwise" and layout.dp > 1)
+                part, recipe, fsdp_float8_all_gather=recipe == "tensorwise" and layout.dp > 1,
+                min_dim=job.training.float8_min_dim)
         if layout.tp > 1:
             apply_tensor_parallel(part, mesh["tp"])
         if layout.ep > 1:
