@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 # One OpenMP thread in every process the suite starts (ranks, agents' warm processes, the
@@ -210,6 +211,12 @@ def warm_server(request, tmp_path_factory):
         server.wait()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+        if TIMELINE:  # each agent refused paid a cold warm process (~3 s of CPU): say why
+            refused = Counter(line.removeprefix("refused: ") for line in log.read_text(
+                errors="replace").splitlines() if line.startswith("refused: "))
+            with open(TIMELINE, "a") as timeline:
+                timeline.write(json.dumps({"worker": os.environ["PYTEST_XDIST_WORKER"],
+                                           "warm_refused": dict(refused)}) + "\n")
 
 
 @pytest.fixture

@@ -148,6 +148,7 @@ def main() -> None:
                 why = f"an unreadable request ({e})"
             if why is not None:
                 answer = {"refused": why}
+                print(f"refused: {why}", flush=True)  # the session's count (tests/conftest.py)
             else:
                 pid = os.fork()
                 if pid == 0:
