@@ -20,12 +20,12 @@ a change:
   saying goodbye: killed) ends it quietly too, and its process group is collected before the
   child's interpreter finalizes.
 - `stop()` sends the writer DCP's own TERMINATE request and waits for it to exit.
-- `install()` also gives DCP `writer_port` to pick the writers' store port. DCP binds port 0,
+- `install()` also gives DCP `unclaimed_port` to pick the writers' store port. DCP binds port 0,
   closes it and hands the number to the writer, which binds it only once spawned: seconds of
   imports later, far more on a loaded node. Meanwhile the kernel may give that very port to
   any outgoing connection of the host (their local ports come from the same ephemeral range),
   and the writers' rendezvous fails: the save fails (seen under a CPU hog: a process-mode
-  run's first save lost, the later ones committed). `writer_port` picks a free port below
+  run's first save lost, the later ones committed). `unclaimed_port` picks a free port below
   the ephemeral range, which the kernel never hands out by itself (optimus/ports.py).
 
 `SharedStager` is the stager PROCESS-mode saves share, kept open across saves whatever the torch.
@@ -74,19 +74,13 @@ class QuietWriterProcess(_TORCH_WRITER):
     _checkpointing_subprocess = staticmethod(_quiet_loop)
 
 
-def writer_port() -> int:
-    """The writers' store port: one the kernel hands to no other connection before they bind
-    it (optimus/ports.py)."""
-    return unclaimed_port()
-
-
 def install() -> None:
     """Make DCP spawn its writer process as `QuietWriterProcess`, on a store port from
-    `writer_port` (idempotent)."""
+    `unclaimed_port` (idempotent)."""
     if _executor is not None:
         _executor._AsyncCheckpointProcess = QuietWriterProcess
         if hasattr(_executor, "get_free_port"):
-            _executor.get_free_port = writer_port
+            _executor.get_free_port = unclaimed_port
 
 
 def stop(kill: bool = False) -> None:
