@@ -137,3 +137,57 @@ def test_a_tick_that_finds_redis_emptied_keeps_the_journal_for_the_rebuild(redis
     store.update_job({"reason": "a write that landed after the restart"})
     ctl._write_journal()
     assert json.loads(ctl.journal.read_text()) == journal
+
+
+def _kinds(store: Store, kind: str) -> list[str]:
+    return [e["message"] for _, e in store.events(count=1000) if e["kind"] == kind]
+
+
+def test_a_state_a_retried_write_planted_in_an_emptied_redis_is_rebuilt_around(redis_server,
+                                                                             tmp_path):
+    """A write in flight when Redis restarted empty was retried into the new one and set a
+    state (the tick that decided COMPLETED, say): the record had a state, so no rebuild ran,
+    and the job went on with a record of two fields (no generation, no name) and a journal
+    rewritten from them. Now the record is not whole without `created`: rebuilt from the
+    journal."""
+    import dataclasses
+
+    config, settings = _job(tmp_path)
+    store, ctl = _planned(redis_server, config, dataclasses.replace(settings,
+                                                                   agent_timeout_s=0.5))
+    journal = json.loads(ctl.journal.read_text())
+    store.r.flushdb()
+    store.update_job({"state": "RUNNING", "reason": "planted by a retried write"})
+    ctl._write_journal()
+    assert json.loads(ctl.journal.read_text()) == journal  # not rewritten from two fields
+    ctl.tick()
+    record = store.job_record()
+    assert record["generation"] == journal["job"]["generation"] == "0"
+    assert record["created"] == journal["job"]["created"] and record["name"] == "j"
+    assert len(_kinds(store, "rebuilt")) == 1 and _kinds(store, "submitted") == []
+
+
+def test_a_job_that_ended_stays_ended_when_its_controller_finds_redis_emptied(redis_server,
+                                                                            tmp_path):
+    """Redis restarted empty while the controller that ended the job waited for the agents'
+    goodbyes: it took the ended journal for a new job's start, submitted it again and ran a
+    generation 0 anew (CI, test_control_plane's Redis restart under a CPU hog: "rebuilt"
+    never said). Now the job stays as it ended; a controller that starts on that journal
+    still submits a new job."""
+    config, settings = _job(tmp_path)
+    store, ctl = _planned(redis_server, config, settings)
+    store.update_job({"state": "COMPLETED", "reason": "all 2 ranks of generation 0 finished"})
+    ctl._write_journal()
+    store.r.flushdb()
+    started = time.monotonic()
+    ctl.tick()
+    assert time.monotonic() - started < settings.agent_timeout_s  # no wait for the agents
+    record = store.job_record()
+    assert (record["state"], record["generation"]) == ("COMPLETED", "0"), record
+    assert store.plan()["generation"] == 0
+    assert len(_kinds(store, "rebuilt")) == 1 and _kinds(store, "submitted") == []
+
+    store.r.flushdb()
+    Controller(store, config, settings, ident="new").tick()
+    assert store.job_record()["state"] != "COMPLETED"
+    assert len(_kinds(store, "submitted")) == 1 and _kinds(store, "rebuilt") == []

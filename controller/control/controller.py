@@ -61,6 +61,13 @@ VOLATILE = frozenset({"progress_gen", "progress_step", "progress_at", "progress_
                       "memory_snapshot"})
 
 
+def whole(record: dict[str, str]) -> bool:
+    """A job record as the controller keeps it: `created` is written only when a job is
+    submitted and restored only by a rebuild, so a write a retry carried into a Redis that
+    restarted empty (even one setting `state`) leaves a record that is not whole."""
+    return bool(record.get("created") and record.get("state"))
+
+
 class Controller:
     def __init__(self, store: Store, job: JobConfig, settings: Settings, *,
                  ident: str | None = None, lease_s: float = 5.0):
@@ -72,6 +79,7 @@ class Controller:
         self.journal = Path(job.resolved_run_dir) / "controller.json"
         self._journal = Rewritten(self.journal, "the journal")
         self._journaled: str | None = None
+        self._led = False  # this controller has seen the job's whole record (see `_rebuild`)
         self._latest_shown: int | None = None
         self.snapshot_watch = SnapshotWatch(store)
         self.checkpoints = CheckpointView(self.checkpoint_dir, store)
@@ -130,8 +138,9 @@ class Controller:
 
     def observe(self) -> Observed:
         record = self.store.job_record()
-        if not record.get("state"):  # none, or a retried write landed in a Redis that restarted
+        if not whole(record):  # none, or a retried write landed in a Redis that restarted
             record = self._rebuild()
+        self._led = True
         return self.observer.observe(record, self.relay)
 
     def _say_refused_names(self) -> None:
@@ -197,8 +206,8 @@ class Controller:
         """On every change that matters after a loss of Redis: not on progress bookkeeping;
         and every tick while the disk refuses it (controller/disk.py), said once each way."""
         record = {k: v for k, v in self.store.job_record().items() if k not in VOLATILE}
-        if not record.get("state"):  # Redis restarted empty under this tick: the journal keeps
-            return  # the last good state, which the next tick rebuilds from
+        if not whole(record):  # Redis restarted empty under this tick: the journal keeps the
+            return  # last good state, which the next tick rebuilds from
         state = {"job": record, "plan": self.store.plan(), "excluded": self.store.excluded(),
                  "control": self.store.control()}
         text = json.dumps(state, indent=1, sort_keys=True)
@@ -213,16 +222,20 @@ class Controller:
                 ok=turn.ok, path=str(self.journal))
 
     def _rebuild(self) -> dict[str, str]:
-        """No job record in Redis: a new job, or Redis restarted empty (a write the retries
-        carried across the restart may have left a few fields). Restore from the journal (if
-        it holds a job that has not ended) and wait for the agents to report."""
+        """No whole job record in Redis: a new job, or Redis restarted empty. Restore from the
+        journal and wait for the agents to report. A journal whose job ended is a new job's
+        start, unless this controller led that job (Redis lost while it waited for the agents'
+        goodbyes: the job stays ended, not run again). What writes the store's retries carried
+        across the restart left (a plan, a few job fields, even a state) is newer than the
+        journal and kept over it."""
+        planted, planted_plan = self.store.job_record(), self.store.plan()
         try:
             journal = read_journal(self.journal)
         except ConfigError as e:
             self._event("journal_refused", f"{e}; the job goes on without it", send=False)
             journal = {}
         record = journal.get("job") or {}
-        if not record or record.get("state") in TERMINAL:
+        if not record or (record.get("state") in TERMINAL and not self._led):
             fresh = {"state": "PENDING", "reason": "waiting for the first generation",
                      "name": self.job.name, "nodes": self.s.nodes,
                      "ranks_per_node": self.s.ranks_per_node, "created": time.time(),
@@ -231,24 +244,27 @@ class Controller:
             self._event("submitted", f"job {self.job.name}: {self.s.nodes} node(s) x "
                         f"{self.s.ranks_per_node} rank(s)")
             return self.store.job_record()
+        record = {**{k: v for k, v in record.items() if k not in ("failure_since", "next_plan_at")},
+                  **planted}
         for node, entry in journal.get("excluded", {}).items():
             self.store.exclude(node, **{"reason": "restored", "by": "?", **entry})
         if journal.get("control"):
             self.store.set_control(journal["control"])
-        plan = journal.get("plan")
+        plan = planted_plan or journal.get("plan")
         if plan:
             plan = {**plan, "exits_from": "0"}  # the exits stream was lost with Redis
             self.store.set_plan(plan)
-            deadline = time.time() + self.s.agent_timeout_s
-            self.relay.forget()  # its cursors went with Redis too
+            # its cursors went with Redis too; the agents of a job that ended are not waited for
+            self.relay.forget()
+            deadline = time.time() + (0 if record.get("state") in TERMINAL
+                                      else self.s.agent_timeout_s)
             while time.time() < deadline:  # agents re-register within one interval
                 self.relay.run(plan)
                 beats = self.store.agent_beats()
                 if all(n in beats for n in plan["nodes"]):
                     break
                 time.sleep(TICK_S)
-        self.store.update_job({k: v for k, v in record.items()
-                               if k not in ("failure_since", "next_plan_at")})
+        self.store.update_job(record)
         reporting = sorted(self.store.agent_beats())
         self._event("rebuilt", f"Redis held no state for job {self.job.name}; rebuilt from "
                     f"{self.journal} (state {record.get('state')}, generation "
