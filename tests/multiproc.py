@@ -44,6 +44,12 @@ def free_port() -> int:
     return unclaimed_port("127.0.0.1")
 
 
+def ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range, read here (not from optimus/ports.py,
+    whose choice the tests check against it)."""
+    return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+
+
 def _context() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
     # Everything a rank imports (torch, its distributed stack, the trainer): a rank then starts

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import ephemeral_start
 from test_checkpoint_saver import Trainer, _assert_bitwise, _load_elsewhere
 
 from optimus.checkpoint.manifest import committed_steps, is_committed, latest_committed, step_dir
@@ -349,10 +350,6 @@ def test_a_rank_whose_peer_dies_while_its_writer_process_starts_exits_at_once(tm
                 p.wait()
 
 
-def _ephemeral_start() -> int:
-    return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-
-
 def test_dcp_gives_its_writers_that_port(monkeypatch):
     """What DCP's rank 0 sends its writers (and every rank's writer binds or dials) once the
     saver installed its writer: a port below the ephemeral range (optimus/ports.py; DCP's own
@@ -371,4 +368,4 @@ def test_dcp_gives_its_writers_that_port(monkeypatch):
         info = executor._ProcessGroupInitInfo()
     finally:
         dist.destroy_process_group()
-    assert ports._LOWEST <= info.tcp_store_master_port < _ephemeral_start()
+    assert ports._LOWEST <= info.tcp_store_master_port < ephemeral_start()

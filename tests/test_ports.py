@@ -12,9 +12,9 @@ import random
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from multiproc import ephemeral_start, free_port
 from test_decide import NOW, S, node, running_plan
 
 from controller.cli.run import LocalCluster, start_redis
@@ -119,16 +119,12 @@ def test_a_port_an_agent_wrote_is_a_port_or_none(raw, port):
     assert records.port(raw) == port
 
 
-def _ephemeral_start() -> int:
-    return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-
-
 def test_an_unclaimed_port_is_below_the_ephemeral_range_free_and_else_the_kernels(
         monkeypatch, tmp_path):
     """A port picked by bind(0) and closed comes from the range the kernel takes outgoing
     connections' local ports from: a server binding it a moment (or, after a spawn's imports,
     seconds) later could find it taken by any connection of the host meanwhile."""
-    first = _ephemeral_start()
+    first = ephemeral_start()
     picked = [ports.unclaimed_port() for _ in range(50)]
     assert all(ports._LOWEST <= p < first for p in picked), picked
     assert len(set(picked)) == len(picked), picked  # none handed out twice in a row
@@ -156,7 +152,7 @@ def test_an_unclaimed_port_is_below_the_ephemeral_range_free_and_else_the_kernel
 def test_servers_that_bind_later_get_an_unclaimed_port(tmp_path):
     """`optimus run`'s Redis, an agent whose plan carried no port and held no offer, the tests'
     rank 0 store: each binds a port picked before it, so each takes one below the range."""
-    first = _ephemeral_start()
+    first = ephemeral_start()
     cluster = LocalCluster(tmp_path)
     try:
         url = start_redis(cluster)
@@ -170,5 +166,4 @@ def test_servers_that_bind_later_get_an_unclaimed_port(tmp_path):
         assert ports._LOWEST <= offer.take() < first
     finally:
         offer.close()
-    from multiproc import free_port
     assert ports._LOWEST <= free_port() < first
