@@ -246,6 +246,7 @@ class Controller:
             return self.store.job_record()
         record = {**{k: v for k, v in record.items() if k not in ("failure_since", "next_plan_at")},
                   **planted}
+        record.setdefault("created", time.time())  # a journal older than the field: whole now
         for node, entry in journal.get("excluded", {}).items():
             self.store.exclude(node, **{"reason": "restored", "by": "?", **entry})
         if journal.get("control"):
