@@ -249,9 +249,9 @@ def test_a_node_back_under_its_own_name_keeps_the_proof_of_what_it_held(tmp_path
     assert store.job_record()["state"] == "COMPLETED", store.job_record()
     (generation,) = [e["message"] for e in _events(store, "generation")
                      if e["message"].startswith("generation 1 ")]
-    # What the controller planned with, should it not resume from memory (seen twice under a
-    # CPU hog: node1's pushes ran ahead of node0's, and node1 dropped its own copy of the one
-    # point both had confirmed; tests/test_snapshot_align.py has that case alone).
+    # What the controller planned with, should it not resume from memory (seen three times
+    # under a CPU hog: node1's pushes ran ahead of node0's, and node1 dropped its own copy of
+    # the one point both had confirmed; tests/test_snapshot_align.py has that case alone).
     reports = {n: {k: r.get(k) for k in ("incarnation", "own", "held", "replicated")}
                for n, r in store.snapshots().items()}
     assert "from the memory snapshot of step" in generation, (

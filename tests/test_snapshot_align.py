@@ -190,42 +190,52 @@ def test_skewed_keepers_meet_on_the_named_point_and_keep_it_until_a_newer_one_is
     _pushed(a, b, 15, 16)
     assert usable() == 14
     # Without a name (a generation's first seconds, a controller that lags or is away) each
-    # keeps its newest UNNAMED_KEEP: 14 stays usable, until the skew outgrows that too.
+    # keeps its newest UNNAMED_KEEP, and the newest point it shares with its buddy: 14 stays
+    # usable however far a's pushes run ahead (it was lost once the skew outgrew UNNAMED_KEEP).
     for k in (a, b):
         k.keep = None
     assert usable() == 14
-    take(17, 18)
-    _pushed(a, b, 17, 18)
-    assert usable() is None
+    take(*range(17, 25))
+    _pushed(a, b, *range(17, 25))
+    seen = reports()
+    assert usable() == 14
+    assert sorted(seen["a"]["own"]) == [_p(s) for s in (14, 21, 22, 23, 24)]  # one more only
+    assert sorted(seen["b"]["held"]) == [_p(s) for s in (14, 21, 22, 23, 24)]
+    # b's push of a newer point both confirmed moves the shared point on, and 14 goes.
+    _pushed(b, a, 24)
+    assert usable() == 24
+    assert _p(14) not in reports()["a"]["own"]
 
 
 def test_with_no_point_named_a_node_whose_pushes_ran_ahead_keeps_the_one_both_confirmed(
         keeper):  # noqa: F811 (test_snapshot_push's fixture)
-    """b's pushes lag (8 is the newest it sent) while a's ran ahead (10 and 12 confirmed by b),
-    then b is lost before the controller named any point to keep (a generation's first
+    """b's pushes lag (8 is the newest it sent) while a's ran far ahead (10 to 20 confirmed by
+    b), then b is lost before the controller named any point to keep (a generation's first
     seconds; the controller stopped). 8 is the one point whose every shard has a copy off its
     node: a keeps its own 8 and the copy of b's, so the next generation resumes from memory.
-    (Seen in CI under a CPU hog: a kept only its two newest confirmed, 10 and 12, and the job
-    restarted from scratch.)"""
+    (Seen in CI under a CPU hog, twice with a keeping only its two newest confirmed, then, with
+    UNNAMED_KEEP, once more when a ran more than four points ahead: the job restarted from
+    scratch.)"""
     a, b = keeper("a"), keeper("b")
-    for step in (6, 8, 10, 12):
+    ahead = range(6, 21, 2)
+    for step in ahead:
         _take(a.own, step, [0, 1])
         _take(b.own, step, [2, 3])
-    _pushed(a, b, 6, 8, 10, 12)
+    _pushed(a, b, *ahead)
     _pushed(b, a, 6, 8)
     reports = {}
     for k in (a, b):
         k.unreported()
         reports[k.node] = k.poll(None, None, [])
-    assert sorted(reports["a"]["own"]) == [_p(s) for s in (6, 8, 10, 12)]
+    assert sorted(reports["a"]["own"]) == [_p(s) for s in (8, 14, 16, 18, 20)]
     lost_b = {"a": reports["a"], "b@1.aa": reports["b"]}  # its last report, kept apart
     point, why = memory_point(PLAN, lost_b, {"a"}, None)
     assert point == {"step": 8, "generation": 2, "slots": [["a"], ["a"]]} and why is None
-    # Once a usable point is named the steady rule is back: the newest two confirmed and the
-    # named one.
+    # Once a usable point is named the steady rule is back: the newest two confirmed, the
+    # named one (and the one shared with b, the same here).
     a.keep = _p(8)
     a.unreported()
-    assert sorted(a.poll(None, None, [])["own"]) == [_p(8), _p(10), _p(12)]
+    assert sorted(a.poll(None, None, [])["own"]) == [_p(8), _p(18), _p(20)]
 
 
 def test_the_watch_reads_every_second_until_a_point_is_named_to_keep(monkeypatch):
@@ -274,3 +284,26 @@ def test_a_lone_node_keeps_its_two_newest_whatever_is_named(keeper):  # noqa: F8
         _take(a.own, step, [0, 1])
     a.unreported()
     assert sorted(a.poll(None, None, [])["own"]) == [_p(5), _p(6)]
+
+
+def test_the_shared_point_is_the_oldest_of_each_held_ranks_newest_one_in_common():
+    """Two nodes push here (ranks 2-3 and 4-5): the point kept is the newest this node
+    confirmed whose shards of every rank held here it holds too, the slower pusher's. A rank
+    held here that shares no point with it, a point its buddy has not confirmed, or one a
+    rollback made void, gives none."""
+    from pathlib import Path
+
+    from controller.node.snapshots import _shared
+
+    def points(*entries):
+        return [(step, 2, Path(_p(step)), dict.fromkeys(ranks, {})) for step, ranks in entries]
+    own = points(*((s, [0, 1]) for s in range(1, 9)))
+    held = points((3, [2, 3, 4, 5]), (5, [2, 3, 4, 5]), (6, [2, 3]), (7, [2, 3]))
+    confirmed = {_p(s) for s in range(1, 9)}
+    assert _shared(own, held, confirmed, []) == _p(5)  # ranks 4-5's newest in common
+    assert _shared(own, held, confirmed - {_p(5)}, []) == _p(3)  # 5 not confirmed by the buddy
+    assert _shared(own, [*held, *points((8, [6]))], confirmed, []) == _p(5)  # 6 shares 8
+    assert _shared(own[:2], held, confirmed, []) is None  # no point in common with 2-5
+    assert _shared(own, [], confirmed, []) is None  # a node no one pushes to
+    # generation 3 resumed from step 4: generation 2's later points are void
+    assert _shared(own, held, confirmed, [[3, 4]]) == _p(3)

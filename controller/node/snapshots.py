@@ -184,6 +184,7 @@ class SnapshotKeeper:
                     plan.get("generation") == generation else None} - {None}
             with self.lock:
                 own, held = _scan(self.own), _scan(self.held)
+                keep |= {_shared(own, held, set(self.replicated), lineage or [])} - {None}
                 # (a lone node, sending and holding no copies, is out of step with no one)
                 depth = UNNAMED_KEEP if not self.keep and (self.replicated or held) else KEEP
                 own = _retain_own(own, set(self.replicated), keep, lineage or [], depth)
@@ -340,6 +341,28 @@ def _current(found: list[Point], lineage: list) -> list[Point]:
         else:
             kept.append(point)
     return kept
+
+
+def _shared(own: list[Point], held: list[Point], replicated: set[str],
+            lineage: list) -> str | None:
+    """The newest point this node and the nodes that push to it have surely both replicated:
+    its own shards whole and confirmed by its buddy, and, for every rank whose shards come
+    here, that rank's shard held here whole. Should this node's buddy or a pusher be lost, it is
+    the point their slots can resume from, however far this node's own pushes ran ahead of
+    theirs (one point, kept whatever the depth and whether or not the controller named one).
+    None when some rank held here shares no point with it."""
+    mine = {path.name for step, gen, path, _ in own
+            if path.name in replicated and not void(step, gen, lineage)}
+    newest: dict[int, tuple[int, int]] = {}  # rank held here -> its newest shared point
+    ranks: set[int] = set()
+    for step, gen, path, shards in held:  # oldest first
+        ranks |= set(shards)
+        if path.name in mine:
+            for rank in shards:
+                newest[rank] = max(newest.get(rank, (step, gen)), (step, gen))
+    if not newest or set(newest) != ranks:
+        return None
+    return point_name(*min(newest.values()))
 
 
 def _retain_own(found: list[Point], replicated: set[str], keep_also: set[str],
