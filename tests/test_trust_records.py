@@ -191,3 +191,22 @@ def test_a_job_that_ended_stays_ended_when_its_controller_finds_redis_emptied(re
     Controller(store, config, settings, ident="new").tick()
     assert store.job_record()["state"] != "COMPLETED"
     assert len(_kinds(store, "submitted")) == 1 and _kinds(store, "rebuilt") == []
+
+
+def test_a_resubmission_reaches_a_controller_still_leading_the_job_it_ended(redis_server,
+                                                                           tmp_path):
+    """Helm's controllers stay up after the job ends. `--resubmit` of a FAILED job resets the
+    store under the one still leading, which must then find no journal of the ended job (it
+    would keep the job FAILED, as it does after losing Redis): its next tick submits anew."""
+    from controller.cli.main import _resubmit
+
+    config, settings = _job(tmp_path)
+    store, ctl = _planned(redis_server, config, settings)
+    store.update_job({"state": "FAILED", "reason": "5 restarts used up"})
+    ctl._write_journal()
+    _resubmit(store, config)
+    ctl.tick()
+    assert store.job_record()["state"] != "FAILED"
+    assert len(_kinds(store, "submitted")) == 2  # the first submission's, and this one's
+    assert _kinds(store, "rebuilt") == []
+    assert [m for m in _kinds(store, "resubmitted") if "was FAILED" in m]

@@ -174,10 +174,12 @@ def _resubmit(store: Store, config, allocation: str | None = None) -> None:
     if state in (None, COMPLETED) or (not allocation and state not in (FAILED, STOPPED)):
         return
     excluded = store.excluded() or journal.get("excluded", {})
+    # The journal first: a controller still leading the ended job (Helm's stay up) that finds
+    # the record gone must find no journal either, or it keeps the job as it ended.
+    journal_path.unlink(missing_ok=True)
     store.reset()
     for node, entry in excluded.items():
         store.exclude(node, **{"reason": "restored", "by": "?", **entry})
-    journal_path.unlink(missing_ok=True)
     how = f"in a new allocation ({allocation})" if allocation else "(--resubmit)"
     store.event("controller", "resubmitted", f"job {config.name} was {state}; submitted "
                 f"again {how}, from its latest committed checkpoint"
