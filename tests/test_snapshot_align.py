@@ -5,13 +5,14 @@ and real agents' keepers over TCP meeting on it, so that a usable memory point e
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from test_snapshot_push import SECRET, keeper  # noqa: F401 (keeper: a fixture)
 from test_snapshot_push import _take as take
 
 from controller.control.recovery import memory_point
 from controller.control.snapshot_watch import ALIGN_READS, SnapshotWatch, align_point
-from controller.node.snapshots import SnapshotKeeper, push
+from controller.node.snapshots import SnapshotKeeper, _shared, push
 from controller.store.store import Store
 from optimus.checkpoint.snapshot_files import (
     point_name,
@@ -291,10 +292,6 @@ def test_the_shared_point_is_the_oldest_of_each_held_ranks_newest_one_in_common(
     confirmed whose shards of every rank held here it holds too, the slower pusher's. A rank
     held here that shares no point with it, a point its buddy has not confirmed, or one a
     rollback made void, gives none."""
-    from pathlib import Path
-
-    from controller.node.snapshots import _shared
-
     def points(*entries):
         return [(step, 2, Path(_p(step)), dict.fromkeys(ranks, {})) for step, ranks in entries]
     own = points(*((s, [0, 1]) for s in range(1, 9)))

@@ -149,7 +149,7 @@ def test_a_state_a_retried_write_planted_in_an_emptied_redis_is_rebuilt_around(r
     state (the tick that decided COMPLETED, say): the record had a state, so no rebuild ran,
     and the job went on with a record of two fields (no generation, no name) and a journal
     rewritten from them. Now the record is not whole without `created`: rebuilt from the
-    journal."""
+    journal, with the planted fields (newer) kept over it."""
     import dataclasses
 
     config, settings = _job(tmp_path)
@@ -157,13 +157,14 @@ def test_a_state_a_retried_write_planted_in_an_emptied_redis_is_rebuilt_around(r
                                                                    agent_timeout_s=0.5))
     journal = json.loads(ctl.journal.read_text())
     store.r.flushdb()
-    store.update_job({"state": "RUNNING", "reason": "planted by a retried write"})
+    store.update_job({"state": "RUNNING", "restarts": "3"})  # newer than the journal's 0
     ctl._write_journal()
     assert json.loads(ctl.journal.read_text()) == journal  # not rewritten from two fields
     ctl.tick()
     record = store.job_record()
     assert record["generation"] == journal["job"]["generation"] == "0"
     assert record["created"] == journal["job"]["created"] and record["name"] == "j"
+    assert journal["job"]["restarts"] == "0" and record["restarts"] == "3"  # kept over it
     assert len(_kinds(store, "rebuilt")) == 1 and _kinds(store, "submitted") == []
 
 

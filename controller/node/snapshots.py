@@ -184,10 +184,11 @@ class SnapshotKeeper:
                     plan.get("generation") == generation else None} - {None}
             with self.lock:
                 own, held = _scan(self.own), _scan(self.held)
-                keep |= {_shared(own, held, set(self.replicated), lineage or [])} - {None}
+                confirmed = set(self.replicated)
+                keep |= {_shared(own, held, confirmed, lineage or [])} - {None}
                 # (a lone node, sending and holding no copies, is out of step with no one)
-                depth = UNNAMED_KEEP if not self.keep and (self.replicated or held) else KEEP
-                own = _retain_own(own, set(self.replicated), keep, lineage or [], depth)
+                depth = UNNAMED_KEEP if not self.keep and (confirmed or held) else KEEP
+                own = _retain_own(own, confirmed, keep, lineage or [], depth)
                 held = _retain_held(held, keep, lineage or [], depth)
         if running:
             self._replicate(plan, own)
