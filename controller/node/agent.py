@@ -259,6 +259,7 @@ class Agent(Lifecycle, Commands, Checks):
         self._check_node_faults()
         if self._told(self._status()) != told:  # launched, stopped: say so at the next turn
             self.waker.poke()
+        self._check_ahead()  # between generations: the next plan's check, before it comes
 
     def _keep_standbys(self) -> None:
         """Standby mode: a ready process per local rank of the job's layout for the next

@@ -1,15 +1,53 @@
 """Whether this node may take a generation: its tiles' health check (on registering, before
 every generation it takes part in, on demand) and whether it can run the job at all.
+
+The check before a generation is done ahead when it can be: once the node's ranks have left
+their generation (or while it waits as a spare), the agent runs it between its ticks, and a
+plan that comes while that check is fresh (passed at most FRESH_S ago, no rank run here since)
+launches at once instead of after a check of its own (0.06-0.24 s of every restart on a
+2-core VM; seconds where a tile's runtime starts slowly). A check that fails there is not
+kept: the plan's own check runs, fails in its turn and is reported as before, so what the
+controller sees of a bad tile does not change. What it proves does not either: a tile
+checked before its node's next ranks start, nothing computed on it in between.
 """
 
 from __future__ import annotations
 
+import time
+
 from controller.node.health_check import health_check
 from controller.store.store import StoreUnavailable
+
+FRESH_S = 30.0  # how long a passing check ahead of a plan stands for the plan's own
+AGAIN_S = FRESH_S / 2  # an idle node's check is done again this often (spares stay fresh)
 
 
 class Checks:
     """The agent's checks of its node (mixed into `Agent`: uses its store, events and ranks)."""
+
+    ahead: dict | None = None  # a passing check done while no rank ran here, and since when
+    ahead_tried = float("-inf")  # monotonic time of the last check ahead, passed or not
+    ahead_after: int | None = None  # the generation whose end the last check ahead followed
+
+    def _check_ahead(self) -> None:
+        """Between generations (no rank of this node runs, no plan for it waits), the check
+        the next plan would run, done now: once a generation's ranks have left, and every
+        AGAIN_S while idle (a failed one too: the plan's own check reports it)."""
+        if self.ended or self._live() or self.spawner.warming() or self._plan_waits():
+            return
+        now = time.monotonic()
+        ended = self.ran_since_ok and self.ahead_after != self.generation
+        stale = now - self.ahead_tried >= AGAIN_S and (
+            self.ahead is None or now - self.ahead["at"] >= AGAIN_S)
+        if ended or stale:
+            self.ahead_after, self.ahead_tried = self.generation, now
+            self._check_health()
+
+    def _plan_waits(self) -> bool:
+        """Whether a plan names this node for a generation it has not launched yet."""
+        plan = self.latest_plan or {}
+        return (plan.get("action") == "run" and self.node in plan.get("nodes", [])
+                and plan.get("generation") != self.generation)
 
     def _check_health(self) -> dict:
         """The check (in a child of the warm process, or a fresh process: never in the agent,
@@ -18,11 +56,18 @@ class Checks:
         result = health_check(self.node, self.corrupt_tiles, self.spawner)
         ran = self.ran_since_ok or self._live()
         self.ran_since_ok = self._live() if result["health"] == "ok" else ran
-        return {**result, "ran_since_ok": ran}
+        checked = {**result, "ran_since_ok": ran}
+        self.ahead = ({"at": time.monotonic(), "result": checked}
+                      if result["health"] == "ok" and not self._live() else None)
+        return checked
 
     def _healthy_for(self, generation: int) -> bool:
-        """The deterministic check, before every generation this node takes part in."""
-        self.info = {**self.info, **self._check_health()}
+        """The deterministic check, before every generation this node takes part in: the one
+        done ahead if it still stands (`_check_ahead`), else one now."""
+        ahead, self.ahead = self.ahead, None
+        fresh = (ahead is not None and time.monotonic() - ahead["at"] <= FRESH_S
+                 and not self.ran_since_ok)
+        self.info = {**self.info, **(ahead["result"] if fresh else self._check_health())}
         try:
             self.store.set_health(self.node, self.info)
         except StoreUnavailable as e:

@@ -40,6 +40,7 @@ class Commands:
                             f"{str(tile)[:32]!r} is no tile index", fault="bad_tile")
                 return
             self.corrupt_tiles.add(tile)
+            self.ahead = None  # a check done before no longer stands for the next plan
             self._event("chaos", f"chaos on {self.node}: tile {tile} now "
                         "computes wrong results (seen by the next health check)",
                         fault="bad_tile")

@@ -292,10 +292,20 @@ class Lifecycle:
     # --- ranks ---------------------------------------------------------------------------------
 
     def _reap(self) -> None:
-        self.leaving = [p for p in self.leaving if p.popen.poll() is None]
+        for p in self.leaving:
+            if p.popen.poll() is not None:
+                signal_group(p.popen, signal.SIGKILL)  # what it left behind (below)
+        self.leaving = [p for p in self.leaving if p.popen.returncode is None]
         for p in list(self.procs.values()):
             if p.popen.returncode is not None or p.popen.poll() is None:
                 continue
+            # A rank runs in a session of its own; what it started there (DCP's checkpoint
+            # writer in async_mode process, ~270 MB; data workers) outlives it when it dies
+            # of a signal or a crash (seen: one writer left for every rank a restart
+            # benchmark killed, still running ten minutes later). Its process group goes with
+            # it, at once: its pid stays that group's while one member lives, so no other
+            # process can hold it meanwhile.
+            signal_group(p.popen, signal.SIGKILL)
             if p.ready:  # its leaving the generation was reported; its exit adds nothing
                 continue
             code = p.popen.returncode
