@@ -279,6 +279,9 @@ def measure(mode: str, trials: int, faults: list[str], memory_every: int | str,
                       f"{r['next_step'] - r['decision']:.2f} s), {r['lost']} step(s) lost "
                       f"(resumed from {r['source']} at step {r['resumed']}), "
                       f"{r['in_process']} rank(s) in process ({r['reason']})", flush=True)
+                if r["parts"]:
+                    print("  after the decision: " + ", ".join(
+                        f"{k} {r['parts'][k]:.2f}" for k in PARTS) + " s", flush=True)
         every = [m for m in run.rows() if m.get("event") == "snapshot"]
         if every:
             print(f"snapshots: {every[0]['message']}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import socket
 import threading
 import time
 from collections import Counter
@@ -169,6 +170,37 @@ def test_a_pull_while_the_holder_retains_gets_the_exact_point(keeper):
             push(b.address, SECRET, source, RANKS)
             pull(b.address, SECRET, c.held / source.name, RANKS, c.lock)
             _assert_identical(source, c.held / source.name, RANKS)
+
+
+def test_a_plans_pull_that_ends_tells_the_agent_at_once_whether_it_got_the_point(keeper):
+    """The agent launches a plan whose point it pulls when the pull ends, not at its next
+    tick (a heartbeat interval later: ~0.5 s of a restart in bench/recovery.py)."""
+    a, b, c = keeper("a"), keeper("b"), keeper("c")
+    source = _take(a.own, 3, [2, 3])
+    push(b.address, SECRET, source, [2, 3])  # b holds node a's shards of step 3
+    ended = threading.Event()
+    c.on_pulled = ended.set
+    plan = {"generation": 1, "nodes": ["x", "c"], "ranks_per_node": 2,
+            "memory": {"step": 3, "generation": 0,
+                       "holders": {"c": {"node": "b", "addr": b.address}}}}
+    first = c.resume_dir(plan)
+    assert ended.wait(30)
+    assert first[0] in ("waiting", "ready")  # (a pull may end before it is asked about)
+    assert c.resume_dir(plan) == ("ready", c.held / source.name)
+    _assert_identical(source, c.held / source.name, [2, 3])
+    ended.clear()  # a holder gone: the pull fails, and says so as soon
+    gone = {**plan, "generation": 2, "memory": {**plan["memory"], "holders": {
+        "c": {"node": "b", "addr": f"127.0.0.1:{_closed_port()}"}}}}
+    c.held.joinpath(source.name).rename(c.held / "elsewhere")
+    assert c.resume_dir(gone)[0] in ("waiting", "ready")
+    assert ended.wait(30)
+    assert c.resume_dir(gone)[0] == "ready" and c.fetch_error()
+
+
+def _closed_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_a_shard_that_fails_its_checksum_is_refused_with_the_reason(keeper):

@@ -111,6 +111,7 @@ class Agent(Lifecycle, Commands, Checks):
         # In-memory snapshots: this node's ranks' and the replicas it holds for its peers.
         self.snapshots = SnapshotKeeper(node_folder(snapshot_root, store.job, node),
                                         node, job_secret(), self.host)
+        self.snapshots.on_pulled = self.waker.poke  # a pulled point: launch now (lifecycle.py)
         self._snapshots_stored = False  # this incarnation has reported once
         self.failed_saves = 0  # checkpoint saves failed in a row, as this node's ranks last said
         # The warm process first: the health check runs in a child of it (checks.py); standby

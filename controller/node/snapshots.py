@@ -43,6 +43,7 @@ import secrets
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -153,6 +154,9 @@ class SnapshotKeeper:
         self.failed: dict[str, str] = {}  # point -> why its push failed
         self._fetch: Future | None = None
         self._fetch_key: tuple | None = None
+        # Called (from the pull's thread) once a pull for a plan ends: the agent looks at its
+        # plan again then, not at its next tick (a heartbeat interval later).
+        self.on_pulled: Callable[[], None] | None = None
         self._reported: str | None = None
         # The point the controller names for every node to push next, and to keep meanwhile
         # (controller/control/snapshot_watch.py: where the nodes' own choices do not meet),
@@ -298,6 +302,7 @@ class SnapshotKeeper:
                 self._fetch = self._pool.submit(pull, holder["addr"], self.secret,
                                                 self.held / name, sorted(mine), self.lock,
                                                 self._client_tls)
+            self._fetch.add_done_callback(lambda _: self.on_pulled and self.on_pulled())
         if not self._fetch.done():
             return "waiting", None
         with contextlib.suppress(Exception):
