@@ -30,6 +30,9 @@ REC = ("bench/recovery.py --trials 3 --modes warm-memory-inprocess, 2026-11-28 0
 REC2 = ("bench/recovery.py --trials 3 --faults kill_node,kill_rank --modes "
         "warm-memory-inprocess, 2026-11-29 12:09, a lost node decided by the probe, the warm "
         "process past the ranks' first-use imports (2-core VM)")
+REC3 = ("bench/recovery.py --trials 5 --faults kill_rank,kill_node --modes "
+        "warm-memory-inprocess, 2026-11-30 08:45, the store's listener awaited, the next "
+        "plan's health check ahead, a pulled point launched at once (2-core VM)")
 REC_COLD = "bench/recovery.py --trials 3, cold starts, 2026-11-23 21:59 (2-core VM)"
 CKPT = "bench/checkpoint.py, process mode, bare-bytes storage, 2026-11-21 08:35 (2-core VM)"
 SNAP = "bench/snapshot_overhead.py, 1 training thread, 2026-11-28 (2-core VM)"
@@ -40,15 +43,15 @@ SCALE = "bench/controller_scale.py --sizes ...,131072, 2026-11-21 11:40 (2-core 
 @dataclass(frozen=True)
 class Inputs:
     # -- measured here (docs/benchmarks.md) --------------------------------------------------
-    decision_kill_rank_s: float = measured(0.07, REC2)
+    decision_kill_rank_s: float = measured(0.06, REC3)
     decision_freeze_rank_s: float = measured(3.06, REC)
-    decision_kill_node_s: float = measured(1.45, REC2)
+    decision_kill_node_s: float = measured(1.45, REC3)
     recovery_timeout_s: float = measured(3.0, REC + ": heartbeat timeout of those runs")
     recovery_interval_s: float = measured(0.5, REC2 + ": heartbeat interval of those runs")
     recovery_grace_s: float = measured(1.0, REC + ": failure grace of those runs")
-    next_step_warm_kill_rank_s: float = measured(1.31, REC2)
+    next_step_warm_kill_rank_s: float = measured(0.91, REC3)
     next_step_warm_freeze_rank_s: float = measured(4.88, REC)
-    next_step_warm_kill_node_s: float = measured(2.12, REC2)
+    next_step_warm_kill_node_s: float = measured(2.02, REC3)
     next_step_cold_kill_rank_s: float = measured(5.26, REC_COLD)
     next_step_cold_freeze_rank_s: float = measured(9.80, REC_COLD)
     next_step_cold_kill_node_s: float = measured(7.97, REC_COLD)
