@@ -32,13 +32,14 @@ class Checks:
     def _check_ahead(self) -> None:
         """Between generations (no rank of this node runs, no plan for it waits), the check
         the next plan would run, done now: once a generation's ranks have left, and every
-        AGAIN_S while idle (a failed one too: the plan's own check reports it)."""
+        AGAIN_S while idle where a check is a fork of the warm process, not a fresh interpreter
+        (a failed one too: the plan's own check reports it)."""
         if self.ended or self._live() or self.spawner.warming() or self._plan_waits():
             return
         now = time.monotonic()
         ended = self.ran_since_ok and self.ahead_after != self.generation
-        stale = now - self.ahead_tried >= AGAIN_S and (
-            self.ahead is None or now - self.ahead["at"] >= AGAIN_S)
+        stale = (now - self.ahead_tried >= AGAIN_S and self.spawner.checks_cheaply
+                 and (self.ahead is None or now - self.ahead["at"] >= AGAIN_S))
         if ended or stale:
             self.ahead_after, self.ahead_tried = self.generation, now
             self._check_health()
@@ -68,6 +69,7 @@ class Checks:
         fresh = (ahead is not None and time.monotonic() - ahead["at"] <= FRESH_S
                  and not self.ran_since_ok)
         self.info = {**self.info, **(ahead["result"] if fresh else self._check_health())}
+        self.ahead = None  # this plan's: its ranks start now
         try:
             self.store.set_health(self.node, self.info)
         except StoreUnavailable as e:
