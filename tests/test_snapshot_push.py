@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import socket
 import threading
 import time
 from collections import Counter
@@ -28,6 +27,7 @@ from optimus.checkpoint.snapshot_files import (
     shard_files,
     write_marker,
 )
+from optimus.ports import unclaimed_port
 
 SECRET = secrets.token_bytes(32)  # the job's key (snapshot_link.read_secret)
 RANKS = [0, 1, 2, 3]
@@ -190,17 +190,11 @@ def test_a_plans_pull_that_ends_tells_the_agent_at_once_whether_it_got_the_point
     _assert_identical(source, c.held / source.name, [2, 3])
     ended.clear()  # a holder gone: the pull fails, and says so as soon
     gone = {**plan, "generation": 2, "memory": {**plan["memory"], "holders": {
-        "c": {"node": "b", "addr": f"127.0.0.1:{_closed_port()}"}}}}
+        "c": {"node": "b", "addr": f"127.0.0.1:{unclaimed_port('127.0.0.1')}"}}}}
     c.held.joinpath(source.name).rename(c.held / "elsewhere")
     assert c.resume_dir(gone)[0] in ("waiting", "ready")
     assert ended.wait(30)
     assert c.resume_dir(gone)[0] == "ready" and c.fetch_error()
-
-
-def _closed_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_shard_that_fails_its_checksum_is_refused_with_the_reason(keeper):

@@ -34,13 +34,13 @@ class Checks:
         the next plan would run, done now: once a generation's ranks have left, and every
         AGAIN_S while idle where a check is a fork of the warm process, not a fresh interpreter
         (a failed one too: the plan's own check reports it)."""
-        if self.ended or self._live() or self.spawner.warming() or self._plan_waits():
+        if self.ended or self._live() or self._plan_waits():
             return
         now = time.monotonic()
         ended = self.ran_since_ok and self.ahead_after != self.generation
         stale = (now - self.ahead_tried >= AGAIN_S and self.spawner.checks_cheaply
                  and (self.ahead is None or now - self.ahead["at"] >= AGAIN_S))
-        if ended or stale:
+        if (ended or stale) and not self.spawner.warming():  # (asked only when one is due)
             self.ahead_after, self.ahead_tried = self.generation, now
             self._check_health()
 
@@ -65,7 +65,7 @@ class Checks:
     def _healthy_for(self, generation: int) -> bool:
         """The deterministic check, before every generation this node takes part in: the one
         done ahead if it still stands (`_check_ahead`), else one now."""
-        ahead, self.ahead = self.ahead, None
+        ahead = self.ahead
         fresh = (ahead is not None and time.monotonic() - ahead["at"] <= FRESH_S
                  and not self.ran_since_ok)
         self.info = {**self.info, **(ahead["result"] if fresh else self._check_health())}
