@@ -211,3 +211,35 @@ def test_a_resubmission_reaches_a_controller_still_leading_the_job_it_ended(redi
     assert len(_kinds(store, "submitted")) == 2  # the first submission's, and this one's
     assert _kinds(store, "rebuilt") == []
     assert [m for m in _kinds(store, "resubmitted") if "was FAILED" in m]
+
+
+def test_a_tick_whose_redis_restarted_empty_under_it_decides_nothing(redis_server, tmp_path):
+    """Redis restarted empty while a tick observed: it had read the whole job record before
+    the restart and the nodes after it, decided 'waiting for nodes: 0 healthy node(s)', and
+    wrote that state into the empty Redis; the rebuild kept it over the journal (a planted
+    state is newer) and the job started generation 1 from its last checkpoint instead of
+    going on with generation 0 (CI, test_control_plane's Redis restart). Now a tick applies
+    nothing once the record it read is gone: the next one rebuilds from the journal."""
+    import dataclasses
+
+    config, settings = _job(tmp_path)
+    store, ctl = _planned(redis_server, config, dataclasses.replace(settings,
+                                                                   agent_timeout_s=2.0))
+    observe = ctl.observer.observe
+
+    def restarted_under(record, relay):  # the record was read before the restart
+        store.r.flushdb()
+        ctl.observer.observe = observe
+        return observe(record, relay)
+
+    ctl.observer.observe = restarted_under
+    ctl.tick()
+    assert store.job_record() == {} and store.plan() is None  # nothing decided on zero nodes
+    for name in ("n0", "n1"):  # the agents re-register within an interval
+        store.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
+    ctl.tick()
+    record = store.job_record()
+    assert (record["state"], record["generation"]) == ("RUNNING", "0"), record
+    assert store.plan()["generation"] == 0
+    said = [e["message"] for _, e in store.events(count=1000)]
+    assert len(_kinds(store, "rebuilt")) == 1 and not [m for m in said if "waiting" in m], said

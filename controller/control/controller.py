@@ -123,6 +123,12 @@ class Controller:
             obs = self.observe()
             self._say_refused_names()
             decision = decide(obs, self.s)
+            # Redis restarted empty while this tick read it: the decision stands on what the
+            # restart half erased (a whole record, then no nodes) and is not applied.
+            if not whole(self.store.job_record()):
+                log.warning("Redis lost the job record under this tick; its decision is "
+                            "dropped and the next tick rebuilds from the journal")
+                return None
             self.apply(decision, obs)
             self.event_log.mirror()  # this tick's events too: the last tick's are on disk
             return decision.job.get("state", obs.job.state)
@@ -227,7 +233,8 @@ class Controller:
         start, unless this controller led that job (Redis lost while it waited for the agents'
         goodbyes: the job stays ended, not run again). What writes the store's retries carried
         across the restart left (a plan, a few job fields, even a state) is newer than the
-        journal and kept over it."""
+        journal and kept over it; a tick that found the record gone before it applied its
+        decision wrote nothing (`tick`)."""
         planted, planted_plan = self.store.job_record(), self.store.plan()
         try:
             journal = read_journal(self.journal)
