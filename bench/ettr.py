@@ -91,7 +91,8 @@ from bench.ettr_model import (  # noqa: E402
 )
 from bench.ettr_spares import table  # noqa: E402
 
-TARGET = 0.95
+# ETTR to reach: at the configured MTTF (ByteRobust's 97%), and at Kokolis et al.'s 14 min.
+TARGET, TARGET_14 = 0.97, 0.95
 
 
 def _minutes(s: float) -> str:
@@ -181,6 +182,8 @@ WHAT_IF = [
     ("+ heartbeat_timeout_s 10", {"heartbeat_timeout_s": 10.0}, None),
     ("+ rendezvous 1 s per 1,000 nodes", {"heartbeat_timeout_s": 10.0,
                                           "rendezvous_s_per_1k_nodes": 1.0}, None),
+    ("stock NCCL's start at scale (~265 s at 96k GPUs: 33 s per 1,000 nodes)",
+     {"rendezvous_s_per_1k_nodes": 265.0 / 8.0}, None),
 ]
 
 
@@ -273,7 +276,8 @@ def main(argv: list[str] | None = None) -> None:
     console.print(
         f"target: ETTR >= {TARGET:.0%} with memory snapshots at {args.ranks:,} ranks: "
         f"{ettr:.1%}, {'met' if ettr >= TARGET else 'MISSED'} (MTTF {c.mttf_s / 60:.1f} min);"
-        f" at MTTF 14 min: {ettr14:.1%}, {'met' if ettr14 >= TARGET else 'MISSED'}. "
+        f" >= {TARGET_14:.0%} at MTTF 14 min: {ettr14:.1%}, "
+        f"{'met' if ettr14 >= TARGET_14 else 'MISSED'}. "
         f"Meeting it at MTTF {c.mttf_s / 60:.1f} min leaves {budget:.0f} s per failure for "
         f"detection, restart, load and lost work.", markup=False, soft_wrap=True)
 

@@ -129,8 +129,9 @@ class Inputs:
     buddy_bytes_per_s: float = assumed(
         2.5e9, "assumption: one TCP stream between two nodes, ~20 Gb/s of a 200 Gb/s NIC")
     rendezvous_s_per_1k_nodes: float = assumed(
-        3.0, "assumption: rendezvous and communicator setup grow linearly with nodes; "
-             "33 s at 10,923 nodes (measured here only at 3 processes)")
+        3.0, "published, scaled: Meta's NCCLX (Si et al., arXiv 2510.20171) starts its "
+             "communicators 11x faster than stock NCCL's ~265 s at 96k GPUs (~24 s); linear "
+             "in nodes, 33 s at 10,923 nodes (measured here only at 3 processes)")
     cold_import_s_per_1k_nodes: float = assumed(
         5.0, "assumption: a cold start imports torch and the trainer from a shared file "
              "system, metadata load linear in nodes: 55 s at 10,923 nodes")

@@ -206,7 +206,8 @@ def test_main_prints_the_table_and_the_target_check(capsys):
     out = capsys.readouterr().out
     assert "16,384 ranks on 2,048 nodes of 8" in out
     assert "failures every 166.9 min" in out
-    assert "target: ETTR >= 95% with memory snapshots at 16,384 ranks" in out
+    assert "target: ETTR >= 97% with memory snapshots at 16,384 ranks" in out
+    assert ">= 95% at MTTF 14 min: " in out
     with pytest.raises(SystemExit):
         ettr.main(["--days", "0"])
     assert "--days must be > 0" in capsys.readouterr().err
