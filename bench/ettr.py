@@ -182,6 +182,8 @@ WHAT_IF = [
     ("+ heartbeat_timeout_s 10", {"heartbeat_timeout_s": 10.0}, None),
     ("+ rendezvous 1 s per 1,000 nodes", {"heartbeat_timeout_s": 10.0,
                                           "rendezvous_s_per_1k_nodes": 1.0}, None),
+    ("+ a rendezvous that does not grow with nodes (as 8 ranks make theirs here, 0.1 s)",
+     {"heartbeat_timeout_s": 10.0, "rendezvous_s_per_1k_nodes": 0.0}, None),
     ("stock NCCL's start at scale (~265 s at 96k GPUs: 33 s per 1,000 nodes)",
      {"rendezvous_s_per_1k_nodes": 265.0 / 8.0}, None),
 ]

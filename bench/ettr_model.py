@@ -37,6 +37,7 @@ REC_COLD = "bench/recovery.py --trials 3, cold starts, 2026-11-23 21:59 (2-core 
 CKPT = "bench/checkpoint.py, process mode, bare-bytes storage, 2026-11-21 08:35 (2-core VM)"
 SNAP = "bench/snapshot_overhead.py, 1 training thread, 2026-11-28 (2-core VM)"
 SNAPSHOT_BYTES, SNAPSHOT_LOOP_S, SNAPSHOT_SLOWED_S = 80_306_401, 0.0019, 0.0
+GROUPS = "bench/groups.py --trials 5, 2026-11-30 (2-core VM)"
 SCALE = "bench/controller_scale.py --sizes ...,131072, 2026-11-21 11:40 (2-core VM)"
 
 
@@ -128,6 +129,9 @@ class Inputs:
     storage_read_bytes_per_s: float = assumed(2e12, "as storage_write_bytes_per_s")
     buddy_bytes_per_s: float = assumed(
         2.5e9, "assumption: one TCP stream between two nodes, ~20 Gb/s of a 200 Gb/s NIC")
+    rendezvous_floor_s: float = measured(
+        0.10, GROUPS + ": 8 gloo ranks on one host, in process: the default group and the "
+                       "layout's 5 groups made again; the rendezvous never costs less")
     rendezvous_s_per_1k_nodes: float = assumed(
         3.0, "published, scaled: Meta's NCCLX (Si et al., arXiv 2510.20171) starts its "
              "communicators 11x faster than stock NCCL's ~265 s at 96k GPUs (~24 s); linear "
@@ -210,7 +214,7 @@ def costs(i: Inputs, ranks: int, ranks_per_node: int, mttf_min: float | None = N
         "freeze_rank": i.decision_freeze_rank_s - i.recovery_timeout_s + i.heartbeat_timeout_s,
         "hang": i.decision_hang_s - i.hang_threshold_s + hang_threshold,
     }
-    rendezvous = i.rendezvous_s_per_1k_nodes * nodes / 1000
+    rendezvous = max(i.rendezvous_s_per_1k_nodes * nodes / 1000, i.rendezvous_floor_s)
     restart = {}
     for start in ("warm", "cold"):
         for kind in KINDS:
