@@ -36,7 +36,8 @@ class _Node(Checks, Commands):
 
     def __init__(self):
         self.node, self.ended, self.live, self.generation = "n0", False, False, None
-        self.ran_since_ok, self.latest_plan, self.info = False, None, {}
+        self.ran_since_ok, self.latest_plan = False, None
+        self.info = {"health": "ok"}  # as its registration's check left it
         self.corrupt_tiles: set[int] = set()
         self.spawner, self.store, self.events = _Spawner(), _Store(), []
 
@@ -141,3 +142,35 @@ def test_a_tile_made_bad_voids_the_check_ahead(node):
     node._command({"kind": "bad_tile", "tile": 0})
     assert node.ahead is None
     assert not node._healthy_for(4) and node.checks == 2  # the plan's check sees the tile
+
+
+def test_a_spare_gone_bad_is_said_at_once_and_again_only_when_it_changes(node):
+    """A spare (no rank ran there since its last pass) whose check ahead fails: published and
+    said, as a check on demand is, so that the controller excludes it before a plan names it;
+    the same result again is not said again; a pass after a repair is."""
+    node._check_ahead()
+    assert node.checks == 1 and node.store.health == [] and node.events == []  # ok: unchanged
+    node._command({"kind": "bad_tile", "tile": 0})
+    node.now += AGAIN_S
+    node._check_ahead()
+    assert node.checks == 2 and node.ahead is None
+    assert node.store.health[-1]["health"] == "bad" and not node.store.health[-1]["ran_since_ok"]
+    assert node.events[-1] == ("health", "health check while idle: n0 bad tile n0/0: wrong")
+    node.now += AGAIN_S
+    node._check_ahead()
+    assert node.checks == 3 and len(node.store.health) == 1  # still bad: not said again
+    node.corrupt_tiles.clear()  # repaired
+    node.now += AGAIN_S
+    node._check_ahead()
+    assert node.store.health[-1]["health"] == "ok" and node.ahead is not None
+    assert node.events[-1] == ("health", "health check while idle: n0 ok")
+
+
+def test_a_node_whose_ranks_ran_leaves_a_failed_check_ahead_to_the_plan(node):
+    """Where ranks ran since the last pass, a failing check ahead says nothing: the plan's own
+    check reports it, and the controller sets the work since that pass aside (unchanged)."""
+    _generation_ran(node, 3)
+    node._command({"kind": "bad_tile", "tile": 0})
+    node._check_ahead()
+    assert node.checks == 1 and node.store.health == []
+    assert [kind for kind, _ in node.events] == ["chaos"]

@@ -6,9 +6,11 @@ their generation (or while it waits as a spare), the agent runs it between its t
 plan that comes while that check is fresh (passed at most FRESH_S ago, no rank run here since)
 launches at once instead of after a check of its own (0.06-0.24 s of every restart on a
 2-core VM; seconds where a tile's runtime starts slowly). A check that fails there is not
-kept: the plan's own check runs, fails in its turn and is reported as before, so what the
-controller sees of a bad tile does not change. What it proves does not either: a tile
-checked before its node's next ranks start, nothing computed on it in between.
+kept: the plan's own check runs, fails in its turn and is reported as before. What it proves
+does not change either: a tile checked before its node's next ranks start, nothing computed on
+it in between. On a spare (no rank ran there since its last pass) a check ahead that changes
+the node's health is also said at once, as a check on demand is: the controller excludes a
+spare gone bad before a plan counts on it.
 """
 
 from __future__ import annotations
@@ -42,7 +44,23 @@ class Checks:
                  and (self.ahead is None or now - self.ahead["at"] >= AGAIN_S))
         if (ended or stale) and not self.spawner.warming():  # (asked only when one is due)
             self.ahead_after, self.ahead_tried = self.generation, now
-            self._check_health()
+            result = self._check_health()
+            if not result["ran_since_ok"] and result["health"] != self.info.get("health"):
+                self._say_idle(result)
+
+    def _say_idle(self, result: dict) -> None:
+        """A check ahead on a node where no rank ran since its last pass (a spare) that changed
+        the node's health: said at once, as a check on demand is, so that the controller
+        excludes a spare gone bad before a plan counts on it (a plan that named it would fail
+        its launch and cost a restart more) and sees it pass again after a repair. A node whose
+        ranks ran since keeps the plan's own check, which also sets their work aside."""
+        self.info = {**self.info, **result}
+        try:
+            self.store.set_health(self.node, self.info)
+        except StoreUnavailable as e:
+            self._note_outage(e)
+        self._event("health", f"health check while idle: {self.node} " + (
+            "ok" if result["health"] == "ok" else f"bad tile {result['health_detail']}"))
 
     def _plan_waits(self) -> bool:
         """Whether a plan names this node for a generation it has not launched yet."""
