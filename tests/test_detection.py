@@ -253,13 +253,13 @@ def test_nan_from_one_rank_names_its_tile(redis_server, tmp_path):
 
 def test_health_checks_on_demand_and_before_each_generation_exclude_bad_tiles(
         redis_server, tmp_path):
-    # Generation 0 is paced from step 20 (1.5 s a step): the bad tiles are made after step 20
-    # is committed, and the check must find one while the generation still runs, however fast
-    # this machine steps.
+    # Generation 0 is paced from step 20 (2.5 s a step): the running node's bad tile is made
+    # after step 20 is committed (and after the spare's was found, up to 15 s), and the check
+    # must find it while the generation still runs, however fast this machine steps.
     # Saves in the step (sync): a thread-mode save still in flight at the next interval is
     # skipped (on_overlap: skip), and the last generation's step 30 was once (CI, 2026-11-28).
     job = write_job(tmp_path / "job.yaml", tmp_path / "run", steps=40, async_mode="sync",
-                    faults=[{"kind": "slow_rank", "rank": 0, "step": 21, "seconds": 1.5,
+                    faults=[{"kind": "slow_rank", "rank": 0, "step": 21, "seconds": 2.5,
                              "generation": 0}])
     ckpts = tmp_path / "run" / "checkpoints"
     p = subprocess.Popen([sys.executable, "-m", "controller", "run", str(job), "--nodes", "2",
@@ -275,6 +275,10 @@ def test_health_checks_on_demand_and_before_each_generation_exclude_bad_tiles(
         running, spares = store.plan()["nodes"], sorted(set(store.nodes())
                                                         - set(store.plan()["nodes"]))
         victim, first_spare, last_spare = running[1], spares[0], spares[1]
+        # The first spare's tile goes bad quietly: only its next check can tell, and a spare
+        # checks itself ahead every 15 s (controller/node/checks.py): it is excluded before
+        # any plan names it.
+        store.push_command(first_spare, {"kind": "bad_tile", "tile": 0})
         # The victim passes a check on demand (after step 10 was committed), while it runs.
         store.push_command(victim, {"kind": "health_check"})
         passed = wait_for(lambda: [e for e in events(store, "health") if victim in e["message"]],
@@ -282,10 +286,6 @@ def test_health_checks_on_demand_and_before_each_generation_exclude_bad_tiles(
         assert passed[0]["message"] == f"health check on demand: {victim} ok"
         ok_at = store.nodes()[victim]["ok_at"]
         wait_for(lambda: 20 in committed_steps(ckpts), 120, "step 20 committed")
-        # The first spare's tile goes bad quietly: only its next check can tell, and a spare
-        # checks itself ahead every 15 s (controller/node/checks.py): it is excluded before
-        # any plan names it.
-        store.push_command(first_spare, {"kind": "bad_tile", "tile": 0})
         wait_for(lambda: first_spare in store.excluded(), 60, "the spare's idle check")
         # A running node's tile goes bad, and an operator asks for a check.
         store.push_command(victim, {"kind": "bad_tile", "tile": 0})
