@@ -170,11 +170,22 @@ def show_inputs(i: Inputs, markdown: bool, console: Console) -> None:
 # the copy and the write ran behind the next step.
 SNAPSHOTS_BEFORE = {"snapshot_loop_s": 0.026, "snapshot_slowed_s": 0.443,
                     "snapshot_bytes": 310_325_523}
-# Variants of the memory-snapshot policy: (label, Inputs changes, MTTF in minutes or None).
+
+def process_restarts(i: Inputs) -> dict:
+    """Every rank of the next generation a new process (a warm fork), as before in-process
+    restart: the measured time after the decision of that mode, on the same decisions."""
+    return {f"next_step_warm_{k}_s": getattr(i, f"decision_{k}_s")
+            + getattr(i, f"after_decision_process_{k}_s") for k in ("kill_rank", "kill_node")}
+
+
+# Variants of the memory-snapshot policy: (label, Inputs changes or a function of the Inputs
+# giving them, MTTF in minutes or None).
 WHAT_IF = [
     ("as configured above", {}, None),
     ("MTTF 14 min (Kokolis et al.)", {}, 14.0),
     ("the hang bound fixed at 600 s (before the adaptive one)", {"hang_floor_s": 600.0}, None),
+    ("ranks restarted as new processes (warm forks: before in-process restart)",
+     process_restarts, None),
     ("snapshots copied and written on the loop's path (before they moved behind the step)",
      SNAPSHOTS_BEFORE, None),
     ("the controller kept from the agents (a lost node judged at heartbeat_timeout_s)",
@@ -256,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     memory = next(p for p in ps if p.memory_s and p.start == "warm")
     outcomes = {}
     for label, changes, mttf in WHAT_IF:
-        vi = replace(i, **changes)
+        vi = replace(i, **(changes(i) if callable(changes) else changes))
         vc = costs(vi, args.ranks, args.ranks_per_node, mttf or args.mttf_min)
         vp = Policy(label, vi.disk_behind_memory_min * 60.0,
                     memory_interval_steps(vc, vi.snapshot_budget) * vc.step_s)

@@ -33,6 +33,8 @@ REC2 = ("bench/recovery.py --trials 3 --faults kill_node,kill_rank --modes "
 REC3 = ("bench/recovery.py --trials 5 --faults kill_rank,kill_node --modes "
         "warm-memory-inprocess, 2026-11-30 08:45, the store's listener awaited, the next "
         "plan's health check ahead, a pulled point launched at once (2-core VM)")
+REC4 = ("bench/recovery.py --trials 5 --faults kill_rank,kill_node --modes "
+        "warm-memory,warm-memory-inprocess, 2026-11-30 11:54, both modes in one run (2-core VM)")
 REC_COLD = "bench/recovery.py --trials 3, cold starts, 2026-11-23 21:59 (2-core VM)"
 CKPT = "bench/checkpoint.py, process mode, bare-bytes storage, 2026-11-21 08:35 (2-core VM)"
 SNAP = "bench/snapshot_overhead.py, 1 training thread, 2026-11-28 (2-core VM)"
@@ -53,6 +55,11 @@ class Inputs:
     next_step_warm_kill_rank_s: float = measured(0.91, REC3)
     next_step_warm_freeze_rank_s: float = measured(4.88, REC)
     next_step_warm_kill_node_s: float = measured(2.02, REC3)
+    after_decision_process_kill_rank_s: float = measured(
+        0.92, REC4 + ": ranks restarted as new processes (warm forks), decision to next step; "
+                     "in process the same run: 0.88 s")
+    after_decision_process_kill_node_s: float = measured(
+        0.72, REC4 + ": as above; in process 0.73 s")
     next_step_cold_kill_rank_s: float = measured(5.26, REC_COLD)
     next_step_cold_freeze_rank_s: float = measured(9.80, REC_COLD)
     next_step_cold_kill_node_s: float = measured(7.97, REC_COLD)

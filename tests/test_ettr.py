@@ -211,3 +211,16 @@ def test_main_prints_the_table_and_the_target_check(capsys):
     with pytest.raises(SystemExit):
         ettr.main(["--days", "0"])
     assert "--days must be > 0" in capsys.readouterr().err
+
+
+def test_the_process_restart_row_puts_that_modes_measured_time_after_the_same_decisions():
+    i = ettr.Inputs()
+    changes = ettr.process_restarts(i)
+    assert changes == pytest.approx({
+        "next_step_warm_kill_rank_s": i.decision_kill_rank_s + 0.92,
+        "next_step_warm_kill_node_s": i.decision_kill_node_s + 0.72})
+    base = ettr.costs(i, 131_072, 12)
+    before = ettr.costs(replace(i, **changes), 131_072, 12)
+    for kind, after in (("kill_rank", 0.92), ("kill_node", 0.72)):
+        assert before.restart_s[kind, "warm"] - base.restart_s[kind, "warm"] == pytest.approx(
+            after - (getattr(i, f"next_step_warm_{kind}_s") - getattr(i, f"decision_{kind}_s")))
