@@ -45,21 +45,22 @@ class Checks:
         if (ended or stale) and not self.spawner.warming():  # (asked only when one is due)
             self.ahead_after, self.ahead_tried = self.generation, now
             result = self._check_health()
+            # A spare (no rank ran here since its last pass) whose health changed says so at
+            # once, as a check on demand does: the controller excludes a spare gone bad before
+            # a plan counts on it (its launch would fail the plan's check: a restart more) and
+            # sees it pass again after a repair. Where ranks ran, the plan's own check reports
+            # (and the controller sets their work aside).
             if not result["ran_since_ok"] and result["health"] != self.info.get("health"):
-                self._say_idle(result)
+                self._say_health(result, "while idle")
 
-    def _say_idle(self, result: dict) -> None:
-        """A check ahead on a node where no rank ran since its last pass (a spare) that changed
-        the node's health: said at once, as a check on demand is, so that the controller
-        excludes a spare gone bad before a plan counts on it (a plan that named it would fail
-        its launch and cost a restart more) and sees it pass again after a repair. A node whose
-        ranks ran since keeps the plan's own check, which also sets their work aside."""
+    def _say_health(self, result: dict, how: str) -> None:
+        """Publish a check's result as the node's health and say it (`health check <how>`)."""
         self.info = {**self.info, **result}
         try:
             self.store.set_health(self.node, self.info)
         except StoreUnavailable as e:
             self._note_outage(e)
-        self._event("health", f"health check while idle: {self.node} " + (
+        self._event("health", f"health check {how}: {self.node} " + (
             "ok" if result["health"] == "ok" else f"bad tile {result['health_detail']}"))
 
     def _plan_waits(self) -> bool:

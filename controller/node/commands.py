@@ -27,12 +27,7 @@ class Commands:
         if kind == "dump_stacks":
             self._dump_stacks(command)
         elif kind == "health_check":
-            self.info = {**self.info, **self._check_health()}
-            with contextlib.suppress(StoreUnavailable):
-                self.store.set_health(self.node, self.info)
-            self._event("health", f"health check on demand: {self.node} "
-                        + ("ok" if self.info["health"] == "ok"
-                           else f"bad tile {self.info['health_detail']}"))
+            self._say_health(self._check_health(), "on demand")
         elif kind == "bad_tile":
             tile = command.get("tile", 0)
             if not isinstance(tile, int) or isinstance(tile, bool) or not 0 <= tile < 4096:
