@@ -366,6 +366,10 @@ class Commands:
         self.checkpoint_done = 0  # agreed: requests up to this one are served
         self.no_save = False  # agreed: stop without a checkpoint (kept once agreed)
         self.world_size, self.device = world_size, device
+        # The group the word is all-reduced over: a host (gloo) group under nccl or xccl, so the
+        # agreement never waits on the device (optimus/runtime/dist.py `host_group`); None: the
+        # default group.
+        self.group: dist.ProcessGroup | None = None
         self.control_file = control_file if control_file is not None else os.environ.get(
             CONTROL_ENV)
         self._control_key: tuple | None = None
@@ -405,7 +409,7 @@ class Commands:
             flags = [int(bool(requested & c)) for c in Command]
             word = torch.tensor([*flags, self.checkpoint_seen], dtype=torch.int64,
                                 device=self.device)
-            dist.all_reduce(word, op=dist.ReduceOp.MAX)
+            dist.all_reduce(word, op=dist.ReduceOp.MAX, group=self.group)
             values = word.tolist()
             agreed, checkpoint = Command(0), values[-1]
             for command, on in zip(Command, values, strict=False):

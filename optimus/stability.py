@@ -165,6 +165,21 @@ class StabilityWatch(Stateful):
         c = self.cfg
         return c.enabled and (c.loss_sigma > 0 or c.divergence_windows > 0)
 
+    def holds_back(self) -> tuple[float | None, float | None]:
+        """The (loss, gradient norm) thresholds above which the next step's update is held back
+        on the device, before the host has read that step (None: that rule holds nothing back
+        now). They are `_spike`'s thresholds over the history as it is, where a spike's verdict
+        would be `skip_step` or `rewind`: the `max_skips`-th spike in a row and beyond is a
+        divergence, whose action (`on_divergence`) is said here already. So the device holds
+        back exactly the updates the verdict on the step's figures will name."""
+        c = self.cfg
+        if not self._armed():
+            return None, None
+        action = c.on_spike if self.in_a_row + 1 <= c.max_skips else c.on_divergence
+        if action not in ("skip_step", "rewind"):
+            return None, None
+        return self._thresholds()
+
     def judge(self, step: int, loss: float | None, grad_norm: float) -> Verdict | None:
         """The verdict on `step` (None: healthy), then the history updated and the verdict
         counted. `loss` is None where the rules need none (needs_loss)."""

@@ -3,6 +3,11 @@
 Run one rank:       optimus train jobs/tiny-gpt.yaml
 Run several ranks:  torchrun --nproc-per-node 2 -m optimus train jobs/tiny-gpt.yaml
 
+The loop is three calls a step: the step's batches (already on the device,
+optimus/data/prefetch.py), `train_step` (forward, backward, clip, update: optimus/step.py,
+which never waits on the device), and the boundary's hooks (optimus/boundary.py: the step's
+figures read and judged, its record, saves, snapshots, validation, the ranks' agreement).
+
 SIGTERM to any rank stops every rank after one same step, with a checkpoint of it (exit 0).
 Under an agent, operators pause, resume and checkpoint the ranks the same way: at a step
 boundary all ranks agree (optimus/health.py), so all act after the same step.
@@ -16,7 +21,6 @@ import gc
 import logging
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from optimus.boundary import Boundary
 from optimus.checkpoint.manifest import committed_steps
 from optimus.checkpoint.policy import RunCheckpoints, log_resume
 from optimus.checkpoint.saver import Checkpointer
@@ -32,30 +37,16 @@ from optimus.checkpoint.state import Progress, layout_key, training_state
 from optimus.checkpoint.trust import Trust, run_key_file
 from optimus.config import JobConfig, resolve_layout
 from optimus.data import build_loader, build_source
-from optimus.evaluate import EvalResult, evaluate, held_out_for
+from optimus.data.prefetch import DeviceBatches
+from optimus.evaluate import EvalResult, held_out_for
 from optimus.faults import RankFaults
-from optimus.health import (
-    PAUSE_POLL_S,
-    Agreed,
-    Commands,
-    NonFinite,
-    start_heartbeat,
-)
-from optimus.metrics import (
-    Laps,
-    MetricsLog,
-    StepMetrics,
-    logs_step,
-    peak_flops,
-    sample_fingerprint,
-)
+from optimus.health import Commands, start_heartbeat
+from optimus.metrics import Laps, MetricsLog, StepMetrics, peak_flops, sample_fingerprint
 from optimus.models import flops_per_token
 from optimus.optim import build_optimizer, lr_at, set_lr
 from optimus.parallel.compile import CompileLog
-from optimus.parallel.experts import expert_step
-from optimus.parallel.float8 import float8_message, precompute_float8_scales
-from optimus.parallel.grads import clip_grad_norm_, local_grads_finite
-from optimus.parallel.plan import IGNORE_INDEX, build_parallel_model
+from optimus.parallel.float8 import float8_message
+from optimus.parallel.plan import build_parallel_model
 from optimus.runtime import (
     ParallelDims,
     cpu_binding,
@@ -63,21 +54,14 @@ from optimus.runtime import (
     device_name,
     init_distributed,
     launch_env,
-    max_over_ranks,
-    peak_memory,
     pick_backend,
     pick_device,
     reset_peak_memory,
 )
+from optimus.runtime.dist import host_group
 from optimus.runtime.stacks import register_stack_dumps
-from optimus.stability import (
-    RewindRequest,
-    StabilityWatch,
-    marked,
-    rewind_lr,
-    skip_batches,
-    skips_ahead,
-)
+from optimus.stability import StabilityWatch, rewind_lr, skip_batches, skips_ahead
+from optimus.step import StepParts, train_step
 
 # DTensor warns at every clip on a dp x tp mesh that it gathers in two steps; it is expected.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -106,8 +90,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
     device = pick_device(job.parallel.device, env.local_rank)
     backend = pick_backend(device, job.parallel.backend)
     # Supervision: SIGTERM asks every rank to stop after one same step; heartbeats to the agent.
-    commands = Commands(env.world_size,
-                        torch.device("cpu") if backend == "gloo" else device).listen()
+    commands = Commands(env.world_size, torch.device("cpu")).listen()  # on the host's group
     heartbeat = start_heartbeat(env, job.supervision.heartbeat_interval_s)
     register_stack_dumps()  # SIGUSR1 from the agent: every thread's stack, for a hang's event
     faults = RankFaults(job.fault_injection, rank=env.rank, generation=env.restart_count)
@@ -120,13 +103,13 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             laps.lap("rendezvous")
             mesh = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,
                                 world_size=env.world_size).build_mesh(device.type)
+            host = commands.group = host_group(backend)  # the boundary's: never on the device
             laps.lap("groups")
         torch.manual_seed(job.seed)
 
         # Model: the same weights on every layout, this rank's share of them, plans applied.
         model = build_parallel_model(job, layout, mesh, device)
         optimizer = build_optimizer(model.state_view(), job.optim, device)
-        pp_group = mesh["pp"].get_group()
         laps.lap("model")
 
         log = MetricsLog(
@@ -177,7 +160,6 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                       f"{job.optim.steps}; raise optim.steps to train further")
 
         # Data: each dp replica reads its slice of the global batch, from where it stopped.
-        dp_group = mesh["dp"].get_group()
         source = build_source(job.data, vocab_size=job.model.vocab_size, seed=job.seed)
 
         def open_loader(index: int):
@@ -187,12 +169,13 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                                 dp_rank=mesh["dp"].get_local_rank(), dp_size=layout.dp,
                                 seed=job.seed, start_index=index,
                                 num_workers=job.data.num_workers,
-                                prefetch_factor=job.data.prefetch_factor)
+                                prefetch_factor=job.data.prefetch_factor,
+                                pin_memory=device.type != "cpu")
         loader = open_loader(progress.data_index)
         if job.data.sources:  # each source's realised share, and how often the run reads it
             message, fields = loader.dataset.report(job.optim.steps * job.data.batch_size)
             log.event("mixture", message, **fields)
-        batches = iter(loader)
+        batches = DeviceBatches(iter(loader), job.data.microbatches, device)
         # Windows of steps whose batches a rewind skips, ahead of where this generation starts
         # (a checkpoint past a window's start read past it already).
         skips = skips_ahead(progress.step)
@@ -210,127 +193,46 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                           source=resumed.get("source", "disk") if resumed else "disk")
 
         saves = RunCheckpoints(ckpt, log, job, layout, state, progress)
+        parts = StepParts(model, optimizer, job, mesh, device, faults, heartbeat)
+        between = Boundary(job=job, rank=env.rank, log=log, watch=watch, progress=progress,
+                           heartbeat=heartbeat, saves=saves, snapshots=snapshots,
+                           commands=commands, result=result, parts=parts, state=state,
+                           held_out=held_out, compiles=compiles, host_group=host,
+                           on_eval=lambda step, v: _log_validation(
+                               log, heartbeat, step, progress.tokens, v, env.rank))
         # A job paused (or stopped) across a restart stays so: agree before the first step too.
         first = progress.step + 1
         with heartbeat.phase("sync"):
             agreed = commands.start()
-        if _boundary(agreed, commands, heartbeat, log, progress.step, saves.save_now):
-            with heartbeat.phase("checkpoint"):
-                saves.stop(progress.step, save=not commands.no_save)
+        if between.act(agreed, progress.step):
             result.stopped_at, first = progress.step, job.optim.steps + 1  # no step to take
 
         for step in range(first, job.optim.steps + 1):
             faults.step_start(step)
             if step in skips:
-                batches = skip_batches(step, skips[step], progress, job, open_loader, log)
+                batches.replace(skip_batches(step, skips[step], progress, job, open_loader, log))
             heartbeat.begin_step(step)
             reset_peak_memory(device)
-            started = time.perf_counter()
             lr = lr_at(step, job.optim) * calmer(step)
             set_lr(optimizer, lr)
-
-            # Forward and backward over this step's microbatches (through the pipeline
-            # schedule when there is one); the loss is divided by the global token count.
             with heartbeat.phase("data"):
-                microbatches = [next(batches) for _ in range(job.data.microbatches)]
+                microbatches = batches.take()  # on the device already
             faults.poison(step, microbatches, job.model.vocab_size)
-            data = sample_fingerprint(progress.data_index, job.data.batch_size, (
-                mb["sample_ids"] for mb in microbatches), (layout.dp, job.data.microbatches)
-            ) if log.enabled else None
-            with heartbeat.phase("grad_sync"):
-                step_tokens = _count_tokens(microbatches, device, dp_group)
-            model.set_step_tokens(step_tokens)
-            loss_sum = model.forward_backward(microbatches, device, heartbeat)
-            if compiles is not None:
-                compiles.after_step(step)
-            faults.after_backward(step, model.parameters(), loss_sum)
-
-            with heartbeat.phase("grad_sync"):
-                grad_norm = clip_grad_norm_(model.parameters(), job.optim.grad_clip, pp_group,
-                                            leave_nonfinite=True)
-            if not torch.isfinite(grad_norm):  # never step on NaN: name the tile, then exit
-                _nonfinite(step, loss_sum, model, heartbeat)
-            logged = logs_step(step, job.supervision.log_every, job.optim.steps)
-            loss_value = None  # the global loss, on every rank: for the rules, or the log
-            if watch.needs_loss or logged:
-                with heartbeat.phase("grad_sync"):
-                    for group in (pp_group, dp_group):  # only last stages hold losses
-                        if group.size() > 1:
-                            dist.all_reduce(loss_sum, group=group)
-                loss_value = loss_sum.item()  # (the norm's check above synced the device)
-            verdict = watch.judge(step, loss_value, float(grad_norm))
-            if verdict is not None:  # every rank has the same figures: the same verdict
-                log.event("stability", verdict.message(), **verdict.fields(data))
-                if verdict.action == "rewind":  # stop before the update, save nothing
-                    raise RewindRequest(verdict)
-            update = verdict is None or verdict.action != "skip_step"
-            with heartbeat.phase("optim"):
-                if snapshots is not None:  # the last snapshot's copy, made behind this step
-                    snapshots.fence()
-                faults.in_optimizer(step)
-                if update:
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                if job.training.float8 == "tensorwise" and layout.dp > 1:
-                    precompute_float8_scales(model.parts)  # float8 all-gather's scales
-            with heartbeat.phase("grad_sync"):  # the experts' load, all ranks; their balance
-                experts = expert_step(model.moe, job.model, mesh, device, update)
-            progress.advance(step_tokens)
             if keep_sample_ids:
-                result.sample_ids.append([int(s) for mb in microbatches for s in mb["sample_ids"]])
-
-            if logged:
-                own_memory = peak_memory(device)
-                with heartbeat.phase("grad_sync"):
-                    memory = max_over_ranks(own_memory, env.rank, device)  # all ranks
-                step_time = time.perf_counter() - started
-                tokens_per_s, mfu = log.throughput(step_tokens, step_time)
-                result.losses.append(loss_value)
-                heartbeat.logged(loss_value, float(grad_norm), None if env.rank else {
-                    "loss": loss_value, "tokens": progress.tokens, "tokens_per_s": tokens_per_s,
-                    "mfu": mfu, "step_time_s": step_time, "stability": watch.figures(),
-                    "checkpoint_s": ckpt.stats.last_write_s if ckpt and ckpt.stats.saves_committed
-                    else None}, memory=own_memory)
-                log.record(StepMetrics(step=step, loss=loss_value, grad_norm=float(grad_norm),
-                                       lr=lr, tokens=progress.tokens, step_time_s=step_time,
-                                       tokens_per_s=tokens_per_s, mfu=mfu,
-                                       checkpoint=ckpt.stats.as_dict() if ckpt else None,
-                                       moe=experts, data=marked(data, update),
-                                       memory=memory))
-            else:
-                log.samples(step, marked(data, update))
-
-            # The step's record first, then any save or snapshot of it: a rank lost after a
-            # point of step N is committed but before step N's record is written would leave a
-            # point that a restart resumes from with no record of what step N read (the data
-            # audit's hole, found under a CPU hog with a node killed at that moment).
-            with heartbeat.phase("checkpoint"):
-                saves.after_step(step)
-            if snapshots is not None and step < job.optim.steps:
-                with heartbeat.phase("checkpoint_sync"):  # an all-reduce once, when auto
-                    note = snapshots.after_step(step, time.perf_counter() - started, state)
-                if note:
-                    log.event("snapshot", note, every=snapshots.every)
-
-            if held_out is not None and (step % job.eval.every == 0 or step == job.optim.steps):
-                with heartbeat.phase("eval"):
-                    validation = evaluate(model, held_out, device, mesh)
-                result.evals.append((step, validation))
-                _log_validation(log, heartbeat, step, progress.tokens, validation, env.rank)
-
-            # The step boundary: what any rank was told (stop, pause, checkpoint now), all do
-            # after this step; too many failed saves in a row stop them all here.
-            with heartbeat.phase("checkpoint"):
-                saves.check_failed_saves(step)
-            heartbeat.saves_failed(saves.failed_in_a_row)  # carried into a next generation
-            with heartbeat.phase("sync"):
-                agreed = commands.agree()
-            heartbeat.end_step()
-            if _boundary(agreed, commands, heartbeat, log, step, saves.save_now):
-                with heartbeat.phase("checkpoint"):
-                    saves.stop(step, save=not commands.no_save)
+                result.sample_ids.append([s for mb in microbatches
+                                          for s in mb["sample_ids"].tolist()])
+            out = train_step(parts, step, microbatches, lr=lr,
+                             reduce_loss=between.reduce_loss(step),
+                             before_update=between.before_update)
+            if log.enabled:
+                out.data = sample_fingerprint(progress.data_index, job.data.batch_size, (
+                    mb["sample_ids"] for mb in microbatches), (layout.dp, job.data.microbatches))
+            with heartbeat.phase("data"):  # the next step's, while the device runs this one
+                batches.ahead()
+            if between.after_step(out):
                 result.stopped_at = step
                 break
+        between.settle()
 
         # Leaving, in this order, so that nothing this rank started outlives its turn (a warm
         # rank ends in os._exit, a cold one in the interpreter's finalization: a helper still
@@ -393,31 +295,6 @@ def _checkpointer(job: JobConfig, env, heartbeat, trust_any: bool) -> Checkpoint
                                     step=c.trust_step, hint=TRUST_HINT))
 
 
-
-def _boundary(agreed: Agreed, commands: Commands, heartbeat, log: MetricsLog, step: int,
-              save_now) -> bool:
-    """Act on what all ranks agreed after `step`: save now if asked, wait while paused (the
-    ranks keep agreeing every PAUSE_POLL_S, so all resume together). True: stop training."""
-    paused_at = None
-    while True:
-        if agreed.stop:
-            return True
-        if commands.checkpoint_due(agreed):
-            with heartbeat.phase("checkpoint"):
-                save_now(step, wait=agreed.pause)  # a pause holds a committed checkpoint
-        if not agreed.pause:
-            if paused_at is not None:
-                log.event("resumed", f"resumed after step {step}, paused for "
-                          f"{time.time() - paused_at:.1f} s", step=step)
-            return False
-        if paused_at is None:
-            paused_at = time.time()
-            log.event("paused", f"paused after step {step}", step=step)
-        with heartbeat.phase("paused"):
-            time.sleep(PAUSE_POLL_S)
-            agreed = commands.agree()
-
-
 def _log_validation(log: MetricsLog, heartbeat, step: int, tokens: int,
                     validation: EvalResult, rank: int) -> None:
     """A validation's figures: an "eval" line in metrics.jsonl, rank 0's heartbeat summary."""
@@ -425,30 +302,6 @@ def _log_validation(log: MetricsLog, heartbeat, step: int, tokens: int,
               f"{validation.perplexity:.2f}) on {validation.tokens:,} held-out tokens in "
               f"{validation.seconds:.1f} s", step=step, tokens=tokens, **validation.fields())
     heartbeat.validated(None if rank else {"val_loss": validation.loss, "val_step": step})
-
-
-def _nonfinite(step: int, loss_sum: torch.Tensor, model, heartbeat) -> None:
-    """The global gradient norm is NaN/Inf. Every rank sees it; each says whether its own loss
-    and gradient shards were the bad ones (before any reduction: a bad tile), then all exit."""
-    loss_ok = bool(torch.isfinite(loss_sum))
-    grads_ok = local_grads_finite(model.parameters())
-    local = not (loss_ok and grads_ok)
-    if local:
-        heartbeat.nonfinite()
-    detail = (f"local loss {'finite' if loss_ok else float(loss_sum)}, local gradients "
-              f"{'finite' if grads_ok else 'NaN/Inf'}")
-    raise NonFinite(step, local, detail)
-
-
-def _count_tokens(microbatches: list[dict], device: torch.device,
-                  dp_group: dist.ProcessGroup) -> int:
-    """Tokens that carry loss in the global batch (all dp replicas, all microbatches)."""
-    local = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in microbatches)
-    if dp_group.size() == 1:
-        return local
-    count = torch.tensor(local, dtype=torch.int64, device=device)
-    dist.all_reduce(count, group=dp_group)
-    return int(count)
 
 
 def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -432,7 +432,7 @@ PEAKS = [{"allocated_bytes": 5 * GIB, "reserved_bytes": 9 * GIB},  # rank 0
 
 
 def _max_over_ranks(rank, world_size):
-    return max_over_ranks(PEAKS[rank], rank, torch.device("cpu"))
+    return max_over_ranks(PEAKS[rank], rank)
 
 
 def test_max_over_ranks_finds_the_largest_peaks_and_their_ranks(run_ranks):

@@ -139,8 +139,11 @@ def build_loader(
     start_index: int = 0,
     num_workers: int = 0,
     prefetch_factor: int = 2,
+    pin_memory: bool = False,
 ) -> StatefulDataLoader:
-    """An infinite loader of this rank's microbatches, resumable via state_dict or start_index."""
+    """An infinite loader of this rank's microbatches, resumable via state_dict or start_index.
+    `pin_memory` (an accelerator's rank): batches come in pinned host memory, so their copy to
+    the device needs no sync (optimus/data/prefetch.py)."""
     _check(seq_len >= 1, f"seq_len must be >= 1, got {seq_len}")
     _check(microbatches >= 1, f"microbatches must be >= 1, got {microbatches}")
     _check(dp_size >= 1, f"dp_size must be >= 1, got {dp_size}")
@@ -173,6 +176,7 @@ def build_loader(
             num_workers=num_workers,
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
             multiprocessing_context=_worker_context() if num_workers > 0 else None,
+            pin_memory=pin_memory,
         )
 
 

@@ -54,13 +54,12 @@ def _all_reduce(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 def expert_step(layers: list[MoE], cfg, mesh: DeviceMesh, device: torch.device,
-                update: bool = True) -> dict | None:
+                held: torch.Tensor | None = None) -> torch.Tensor | None:
     """Sum the step's load over the data-parallel replicas, pipeline stages and tensor-parallel
-    sequence shards, update the biases (unless not `update`: a step whose update is skipped
-    leaves them too), reset the counters; the step's figures ({"load": per
-    MoE layer, "dropped": slots, "aux_loss": the step's, token-weighted, mean over layers; with
-    a router z-loss, "router_z_loss": the mean over tokens of logsumexp(router logits)^2,
-    unscaled, mean over layers}), None without MoE."""
+    sequence shards, update the biases (unless `held`, 1.0 on the device where the step's update
+    was held back: such a step leaves them too), reset the counters. Returns the summed
+    [n_layers, experts + 3] figures on the device (None without MoE), read by the host only
+    when the step is logged (`expert_figures`): nothing here waits on the device."""
     m = cfg.moe
     if not m.experts:
         return None
@@ -75,15 +74,28 @@ def expert_step(layers: list[MoE], cfg, mesh: DeviceMesh, device: torch.device,
     for axis in ("dp", "pp", "tp"):  # tp ranks route their own shares of the sequence
         if mesh[axis].size() > 1:
             dist.all_reduce(stats, group=mesh[axis].get_group())
+    keep = None if held is None or m.balance != "bias" else 1 - held
     for layer in layers:
         load = stats[layer.layer, :m.experts]
-        if m.balance == "bias" and update:
-            layer.expert_bias += m.bias_update_rate * torch.sign(load.mean() - load)
+        if m.balance == "bias":
+            move = m.bias_update_rate * torch.sign(load.mean() - load)
+            layer.expert_bias += move if keep is None else move * keep
         layer.reset_counters()
-    moe_rows = [i for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
-    out = {"load": [[int(v) for v in stats[i, :m.experts].tolist()] for i in moe_rows],
-           "dropped": int(stats[moe_rows, m.experts].sum()),
-           "aux_loss": float(stats[moe_rows, m.experts + 1].mean())}
+    return stats
+
+
+def expert_figures(values: list[float], cfg) -> dict:
+    """A logged step's figures of the experts from `expert_step`'s tensor, read on the host (flat,
+    row by row): {"load": per MoE layer, "dropped": slots, "aux_loss": the step's,
+    token-weighted, mean over layers; with a router z-loss, "router_z_loss": the mean over tokens
+    of logsumexp(router logits)^2, unscaled, mean over layers}."""
+    m = cfg.moe
+    width = m.experts + 3
+    rows = [values[i * width:(i + 1) * width]
+            for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
+    out = {"load": [[int(v) for v in row[:m.experts]] for row in rows],
+           "dropped": int(sum(row[m.experts] for row in rows)),
+           "aux_loss": sum(row[m.experts + 1] for row in rows) / len(rows)}
     if m.router_z_loss:
-        out["router_z_loss"] = float(stats[moe_rows, m.experts + 2].mean())
+        out["router_z_loss"] = sum(row[m.experts + 2] for row in rows) / len(rows)
     return out

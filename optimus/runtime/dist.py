@@ -166,3 +166,13 @@ def drop_stale_groups() -> int:
             held += 1
     return held
 
+
+
+def host_group(backend: str) -> dist.ProcessGroup | None:
+    """A group of every rank whose collectives run on the host: what the step boundary agrees
+    on (commands, the peak memory a logged step reports) never waits on the device. Under gloo
+    that is the default group (None); under nccl or xccl a gloo group beside it. Collective:
+    every rank makes it, at the same point."""
+    if backend == "gloo" or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo")

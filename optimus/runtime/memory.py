@@ -39,19 +39,21 @@ def reset_peak_memory(device: torch.device) -> None:
         getattr(torch, device.type).reset_peak_memory_stats(device)
 
 
-def max_over_ranks(memory: dict[str, int], rank: int, device: torch.device) -> dict[str, int]:
+def max_over_ranks(memory: dict[str, int], rank: int,
+                   group: dist.ProcessGroup | None = None) -> dict[str, int]:
     """The largest of every rank's `peak_memory`, and a rank that had it (the lowest, on a tie):
     {"allocated_bytes", "allocated_rank", "reserved_bytes", "reserved_rank"}.
 
-    One all-reduce of two integers on the default group, so every rank must call it at the same
-    point; with one rank, no collective."""
+    One all-reduce of two integers in host memory over `group`, a host (gloo) group of every
+    rank (optimus/runtime/dist.py `host_group`; None: the default group, under gloo), so every
+    rank must call it at the same point and none waits on its device; with one rank, no
+    collective."""
     figures = ("allocated_bytes", "reserved_bytes")
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return {**memory, "allocated_rank": rank, "reserved_rank": rank}
     low = RANK_MASK - rank  # inverted: of equal figures, the MAX keeps the lowest rank's
-    packed = torch.tensor([(memory[f] << RANK_BITS) | low for f in figures], dtype=torch.int64,
-                          device=device)
-    dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+    packed = torch.tensor([(memory[f] << RANK_BITS) | low for f in figures], dtype=torch.int64)
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
     out = {}
     for name, value in zip(figures, packed.tolist(), strict=True):
         out[name] = value >> RANK_BITS

@@ -1,0 +1,183 @@
+"""One training step as the device runs it: forward, backward, clip, update, no host read.
+
+The host never waits on the device inside a step. What the boundary needs of a step (its
+global loss, gradient norm and token count, whether its update was held back, whether this
+rank's own loss and gradients were finite, the experts' load) is gathered into one tensor and
+copied into host memory behind the step (`Readback`: a pinned buffer and an event on an
+accelerator); the boundary reads it once the device is done with it, normally while the next
+step's backward runs (optimus/boundary.py). The decisions that must come before the update are
+taken on the device from that step's own figures: a non-finite gradient norm, and a spike by
+the stability rules (the thresholds the host computed from the history before the step),
+hold the update back (the optimizer's `found_inf`: no parameter, moment or step count moves).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from optimus.parallel.experts import expert_step
+from optimus.parallel.float8 import precompute_float8_scales
+from optimus.parallel.grads import clip_grads_
+from optimus.parallel.plan import IGNORE_INDEX, ParallelModel
+from optimus.runtime.memory import ACCELERATORS
+
+# The step's figures, in this order, in the one tensor the boundary reads (then the experts').
+FIGURES = ("loss", "grad_norm", "tokens", "held", "local_loss", "local_grads_squared")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What holds the next update back besides a non-finite gradient norm: a global loss or a
+    gradient norm above these (None: that rule does not hold an update back now)."""
+
+    loss: float | None = None
+    grad_norm: float | None = None
+
+
+class Readback:
+    """A step's figures on their way to host memory: copied into one of two host buffers in
+    turn (the boundary reads one step's while the next step's copy may be in flight), reused
+    from step to step. On an accelerator the buffers are pinned, the copy does not sync and an
+    event marks its end: `read` waits for that event only, by when the device has long finished
+    the step if the next step's work was queued behind it. On a CPU the same copy is a plain
+    one and there is no event to wait for."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.accelerated = device.type in ACCELERATORS
+        self.buffers: list[torch.Tensor] = []
+        self._turn = 0
+
+    def start(self, figures: torch.Tensor) -> Pending:
+        if not self.buffers or self.buffers[0].shape != figures.shape:
+            self.buffers = [torch.empty(figures.shape, dtype=figures.dtype,
+                                        pin_memory=self.accelerated) for _ in range(2)]
+        host = self.buffers[self._turn]
+        self._turn ^= 1
+        host.copy_(figures, non_blocking=self.accelerated)
+        event = None
+        if self.accelerated:
+            event = torch.Event(device=self.device.type)
+            event.record()
+        return Pending(host, event)
+
+
+@dataclass
+class Pending:
+    """One step's figures in (or on their way to) host memory."""
+
+    host: torch.Tensor
+    event: object | None
+
+    def read(self) -> list[float]:
+        """The figures as Python floats: waits for the copy's event, no other sync; `tolist`
+        of host memory is no device read."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+@dataclass
+class StepParts:
+    """What a step runs with: the model, its optimizer, the groups its figures are summed over."""
+
+    model: ParallelModel
+    optimizer: torch.optim.Optimizer
+    job: object
+    mesh: object
+    device: torch.device
+    faults: object
+    heartbeat: object
+    readback: Readback = field(init=False)
+
+    def __post_init__(self):
+        self.readback = Readback(self.device)
+        self.pp_group = self.mesh["pp"].get_group()
+        self.dp_group = self.mesh["dp"].get_group()
+
+
+@dataclass
+class StepOutput:
+    """A step the device may still be running: its figures on their way (`pending`), and
+    what the host knew of it when it was queued."""
+
+    step: int
+    pending: Pending
+    lr: float
+    started: float
+    loss_reduced: bool  # whether `loss` is the global loss (else only this rank's share)
+    data: dict | None = None  # its samples' fingerprint (rank 0)
+    moe: bool = False  # the experts' figures follow FIGURES
+
+
+def train_step(parts: StepParts, step: int, microbatches: list[dict], *, lr: float,
+               reduce_loss: bool, before_update: Callable[[], Limits]) -> StepOutput:
+    """Forward and backward over the step's microbatches (the loss divided by the global token
+    count), the gradients clipped, the update applied unless held back on the device.
+    `before_update` runs once the step's work is queued and before its update: the boundary
+    reads the previous step there and says what holds this update back. `reduce_loss`: sum
+    the loss over stages and replicas (the rules or the log read it)."""
+    started = time.perf_counter()
+    model, job, beat, faults = parts.model, parts.job, parts.heartbeat, parts.faults
+    with beat.phase("grad_sync"):
+        tokens = count_tokens(microbatches, parts.dp_group)
+    model.set_step_tokens(tokens)
+    loss = model.forward_backward(microbatches, parts.device, beat)
+    faults.after_backward(step, model.parameters(), loss)
+    local_loss = loss  # this rank's own share, and its own gradients': a bad tile's sign
+    with beat.phase("grad_sync"):
+        # A non-finite norm turns the gradients NaN: their update is held back below, and
+        # whether this rank's own were the bad ones is told by its figures, taken before.
+        norm = clip_grads_(model.parameters(), job.optim.grad_clip, parts.pp_group)
+        if reduce_loss:  # only last stages hold losses
+            for group in (parts.pp_group, parts.dp_group):
+                if group.size() > 1:
+                    loss = loss.clone() if loss is local_loss else loss
+                    dist.all_reduce(loss, group=group)
+    limits = before_update()
+    held = hold_back(loss, norm.total, limits)
+    with beat.phase("optim"):
+        faults.in_optimizer(step)
+        parts.optimizer.step(found_inf=held)
+        parts.optimizer.zero_grad(set_to_none=True)
+        if job.training.float8 == "tensorwise" and parts.mesh["dp"].size() > 1:
+            precompute_float8_scales(model.parts)  # float8 all-gather's scales
+    with beat.phase("grad_sync"):  # the experts' load, all ranks; their balance
+        experts = expert_step(model.moe, job.model, parts.mesh, parts.device, held)
+    figures = torch.stack([loss.double(), norm.total, tokens, held, local_loss,
+                           norm.local_squared])
+    if experts is not None:
+        figures = torch.cat([figures, experts.flatten()])
+    return StepOutput(step, parts.readback.start(figures), lr, started, reduce_loss,
+                      moe=experts is not None)
+
+
+def count_tokens(microbatches: list[dict], dp_group: dist.ProcessGroup) -> torch.Tensor:
+    """Tokens that carry loss in the global batch (all dp replicas, all microbatches), as a
+    tensor on the device: the loss divides by it, nobody reads it on the host."""
+    count = None
+    for mb in microbatches:
+        n = mb["labels"].ne(IGNORE_INDEX).sum()
+        count = n if count is None else count.add_(n)
+    if dp_group.size() > 1:
+        dist.all_reduce(count, group=dp_group)
+    return count
+
+
+def hold_back(loss: torch.Tensor, norm: torch.Tensor, limits: Limits) -> torch.Tensor:
+    """1.0 where the update must not be applied, else 0.0, decided on the device: a non-finite
+    gradient norm, or a spike by a rule whose verdict holds the update back. Compared in
+    float64 against the host's float64 thresholds, so the host's verdict on the figures later
+    is the same comparison (stability.py `_spike`)."""
+    held = norm.sub(norm).isnan()  # x - x is NaN exactly where x is NaN or infinite
+    if limits.loss is not None:
+        wide = loss.double()
+        held |= wide.sub(wide).isnan() | wide.gt(limits.loss)
+    if limits.grad_norm is not None:
+        held |= norm.double().gt(limits.grad_norm)
+    return held.float()

@@ -1,0 +1,80 @@
+"""A steady-state step waits on the device no more than a plain loop does, and dispatches about
+as many ops (bench/step_counts.py counts them on this CPU: what a device would pay)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import step_counts  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def counts():
+    # log_every 4 over 16 steps: steps 1-4, 8, 12 and 16 logged, the rest not.
+    job = step_counts.tiny_job(16, 4)
+    return step_counts.compare(job)
+
+
+def test_an_unlogged_step_reads_nothing_more_than_the_plain_loop(counts):
+    assert counts["optimus"]["unlogged"]["steps"] >= 5
+    assert counts["plain"]["unlogged"]["host_reads"] == 0
+    assert counts["unlogged"]["extra_host_reads"] == 0, counts
+
+
+def test_a_logged_step_reads_its_figures_once(counts):
+    assert counts["optimus"]["logged"]["host_reads"] <= 1, counts
+    assert counts["logged"]["extra_host_reads"] <= 0, counts
+
+
+def test_a_step_dispatches_within_three_percent_of_the_plain_loops_ops(counts):
+    assert counts["unlogged"]["ops_ratio"] <= 1.03, counts
+    assert counts["logged"]["ops_ratio"] <= 1.03, counts
+
+
+def test_the_counts_see_a_host_read_where_there_is_one():
+    """The counter is not blind: a `.item()` added to every step is counted as one read more."""
+    job = step_counts.tiny_job(8, 4)
+    inner = step_counts.optimus.train.train_step
+
+    def reading(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        out.pending.host.sum().item()
+        return out
+
+    step_counts.optimus.train.train_step = reading
+    try:
+        steps = step_counts.optimus_steps(job)
+    finally:
+        step_counts.optimus.train.train_step = inner
+    unlogged = step_counts.steady(steps, logged=False)
+    assert unlogged and all(s.host_reads == 1 for s in unlogged)
+    logged = step_counts.steady(steps, logged=True)
+    assert logged and all(s.host_reads == 2 for s in logged)  # its own wait, and the item
+
+
+def test_the_spike_and_nan_paths_keep_the_step_free_of_host_reads():
+    """With the stability rules armed early (the device holds spikes back from the host's
+    thresholds) and MoE-free grad-norm rules on, an unlogged step still reads nothing."""
+    job = step_counts.tiny_job(16, 4, stability={"warmup_steps": 2, "window": 4,
+                                                 "grad_ratio": 50.0})
+    steps = step_counts.optimus_steps(job)
+    unlogged = step_counts.steady(steps, logged=False)
+    assert unlogged and all(s.host_reads == 0 for s in unlogged), [
+        (s.step, s.ops[step_counts.HOST_READ], s.waits) for s in unlogged]
+
+
+def test_the_overhead_bench_prints_the_counts_and_the_launch_bound_ratio(capsys):
+    from bench import overhead
+
+    results = overhead.main(["--mode", "launch", "--rounds", "1", "--steps", "8"])
+    assert results["counts"]["unlogged"]["extra_host_reads"] == 0
+    (row,) = results["modes"]
+    assert row["mode"] == "launch" and row["target"] == 1.05
+    assert row["ratio"] == row["optimus_ms"] / row["plain_ms"]
+    said = capsys.readouterr().out
+    assert "unlogged host reads 0 (loop 0, extra 0; target 0)" in said
+    assert "launch: optimus" in said and "(target <= 1.05)" in said
