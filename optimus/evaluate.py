@@ -6,7 +6,9 @@ epoch only: no window twice) from `eval.path`, or, with synthetic data, from doc
 the end of the training stream. Every validation reads the same windows, so its values compare
 across a run. Each global batch is split as a training step's is (microbatches, then a slice per
 data-parallel replica), so every layout sums the loss of the same tokens; the sum and the token
-count are reduced over the whole world, and every rank returns the same mean.
+count are reduced over the whole world, and every rank returns the same mean. The forward is
+training's (`ParallelModel.forward_loss`), in its precision: in bf16 FSDP2's policy casts at
+dp > 1 and autocast at dp 1, the cross-entropy taken in fp32 either way.
 
     optimus eval CHECKPOINT --data DIR     one process, or each rank under torchrun / srun
 """

@@ -79,7 +79,12 @@ def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Rows of `x` (grouped by expert, `counts[e]` for expert e) times their expert's `w[e]`."""
+    """Rows of `x` (grouped by expert, `counts[e]` for expert e) times their expert's `w[e]`.
+    Under autocast (one replica's bf16: no FSDP2 to cast the weights) both operands take the
+    autocast dtype first, as a matmul under autocast would: the grouped kernel then applies."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w = x.to(dtype), w.to(dtype)
     if _native_grouped_mm(x, w):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._grouped_mm(x, w, offs=offsets)
@@ -105,8 +110,8 @@ def padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) ->
 def _native_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` can take these operands: CUDA, sm90+, both in bf16.
 
-    In bf16 mixed precision (FSDP2's policy) the experts' weights arrive here in bf16, so a
-    Hopper GPU takes the native kernel; fp32 training takes the padded path. On XPU torch
+    In bf16 mixed precision (FSDP2's policy, or autocast at dp 1) the experts' weights arrive
+    here in bf16, so a Hopper GPU takes the native kernel; fp32 training takes the padded path. On XPU torch
     2.13 has no `_grouped_mm`: always the padded path.
     """
     return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
@@ -232,7 +237,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, dim = x.shape
         tokens = x.reshape(-1, dim)
-        logits = self.router(tokens).float()
+        logits = self.router_logits(tokens)
         scores, chosen, weights = self.choose(logits)
         out = self.dispatch(tokens, chosen, weights)
         if self.shared is not None:
@@ -256,7 +261,13 @@ class MoE(nn.Module):
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Scores [T, E] (float32), the chosen experts [T, k] and their weights [T, k]."""
-        return self.choose(self.router(tokens).float())
+        return self.choose(self.router_logits(tokens))
+
+    def router_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The router's logits [T, E], computed in float32 whatever the forward computes in:
+        under autocast too (bf16 scores would flip near-tied choices on rounding)."""
+        with torch.autocast(tokens.device.type, enabled=False):
+            return self.router(tokens.float())
 
     def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`route` from the router's float32 logits [T, E]."""

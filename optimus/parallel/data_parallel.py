@@ -4,15 +4,17 @@ Parameters, gradients and optimizer state are sharded across dp (ZeRO-3). Gradie
 *summed* across ranks, not averaged: the trainer already divides the loss by the global token
 count, so a mean here would divide twice.
 
-Mixed precision lives here too, where the parameters do: with a bf16 policy each unit's
-parameters are cast to bf16 as they are all-gathered (half the bytes on the wire), forward and
-backward compute in bf16, and the gradients are cast to fp32 before the reduce-scatter, so the
-sum over ranks and the sharded gradients, master weights and optimizer state are all fp32. At
-dp 1 the same policy runs on a one-rank mesh: the all-gather is then only the cast and the
-reduce-scatter only the cast back, and nothing is sharded (`apply_data_parallel` with
-`reshard=False`): the whole model is then one unit, cast in one copy per step and kept in bf16
-from forward to backward (there is no memory to win by dropping it, and a unit per block
-would cost a copy and two hooks per block: 2% of a small model's step on CPU).
+Mixed precision lives here too, where the parameters do. Under FSDP2 (dp > 1) a bf16 policy
+casts each unit's parameters to bf16 as they are all-gathered (half the bytes on the wire),
+forward and backward compute in bf16, and the gradients are cast to fp32 before the
+reduce-scatter, so the sum over ranks and the sharded gradients, master weights and optimizer
+state are all fp32. At dp 1 there is nothing to shard and nothing to reduce, and FSDP2 on a
+one-rank mesh would cost a copy of every parameter into its bf16 buffer and a copy of every
+gradient out of it each step: the model is not wrapped, and bf16 is `torch.autocast` around
+each forward instead (`compute`, as torchtitan computes on one device). Parameters and
+gradients are then plain fp32 tensors (or tp's DTensors), each matmul casts its operands to
+bf16 as it runs (eagerly, a parameter's cast is cached for the rest of the forward), and what
+autocast leaves alone (norms, softmax, the residual stream's sums) stays fp32.
 
 How often parameters are gathered (`parallel.param_gather`) trades memory for communication.
 `microbatch` is FSDP2's default: a block is all-gathered for each microbatch's forward,
@@ -28,6 +30,8 @@ torch's stages already hold the resharding after backward until the step's last 
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -45,22 +49,34 @@ def precision_policy(dtype: torch.dtype) -> MixedPrecisionPolicy | None:
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
+def autocast_dtype(dtype: torch.dtype, dp: int) -> torch.dtype | None:
+    """The dtype `compute` autocasts to: `dtype` at dp 1 when it is not float32, else None
+    (fp32 needs nothing; under FSDP2, dp > 1, its policy casts)."""
+    return dtype if dp == 1 and dtype != torch.float32 else None
+
+
+def compute(device: torch.device | str, dtype: torch.dtype | None):
+    """The context a forward runs in: autocast to `dtype` on `device`'s type, or nothing."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
+
+
 def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh,
                         edp_mesh: DeviceMesh | None = None,
                         policy: MixedPrecisionPolicy | None = None,
-                        reshard: bool = True, keep_gathered: bool = False) -> nn.Module:
+                        keep_gathered: bool = False) -> nn.Module:
     """Shard each transformer block as its own unit, the rest (embedding, head) at the root.
 
     Under expert parallelism (`edp_mesh`), each MoE layer's experts, already sharded by expert
     over `ep`, are their own unit sharded over the expert-data-parallel `edp`: the replicas of
     the same experts. Everything else shards over the whole `dp`. Every unit takes `policy`,
     but MoE routers, their own units, score in fp32 (their inputs are cast up as they enter).
-    `reshard` False (dp 1) makes the model one unit, kept gathered from forward to backward.
     `keep_gathered` (param_gather: step) keeps a unit per block but never reshards one after
     its forward; `set_gradient_sync` then holds them gathered between microbatches.
     """
     options = {"mp_policy": policy or MixedPrecisionPolicy()}
-    after_forward = reshard and not keep_gathered
+    after_forward = not keep_gathered
     for moe in moe_layers(model):
         if edp_mesh is not None:
             fully_shard(moe.experts, mesh=edp_mesh, reshard_after_forward=after_forward,
@@ -68,9 +84,8 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh,
         if policy is not None:  # routing decisions from bf16 scores flip on rounding: fp32
             fully_shard(moe.router, mesh=dp_mesh, reshard_after_forward=after_forward,
                         mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
-    if reshard:
-        for block in model.layers.values():
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=after_forward, **options)
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=after_forward, **options)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=after_forward, **options)
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -82,7 +97,8 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh,
 
 def set_gradient_sync(model: nn.Module, enabled: bool, keep_gathered: bool = False) -> None:
     """Skip the gradient reduce-scatter on all but the last microbatch of a step; with
-    `keep_gathered`, skip resharding the parameters after those backwards too."""
+    `keep_gathered`, skip resharding the parameters after those backwards too. A model FSDP2
+    does not wrap (dp 1) has nothing to skip."""
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
         if keep_gathered:

@@ -21,6 +21,11 @@ missing or wrong, silently (seen with pp=2 x dp=2 on gloo). `build_schedule` the
 resharding after forward off for those schedules: stage parameters stay unsharded from a
 forward to its backward, as torchtitan does for every pipeline schedule.
 
+Mixed precision without FSDP2 (dp 1, bf16): torch's schedules call the stage's module for every
+forward (and once for the shape inference), so each stage module is handed to them inside
+`_Autocast`, whose forward runs the stage under autocast; backward runs outside it, in the
+dtypes the forward recorded. Parameter names are those of the stage models, which `parts` keeps.
+
 Gradient scaling: the trainer's loss_fn divides by the global token count, so each
 microbatch's loss is already its share of the step's loss. torch's schedules would otherwise
 divide every gradient by n_microbatches once more (scale_grads=True, their default).
@@ -38,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from optimus.models import GPT, materialize
+from optimus.parallel.data_parallel import compute
 from optimus.parallel.schedule_rules import (
     SCHEDULES,
     SPLIT_BACKWARD,
@@ -75,13 +81,15 @@ def build_stage_models(cfg, seed: int, device: torch.device | str, stage_ids: li
 def build_schedule(stage_models: list[nn.Module], stage_ids: list[int], num_stages: int,
                    pp_group: ProcessGroup | DeviceMesh, device: torch.device | str,
                    schedule: str, microbatches: int,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   autocast: torch.dtype | None = None):
     """The named torch schedule over this rank's stages, `n_microbatches=microbatches`.
 
     `stage_models` may already be tensor-parallel (DTensor parameters) and FSDP2-wrapped
     (`fully_shard` applied to each stage model as root): the schedules recognise a root
     FSDPModule and reduce its gradients themselves once per step (see `run_pipeline_step`).
     `loss_fn(logits [mb, seq, vocab], labels [mb, seq])` runs on the last stage's rank.
+    `autocast`: the dtype each stage's forward autocasts to (dp 1 in bf16), or None.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose among {sorted(SCHEDULES)}")
@@ -101,14 +109,26 @@ def build_schedule(stage_models: list[nn.Module], stage_ids: list[int], num_stag
     group = pp_group.get_group() if isinstance(pp_group, DeviceMesh) else pp_group
     device = torch.device(device)
     order = sorted(range(len(stage_ids)), key=stage_ids.__getitem__)  # ascending, as torch wants
-    stages = [Stage(stage_models[i], stage_ids[i], num_stages, device, group=group)
-              for i in order]
+    modules = [m if autocast is None else _Autocast(m, autocast) for m in stage_models]
+    stages = [Stage(modules[i], stage_ids[i], num_stages, device, group=group) for i in order]
     cls = getattr(pipelining, SCHEDULES[schedule])
     if not is_multi_stage(schedule):
         if len(stages) != 1:
             raise ValueError(f"{schedule} runs one stage per rank, this rank has {len(stages)}")
         stages = stages[0]
     return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+class _Autocast(nn.Module):
+    """A stage model whose forward runs under autocast to `dtype` (`compute`)."""
+
+    def __init__(self, stage: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.stage, self.dtype = stage, dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with compute(x.device, self.dtype):
+            return self.stage(x)
 
 
 def run_pipeline_step(schedule, stage_ids: list[int], num_stages: int,
@@ -150,8 +170,9 @@ def forward_stages(parts: list[nn.Module], stage_ids: list[int], owners: list[in
     2.13 it fails for the zero-bubble schedules (their action lists keep backward actions), and
     every switch between it and training re-runs the stages' shape inference. Dependencies only
     point to higher stages and sends do not block, so ascending order cannot deadlock. Hidden states
-    travel in float32 (the next stage's FSDP2 root casts them back to its compute dtype), after
-    their shape (under sequence parallelism each tp rank's share of the sequence).
+    travel in float32 (under FSDP2 the next stage's root casts them back to its compute dtype;
+    under autocast, dp 1, the residual stream is float32 anyway), after their shape (under
+    sequence parallelism each tp rank's share of the sequence). The caller enters autocast.
     """
     group_ranks = dist.get_process_group_ranks(pp_group)
     last = len(owners) - 1

@@ -1,10 +1,11 @@
 """Build this rank's share of the model for a layout, and run one step's forward and backward.
 
 Plans are applied in one fixed order: pipeline split, then per stage float8 conversion ->
-tensor parallel ->
-expert parallel -> activation checkpointing -> compile -> data-parallel sharding and mixed
-precision (FSDP2 over `dp`, experts over `edp`), all on the meta device; only then are this
-rank's shards allocated and initialised.
+tensor parallel -> expert parallel -> activation checkpointing -> compile -> data-parallel
+sharding and mixed precision (FSDP2 over `dp`, experts over `edp`), all on the meta device;
+only then are this rank's shards allocated and initialised. At dp 1 nothing is sharded and
+FSDP2 is not applied: bf16 is autocast around every forward instead (`compute`,
+optimus/parallel/data_parallel.py says why).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from optimus.parallel.activation_checkpoint import apply_activation_checkpointin
 from optimus.parallel.compile import apply_compile
 from optimus.parallel.data_parallel import (
     apply_data_parallel,
+    autocast_dtype,
+    compute,
     precision_policy,
     set_gradient_sync,
 )
@@ -73,6 +76,8 @@ class ParallelModel:
     pp_group: dist.ProcessGroup | None = None
     # parallel.param_gather: step: parameters stay gathered between microbatches.
     keep_gathered: bool = False
+    # dp 1 in bf16: the dtype every forward autocasts to (FSDP2's policy casts at dp > 1).
+    autocast: torch.dtype | None = None
 
     def set_step_tokens(self, tokens: int) -> None:
         """The step's global token count: the loss and any auxiliary loss divide by it."""
@@ -118,6 +123,7 @@ class ParallelModel:
                 inputs = torch.cat([mb["input_ids"] for mb in microbatches]).to(device)
                 labels = torch.cat([mb["labels"] for mb in microbatches]).to(device)
                 # The schedule interleaves forward and backward: all of it counts as "forward".
+                # Its stages autocast their own forwards (`build_schedule`).
                 with heartbeat.phase("forward"):
                     losses = run_pipeline_step(self.schedule, self.stage_ids, self.num_stages,
                                                inputs, labels)
@@ -127,7 +133,7 @@ class ParallelModel:
                 (model,) = self.parts
                 for i, mb in enumerate(microbatches):
                     set_gradient_sync(model, i == len(microbatches) - 1, self.keep_gathered)
-                    with heartbeat.phase("forward"):
+                    with heartbeat.phase("forward"), compute(device, self.autocast):
                         logits = model(mb["input_ids"].to(device, non_blocking=True))
                         loss = self.loss_fn(logits, mb["labels"].to(device, non_blocking=True))
                     with heartbeat.phase("backward"):
@@ -147,7 +153,7 @@ class ParallelModel:
         total = torch.zeros((), device=device)
         tokens, self.loss_fn.tokens = self.loss_fn.tokens, 1  # the step's divisor, put back
         try:
-            with loss_context(self.tp_enabled):
+            with loss_context(self.tp_enabled), compute(device, self.autocast):
                 if self.schedule is not None:
                     labels = [mb["labels"].to(device) for mb in microbatches]
                     losses = forward_stages(
@@ -187,8 +193,10 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
         num_stages, ids = 1, [0]
         parts = [build_model(job.model, seed=job.seed, device="meta")]
     ep_group = expert_group(mesh) if layout.ep > 1 else None
-    # bf16 is FSDP2's mixed-precision policy; without data parallelism, the same on one rank.
-    policy = precision_policy(compute_dtype(job.training.mixed_precision, device))
+    # bf16 is FSDP2's mixed-precision policy under data parallelism, autocast without it.
+    dtype = compute_dtype(job.training.mixed_precision, device)
+    policy = precision_policy(dtype) if layout.dp > 1 else None
+    autocast = autocast_dtype(dtype, layout.dp)
     recipe, float8_skipped = job.training.float8, []
     keep_gathered = p.param_gather == "step" and layout.dp > 1
     for part in parts:
@@ -203,9 +211,9 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
         apply_activation_checkpointing(part, p.activation_checkpoint, p.ac_every)
         if job.training.compile:
             apply_compile(part, job.training.compile_backend)
-        if layout.dp > 1 or policy is not None:
+        if layout.dp > 1:
             apply_data_parallel(part, mesh["dp"], mesh["edp"] if layout.ep > 1 else None,
-                                policy, reshard=layout.dp > 1, keep_gathered=keep_gathered)
+                                policy, keep_gathered=keep_gathered)
         # Only now, sharded, is the model allocated: each rank holds its shards, never the
         # whole model (init_weights gives every shard its part of the one-process values).
         materialize(part, job.seed, device)
@@ -214,7 +222,7 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
     schedule = None
     if layout.pp > 1:
         schedule = build_schedule(parts, ids, num_stages, mesh["pp"].get_group(), device,
-                                  p.schedule, job.data.microbatches, loss_fn)
+                                  p.schedule, job.data.microbatches, loss_fn, autocast)
     owners = []
     if layout.pp > 1:
         style = stage_style(p.schedule)
@@ -224,4 +232,4 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
     return ParallelModel(parts, schedule, ids, num_stages, loss_fn, layout.tp > 1, moe,
                          mesh["tp"].get_group() if layout.tp > 1 else None, float8_skipped,
                          owners, pp_group=mesh["pp"].get_group() if layout.pp > 1 else None,
-                         keep_gathered=keep_gathered)
+                         keep_gathered=keep_gathered, autocast=autocast)
