@@ -112,8 +112,12 @@ bench: venv
 # Wheels for bench/gpu.sh on a device machine (CPython 3.12, manylinux x86-64, no network there):
 # the packages Optimus needs that its image lacks (/work/.library/device/KINDS.md lists what it
 # has: torch, numpy, pyyaml, click, rich and its deps, prometheus-client). Versions as in .venv.
+# The last four are the torchtitan peer's import path (bench/torchtitan_peer.py), which the
+# product never imports: torchtitan itself and the three it imports that the image lacks
+# (spmd-types as torchtitan 0.3.0 pins it; triton and the rest of its imports are in the image).
 GPU_WHEELS := torchao==0.18.0 hiredis==3.5.0 redis==8.1.0 tenacity==9.2.1 pydantic==2.14.3 \
-	pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 torchdata==0.11.0
+	pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 torchdata==0.11.0 \
+	torchtitan==0.3.0 spmd-types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0
 GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 \
 	manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64
 

@@ -6,8 +6,11 @@ The GPU machines' image carries its own torch (2.11 when this was written), not 
 project pins. Rather than trust a version table, each piece a part needs is tried here, on the
 device, in a few seconds: the imports of the training path, the names it takes from torch
 (some private, some newer than 2.11), a float8 matmul, a compiled kernel, the grouped GEMM,
-DCP's async stager and writer process, the memory tracker. It prints one line per part (or
-mfu mode) that cannot run and why, then one line per fallback taken, and writes for gpu.sh:
+DCP's async stager and writer process, the memory tracker, torch's sync debug mode (that it
+warns on a known synchronisation, or bench/mfu.py's counts would read 0), and the torchtitan
+peer's import (bench/torchtitan_peer.py, with its stand-ins for torch 2.11). It prints one
+line per part (or mfu mode) that cannot run and why, then one line per fallback taken, and
+writes for gpu.sh:
 
     DIR/mfu_modes.txt     the runnable modes of bench/mfu.py, comma-separated (empty: none)
     DIR/skip_parts.txt    one part name a line: the parts gpu.sh leaves out
@@ -29,7 +32,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 PINNED = "2.13"
-PARTS = ("mfu", "moe", "checkpoint", "planner_memory")
+PARTS = ("mfu", "moe", "checkpoint", "planner_memory")  # the training path's parts
+PEER = "torchtitan"  # not the training path: tried on a CUDA machine only
 
 # The names the training path takes from torch that are private or recent: (module, attribute,
 # the parts that cannot run without it). A public name torch has had since 2.4 is not listed;
@@ -118,6 +122,19 @@ def probe_grouped_mm() -> str | None:
     return None
 
 
+def probe_torchtitan() -> tuple[str | None, list[str]]:
+    """None if bench/torchtitan_peer.py's torchtitan imports here (else why not), and the
+    stand-ins it put into torch for that."""
+    try:
+        from bench.torchtitan_peer import VERSION, import_torchtitan
+        tt, shims = import_torchtitan()
+    except Exception as e:  # noqa: BLE001 - any import failure is the finding
+        return f"torchtitan does not import: {tail(e)}", []
+    if tt.version != VERSION:
+        return f"torchtitan {tt.version} here; the peer is written against {VERSION}", shims
+    return None, shims
+
+
 def main() -> None:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else REPO / "bench" / "gpu-out")
     out.mkdir(parents=True, exist_ok=True)
@@ -147,6 +164,19 @@ def main() -> None:
                 cannot.setdefault(part, f"torch lacks {module}.{attr} ({why})")
         if "mfu" not in cannot:
             probes["float8"], probes["compile"] = probe_float8(), probe_compile()
+            try:
+                from bench.mfu_window import sync_warning_problem
+                probes["sync_warnings"] = sync_warning_problem()
+            except Exception as e:  # noqa: BLE001
+                probes["sync_warnings"] = tail(e)
+            if probes["sync_warnings"]:
+                fallbacks.append(f"mfu: no synchronisation count: {probes['sync_warnings']}")
+        probes["torchtitan"], shims = probe_torchtitan()
+        if probes["torchtitan"]:
+            cannot[PEER] = probes["torchtitan"]
+        elif probes.get("compile"):
+            cannot[PEER] = probes["compile"]
+        fallbacks += [f"{PEER}: {line}" for line in shims]
         probes["grouped_mm"] = probe_grouped_mm()
         if probes["grouped_mm"]:
             fallbacks.append(f"moe: {probes['grouped_mm']}; the experts take the padded bmm "
@@ -183,11 +213,12 @@ def main() -> None:
         print(f"cannot run: {what}: {why}")
     for line in fallbacks:
         print(f"fallback: {line}")
-    runnable = [p for p in PARTS if p not in cannot]
+    parts = PARTS + ((PEER,) if torch.cuda.is_available() else ())
+    runnable = [p for p in parts if p not in cannot]
     print(f"runs: {', '.join(runnable) or 'nothing'}"
           + (f" (mfu modes: {', '.join(modes)})" if "mfu" in runnable else ""))
     (out / "mfu_modes.txt").write_text(",".join(modes) + "\n")
-    (out / "skip_parts.txt").write_text("".join(f"{p}\n" for p in PARTS if p in cannot))
+    (out / "skip_parts.txt").write_text("".join(f"{p}\n" for p in parts if p in cannot))
     (out / "check.json").write_text(json.dumps(
         {"torch": torch.__version__, "cannot": cannot, "fallbacks": fallbacks,
          "probes": probes, "mfu_modes": modes}, indent=1) + "\n")

@@ -2,9 +2,10 @@
 
 `bench/mfu.py` measures the ratio (Optimus tokens/s over the hand-written loop's); this says
 why it is below 1. For each mode asked, both sides run `--steps` steps with the profiler on
-for the last `--active`; printed per side: the step's wall time, the device's busy time in it
-(kernels and copies, from the trace), the host-side sync points, and the ops that differ most
-between the two sides in device time and in host time. `--trace DIR` also writes each side's
+for the last `--active` (the loss read on the host every third step, as bench/mfu.py does);
+printed per side: the step's wall time, the device's busy time in it (kernels and copies, from
+the trace), the host-side sync points, and the ops that differ most between the two sides in
+device time and in host time. `--trace DIR` also writes each side's
 Chrome trace (gzip) for a closer look in Perfetto.
 
     python bench/gpu_profile.py --device cuda --modes eager-bf16-none,compiled-bf16-none
@@ -32,6 +33,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import mfu  # noqa: E402  (bench/mfu.py: the same jobs, modes and weights)
 import mfu_reference  # noqa: E402
+from mfu_window import optimus_step_starts  # noqa: E402
 
 from optimus.config import validate_job  # noqa: E402
 
@@ -59,42 +61,34 @@ def profiler(device: torch.device, steps: int, active: int):
 
 
 def optimus_profiled(bench, mode, prof) -> Stepper:
-    import optimus.train as train_module
+    from optimus.train import train
 
     stepper = Stepper(prof)
-    original = train_module.reset_peak_memory
-
-    def at_step_start(device):  # train() calls this first thing in every step
+    with (tempfile.TemporaryDirectory(prefix="bench-prof-") as tmp, prof,
+          optimus_step_starts(lambda step: stepper())):  # the start of each of train()'s steps
+        train(validate_job(bench.job(mode, tmp), world=1), quiet=True)
         stepper()
-        original(device)
-
-    train_module.reset_peak_memory = at_step_start
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-prof-") as tmp, prof:
-            train_module.train(validate_job(bench.job(mode, tmp), world=1), quiet=True)
-            stepper()
-    finally:
-        train_module.reset_peak_memory = original
     return stepper
+
+
+class StepperWindow:
+    """What the plain loop asks of its window (bench/mfu_window.py): a call at each step's
+    start, here the profiler's step, and the logging cadence, bench/mfu.py's."""
+
+    def __init__(self, stepper: Stepper, bench):
+        self.stepper, self.logged = stepper, bench.window().logged
+
+    def step_start(self, step: int) -> None:
+        self.stepper()
 
 
 def reference_profiled(bench, mode, weights, prof) -> Stepper:
     stepper = Stepper(prof)
-    original = mfu_reference.batches
-
-    def batches(job):
-        for batch in original(job):
-            stepper()
-            yield batch
+    with prof:
+        job = validate_job(bench.job(mode, "unused"), world=1)
+        mfu_reference.reference_step_times(job, mode, bench.device, weights, bench.recipe,
+                                           StepperWindow(stepper, bench))
         stepper()
-
-    mfu_reference.batches = batches
-    try:
-        with prof:
-            job = validate_job(bench.job(mode, "unused"), world=1)
-            mfu_reference.reference_step_times(job, mode, bench.device, weights, bench.recipe)
-    finally:
-        mfu_reference.batches = original
     return stepper
 
 

@@ -3,22 +3,32 @@
 Each mode is a point of eager/compiled x bf16/float8 x activation recompute none/op, run twice
 in this one process: by Optimus (`optimus.train.train`, one rank, the job keys below) and by
 the loop a plain-PyTorch user would write around the same model (`build_model`: the same code
-and weights) on the same batches. The figure is the ratio of their tokens/s (target >= 0.97 on
-a GPU), and beside it the achieved TFLOP/s and the MFU against the bf16 dense peak of the
-device (optimus/runtime/peaks.py); float8 modes are measured against that bf16 peak too, as
-trainers commonly report them, and against their bf16 twin as a speed-up (target >= 1.25 on
-an H100, for compiled modes: eager float8 pays its scaling kernels unfused).
+and weights) on the same batches. The figure is the ratio of their tokens/s, and beside it
+the achieved TFLOP/s and the MFU against the bf16 dense peak of the device
+(optimus/runtime/peaks.py); float8 modes are measured against that bf16 peak too, as trainers
+commonly report them, and against their bf16 twin as a speed-up. The targets, in
+bench/mfu_report.py: a ratio >= 1.00 in compiled bf16 without recompute and >= 0.97 elsewhere,
+on a GPU; MFU >= 52% in that mode on an H200; float8 >= 1.15x bf16, compiled (eager float8
+pays its scaling kernels unfused); 0 synchronisations per unlogged step of the trainer.
 
 Job keys per mode: training.mixed_precision bf16 (fp32 for the CPU's fp32 mode),
 training.compile, training.float8 (off, or --float8-recipe), parallel.activation_checkpoint
-none | op. A trainer that does not honour a key yet runs that mode without it, and the ratio
-shows it.
+none | op, and supervision.log_every --log-every (3): the loss is read on the host every third
+step, so the timed window holds unlogged steps. A trainer that does not honour a key yet runs
+that mode without it, and the ratio shows it.
+
+Timing and synchronisations (bench/mfu_window.py): each side's steps are marked at their
+starts (the trainer's through `RankFaults.step_start`, its step's first call); the first
+--warmup steps are dropped, the last closes the window, the device is synchronised at the
+window's two ends only, and the figure is the window's mean step. Inside the window, on CUDA,
+torch's sync debug mode counts each side's synchronising calls per step: "synchronisations per
+unlogged step", target 0 for Optimus; on a CPU "n/a (cpu)".
 
 The reference: fp32 master weights under torch.autocast(bf16) (what the PyTorch docs teach;
 no per-step cast of the parameters), torchao's convert_to_float8_training on the blocks'
 linear layers, torch.utils.checkpoint with create_selective_checkpoint_contexts keeping the
 matmul and attention outputs, torch.compile on each block and on the loss, gradient clipping
-and fused AdamW.
+and fused AdamW; its loss is read on the host at the same logged steps.
 
     python bench/mfu.py [--device cuda|cpu] [--modes a,b] [--steps N] [--out FILE]
 
@@ -49,14 +59,25 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.mfu_reference import reference_step_times  # noqa: E402
+from bench.mfu_report import (  # noqa: E402
+    FLOAT8_TARGET,
+    KEY_MODE,
+    KEY_RATIO_TARGET,
+    MFU_TARGETS,
+    RATIO_TARGET,
+    float8_speedups,
+    print_mode,
+    print_speedups,
+)
+from bench.mfu_window import UNLOGGED_SYNC_TARGET, StepWindow, optimus_step_starts  # noqa: E402
 from optimus.config import validate_job  # noqa: E402
+from optimus.metrics import logs_step  # noqa: E402
 from optimus.models import flops_per_token, param_count  # noqa: E402
 from optimus.runtime import device_name  # noqa: E402
 from optimus.runtime.peaks import peak_flops  # noqa: E402
 
-RATIO_TARGET = 0.97  # Optimus / reference tokens/s, on a GPU
-FLOAT8_TARGET = 1.25  # float8 / bf16 tokens/s, compiled, on an H100
 WARM_UP_STEPS = 6  # per precision, untimed, before the first timed run: see warm_up
+LOG_EVERY = 3  # supervision.log_every: steps 1-3, then every third, and the last are logged
 SMALL = {"vocab_size": 4096, "dim": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4,
          "max_seq_len": 256}
 
@@ -102,6 +123,7 @@ class Bench:
     warmup: int
     recipe: str
     num_workers: int
+    log_every: int = LOG_EVERY
 
     def job(self, mode: Mode, run_dir: str, steps: int | None = None) -> dict:
         return {
@@ -114,7 +136,15 @@ class Bench:
                          "compile": mode.compile,
                          "float8": self.recipe if mode.precision == "float8" else "off"},
             "checkpoint": {"interval": 0},
+            "supervision": {"log_every": self.log_every},
         }
+
+    def window(self, steps: int | None = None, warmup: int | None = None) -> StepWindow:
+        """The timed window of one run, with the job's logging cadence (both sides read the
+        loss on the host at the same steps)."""
+        steps = steps or self.steps
+        return StepWindow(self.device, steps, self.warmup if warmup is None else warmup,
+                          logged=lambda step: logs_step(step, self.log_every, steps))
 
     @property
     def tokens_per_step(self) -> int:
@@ -137,78 +167,38 @@ def peak_memory(device: torch.device) -> int | None:
 
 
 def optimus_side(bench: Bench, mode: Mode) -> dict:
-    """Optimus's own step times: `train()` in this process as one rank, warm-up dropped."""
+    """Optimus's own steps: `train()` in this process as one rank, its window's figures."""
     from optimus.train import train
 
     fresh(bench.device)
     with tempfile.TemporaryDirectory(prefix="bench-mfu-") as tmp:
         job = validate_job(bench.job(mode, tmp), world=1)
-        result = train(job, quiet=True)
-    times = [m.step_time_s for m in result.metrics][bench.warmup:]
-    return {"step_times_s": times, "first_loss": result.losses[0],
+        with bench.window() as window, optimus_step_starts(window.step_start):
+            result = train(job, quiet=True)
+    return {**window.figures(), "first_loss": result.losses[0],
             "max_memory_bytes": peak_memory(bench.device)}
 
 
 def reference_side(bench: Bench, mode: Mode, weights: dict) -> dict:
     fresh(bench.device)
     job = validate_job(bench.job(mode, "unused"), world=1)
-    times, first_loss = reference_step_times(job, mode, bench.device, weights, bench.recipe)
-    return {"step_times_s": times[bench.warmup:], "first_loss": first_loss,
+    with bench.window() as window:
+        first_loss = reference_step_times(job, mode, bench.device, weights, bench.recipe,
+                                          window)
+    return {**window.figures(), "first_loss": first_loss,
             "max_memory_bytes": peak_memory(bench.device)}
 
 
 # --- figures ---------------------------------------------------------------------------------
 
-def side_figures(side: dict, bench: Bench, flops: int, peak: float | None) -> dict:
-    median = statistics.median(side["step_times_s"])
-    tokens_per_s = bench.tokens_per_step / median
+def side_figures(side: dict, tokens_per_step: int, flops: int, peak: float | None) -> dict:
+    """tokens/s, TFLOP/s and MFU of one side, from its windows' mean step (every round's
+    window is exact at both ends, so the mean of the pooled steps is too)."""
+    step = statistics.fmean(side["step_times_s"])
+    tokens_per_s = tokens_per_step / step
     achieved = flops * tokens_per_s
-    return {**side, "median_step_s": median, "tokens_per_s": tokens_per_s,
+    return {**side, "step_s": step, "tokens_per_s": tokens_per_s,
             "tflops": achieved / 1e12, "mfu": achieved / peak if peak else None}
-
-
-def float8_speedups(entries: dict[str, dict]) -> dict[str, dict]:
-    """float8 / bf16 tokens/s of each float8 mode against its bf16 twin, both sides."""
-    out = {}
-    for name, entry in entries.items():
-        twin = entries.get(name.replace("-float8-", "-bf16-"))
-        if "-float8-" in name and twin:
-            out[name] = {side: entry[side]["tokens_per_s"] / twin[side]["tokens_per_s"]
-                         for side in ("optimus", "reference")}
-    return out
-
-
-def flop_rate(tflops: float) -> str:
-    return f"{tflops:.1f} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:.1f} GFLOP/s"
-
-
-def gib(nbytes: int | None) -> str:
-    return "n/a" if nbytes is None else f"{nbytes / 2**30:.1f} GiB"
-
-
-def print_mode(name: str, entry: dict, on_gpu: bool, peak: float | None) -> None:
-    ours, ref = entry["optimus"], entry["reference"]
-    ratio = entry["ratio"]
-    judged = (f"target >= {RATIO_TARGET}: {'met' if ratio >= RATIO_TARGET else 'MISSED'}"
-              if on_gpu else "on a CPU recorded, not judged")
-    print(f"{name}: optimus {ours['tokens_per_s']:,.0f} tok/s, reference "
-          f"{ref['tokens_per_s']:,.0f} tok/s, ratio {ratio:.3f} ({judged})")
-    against = " against the bf16 peak" if "float8" in name else ""
-    mfu = (f"MFU {ours['mfu']:.1%} (reference {ref['mfu']:.1%}){against}, peak "
-           f"{peak / 1e12:.0f} TFLOP/s" if peak else "MFU n/a (no peak for this device; "
-           "--peak-tflops sets one)")
-    print(f"    {flop_rate(ours['tflops'])} (reference {flop_rate(ref['tflops'])}); {mfu}; "
-          f"memory optimus {gib(ours['max_memory_bytes'])}, reference "
-          f"{gib(ref['max_memory_bytes'])}; first loss {ours['first_loss']:.4f} / "
-          f"{ref['first_loss']:.4f}", flush=True)
-
-
-def print_speedups(speedups: dict[str, dict]) -> None:
-    for name, s in speedups.items():
-        target = (f"target >= {FLOAT8_TARGET} on an H100" if name.startswith("compiled")
-                  else "eager: no target, its scaling runs unfused")
-        print(f"float8 speed-up {name}: optimus {s['optimus']:.2f}x, reference "
-              f"{s['reference']:.2f}x over bf16 ({target})")
 
 
 # --- the run ---------------------------------------------------------------------------------
@@ -263,7 +253,8 @@ def warm_up(bench: Bench, modes: list[Mode], weights: dict) -> None:
         if skip_reason(mode, bench.device) is None:
             fresh(bench.device)
             job = validate_job(bench.job(mode, "unused", steps=WARM_UP_STEPS), world=1)
-            reference_step_times(job, mode, bench.device, weights, bench.recipe)
+            with bench.window(WARM_UP_STEPS, warmup=0) as window:
+                reference_step_times(job, mode, bench.device, weights, bench.recipe, window)
     fresh(bench.device)
 
 
@@ -284,21 +275,31 @@ def run_mode(bench: Bench, mode: Mode, weights: dict, order: int, rounds: int) -
     return pooled
 
 
+def header_shape(bench: Bench) -> dict:
+    """The shape measured, as the JSON records it (bench/torchtitan_peer.py matches it)."""
+    return {**bench.model, "seq_len": bench.seq_len, "batch_size": bench.batch}
+
+
 def header(bench: Bench, name: str, cfg, flops: int, peak: float | None, args) -> dict:
     info = {"device": name, "device_type": bench.device.type, "torch": torch.__version__,
             "cuda": torch.version.cuda, "commit": commit(), "cpus": os.cpu_count(),
             "threads": torch.get_num_threads(),
             "load_average_start": os.getloadavg()[0],
-            "shape": {**bench.model, "seq_len": bench.seq_len, "batch_size": bench.batch},
+            "shape": header_shape(bench),
             "params": param_count(cfg), "flops_per_token": flops,
             "peak_bf16_tflops": peak / 1e12 if peak else None, "steps": bench.steps,
             "warmup_steps_dropped": bench.warmup, "rounds": args.rounds,
+            "timed_steps": bench.steps - bench.warmup - 1, "step_figure": "window mean",
+            "log_every": bench.log_every, "unlogged_sync_target": UNLOGGED_SYNC_TARGET,
             "float8_recipe": bench.recipe, "ratio_target": RATIO_TARGET,
-            "float8_speedup_target": FLOAT8_TARGET, "modes": {}, "skipped": {}, "failed": {}}
+            "key_mode": KEY_MODE, "key_ratio_target": KEY_RATIO_TARGET,
+            "key_mfu_targets": MFU_TARGETS, "float8_speedup_target": FLOAT8_TARGET,
+            "modes": {}, "skipped": {}, "failed": {}}
     print(f"{name}, torch {info['torch']} (cuda {info['cuda']}), commit {info['commit'][:12]}; "
           f"model {info['params'] / 1e6:,.1f}M params, seq {bench.seq_len} x batch "
           f"{bench.batch} = {bench.tokens_per_step:,} tokens/step, {flops / 1e9:.2f} GFLOP/token;"
-          f" {bench.steps} steps a run, first {bench.warmup} dropped", flush=True)
+          f" {bench.steps} steps a run, first {bench.warmup} dropped, the last closes the window; "
+          f"loss read every {bench.log_every}", flush=True)
     return info
 
 
@@ -334,12 +335,13 @@ def main() -> None:
             fresh(bench.device)
             write(args.out, info)
             continue
-        entry = {side: side_figures(v, bench, flops, peak) for side, v in sides.items()}
+        entry = {side: side_figures(v, bench.tokens_per_step, flops, peak)
+                 for side, v in sides.items()}
         entry["ratio"] = entry["optimus"]["tokens_per_s"] / entry["reference"]["tokens_per_s"]
         entry["mode"] = asdict(mode)
         entry["wall_s"] = time.perf_counter() - started
         info["modes"][mode.name] = entry
-        print_mode(mode.name, entry, bench.device.type == "cuda", peak)
+        print_mode(mode.name, entry, name, bench.device.type == "cuda", peak)
         info["float8_speedup"] = float8_speedups(info["modes"])
         write(args.out, info)
     print_speedups(info.get("float8_speedup", {}))
@@ -366,14 +368,16 @@ def setup(args) -> tuple[Bench, list[Mode]]:
     bench = Bench(device=torch.device(args.device), model=model, seq_len=args.seq or seq,
                   batch=args.batch or batch, steps=args.steps or (12 if on_gpu else 8),
                   warmup=warmup, recipe=args.float8_recipe,
-                  num_workers=2 if on_gpu else 0)  # mula-1b.yaml reads with 2 workers
+                  num_workers=2 if on_gpu else 0,  # mula-1b.yaml reads with 2 workers
+                  log_every=args.log_every)
     if args.modes:
         modes = [Mode.parse(m) for m in args.modes.split(",")]
     else:
         modes = gpu_modes() if on_gpu else [Mode(False, "fp32", "none"),
                                             Mode(False, "bf16", "none")]
-    if bench.steps <= bench.warmup:
-        raise SystemExit(f"--steps {bench.steps} leaves nothing after {bench.warmup} warm-up")
+    if bench.steps - bench.warmup < 2:
+        raise SystemExit(f"--steps {bench.steps} leaves nothing to time after {bench.warmup} "
+                         "warm-up (the last step closes the window)")
     return bench, modes
 
 
@@ -390,6 +394,8 @@ def parse_args():
     parser.add_argument("--warmup", type=int, help="first steps of each run dropped: "
                         "compilation, allocator (default 3 cuda, 2 cpu)")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--log-every", type=int, default=LOG_EVERY,
+                        help="supervision.log_every; the plain loop reads its loss as often")
     parser.add_argument("--batch", type=int, help="sequences per step (default 4)")
     parser.add_argument("--seq", type=int, help="sequence length (default 2048 mula-1b)")
     parser.add_argument("--float8-recipe", choices=["tensorwise", "rowwise"],

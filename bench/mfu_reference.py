@@ -3,13 +3,13 @@
 It takes the same model (`build_model`'s code, the initial weights it drew) and the same
 batches as the Optimus run it is set beside, and applies each technique the way PyTorch and
 torchao document it, with nothing of Optimus's own: no trainer, no process group, no wrappers.
+Its loop (`run_steps`) is also the one bench/torchtitan_peer.py drives torchtitan's model with.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import time
 
 import torch
 import torch.nn.functional as F
@@ -87,18 +87,31 @@ def batches(job) -> list[dict]:
     return [next(loader) for _ in range(job.optim.steps)]
 
 
-def reference_step_times(job, mode, device: torch.device, weights: dict,
-                         recipe: str) -> tuple[list[float], float]:
-    """Train `job.optim.steps` steps by hand; each step's wall time, and the first loss."""
+def run_steps(batches, train_step, window) -> float:
+    """The loop itself: one step a batch, marked at its start (`window.step_start`); the loss
+    read on the host at logged steps only, as a user's log line does (and the trainer's
+    logging: `window.logged`). Returns the first step's loss (step 1 is always logged)."""
+    first = None
+    for step, batch in enumerate(batches, 1):
+        window.step_start(step)
+        loss = train_step(batch)
+        if window.logged(step):
+            value = loss.item()  # waits for the device
+            first = value if first is None else first
+    return first
+
+
+def reference_step_times(job, mode, device: torch.device, weights: dict, recipe: str,
+                         window) -> float:
+    """Train `job.optim.steps` steps by hand, marked in `window`; the first step's loss."""
     model, loss_fn = build(job, mode, device, weights, recipe)
     o = job.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
                                   eps=o.eps, weight_decay=o.weight_decay, fused=True)
     autocast = (contextlib.nullcontext() if mode.precision == "fp32"
                 else torch.autocast(device.type, dtype=torch.bfloat16))
-    times, losses = [], []
-    for batch in batches(job):
-        started = time.perf_counter()
+
+    def train_step(batch) -> torch.Tensor:
         with autocast:
             logits = model(batch["input_ids"].to(device, non_blocking=True))
             loss = loss_fn(logits, batch["labels"].to(device, non_blocking=True))
@@ -106,6 +119,6 @@ def reference_step_times(job, mode, device: torch.device, weights: dict,
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())  # waits for the device, as the trainer's logging does
-        times.append(time.perf_counter() - started)
-    return times, losses[0]
+        return loss.detach()
+
+    return run_steps(batches(job), train_step, window)
