@@ -435,6 +435,31 @@ def _max_over_ranks(rank, world_size):
     return max_over_ranks(PEAKS[rank], rank)
 
 
+def _over_a_host_group(rank, world_size):
+    """What a rank under nccl does at its step boundary, on the gloo group made beside it
+    (here the default group is gloo too: the host group is made as for nccl all the same)."""
+    from optimus.health import Command, Commands
+    from optimus.runtime.dist import LAZY_GLOO, host_group
+
+    group = host_group("nccl")
+    commands = Commands(world_size, torch.device("cpu"), control_file="")
+    commands.group = group
+    if rank == 2:
+        commands.requested |= Command.PAUSE
+    agreed = commands.agree()
+    return {"backend": dist.get_backend(group), "size": group.size(),
+            "memory": max_over_ranks(PEAKS[rank], rank, group), "pause": bool(agreed.pause),
+            "lazy_left_set": LAZY_GLOO in os.environ}
+
+
+def test_the_boundary_agrees_on_a_host_group_beside_the_devices(run_ranks):
+    results = run_ranks(_over_a_host_group, 3)
+    assert {r["backend"] for r in results} == {"gloo"} and {r["size"] for r in results} == {3}
+    assert all(r["pause"] for r in results)  # rank 2's request, seen by all
+    assert all(r["memory"]["allocated_rank"] == 1 for r in results)
+    assert not any(r["lazy_left_set"] for r in results)  # the lazy setting was for that group
+
+
 def test_max_over_ranks_finds_the_largest_peaks_and_their_ranks(run_ranks):
     results = run_ranks(_max_over_ranks, 3)
     # Exact bytes; a tie (9 GiB reserved on ranks 0 and 2) names the lowest rank.

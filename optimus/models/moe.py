@@ -111,8 +111,8 @@ def _native_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` can take these operands: CUDA, sm90+, both in bf16.
 
     In bf16 mixed precision (FSDP2's policy, or autocast at dp 1) the experts' weights arrive
-    here in bf16, so a Hopper GPU takes the native kernel; fp32 training takes the padded path. On XPU torch
-    2.13 has no `_grouped_mm`: always the padded path.
+    here in bf16, so a Hopper GPU takes the native kernel; fp32 training takes the padded
+    path. On XPU torch 2.13 has no `_grouped_mm`: always the padded path.
     """
     return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
             and hasattr(torch, "_grouped_mm")

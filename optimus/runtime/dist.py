@@ -14,6 +14,7 @@ enters in ~30 ms; rank 0 going on in process picks up its word at the same momen
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import socket
 import sys
@@ -172,7 +173,23 @@ def host_group(backend: str) -> dist.ProcessGroup | None:
     """A group of every rank whose collectives run on the host: what the step boundary agrees
     on (commands, the peak memory a logged step reports) never waits on the device. Under gloo
     that is the default group (None); under nccl or xccl a gloo group beside it. Collective:
-    every rank makes it, at the same point."""
+    every rank makes it, at the same point.
+
+    Its connections are made as its collectives first need them (TORCH_GLOO_LAZY_INIT, torch
+    2.7 and later), not all at once: a gloo group made eagerly connects every pair of ranks,
+    which at thousands of ranks is millions of sockets, where an all-reduce needs a few peers
+    each."""
     if backend == "gloo" or dist.get_world_size() == 1:
         return None
-    return dist.new_group(backend="gloo")
+    before = os.environ.get(LAZY_GLOO)
+    os.environ[LAZY_GLOO] = "1"  # read as the group is made
+    try:
+        return dist.new_group(backend="gloo")
+    finally:
+        if before is None:
+            os.environ.pop(LAZY_GLOO)
+        else:
+            os.environ[LAZY_GLOO] = before
+
+
+LAZY_GLOO = "TORCH_GLOO_LAZY_INIT"
