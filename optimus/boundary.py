@@ -47,7 +47,11 @@ class Boundary:
     # Inside a step, once its work is queued: the step before it, and this update's limits.
     def before_update(self) -> Limits:
         self.settle()
-        if self.snapshots is not None:  # the last snapshot's copy, made behind this step
+        # The last save's and snapshot's copies of the state, made behind this step: done
+        # before the update changes it (on an accelerator the device's update waits for them).
+        if self.saves.ckpt is not None:
+            self.saves.ckpt.fence()
+        if self.snapshots is not None:
             self.snapshots.fence()
         return Limits(*self.watch.holds_back())
 

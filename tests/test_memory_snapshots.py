@@ -150,10 +150,10 @@ def test_a_snapshot_holds_its_steps_state_though_the_next_update_is_ready_before
     copying = threading.Event()
     real_copy = snapshot.copy_out
 
-    def slow_copy(refs):
+    def slow_copy(*args):
         copying.set()
         time.sleep(0.5)
-        return real_copy(refs)
+        return real_copy(*args)
     monkeypatch.setattr(snapshot, "copy_out", slow_copy)
     snaps = snapshot.Snapshots(tmp_path, rank=0, generation=0, every=1, layout="l",
                                agree_device=torch.device("cpu"))

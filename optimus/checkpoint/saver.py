@@ -11,12 +11,15 @@ The trainer, on every rank, in step order:
             ckpt.save(step, state, meta)     # all ranks, same steps
     ckpt.wait(); ckpt.close()                # all ranks
 
-`save` blocks only while DCP stages the tensors into host memory; the files are written in the
-background. `poll` agrees, with one tiny all-reduce while a save is in flight (none otherwise),
-whether every rank's write finished; then rank 0 commits in a background thread (hashes every
-file, writes the manifest, renames the marker in), applies retention and removes partial
-directories. The next save starts only after that. Every decision is agreed by all ranks, so the
-saver's state is the same everywhere. The loads are in loading.py.
+`save` takes references to the state and returns: its copy into host memory runs in a
+background thread behind the next step's forward and backward (staging.py), and the next
+update waits for that copy (`fence`, which the trainer calls before every update; on an
+accelerator only the device's update waits). The files are written in the
+background too. `poll` agrees, with one tiny all-reduce while a save is in flight (none
+otherwise), whether every rank's write finished; then rank 0 commits in a background thread
+(hashes every file, writes the manifest, renames the marker in), applies retention and removes
+partial directories. The next save starts only after that. Every decision is agreed by all
+ranks, so the saver's state is the same everywhere. The loads are in loading.py.
 
 Every collective the checkpointer runs on the caller's thread (the agreements, the load's
 broadcast and DCP's collective load, a synchronous save, its process group's creation) runs
@@ -43,6 +46,10 @@ Where PyTorch (2.13) falls short, and what is done here:
   interleave with the training loop's collectives in a different order on each rank (deadlock),
   so checkpoint I/O gets its own gloo group, as torchtitan does. The same group serves PROCESS
   mode (whose default group may also lack a CPU backend, which async_save requires) and loads.
+- DCP's asynchronous staging (DefaultStager, `use_async_staging`) copies on a side stream that
+  does not wait for the training stream, whose last updates may still be running, and leaves
+  the fence before the next update to the caller; a stager built without it (the default)
+  copies on the caller's thread into new memory every save. staging.py's `Stager` does both.
 - DCP's CheckpointException derives from BaseException, not Exception; it is caught by name.
 - DCP unpickles what a checkpoint holds, which can run code: TensorFileReader reads it with
   restricted unpicklers instead (safe_pickle.py), and DCP's CheckpointException around a
@@ -81,6 +88,7 @@ from optimus.checkpoint.manifest import (
     is_committed,
     step_dir,
 )
+from optimus.checkpoint.staging import Stager
 from optimus.checkpoint.storage import TensorFileWriter
 from optimus.checkpoint.trust import Trust, key_file_for
 
@@ -104,7 +112,7 @@ class CheckpointStats:
     saves_committed: int = 0
     saves_skipped: int = 0  # asked for while another was in flight
     saves_failed: int = 0
-    last_blocked_s: float = 0.0  # how long save() held up the training loop
+    last_blocked_s: float = 0.0  # how long the save held up the loop: save(), the copy's fence
     last_write_s: float = 0.0  # from save() to this rank's files written
     last_commit_step: int | None = None
     failed_in_a_row: int = 0  # failed saves since the last commit (checkpoint.max_failed_saves)
@@ -166,7 +174,7 @@ class Checkpointer(Loading):
         # (per file) are not held to one core.
         self._writer = writer or (lambda path: TensorFileWriter(path, overwrite=False,
                                                                 thread_count=WRITER_THREADS))
-        self._stager: writer_process.SharedStager | None = None
+        self._stager: Stager | None = None  # the asynchronous modes' copy into host memory
         self._inflight: _Save | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-commit")
 
@@ -189,7 +197,8 @@ class Checkpointer(Loading):
                 "this rank is a daemonic process, which may not start DCP's writer process")
         if self.mode == "process":
             writer_process.install()
-            self._stager = writer_process.SharedStager()
+        if self.mode != "sync":  # into shared memory for the writer process, which reads it there
+            self._stager = Stager(shared=self.mode == "process")
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             clean_partial(self.root)  # saves a crashed generation never finished
@@ -249,6 +258,16 @@ class Checkpointer(Loading):
             future.set_exception(e)
             return future
 
+    def fence(self) -> None:
+        """Before the saved state changes: the copy the last save took of it is done (on an
+        accelerator: the device's next work waits for it, the host only for it to be queued).
+        The trainer calls it before every update (optimus/boundary.py `before_update`), and so
+        must anything else that changes the state in place between a save and the next update.
+        This rank's own; its wait counts in `stats.last_blocked_s`; free when no copy is
+        pending."""
+        if self._stager is not None:
+            self.stats.last_blocked_s += self._stager.fence()
+
     def poll(self) -> str | None:
         """Advance the save in flight without waiting: "committed", "failed" or None.
 
@@ -276,6 +295,7 @@ class Checkpointer(Loading):
 
     def wait(self) -> str | None:
         """Block until the save in flight is committed or failed; what became of it."""
+        self.fence()
         event = None
         while self._inflight is not None:
             save = self._inflight
@@ -292,6 +312,7 @@ class Checkpointer(Loading):
         Each waits for its own write (its collectives need every rank), and nothing is
         committed: the folder stays uncommitted, removed as partial when the next job starts.
         A commit already running on rank 0 (every rank had written) still lands."""
+        self.fence()
         save, self._inflight = self._inflight, None
         if save is not None and save.ok is None:
             concurrent.futures.wait([save.future])
@@ -308,20 +329,23 @@ class Checkpointer(Loading):
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.mode == "process":
             writer_process.stop(kill=True)
-        if self._stager is not None:
-            self._stager.release()
-            self._stager = None
+        self._release_stager()
 
     def close(self) -> None:
         """Finish the save in flight, then stop, in this order, the commit thread and DCP's
         writer process (PROCESS mode: the rank's one, whichever checkpointer started it), and
-        free the shared staging memory that process read. Nothing of the checkpointer runs
+        free the host buffers the saves were staged into. Nothing of the checkpointer runs
         after it; call it before the process group is destroyed."""
         self.wait()
         self._pool.shutdown(wait=True)
         if self.mode == "process":
             writer_process.stop()
+        self._release_stager()
+
+    def _release_stager(self) -> None:
+        """Free the host buffers (the copy in flight, this rank's own work, finishes first)."""
         if self._stager is not None:
+            self.fence()
             self._stager.release()
             self._stager = None
 

@@ -18,12 +18,15 @@ local shards with torch.save and loads them back in place: no planning, no colle
 agreement.
 
 Off the step's path: at a snapshot step the rank takes only references (the state dicts, the
-progress counters, its RNG states: a few milliseconds of Python); the copy of the tensors, the
-write and the checksum run in the snapshot thread, behind the next step's forward and backward,
-which read the weights and optimizer state but do not change them. The optimizer's step does:
-the trainer calls `fence()` before it, which waits only if the copy has not finished by then
-(`SnapshotCost.blocked_s`). So the loop pays for neither the copy nor the write, only for what
-the thread takes of the machine (bench/snapshot_overhead.py).
+progress counters, its RNG states: a few milliseconds of Python) and marks the device's stream;
+the copy of the tensors (staging.py: into host buffers kept from one snapshot to the next,
+pinned where there is a CUDA device, on a side stream), the write and the checksum run in the
+snapshot thread, behind the next step's forward and backward, which read the weights and
+optimizer state but do not change them. The optimizer's step does: the trainer calls `fence()`
+before it, which waits only until the copies are queued (on a CPU: done), and on an accelerator
+has the device's update wait for them (`SnapshotCost.blocked_s`: the host's wait). So the loop
+pays for neither the copy nor the write, only for what the thread takes of the machine
+(bench/snapshot_overhead.py).
 
 `memory_every: auto` takes one snapshot at the generation's first step boundary, times it whole
 (copy and write: on a CPU machine the background write competes with training), times the next
@@ -42,7 +45,6 @@ import json
 import logging
 import math
 import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -60,6 +62,7 @@ from optimus.checkpoint.snapshot_files import (
     shard_files,
     write_marker,
 )
+from optimus.checkpoint.staging import Begun, Stager
 from optimus.checkpoint.state import OPTIONAL_STATE
 
 DIR_ENV = "OPTIMUS_SNAPSHOT_DIR"  # this node's own/ folder: where ranks write
@@ -73,7 +76,7 @@ log = logging.getLogger(__name__)
 class SnapshotCost:
     step: int
     seconds: float  # copy + write, whole
-    blocked_s: float  # of which the training loop waited for the copy
+    blocked_s: float  # of which the training loop waited: references, the copy's fence
     bytes: int
 
 
@@ -93,7 +96,7 @@ class Snapshots:
         self._measured: SnapshotCost | None = None  # auto: the first one
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="snapshot-write")
         self._inflight: Future | None = None
-        self._copied: threading.Event | None = None  # set once the snapshot taken is copied
+        self._stager = Stager()  # its host buffers hold the snapshot being written
 
     @classmethod
     def for_job(cls, memory_every: int | str, *, rank: int, generation: int, layout: str,
@@ -144,21 +147,19 @@ class Snapshots:
 
     def fence(self) -> None:
         """Before the state changes (the optimizer's step): the snapshot being taken has copied
-        it. Waits only when the copy did not finish behind the forward and backward; that wait
-        is the snapshot's cost to the loop (`last.blocked_s`)."""
-        if self._copied is None:
-            return
-        began = time.perf_counter()
-        self._copied.wait()
-        self._copied = None
+        it. Waits only for what the copy did not do behind the forward and backward (on an
+        accelerator: until the copies are queued; the device's update waits for the rest); that
+        wait is the snapshot's cost to the loop (`last.blocked_s`)."""
+        waited = self._stager.fence()
         if self.last is not None:
-            self.last.blocked_s += time.perf_counter() - began
+            self.last.blocked_s += waited
 
     def close(self) -> None:
-        """Let the snapshot being written finish, then stop the writer thread (the trainer's
-        exit order: optimus/train.py)."""
+        """Let the snapshot being written finish, then stop the writer thread and free the host
+        buffers (the trainer's exit order: optimus/train.py)."""
         self._pool.shutdown(wait=True)
-        self._copied = None
+        self._stager.fence()
+        self._stager.release()
 
     def _agree_interval(self, cost: SnapshotCost, step_s: float) -> int:
         mine = max(1, math.ceil(cost.seconds / (COST_SHARE * max(step_s, 1e-6))))
@@ -177,22 +178,17 @@ class Snapshots:
         self._last_step = step
         meta = {"step": step, "generation": self.generation, "rank": self.rank,
                 "layout": self.layout, **refs["progress"]}
-        copied = threading.Event()
+        begun = self._stager.begin()
 
-        def copy_and_write() -> int:
-            try:
-                staged = copy_out(refs)
-            finally:
-                copied.set()  # a failed copy is said by the next after_step (_failure)
-            return _write(folder, self.rank, staged, meta)
+        def copy_and_write() -> int:  # a failure is said by the next after_step (_failure)
+            return _write(folder, self.rank, copy_out(refs, self._stager, begun), meta)
         self._inflight = self._pool.submit(copy_and_write)
-        self._copied = copied
         self.taken += 1
         size = 0
         if wait:
             with contextlib.suppress(OSError):
                 size = self._inflight.result()
-            self._copied = None
+            self._stager.fence()
         blocked = time.perf_counter() - began
         self.last = SnapshotCost(step, blocked, blocked, size)
         return self.last
@@ -210,20 +206,17 @@ def references(state: dict) -> dict[str, Any]:
             **{name: state[name].state_dict() for name in OPTIONAL_STATE if name in state}}
 
 
-def copy_out(refs: dict[str, Any]) -> dict[str, Any]:
-    """The tensors of `references` copied into host memory, this rank's local shards."""
-    return {**refs, "model": _local(refs["model"]), "optim": _local(refs["optim"])}
+def copy_out(refs: dict[str, Any], stager: Stager, begun: Begun) -> dict[str, Any]:
+    """The tensors of `references`, this rank's local shards, copied into `stager`'s host
+    buffers once the training stream reached `begun` (in the snapshot thread)."""
+    local = {**refs, "model": _local(refs["model"]), "optim": _local(refs["optim"])}
+    return stager.copy(local, begun)
 
 
 def _local(values: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    for key, value in values.items():
-        if isinstance(value, DTensor):
-            value = value.to_local()
-        if isinstance(value, torch.Tensor):
-            value = value.detach().to("cpu", copy=True)
-        out[key] = value
-    return out
+    return {key: value.to_local().detach() if isinstance(value, DTensor)
+            else value.detach() if isinstance(value, torch.Tensor) else value
+            for key, value in values.items()}
 
 
 def _write(folder: Path, rank: int, staged: dict, meta: dict) -> int:
