@@ -110,7 +110,7 @@ class Rank:
         microbatches = [next(self.batches) for _ in range(self.job.data.microbatches)]
         tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in microbatches)
         self.model.loss_fn.tokens = tokens
-        # bf16 on cuda: the model's FSDP2 mixed-precision policy (training.mixed_precision).
+        # bf16 on cuda: the model's mixed precision (training.mixed_precision).
         loss = self.model.forward_backward(microbatches, self.device)
         clip_grad_norm_(self.model.parameters(), self.job.optim.grad_clip, self.pp_group)
         if before_update is not None:

@@ -63,19 +63,21 @@ def test_process_saves_commit_when_torch_closes_the_stager_after_each_save(tmp_p
         pytest.fail(f"committed {committed}, not [2, 4, 6, 8]: {saves}\n{done.stderr[-3000:]}")
 
 
-def test_the_shared_stager_stages_again_after_torch_closes_its_inner_stager():
-    """torch 2.11's DefaultStager closes its inner StateDictStager after every stage, emptying
-    its copy table: the next stage of a state holding a class object raised
-    `KeyError: <class 'type'>` on an H200 (bench/checkpoint.py's process-mode saves)."""
-    from optimus.checkpoint.writer_process import SharedStager
+def test_the_stager_stages_again_after_torch_closes_it_and_its_inner_stager():
+    """torch 2.11's async_save closes the stager it is given after every save, and its
+    DefaultStager closes the inner StateDictStager, emptying its copy table: the next stage of a
+    state holding a class object raised `KeyError: <class 'type'>` on an H200
+    (bench/checkpoint.py's process-mode saves)."""
+    from optimus.checkpoint.staging import Stager
 
-    stager = SharedStager()
+    stager = Stager(shared=True)
     try:
         state = {"weight": torch.arange(6.0), "kind": torch.float32.__class__, "step": 3}
-        first = stager.stage(state)
-        stager._state_dict_stager.close()  # what 2.11's `_stage` does last
+        first = stager.stage(state).result()
+        stager.close()  # what 2.11's async_save does after a save
+        stager._state_dict_stager.close()  # and its `_stage`
         state["weight"] += 1
-        second = stager.stage(state)
+        second = stager.stage(state).result()
         assert second["kind"] is state["kind"] and second["step"] == 3
         assert torch.equal(second["weight"], torch.arange(6.0) + 1)
         # the shared buffer of the first stage is reused, not dropped

@@ -28,7 +28,7 @@ a change:
   run's first save lost, the later ones committed). `unclaimed_port` picks a free port below
   the ephemeral range, which the kernel never hands out by itself (optimus/ports.py).
 
-`SharedStager` is the stager PROCESS-mode saves share, kept open across saves whatever the torch.
+PROCESS-mode saves stage into shared memory the writer reads in place (staging.py `Stager`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import logging
 import os
 
 import torch
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from optimus.ports import unclaimed_port
 
@@ -108,29 +107,3 @@ def stop(kill: bool = False) -> None:
     writer._process_pipe.close()
 
 
-class SharedStager(DefaultStager):
-    """DCP's stager into shared memory, reused from save to save, closed by its owner only.
-
-    torch 2.11 (the GPU machines' image) closes the inner `StateDictStager` at the end of every
-    stage (`DefaultStager._stage`), which empties its copy table (the next save of a state
-    holding a class object fails with `KeyError: <class 'type'>`, pytorch/pytorch#183413) and
-    drops the shared buffers it would reuse. Both closes are no-ops here; `release()` frees."""
-
-    def __init__(self) -> None:
-        # Stage straight into shared memory, which the writer process reads in place; without
-        # it DCP copies the state, pickles it through a pipe, and the writer copies it again
-        # (0.15 s of a 0.8 s save of 310 MB here).
-        super().__init__(StagingOptions(
-            use_pinned_memory=torch.cuda.is_available(), use_shared_memory=True,
-            use_async_staging=False, use_non_blocking_copy=False))
-        inner = self._state_dict_stager
-        self._free_buffers = inner.close
-        inner.close = lambda: None  # torch 2.11 calls it after every stage
-
-    def close(self) -> None:
-        """Called by torch 2.11 after every save: the stager stays ready for the next."""
-
-    def release(self) -> None:
-        """Free the shared staging memory (with no save in flight)."""
-        super().close()
-        self._free_buffers()
