@@ -6,7 +6,7 @@ machine's speed hits both. Two figures:
 
 - what a step asks of a device, counted (bench/step_counts.py): host reads per unlogged and per
   logged step beyond the loop's (targets 0 and <= 1), and dispatched aten ops (target within 3%);
-- time: the ratio of median step times, Optimus / plain, in two modes. `default`: a 3.4M-param
+- time: the ratio of median step times, Optimus / plain, in two modes. `default`: a 3.1M-param
   model whose matmuls dominate (target <= 1.03); `launch`: a model so small that host work
   dominates the step, as on a fast device (target <= 1.05).
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.rounds < 1 or args.steps < WARMUP + 3:
         parser.error(f"--rounds must be >= 1 and --steps >= {WARMUP + 3}")
     counts = step_counts.compare(step_counts.tiny_job(16, 4))
-    print("per step, beyond the plain loop (bench/step_counts.py, a 0.2M-param model):")
+    print("per step, beyond the plain loop (bench/step_counts.py, a 0.13M-param model):")
     for kind in ("unlogged", "logged"):
         ours, plain = counts["optimus"][kind], counts["plain"][kind]
         print(f"  {kind:8s} host reads {ours['host_reads']:g} (loop {plain['host_reads']:g}, "
