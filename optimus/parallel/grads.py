@@ -84,6 +84,7 @@ def clip_grads_(params: Iterable[torch.nn.Parameter], max_norm: float,
         raise ValueError(f"a pipeline of {stages} stages does not divide a world of {world}")
     total, own = _squares(grads, world // stages)
     if world > 1:
+        total = total.clone() if total is own else total  # `own` stays this rank's
         dist.all_reduce(total)  # every stage's, every shard's share: one collective
     norm = total.sqrt()
     if max_norm > 0:
@@ -129,6 +130,10 @@ def _squares(grads: list[torch.Tensor], holders: int) -> tuple[torch.Tensor, tor
         tensors = [t for group in by_weight.values() for t in group]
         squares = torch.stack(torch._foreach_norm(tensors, 2.0)).float().square()
         owns.append(squares.sum())
+        if len(by_weight) == 1:  # one weight (a one-process model, FSDP alone): no slices
+            (weight,) = by_weight
+            totals.append(owns[-1] if weight == 1.0 else owns[-1] * weight)
+            continue
         start = 0
         for weight, group in by_weight.items():
             totals.append(squares[start:start + len(group)].sum() * weight)

@@ -117,9 +117,10 @@ class ParallelModel:
         ranks holding the last stage see losses; the others return zero. `heartbeat` is told
         the phase, "forward" or "backward".
         """
-        total = torch.zeros((), device=device)
+        total = None
         with loss_context(self.tp_enabled):
             if self.schedule is not None:
+                total = torch.zeros((), device=device)  # a stage without losses: zero
                 inputs = torch.cat([mb["input_ids"] for mb in microbatches]).to(device)
                 labels = torch.cat([mb["labels"] for mb in microbatches]).to(device)
                 # The schedule interleaves forward and backward: all of it counts as "forward".
@@ -138,7 +139,8 @@ class ParallelModel:
                         loss = self.loss_fn(logits, mb["labels"].to(device, non_blocking=True))
                     with heartbeat.phase("backward"):
                         loss.backward()
-                    total += _local(loss.detach())
+                    value = _local(loss.detach())  # the graph is gone: its storage is free
+                    total = value if total is None else total.add_(value)
         if self.tp_group is not None and self.moe:
             with heartbeat.phase("backward"):
                 sum_grads_over_tp([p for m in self.moe for p in m.parameters()], self.tp_group)
