@@ -71,7 +71,8 @@ class Step:
 
 
 def tiny_job(steps: int, log_every: int, *, dim: int = 64, layers: int = 2, seq: int = 64,
-             batch: int = 4, microbatches: int = 2, run_dir: str | None = None, **extra):
+             batch: int = 4, microbatches: int = 2, run_dir: str | None = None, world: int = 1,
+             **extra):
     """A job small enough that host work dominates its step (the launch-bound case)."""
     raw = {"name": "step-counts", "run_dir": run_dir or tempfile.mkdtemp(prefix="counts-"),
            "model": {"vocab_size": 256, "dim": dim, "n_layers": layers, "n_heads": 4,
@@ -83,7 +84,7 @@ def tiny_job(steps: int, log_every: int, *, dim: int = 64, layers: int = 2, seq:
            "supervision": {"log_every": log_every}, "parallel": {"device": "cpu"}}
     for section, values in extra.items():
         raw.setdefault(section, {}).update(values)
-    return validate_job(raw, world=1)
+    return validate_job(raw, world=world)
 
 
 def optimus_steps(job, count_ops: bool = True) -> list[Step]:

@@ -78,3 +78,24 @@ def test_the_overhead_bench_prints_the_counts_and_the_launch_bound_ratio(capsys)
     said = capsys.readouterr().out
     assert "unlogged host reads 0 (loop 0, extra 0; target 0)" in said
     assert "launch: optimus" in said and "(target <= 1.05)" in said
+
+
+def _reads(rank, world_size, parallel, training):
+    job = step_counts.tiny_job(16, 4, world=world_size, parallel=parallel, training=training)
+    steps = step_counts.optimus_steps(job)
+    return {kind: [s.host_reads for s in step_counts.steady(steps, kind == "logged")]
+            for kind in ("unlogged", "logged")}
+
+
+@pytest.mark.parametrize("world,parallel,training", [
+    (2, {"dp": 2}, {}), (2, {"dp": 1, "tp": 2}, {}),
+    (2, {"dp": 1, "pp": 2, "schedule": "1f1b"}, {}),
+    (1, {}, {"mixed_precision": "bf16"}),
+], ids=["DP2-FSDP", "TP2", "PP2", "bf16-one-replica"])
+def test_every_layouts_unlogged_step_reads_nothing_and_a_logged_one_once(
+        run_ranks, world, parallel, training):
+    """On every rank: the agreement and the peak memory go over the host's group, the loss's
+    and tokens' sums, the clip's norm and the pipeline's losses stay on the device."""
+    for rank in run_ranks(_reads, world, parallel, training, timeout=240):
+        assert rank["unlogged"] and set(rank["unlogged"]) == {0}, rank
+        assert rank["logged"] and set(rank["logged"]) == {1}, rank
