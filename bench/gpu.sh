@@ -7,18 +7,18 @@
 # path's imports and the private or recent torch names it uses, a float8 matmul, a compiled
 # kernel, the grouped GEMM, DCP's stager, the memory tracker, the sync debug mode, torchtitan's
 # import: the image's torch is 2.11, the project pins 2.13) and prints one line per part or mfu
-# mode that cannot run, and why; the rest then run, issue 55's first:
+# mode that cannot run, and why; the rest then run, the key figures' parts first:
 #
 #   part                                          time limit  what it holds
 #   bench/gpu_check.py                                  60 s   a compile of one tiny kernel
-#   mfu: bench/mfu.py --device cuda, compiled          210 s   issue 55: bf16 and float8, no
+#   mfu: bench/mfu.py --device cuda, compiled          210 s   key: bf16 and float8, no
 #        bf16 and float8 (no recompute)                        recompute; 4 runs of 10 steps
 #                                                               (Optimus and the plain loop),
 #                                                               their syncs per step counted;
 #                                                               3 draws of the 1.1B weights on
 #                                                               the CPU (~5 s each); 4 compiles
 #                                                               (~40 s the first, less after)
-#   torchtitan: bench/torchtitan_peer.py               150 s   issue 55: torchtitan 0.3.0's
+#   torchtitan: bench/torchtitan_peer.py               150 s   the peer: torchtitan 0.3.0's
 #                                                               llama3 at the same shape,
 #                                                               compiled bf16, 10 steps; its
 #                                                               ratio to mfu's Optimus figure
@@ -42,7 +42,7 @@
 # JSON after every mode, so a cut run keeps the modes it finished.
 #
 # Output, in DIR (the first argument, else $OUT, else bench/gpu-out): gpu-results.json (every
-# figure: issue 55's in "key", mfu.py's JSONs, the peer's, the other parts' logs, versions,
+# figure: the key figures in "key", mfu.py's JSONs, the peer's, the other parts' logs, versions,
 # each part's exit status and time), gpu.log (all of stdout and stderr), parts.tar (each
 # part's NAME.log, mfu.json, mfu_rest.json, torchtitan.json, tests.log) and
 # profile-traces.tar: four files, within the 8 a device call returns. Without a GPU,
@@ -203,7 +203,7 @@ if [ -n "$TESTS_PID" ]; then
 fi
 
 "$PYTHON" - "$DIR" <<'EOF'
-"""Gather every part into one JSON: issue 55's figures first, mfu.py's and the peer's JSONs,
+"""Gather every part into one JSON: the key figures first, mfu.py's and the peer's JSONs,
 the other parts' logs, the versions."""
 import json
 import os
@@ -231,7 +231,7 @@ def read(name):
 
 
 mfu, peer = read("mfu.json"), read("torchtitan.json")
-try:  # the figures issue 55 reads; the rest is written whatever happens here
+try:  # the key figures; the rest is written whatever happens here
     key = key_figures(mfu or {})
     key.update({"optimus_over_torchtitan": peer and peer["ratio"],
                 "torchtitan_tokens_per_s": peer and peer["tokens_per_s"],
@@ -255,7 +255,7 @@ results = {
 print(f"\nwrote {out / 'gpu-results.json'}: " + ", ".join(
     (f"{n} left out ({p['why']})" if p["skipped"] else f"{n} exit {p['exit']} in {p['seconds']} s")
     for n, p in parts.items()))
-print("issue 55: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+print("key: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                                for k, v in key.items()))
 EOF
 rm -f "$DIR/parts.txt" "$DIR/nvidia-smi.txt" "$DIR/mfu_modes.txt" "$DIR/skip_parts.txt" \

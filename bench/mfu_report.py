@@ -1,11 +1,11 @@
 """What bench/mfu.py prints and judges: the targets, and one block of lines per mode.
 
 The targets (docs/gpu.md says where each comes from):
-- Optimus / plain loop tokens/s on a GPU: >= 1.00 in compiled bf16 without recompute (issue 55),
+- Optimus / plain loop tokens/s on a GPU: >= 1.00 in compiled bf16 without recompute,
   >= 0.97 in every other mode (issue 16);
-- MFU in compiled bf16 at Mula-1B on an H200: >= 52% (issue 55), against the bf16 dense peak
+- MFU in compiled bf16 at Mula-1B on an H200: >= 52%, against the bf16 dense peak
   of optimus/runtime/peaks.py;
-- float8 over bf16 tokens/s, compiled: >= 1.15 (issue 55; eager float8 runs its scaling
+- float8 over bf16 tokens/s, compiled: >= 1.15 (eager float8 runs its scaling
   kernels unfused and has none);
 - synchronisations per unlogged step of the trainer: 0 (bench/mfu_window.py).
 """
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from bench.mfu_window import UNLOGGED_SYNC_TARGET, syncs_text
 
-KEY_MODE = "compiled-bf16-none"  # the mode issue 55 judges the trainer by
+KEY_MODE = "compiled-bf16-none"  # the mode the trainer is judged by
 RATIO_TARGET = 0.97  # Optimus / reference tokens/s on a GPU, every other mode (issue 16)
-KEY_RATIO_TARGET = 1.00  # ... in KEY_MODE (issue 55)
-MFU_TARGETS = {"h200": 0.52}  # KEY_MODE's MFU, by a substring of the device's name (issue 55)
-FLOAT8_TARGET = 1.15  # float8 / bf16 tokens/s, compiled (issue 55)
+KEY_RATIO_TARGET = 1.00  # ... in KEY_MODE
+MFU_TARGETS = {"h200": 0.52}  # KEY_MODE's MFU, by a substring of the device's name
+FLOAT8_TARGET = 1.15  # float8 / bf16 tokens/s, compiled
 
 
 def ratio_target(mode: str) -> float:
@@ -97,7 +97,7 @@ def print_speedups(speedups: dict[str, dict]) -> None:
 
 
 def key_figures(info: dict) -> dict:
-    """Issue 55's figures out of bench/mfu.py's JSON, None where not measured."""
+    """The key figures out of bench/mfu.py's JSON, None where not measured."""
     entry = info.get("modes", {}).get(KEY_MODE)
     speedup = info.get("float8_speedup", {}).get(KEY_MODE.replace("-bf16-", "-float8-"))
     ours = entry["optimus"] if entry else {}
