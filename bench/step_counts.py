@@ -192,3 +192,18 @@ def extra_ops(job, logged: bool = False) -> Counter:
     diff = Counter(median_step(optimus_steps(job)))
     diff.subtract(median_step(plain_steps(job)))
     return Counter({k: v for k, v in diff.items() if v})
+
+
+def profiled_reads(runner, short: int = 12, long: int = 20, **job) -> float:
+    """Host reads a step as torch's profiler counts them, nested ones included (reads made
+    inside other ops' kernels, which a dispatch mode does not see): `runner`'s run of `long`
+    steps less its run of `short`, over the difference, steps logged every 4."""
+    from torch.profiler import ProfilerActivity, profile
+
+    counts = []
+    for steps in (short, long):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            runner(tiny_job(steps, 4, **job), count_ops=False)
+        counts.append(sum(e.count for e in prof.key_averages()
+                          if e.key == "aten::_local_scalar_dense"))
+    return (counts[1] - counts[0]) / (long - short)

@@ -99,3 +99,13 @@ def test_every_layouts_unlogged_step_reads_nothing_and_a_logged_one_once(
     for rank in run_ranks(_reads, world, parallel, training, timeout=240):
         assert rank["unlogged"] and set(rank["unlogged"]) == {0}, rank
         assert rank["logged"] and set(rank["logged"]) == {1}, rank
+
+
+def test_as_the_profiler_counts_them_nested_reads_included_the_step_reads_no_more_than_the_loop():
+    """torch's profiler also sees reads made inside other ops' kernels (the model's own make
+    some on a CPU, the same in both): Optimus's run reads no more a step than the loop's, which
+    reads its loss on the steps Optimus logs (a 20-step run less a 12-step one)."""
+    ours = step_counts.profiled_reads(step_counts.optimus_steps)
+    plain = step_counts.profiled_reads(step_counts.plain_steps)
+    assert ours <= plain, (ours, plain)
+    assert plain - ours == pytest.approx(2 / 8)  # steps 16 and 20: the loop's two loss reads
