@@ -171,7 +171,16 @@ def test_precedence_agent_then_torchrun_then_slurm():
     assert (env.launcher, env.rank, env.world_size) == ("agent", 3, 8)
 
 
-def test_explicit_master_address_and_port_win():
+def test_explicit_master_address_and_port_win_under_another_launcher():
+    env = launch_env({"RANK": "0", "WORLD_SIZE": "2", "SLURM_JOB_ID": "7",
+                      "MASTER_ADDR": "override-host", "MASTER_PORT": "32000"})
+    assert (env.launcher, env.master_addr, env.master_port) == ("torchrun", "override-host",
+                                                                32000)
+
+
+def test_under_an_agent_the_plans_address_and_port_win_over_a_batch_templates():
+    """A site's template exports MASTER_ADDR (the first node of the allocation): under an
+    agent rank 0 moves with the generations, so the plan's address is the one to wait on."""
     env = launch_env(
         {
             "OPTIMUS_RANK": "0",
@@ -182,7 +191,18 @@ def test_explicit_master_address_and_port_win():
             "MASTER_PORT": "32000",
         }
     )
-    assert (env.master_addr, env.master_port) == ("override-host", 32000)
+    assert (env.launcher, env.master_addr, env.master_port) == ("agent", "agent-host", 31000)
+
+
+def test_an_agents_ranks_do_not_inherit_another_launchers_variables():
+    from controller.node.spawn import launcher_variables, rank_environment
+
+    env = {"MASTER_ADDR": "10.231.0.10", "MASTER_PORT": "29500", "RANK": "3",
+           "WORLD_SIZE": "8", "LOCAL_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
+           "REDIS_URL": "redis://x", "PATH": "/bin", "OPTIMUS_JOB": "j", "SLURM_JOB_ID": "7"}
+    assert rank_environment(env) == {"PATH": "/bin", "OPTIMUS_JOB": "j", "SLURM_JOB_ID": "7"}
+    assert launcher_variables(env) == ["LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RANK",
+                                       "TORCHELASTIC_USE_AGENT_STORE", "WORLD_SIZE"]
 
 
 def test_port_derived_from_job_id_is_stable_and_in_range():

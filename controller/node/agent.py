@@ -63,7 +63,7 @@ from controller.node.ranks import (
     summary,
 )
 from controller.node.snapshots import SnapshotKeeper, default_root, job_secret, node_folder
-from controller.node.spawn import Spawner, start_mode
+from controller.node.spawn import Spawner, launcher_variables, start_mode
 from controller.store import wake
 from controller.store.store import Store, StoreUnavailable
 from controller.store.wake import Waker
@@ -141,6 +141,11 @@ class Agent(Lifecycle, Commands, Checks):
     # --- the loop ------------------------------------------------------------------------------
 
     def run(self) -> int:
+        dropped = launcher_variables(os.environ)
+        if dropped:  # once: a batch template's exports, which would outrank the plan
+            log.warning("this node's ranks do not inherit %s from the agent's environment: "
+                        "under an agent the controller's plan says where each rank sits and "
+                        "where rank 0 listens", ", ".join(dropped))
         self._register()
         next_tick, woken = 0.0, False
         try:

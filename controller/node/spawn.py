@@ -44,6 +44,14 @@ log = logging.getLogger("optimus.agent")
 WARM_ENV = "OPTIMUS_WARM_START"
 WARM_COMMAND_ENV = "OPTIMUS_WARM_COMMAND"
 AGENT_ONLY = ("OPTIMUS_SNAPSHOT_SECRET", "OPTIMUS_SNAPSHOT_SECRET_FILE")  # and REDIS_*
+# Another launcher's words for where a rank sits and where rank 0 is: a site's batch template
+# often exports them into the agent's environment, but under an agent the controller's plan
+# says both (OPTIMUS_*); a rank that inherited MASTER_ADDR would wait on that host forever once
+# rank 0 moved. Its ranks never see them (`rank_environment`); the agent says so once.
+LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                 "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                 "ROLE_WORLD_SIZE", "NODE_RANK")
+LAUNCHER_PREFIXES = ("TORCHELASTIC_",)
 MODES = ("fork", "standby", "cold")
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.05
@@ -77,9 +85,20 @@ class WarmRank:
 
 
 def rank_environment(env) -> dict[str, str]:
-    """`env` without what only the agent may hold: REDIS_URL and every REDIS_* variable (the
-    password), the snapshot secret and its file."""
-    return {k: v for k, v in env.items() if not k.startswith("REDIS_") and k not in AGENT_ONLY}
+    """`env` without what only the agent may hold (REDIS_URL and every REDIS_* variable: the
+    password; the snapshot secret and its file) and without another launcher's rendezvous
+    variables (`launcher_variables`)."""
+    return {k: v for k, v in env.items() if not k.startswith("REDIS_") and k not in AGENT_ONLY
+            and not _from_a_launcher(k)}
+
+
+def launcher_variables(env) -> list[str]:
+    """The names in `env` its ranks do not inherit because another launcher set them."""
+    return sorted(k for k in env if _from_a_launcher(k))
+
+
+def _from_a_launcher(name: str) -> bool:
+    return name in LAUNCHER_VARS or name.startswith(LAUNCHER_PREFIXES)
 
 
 def warm_command() -> list[str]:

@@ -1,8 +1,11 @@
 """One function that turns whatever launched this process into a `LaunchEnv`.
 
 Launchers are tried in a fixed order: our own agent (OPTIMUS_*), torchrun, Slurm, PALS/PMIx
-(Aurora's mpiexec), Open MPI, and finally a single process. An explicit MASTER_ADDR or
-MASTER_PORT always wins for the rendezvous address. Nothing here touches torch.
+(Aurora's mpiexec), Open MPI, and finally a single process. Under another launcher an explicit
+MASTER_ADDR or MASTER_PORT wins for the rendezvous address; under an agent the controller's
+plan does (OPTIMUS_MASTER_ADDR/PORT: rank 0 moves with every generation, and a MASTER_ADDR
+a batch template exported would point at where it was; the agent does not pass those on).
+Nothing here touches torch.
 """
 
 from __future__ import annotations
@@ -308,7 +311,8 @@ def _finish(env: _Reader, launcher: str, f: dict) -> LaunchEnv:
             f"node rank {src['node_rank']} is not below the number of nodes ({num_nodes})"
         )
     job_id = f.get("job_id") or ""
-    addr = env.text("MASTER_ADDR") or f.get("master_addr")
+    planned = launcher == "agent"  # the plan's address and port, whatever else is set
+    addr = f.get("master_addr") if planned else env.text("MASTER_ADDR") or f.get("master_addr")
     if not addr:
         if num_nodes > 1:
             raise LaunchError(
@@ -316,7 +320,7 @@ def _finish(env: _Reader, launcher: str, f: dict) -> LaunchEnv:
                 "set MASTER_ADDR to the host of rank 0"
             )
         addr = LOCALHOST
-    if env.text("MASTER_PORT"):
+    if env.text("MASTER_PORT") and not (planned and f.get("master_port")):
         port = env.integer("master_port", "MASTER_PORT", minimum=1)
     else:
         port = f.get("master_port") or derived_port(job_id)
