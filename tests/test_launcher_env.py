@@ -8,7 +8,10 @@ import os
 import subprocess
 import sys
 
-from cluster import ROOT, write_job
+from cluster import ROOT, wait_for, write_job
+
+from controller.store.names import own
+from controller.store.store import Store
 
 # What a site's template exports: the allocation's first node as rank 0 (here an address no
 # rank could reach: TEST-NET-1), and a rank of another launcher.
@@ -38,3 +41,31 @@ def test_master_addr_in_the_agents_environment_is_dropped_and_said_once(tmp_path
                 if "do not inherit" in line]
         assert len(said) == 1, (log.name, said)
         assert "LOCAL_RANK, MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE" in said[0]
+
+
+def test_an_agent_advertises_the_address_it_is_given(redis_server, procs):
+    """`--host` (or OPTIMUS_HOST): the address other hosts reach the node at, in its record
+    (what the controller plans rank 0's rendezvous at), instead of its hostname."""
+    procs.start("agent-a", "agent", "--job", "e2e", "--node", "node-a", "--redis",
+                redis_server.url, "--interval", "0.25", "--host", "10.231.0.11")
+    procs.start("agent-b", "agent", "--job", "e2e", "--node", "node-b", "--redis",
+                redis_server.url, "--interval", "0.25", env={"OPTIMUS_HOST": "fd00::b"})
+    store = Store(redis_server.url, "e2e")
+
+    def host(node: str) -> str | None:  # the node's own record, as the controller mirrors it
+        raw = store.r.get(store.k(own(node, "info")))
+        return json.loads(raw)["host"] if raw else None
+
+    wait_for(lambda: host("node-a") and host("node-b"), 60, "both agents registered")
+    assert (host("node-a"), host("node-b")) == ("10.231.0.11", "fd00::b")
+
+
+def test_an_address_that_is_neither_a_hostname_nor_an_ip_is_refused_in_one_line():
+    for bad in ("node a", "10.0.0.1;reboot", "-x", "a..b", "$(id)"):
+        out = subprocess.run([sys.executable, "-m", "controller", "agent", "--job", "j",
+                              "--node", "n", "--host", bad], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60, env={**os.environ, "REDIS_URL": ""})
+        assert out.returncode == 2, (bad, out.stderr)
+        lines = [line for line in out.stderr.splitlines() if "Invalid value" in line]
+        assert len(lines) == 1 and "neither a hostname" in lines[0], (bad, out.stderr)
+        assert "Traceback" not in out.stderr

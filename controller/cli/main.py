@@ -211,7 +211,13 @@ submit.add_command(pbs.command)
 @redis_option
 @click.option("--interval", "interval_s", type=click.FloatRange(min=0.05), default=1.0,
               show_default=True, help="Seconds between round trips to Redis.")
-def agent(job_name: str, node: str, redis: str | None, interval_s: float) -> None:
+@click.option("--host", envvar="OPTIMUS_HOST", callback=ops.host_address,
+              help="The address other hosts reach this node at (rank 0's rendezvous, the "
+                   "snapshot link): a hostname or an IP address of the interface they share. "
+                   "Default: this machine's hostname, which some sites resolve to loopback "
+                   "(docs/deploy.md). Also OPTIMUS_HOST.")
+def agent(job_name: str, node: str, redis: str | None, interval_s: float,
+          host: str | None) -> None:
     """Run the node agent: register, start and stop ranks, relay heartbeats."""
     from controller.node.agent import Agent
 
@@ -219,7 +225,7 @@ def agent(job_name: str, node: str, redis: str | None, interval_s: float) -> Non
     # Retries last one interval: the agent must get back to reaping its ranks.
     store = Store(redis_url(redis), job_name, retry_s=interval_s)
     store.ping()
-    a = Agent(store, node, interval_s=interval_s)
+    a = Agent(store, node, interval_s=interval_s, host=host)
 
     def on_term(*_):
         a.stop_all_now()

@@ -19,6 +19,7 @@ comes from Redis or from users (nodes, hosts, reasons): it is escaped, never rea
 from __future__ import annotations
 
 import getpass
+import ipaddress
 import json
 import socket
 import sys
@@ -68,6 +69,20 @@ def node_names(ctx, param, value):
         if name is not None and (why := names.problem(name)) is not None:
             raise click.BadParameter(why)
     return value
+
+
+def host_address(ctx, param, value):
+    """A click callback: an address other hosts reach this one at, a hostname (the node-name
+    rule: controller/store/names.py) or an IP address; None: not given."""
+    if value is None:
+        return None
+    if names.is_node_name(value):
+        return value
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        raise click.BadParameter(f"{names.shown(value)} is neither a hostname ({names.RULE}) "
+                                 "nor an IP address") from None
 
 
 def reason_option(required: bool = False):
