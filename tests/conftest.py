@@ -256,3 +256,15 @@ def procs(tmp_path):
     p = Processes(tmp_path)
     yield p
     p.stop_all()
+
+
+@pytest.fixture
+def socket_dir():
+    """A folder for an agent's AF_UNIX socket, short enough for one (108 bytes with its name,
+    which a tmp_path deep in pytest's numbered folders may not leave), removed after."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="os-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

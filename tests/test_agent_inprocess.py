@@ -18,13 +18,12 @@ from controller.store.store import Store
 
 
 @contextlib.contextmanager
-def _agent(redis_server, tmp_path, monkeypatch):
+def _agent(redis_server, tmp_path, monkeypatch, socket_dir):
     from controller.node.agent import Agent
 
     monkeypatch.setenv("OPTIMUS_WARM_START", "0")  # no warm process: ranks are ours here
     store = Store(redis_server.url, "j")
-    (tmp_path / "s").mkdir()
-    agent = Agent(store, "n0", socket_dir=str(tmp_path / "s"), snapshot_root=tmp_path / "snap")
+    agent = Agent(store, "n0", socket_dir=str(socket_dir), snapshot_root=tmp_path / "snap")
     procs = []
     try:
         yield agent, store, procs
@@ -69,8 +68,8 @@ def _own(store: Store, what: str) -> list[dict]:
 
 
 def test_the_culprit_dies_at_the_grace_and_the_others_get_longer_to_leave(
-        redis_server, tmp_path, monkeypatch):
-    with _agent(redis_server, tmp_path, monkeypatch) as (agent, store, procs):
+        redis_server, tmp_path, monkeypatch, socket_dir):
+    with _agent(redis_server, tmp_path, monkeypatch, socket_dir) as (agent, store, procs):
         agent.generation = 0
         agent.plan = {"generation": 0, "restart": "in_process"}
         agent.latest_plan = {**agent.plan, "action": "stop", "culprit": {"node": "n0",
@@ -94,8 +93,8 @@ def test_the_culprit_dies_at_the_grace_and_the_others_get_longer_to_leave(
 
 
 def test_a_rank_that_left_is_reported_as_its_exit_would_be_and_runs_no_more(
-        redis_server, tmp_path, monkeypatch):
-    with _agent(redis_server, tmp_path, monkeypatch) as (agent, store, procs):
+        redis_server, tmp_path, monkeypatch, socket_dir):
+    with _agent(redis_server, tmp_path, monkeypatch, socket_dir) as (agent, store, procs):
         p = _left_rank(agent, procs, tmp_path, exit_code=1)
         agent._flush_exits()
         (record,) = [json.loads(f["json"]) for f in _own(store, "exits")]
@@ -114,8 +113,8 @@ def test_a_rank_that_left_is_reported_as_its_exit_would_be_and_runs_no_more(
 
 
 def test_a_waiting_rank_with_no_next_generation_is_told_to_exit_then_killed(
-        redis_server, tmp_path, monkeypatch):
-    with _agent(redis_server, tmp_path, monkeypatch) as (agent, store, procs):
+        redis_server, tmp_path, monkeypatch, socket_dir):
+    with _agent(redis_server, tmp_path, monkeypatch, socket_dir) as (agent, store, procs):
         p = _left_rank(agent, procs, tmp_path, exit_code=0)
         # The next generation runs elsewhere: this node's waiting rank is dismissed.
         agent._follow({"generation": 1, "action": "run", "nodes": ["n1", "n2"]})
@@ -130,14 +129,14 @@ def test_a_waiting_rank_with_no_next_generation_is_told_to_exit_then_killed(
 
 
 def test_a_new_agent_waits_for_a_resubmission_before_leaving_on_an_ended_plan(
-        redis_server, tmp_path, monkeypatch):
+        redis_server, tmp_path, monkeypatch, socket_dir):
     """The ended plan a new agent finds may be the last submission's, which a controller
     started beside it (--resubmit, --allocation) is about to replace: it leaves on it only once
     it has been up FRESH_END_S. An agent that saw the job run leaves at once."""
     from controller.node import lifecycle
 
     ended = {"generation": 0, "action": "end", "nodes": ["n0"], "reason": "FAILED"}
-    with _agent(redis_server, tmp_path, monkeypatch) as (agent, store, procs):
+    with _agent(redis_server, tmp_path, monkeypatch, socket_dir) as (agent, store, procs):
         agent._follow(ended)
         assert not agent.ended  # a new agent: the end may be an earlier submission's
         agent.end_seen -= lifecycle.FRESH_END_S  # no new plan came in time

@@ -29,6 +29,7 @@ from controller.store.connect import parse_sentinel_url
 from controller.store.store import Store, StoreUnavailable, prefix, safe_url
 
 STEPS, KILL_AT = 60, 12
+PACE_S = 0.25  # 12 s from the kill to the job's end: four times a failover on a quiet machine
 HEARTBEAT_TIMEOUT_S = 3.0  # agents silent longer than this are judged lost (shorter than the
 # failover on purpose: judged on the wall clock alone, the failover would cost every node)
 DOWN_AFTER_MS = 2500  # a failover longer than that timeout, which must still cost no node
@@ -46,7 +47,11 @@ def sentinels(tmp_path):
 
 def test_training_rides_out_a_failover_of_the_redis_primary(sentinels, tmp_path):
     run = tmp_path / "run"
-    job = write_job(tmp_path / "job.yaml", run, steps=STEPS,
+    # Every step at least PACE_S (a sleep, not the machine's speed): the job outlasts the
+    # failover and the controller's first renewal on the new primary, which the test waits
+    # for (a job that stepped through the failover and ended first released its lease).
+    pace = [{"kind": "slow_rank", "rank": r, "step": 1, "seconds": PACE_S} for r in (0, 1)]
+    job = write_job(tmp_path / "job.yaml", run, steps=STEPS, faults=pace,
                     heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
     p = subprocess.Popen([sys.executable, "-m", "controller", "run", str(job), "--nodes", "2",
                           "--ranks-per-node", "1", "--spares", "1"], cwd=ROOT,

@@ -131,7 +131,7 @@ def test_redis_gone_mid_wait_is_a_plain_sleep(redis_server):
 
 
 def test_an_agent_follows_a_new_plan_at_once_not_at_its_next_tick(redis_server, tmp_path,
-                                                                  monkeypatch):
+                                                                  monkeypatch, socket_dir):
     """An agent ticking every 30 s takes a plan set after its first tick within that interval:
     only the plan's wake can have made it look (it then exits: the plan ends the job), and the
     controller hears its state change the same way."""
@@ -141,9 +141,8 @@ def test_an_agent_follows_a_new_plan_at_once_not_at_its_next_tick(redis_server, 
     store = Store(redis_server.url, "j")
     controller = wake.Waker(store, wake.CONTROLLER)
     controller.wait(0)
-    (tmp_path / "s").mkdir()
     agent = Agent(Store(redis_server.url, "j"), "n0", interval_s=LONG_S,
-                  socket_dir=str(tmp_path / "s"), snapshot_root=tmp_path / "snap")
+                  socket_dir=str(socket_dir), snapshot_root=tmp_path / "snap")
     agent.end_seen = None  # as an agent that saw the job run: it leaves on the end at once
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()
