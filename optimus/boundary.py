@@ -175,9 +175,8 @@ class Boundary:
 
     def _acts_on(self, step: int) -> bool:
         """Whether anything at this boundary keeps or reads the step's state."""
-        interval, s = self.job.checkpoint.interval, self.snapshots
-        return (self._logged(step) or (interval and step % interval == 0)
-                or (s is not None and (s.every is None or step % s.every == 0))
+        return (self._logged(step) or self.saves.due(step)
+                or (self.snapshots is not None and self.snapshots.due(step))
                 or self._validates(step) or step == self.job.optim.steps)
 
     def _wait(self, agreed: Agreed, step: int) -> bool:

@@ -45,6 +45,11 @@ class RunCheckpoints:
     def failed_in_a_row(self) -> int:
         return self.ckpt.stats.failed_in_a_row if self.ckpt is not None else 0
 
+    def due(self, step: int) -> bool:
+        """Whether `step` is a periodic save's (`checkpoint.interval`)."""
+        interval = self.job.checkpoint.interval
+        return bool(interval) and step % interval == 0
+
     def after_step(self, step: int) -> None:
         """At every step boundary: finish a save in flight, start a due one (the last step's
         comes after the loop: `finish`)."""
@@ -55,8 +60,7 @@ class RunCheckpoints:
         self._failed()
         if step == self.job.optim.steps:
             return
-        interval = self.job.checkpoint.interval
-        if interval and step % interval == 0:
+        if self.due(step):
             outcome = self._save(step)
             self._failed()  # the one before it may have ended inside, or this one (sync)
             if outcome == "skipped":

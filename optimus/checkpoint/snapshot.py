@@ -109,6 +109,10 @@ class Snapshots:
         return cls(Path(root), rank=rank, generation=generation, every=every, layout=layout,
                    agree_device=agree_device)
 
+    def due(self, step: int) -> bool:
+        """Whether the boundary after `step` takes (or, while `auto` measures, times) one."""
+        return self.every is None or step % self.every == 0
+
     def after_step(self, step: int, step_s: float, state: dict) -> str | None:
         """Take a due snapshot of `state` (the training_state dict) after `step`; `step_s` is
         this step's time. Returns a message for the metrics log: the interval chosen, or that a
@@ -123,7 +127,7 @@ class Snapshots:
                     f"({cost.bytes / 2**20:.1f} MiB on this rank, the loop blocked "
                     f"{cost.blocked_s:.3f} s) against {step_s:.3f} s a step "
                     f"(<= {COST_SHARE:.0%} of it, the largest of all ranks' choices)")
-        if step % self.every == 0:
+        if self.due(step):
             if self._inflight is not None and not self._inflight.done():
                 self.skipped += 1  # the last is still being written: the next one will do
                 return None
