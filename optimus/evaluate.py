@@ -144,6 +144,7 @@ def evaluate_checkpoint(step_path: Path, *, data: str | None, batches: int,
         pick_backend,
         pick_device,
     )
+    from optimus.runtime.network import apply_network
 
     trust = trust or Trust(key_file_for(step_path.parent))
     manifest, untrusted = trust.manifest(step_path)  # on every rank: its config builds the job
@@ -166,6 +167,7 @@ def evaluate_checkpoint(step_path: Path, *, data: str | None, batches: int,
     device = pick_device(job.parallel.device, env.local_rank)
     owns_group = not dist.is_initialized()
     if owns_group:
+        apply_network(job.network)
         init_distributed(env, pick_backend(device, job.parallel.backend), device)
     try:
         mesh = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,

@@ -59,6 +59,7 @@ from optimus.runtime import (
     reset_peak_memory,
 )
 from optimus.runtime.dist import host_group
+from optimus.runtime.network import apply_network
 from optimus.runtime.stacks import register_stack_dumps
 from optimus.stability import StabilityWatch, rewind_lr, skip_batches, skips_ahead
 from optimus.step import StepParts, train_step
@@ -99,6 +100,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
     try:
         with heartbeat.phase("sync"):  # the rendezvous, the mesh's process groups
             if owns_group:
+                apply_network(job.network)  # the interface the collectives use, first
                 init_distributed(env, backend, device)
             laps.lap("rendezvous")
             mesh = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,

@@ -8,6 +8,7 @@ adds `run`, `controller`, `agent` and `chaos` to the same group, so `optimus/` n
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
@@ -216,12 +217,26 @@ submit.add_command(pbs.command)
                    "snapshot link): a hostname or an IP address of the interface they share. "
                    "Default: this machine's hostname, which some sites resolve to loopback "
                    "(docs/deploy.md). Also OPTIMUS_HOST.")
+@click.option("--interface", envvar="OPTIMUS_INTERFACE", callback=ops.interface_name,
+              help="The network interface the ranks' collectives use (gloo, NCCL, oneCCL): "
+                   "its address is advertised unless --host says another, and the ranks get "
+                   "GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, CCL_KVS_IFACE and FI_TCP_IFACE "
+                   "naming it (unless already set). Also OPTIMUS_INTERFACE.")
 def agent(job_name: str, node: str, redis: str | None, interval_s: float,
-          host: str | None) -> None:
+          host: str | None, interface: str | None) -> None:
     """Run the node agent: register, start and stop ranks, relay heartbeats."""
+    from controller.node import reach
     from controller.node.agent import Agent
+    from optimus.runtime.network import collective_env
 
     _logging()
+    if interface is not None:
+        try:
+            address = reach.interface_address(interface)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--interface") from None
+        host = host or address
+        os.environ.update(collective_env(interface, {}, os.environ))  # its ranks inherit them
     # Retries last one interval: the agent must get back to reaping its ranks.
     store = Store(redis_url(redis), job_name, retry_s=interval_s)
     store.ping()

@@ -85,6 +85,17 @@ def host_address(ctx, param, value):
                                  "nor an IP address") from None
 
 
+def interface_name(ctx, param, value):
+    """A click callback: a network interface's name (optimus/runtime/network.py's rule); None:
+    not given."""
+    from optimus.runtime.network import INTERFACE
+
+    if value is None or INTERFACE.match(value):
+        return value
+    raise click.BadParameter(f"{names.shown(value)} is not an interface name (up to 15 "
+                             "letters, digits, '_', '.', '-'): give one `ip link` lists")
+
+
 def reason_option(required: bool = False):
     return (click.option("--reason", required=True, help="Why (recorded in the event). Required.")
             if required else click.option("--reason", default="",

@@ -81,6 +81,7 @@ class Controller:
         self._journaled: str | None = None
         self._led = False  # this controller has seen the job's whole record (see `_rebuild`)
         self._latest_shown: int | None = None
+        self._isolated_said: dict[str, str] = {}  # node -> the refusal said (`_say_isolated`)
         self.snapshot_watch = SnapshotWatch(store)
         self.checkpoints = CheckpointView(self.checkpoint_dir, store)
         self.observer = Observer(store, settings, self.checkpoint_dir, self.checkpoints)
@@ -122,6 +123,7 @@ class Controller:
             self.store.flush_events()  # what an outage held back, before anything new
             obs = self.observe()
             self._say_refused_names()
+            self._say_isolated()
             decision = decide(obs, self.s)
             # Redis restarted empty while this tick read it: the decision stands on what the
             # restart half erased (a whole record, then no nodes) and is not applied.
@@ -155,6 +157,16 @@ class Controller:
         for name in self.store.names.take():
             self._event("name_refused", f"a node named {name} is ignored: not a node name "
                         f"({RULE}); its records in Redis are skipped", send=False)
+
+    def _say_isolated(self) -> None:
+        """Once each: a node that advertises loopback while others run on other hosts is never
+        planned on; the event says how to fix it, and its agent is told (it leaves with that
+        line: an agent's credentials may not read the other nodes' records to find out)."""
+        for node, why in sorted(self.observer.isolated.items()):
+            if self._isolated_said.get(node) != why:
+                self._event("node_refused", why, send=False, node=node)
+                self.store.push_command(node, {"kind": "refused", "why": why})
+        self._isolated_said = dict(self.observer.isolated)
 
     # --- apply ---------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from controller.control.decide import ACTIVE, JobView, NodeView, Observed, Overd
 from controller.control.detect import in_long_phase, stall_threshold
 from controller.control.probe import Prober
 from controller.control.relay import Relay
+from controller.node.reach import isolated
 from controller.store.store import Store
 from optimus.checkpoint.manifest import committed_steps
 
@@ -45,6 +46,9 @@ class Observer:
         self.prober = Prober()  # whether a silent agent's host still takes a connection
         self._watched: tuple | None = None  # (generation, _agents_seen) the prober was given
         self._addresses: dict[str, object] = {}  # registered node -> its snapshot_addr
+        # Nodes that advertise loopback while others run elsewhere (controller/node/reach.py):
+        # never planned on; the controller says each once and tells its agent.
+        self.isolated: dict[str, str] = {}
 
     def close(self) -> None:
         self.prober.close()
@@ -75,6 +79,7 @@ class Observer:
         # Planning, draining, stopping: every node, once per tick (no generation is running,
         # or it is being torn down; at scale this is the rare path).
         info = self.store.nodes()
+        refused = self._isolated(info)
         beats = self.store.agent_beats()
         names = sorted(set(info) | set(beats))
         status = self.store.agent_status(names)
@@ -93,8 +98,9 @@ class Observer:
                 alive=(name in beats and now - self._excused(beats[name])
                        <= self.s.agent_timeout_s and st.get("state") != "gone"
                        and name not in gone),
-                healthy=node_info.get("health") == "ok",
-                health=node_info.get("health_detail", node_info.get("health", "unknown")),
+                healthy=node_info.get("health") == "ok" and name not in refused,
+                health=refused.get(name) or node_info.get("health_detail",
+                                                          node_info.get("health", "unknown")),
                 excluded=excluded.get(name),
                 generation=int(st["generation"]) if st.get("generation") else None,
                 live_ranks=int(st.get("live_ranks", 0)), last_beat=beats.get(name, 0.0),
@@ -221,12 +227,21 @@ class Observer:
         self._agents_seen = seen
         in_plan = set(plan["nodes"])
         info, beats = self.store.nodes(), self.store.agent_beats()
+        refused = self._isolated(info)
         self._eligible = frozenset(
             n for n, i in info.items() if n not in excluded and i.get("health") == "ok"
+            and n not in refused
             and n in beats and now - self._excused(beats[n]) <= self.s.agent_timeout_s)
         return {n: i["snapshot_addr"] for n, i in sorted(info.items())
                 if isinstance(i.get("snapshot_addr"), str) and i["snapshot_addr"]
                 and (n in in_plan or n in self._eligible)}
+
+    def _isolated(self, info: dict[str, dict]) -> dict[str, str]:
+        """The registered nodes no other host can reach (controller/node/reach.py), kept in
+        `self.isolated` for the controller to say."""
+        found = {n: why for n, i in info.items() if (why := isolated(n, i, info))}
+        self.isolated = found
+        return found
 
     def _unreachable(self, plan: dict, agent_beats: dict[str, float],
                      now: float) -> dict[str, str]:

@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 
 from controller.disk import Rewritten
+from controller.node import reach
 from controller.node.checks import Checks
 from controller.node.commands import Commands
 from controller.node.folders import private_folder
@@ -65,8 +66,10 @@ from controller.node.ranks import (
 from controller.node.snapshots import SnapshotKeeper, default_root, job_secret, node_folder
 from controller.node.spawn import Spawner, launcher_variables, start_mode
 from controller.store import wake
+from controller.store.connect import Denied
 from controller.store.store import Store, StoreUnavailable
 from controller.store.wake import Waker
+from optimus.config import ConfigError
 
 log = logging.getLogger("optimus.agent")
 
@@ -117,7 +120,10 @@ class Agent(Lifecycle, Commands, Checks):
         # The warm process first: the health check runs in a child of it (checks.py); standby
         # mode once that check has found GPUs or XPUs (controller/node/spawn.py).
         self.spawner = Spawner(mode=start_mode(None))
-        self.info = {"host": self.host, "pid": os.getpid(),
+        # Where it runs and whether its address is loopback: the controller refuses a node
+        # other hosts cannot reach (reach.py).
+        self.info = {"host": self.host, "pid": os.getpid(), "machine": reach.machine(),
+                     "loopback": reach.loopback(self.host),
                      "snapshot_addr": self.snapshots.address, **self._check_health()}
         self.spawner.mode = start_mode(self.info.get("device_kind"))
         tag = hashlib.sha1(f"{store.job}/{node}/{os.getpid()}".encode()).hexdigest()[:12]
@@ -192,6 +198,7 @@ class Agent(Lifecycle, Commands, Checks):
         while True:
             try:
                 self.store.register_node(self.node, self.info)
+                self._refuse_if_isolated()
                 self.store.event(f"agent:{self.node}", "register", f"node {self.node} "
                                  f"registered (host {self.host}, {self.info['devices']} "
                                  f"device(s), health {self.info['health']})",
@@ -200,6 +207,21 @@ class Agent(Lifecycle, Commands, Checks):
             except StoreUnavailable as e:
                 self._note_outage(e)
                 time.sleep(self.interval_s)
+
+    def _refuse_if_isolated(self) -> None:
+        """A node that advertises loopback while another of the job runs on another host
+        leaves at once, with the one line that says how to fix it (reach.py): its ranks would
+        hang every generation. The controller refuses it too, should it register first."""
+        try:
+            others = self.store.nodes()
+        except Denied:  # an agent's ACL reads no other node's record: the controller judges
+            return
+        why = reach.isolated(self.node, self.info, others)
+        if why is None:
+            return
+        self.store.event(f"agent:{self.node}", "node_refused", why, node=self.node)
+        self.store.leave(self.node)
+        raise ConfigError(why)
 
     def _status(self) -> dict:
         live = [p for p in self.procs.values() if p.running]

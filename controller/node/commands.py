@@ -1,5 +1,6 @@
 """The commands an agent takes from its tick (`Store.push_command`): a hang's stacks, a health
-check on demand, and operators' and tests' faults (`optimus chaos`, the plan's node faults).
+check on demand, the controller's refusal of a node other hosts cannot reach, and operators'
+and tests' faults (`optimus chaos`, the plan's node faults).
 
 A hang's stacks (the controller's `dump_stacks` command) are collected on a thread of their own,
 so the agent goes on reaping and relaying meanwhile: SIGUSR1, then py-spy from outside for a
@@ -15,8 +16,10 @@ import signal
 import threading
 from typing import Any
 
+from controller.node import reach
 from controller.node.stacks import Target, collect, find_py_spy
 from controller.store.store import StoreUnavailable
+from optimus.config import ConfigError
 
 
 class Commands:
@@ -28,6 +31,8 @@ class Commands:
             self._dump_stacks(command)
         elif kind == "health_check":
             self._say_health(self._check_health(), "on demand")
+        elif kind == "refused":
+            self._refused(command)
         elif kind == "bad_tile":
             tile = command.get("tile", 0)
             if not isinstance(tile, int) or isinstance(tile, bool) or not 0 <= tile < 4096:
@@ -41,6 +46,18 @@ class Commands:
                         fault="bad_tile")
         else:
             self._chaos(command)
+
+    def _refused(self, command: dict) -> None:
+        """The controller found this node unreachable from the others (controller/node/
+        reach.py). Acted on only when this agent's own address is loopback (its own fact;
+        the command says only why): it leaves with the controller's line."""
+        if not self.info.get("loopback"):
+            return
+        why = str(command.get("why", ""))[:2000] or (
+            f"node {self.node} advertises a loopback address while other nodes run elsewhere; "
+            f"{reach.FIX}")
+        self.store.leave(self.node)
+        raise ConfigError(why)
 
     def _dump_stacks(self, command: dict) -> None:
         """The asked ranks' stacks, gathered on a thread (a rank that does not answer SIGUSR1

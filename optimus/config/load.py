@@ -77,7 +77,49 @@ def load_job(path: str | Path, overrides: list[str] = (), world: int | None = No
     raw.setdefault("name", path.stem)
     for assignment in overrides:
         apply_override(raw, assignment)
+    with_site(raw, path)
     return validate_job(raw, source=str(path), world=world)
+
+
+SITE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+SITE_KEYS = ("description", "network")
+
+
+def with_site(raw: dict, path: Path) -> None:
+    """The job's `site:` profile (`sites/<site>.yaml` beside the job file) under its own
+    `network` section: the job's keys win, its `env` entries over the profile's."""
+    site = raw.get("site")
+    if site is None:
+        return
+    if not isinstance(site, str) or not SITE_NAME.match(site):
+        return  # the schema refuses it, with the rule
+    folder = path.parent / "sites"
+    profile_path = folder / f"{site}.yaml"
+    if not profile_path.is_file():
+        known = sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+        raise ConfigError(f"{path}: site", f"no site profile {site!r} in {folder}",
+                          f"name one of {', '.join(known)}" if known else
+                          "write it there (jobs/sites/ has examples), or drop `site:`")
+    if profile_path.stat().st_size > 1 << 20:
+        raise ConfigError(str(profile_path), "larger than 1 MiB: not a site profile",
+                          "keep it to its `network` section")
+    profile = parse_yaml(profile_path.read_text(), str(profile_path)) or {}
+    if not isinstance(profile, dict) or set(profile) - set(SITE_KEYS):
+        extra = sorted(set(profile) - set(SITE_KEYS)) if isinstance(profile, dict) else []
+        raise ConfigError(str(profile_path), "a site profile is a mapping of "
+                          f"{' and '.join(SITE_KEYS)}" + (f", not {', '.join(extra)}" if extra
+                                                          else ""),
+                          "keep only those keys; the rest belongs in the job file")
+    theirs, ours = profile.get("network") or {}, raw.get("network") or {}
+    if not isinstance(theirs, dict):
+        raise ConfigError(f"{profile_path}: network", "not a section",
+                          "write `network:` with `interface:` and `env:` under it")
+    if not isinstance(ours, dict):
+        return  # the schema refuses the job's, saying why
+    merged = {**theirs, **ours}
+    if isinstance(theirs.get("env"), dict) and isinstance(ours.get("env"), dict):
+        merged["env"] = {**theirs["env"], **ours["env"]}
+    raw["network"] = merged
 
 
 def validate_job(raw: dict, source: str = "job", world: int | None = None) -> JobConfig:

@@ -263,6 +263,35 @@ class SupervisionConfig(Section):
                           "rounded up")
 
 
+class NetworkConfig(Section):
+    """The ranks' network (optimus/runtime/network.py; docs/deploy.md, "The network")."""
+
+    interface: str | None = Field(
+        None, description="the interface the ranks' collectives use (gloo, NCCL, oneCCL, "
+                          "libfabric TCP), e.g. hsn0 or ib0; None: each library's own choice. "
+                          "A node whose environment already names one keeps its own")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="more variables for the ranks' collectives "
+                                          "(CCL_*, FI_*, NCCL_*); the rank's own environment wins")
+
+    @model_validator(mode="after")
+    def _names(self) -> NetworkConfig:
+        from optimus.runtime.network import INTERFACE, env_problem
+
+        if self.interface is not None and not INTERFACE.match(self.interface):
+            raise ValueError(f"interface {self.interface[:40]!r} is not an interface name "
+                             "(up to 15 letters, digits, '_', '.', '-'): give one that "
+                             "`ip link` lists, e.g. hsn0")
+        for name, value in self.env.items():
+            problem = env_problem(name)
+            if problem:
+                raise ValueError(f"env: {name[:64]!r} is {problem}")
+            if len(value) > 4096 or "\0" in value:
+                raise ValueError(f"env: {name}'s value is longer than 4096 characters or "
+                                 "holds a NUL byte")
+        return self
+
+
 class MonitoringConfig(Section):
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = Field(
         9780, description="the controller's Prometheus /metrics port; 0: off")
@@ -366,6 +395,11 @@ class JobConfig(Section):
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
     stability: StabilityConfig = Field(default_factory=StabilityConfig)
     fault_injection: FaultInjectionConfig = Field(default_factory=FaultInjectionConfig)
+    network: NetworkConfig = Field(default_factory=NetworkConfig)
+    site: str | None = Field(
+        None, pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$",
+        description="a site profile, jobs/sites/<site>.yaml beside the job file: its "
+                    "`network` section is the default of the job's")
 
     @property
     def resolved_run_dir(self) -> str:
