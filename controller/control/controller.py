@@ -4,11 +4,14 @@
 
 Every tick (0.25 s) the controller that holds the lease observes the job (observe.py: the job
 record, the plan, agents, exits of this generation, overdue heartbeats, silent agents' hosts,
-the latest committed checkpoint), asks `decide` what to do, and applies it (`apply`:
-exclusions, then the plan, then the job record, then events). Standbys renew nothing and try
-for the lease each tick; when the leader dies, one takes over within a lease period and carries
-on from the store, since that is where all the state is. The ranks notice nothing: only a new
-plan would touch them.
+the latest committed checkpoint), asks `decide` what to do, and applies it (`apply`: the
+checkpoints it sets aside, on disk; then all it writes, exclusions, plan, job record and events,
+in one transaction that lands only while this controller still holds the lease:
+controller/store/fence.py). Standbys renew nothing and try for the lease each tick; when the
+leader dies, one takes over within a lease period and carries on from the store, since that is
+where all the state is. A leader cut off mid-decision leaves nothing of it behind, and a plan
+in flight whose record never landed (a half-written state) is adopted, not stopped (decide.py
+`_adopt`). The ranks notice nothing: only a new plan would touch them.
 
 Which checkpoint the next generation starts from is the ranks' to decide; the controller
 predicts it for the plan and reports what they loaded (controller/control/checkpoints.py).
@@ -48,6 +51,7 @@ from controller.control.relay import Relay
 from controller.control.snapshot_watch import SnapshotWatch
 from controller.disk import Rewritten
 from controller.store import wake
+from controller.store.fence import Batch
 from controller.store.names import RULE
 from controller.store.store import Store, StoreUnavailable
 from optimus.config import ConfigError, JobConfig
@@ -131,7 +135,8 @@ class Controller:
                 log.warning("Redis lost the job record under this tick; its decision is "
                             "dropped and the next tick rebuilds from the journal")
                 return None
-            self.apply(decision, obs)
+            if not self.apply(decision, obs):
+                return None  # refused: another controller leads, or none does
             self.event_log.mirror()  # this tick's events too: the last tick's are on disk
             return decision.job.get("state", obs.job.state)
         except StoreUnavailable as e:
@@ -170,51 +175,70 @@ class Controller:
 
     # --- apply ---------------------------------------------------------------------------------
 
-    def apply(self, d: Decision, obs: Observed) -> None:
+    def apply(self, d: Decision, obs: Observed) -> bool:
+        """Carry out `d`: the checkpoints it sets aside (on disk, first: the plan relies on
+        it), then everything it writes, events included, as one transaction that lands only
+        while this controller holds the lease (controller/store/fence.py). False: refused
+        there, as another controller leads or none does; the decision is dropped whole, no
+        journal written, and this controller tries for the lease next tick as a standby."""
         for step, why in d.set_aside:  # before anything else: the plan relies on it
             try:
                 self.checkpoints.set_aside(step, why, by=f"controller {self.ident}")
             except OSError as e:  # try again next tick; plan nothing that could load it
                 log.warning("cannot set aside the checkpoint of step %d: %s", step, e)
-                return
-        for node, reason in dict(d.exclude).items():
-            self.store.exclude(node, reason, by=f"controller {self.ident}")
+                return True
+        b = Batch()
+        for node, reason in dict(d.exclude).items():  # its cause: whether forgive.py may lift it
+            self.store.exclude(node, reason, by=f"controller {self.ident}",
+                               cause=d.causes.get(node, ""), batch=b)
         for node, record in d.operator_exclude:
-            self.store.exclude(node, **record)
+            self.store.exclude(node, **record, batch=b)
         for node in d.include:
-            self.store.include(node)
+            self.store.include(node, batch=b)
         if d.control is not None:
-            self.store.set_control(d.control)
+            self.store.set_control(d.control, batch=b)
         for node, command in d.commands:
-            self.store.push_command(node, command)
+            self.store.push_command(node, command, batch=b)
         if d.plan is not None:
             new = d.plan["action"] == "run" and (
                 obs.plan is None or d.plan["generation"] != obs.plan["generation"])
             if new:
                 d.plan["exits_from"] = self.store.last_exit_id()
-                self.store.keep_rows(d.plan["nodes"])
-            self.store.set_plan(d.plan)
-            self.waker.poke()  # what the plan starts or stops is judged next, not a tick later
+                self.store.keep_rows(d.plan["nodes"], batch=b)
+            self.store.set_plan(d.plan, batch=b)
         if obs.latest_step != self._latest_shown:  # None (all set aside) deletes it
             d.job["latest_checkpoint"] = obs.latest_step  # for `optimus job status`
-            self._latest_shown = obs.latest_step
         if obs.plan and obs.plan.get("action") == "run" and obs.job.state in ACTIVE:
             self.snapshot_watch.check(obs.plan, d.job)  # memory_snapshot, the point to align on
         if d.job:
-            self.store.update_job(d.job)
-        for kind, message, fields in d.events:  # queued at once: an outage loses none
-            self._event(kind, message, send=False, **fields)
-        self.store.flush_events()
+            self.store.update_job(d.job, batch=b)
+        for kind, message, fields in d.events:
+            self._event(kind, message, send=False, batch=b, **fields)
+        self.store.flush_events()  # what this tick said before it decided, first
+        if not self.store.commit(b, self.ident):
+            log.warning("the leader lease moved on before this controller's decision landed: "
+                        "nothing of it is written (%d event(s) dropped); acting as a standby",
+                        len(b.events))
+            self.leading = False
+            self.event_log.forget()
+            self.relay.forget()
+            return False
+        self._latest_shown = obs.latest_step
+        if d.plan is not None:
+            self.waker.poke()  # what the plan starts or stops is judged next, not a tick later
         if (set(d.job) - VOLATILE or d.plan is not None or d.exclude or d.operator_exclude
                 or d.include or d.control is not None or self._journal.failing):
             self._write_journal()
+        return True
 
-    def _event(self, kind: str, message: str, send: bool = True, **fields) -> None:
+    def _event(self, kind: str, message: str, send: bool = True, batch: Batch | None = None,
+               **fields) -> None:
         """An event; an operator's request is recorded under the operator's name (`actor`).
-        Unsent, it waits in the store's queue for the next flush."""
+        Unsent, it waits in the store's queue for the next flush; a decision's, in its `batch`."""
         log.info("%s: %s", kind, message)
         actor = fields.pop("actor", "controller")
-        self.store.queue_event(actor, kind, message, controller=self.ident, **fields)
+        self.store.queue_event(actor, kind, message, batch=batch, controller=self.ident,
+                               **fields)
         if send:
             self.store.flush_events()
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from controller.control import detect, operator, recovery, rewind, watching
+from controller.control import detect, forgive, operator, recovery, rewind, watching
 from controller.control.actions import live, restarted, with_action
 from controller.control.detect import COLLATERAL, HARD, Evidence
 from controller.control.shortage import names, resized, shortage
@@ -69,6 +69,8 @@ def decide(obs: Observed, s: Settings) -> Decision:
     for node, why in sorted(obs.unhealthy.items()):  # a failed health check, in any state
         if node not in obs.excluded:
             d.exclude.append((node, f"bad tile {why}"))
+            d.causes[node] = "bad_tile"
+    forgive.forgive(obs, s, d)  # nodes excluded as lost, back and well: spares again
     window = job.suspect or {}
     if (obs.suspect_steps is not None and not window.get("set_aside")
             and (plan is None or not live(obs, plan))):
@@ -169,6 +171,7 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
             exclude, failures[culprit.node] = detect.flaky(failures, culprit.node, obs.now, s)
         if exclude:
             d.exclude.append((culprit.node, reason))
+            d.causes[culprit.node] = culprit.cause
             failures.pop(culprit.node, None)
             verdict = f"node {culprit.node} excluded"
         else:
@@ -342,7 +345,9 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
     """PENDING, WAITING, RESTARTING: drain the last generation, back off, then plan the next."""
     job, plan = obs.job, obs.plan
     if plan is not None and live(obs, plan):
-        if plan["action"] == "run":  # e.g. a state written before its plan: stop it first
+        if plan["action"] == "run" and plan["generation"] > job.generation:
+            _adopt(obs, d)
+        elif plan["action"] == "run":  # e.g. a state written before its plan: stop it first
             d.plan = with_action(plan, "stop", s.failure_grace_s, job.reason, obs.now)
         return
     first = plan is None
@@ -435,6 +440,21 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
                                       "full_layout": s.layouts[s.nodes]["layout"],
                                       "full_tokens_per_s": s.layouts[s.nodes]["tokens_per_s"]}
                                      if layout and s.nodes in s.layouts else {}))
+
+
+def _adopt(obs: Observed, d: Decision) -> None:
+    """A "run" plan newer than the job record, its ranks running: a plan in flight whose
+    record never landed (a leader cut off between two writes of one decision, where decisions
+    are not one fenced transaction: controller/store/fence.py). Its generation runs on,
+    recorded as its plan says, rather than stopped for one more restart."""
+    job, plan = obs.job, obs.plan
+    gen, reason = plan["generation"], plan.get("reason") or f"generation {plan['generation']}"
+    d.job.update({"state": PAUSING if job.desired == "pause" else RUNNING, "generation": gen,
+                  "reason": reason, "failure_since": None, "next_plan_at": None,
+                  "suspect": None})
+    d.note("adopted", f"generation {gen} runs on {names(plan['nodes'])} but the job record "
+           f"said {job.state}, generation {job.generation}: its plan was written and its "
+           f"record not; recorded as it runs, not stopped ({reason})", generation=gen)
 
 
 def _offered(obs: Observed, node: str) -> int:

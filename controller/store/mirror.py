@@ -116,11 +116,8 @@ class Mirror:
 
         def write():
             with self.r.pipeline(transaction=True) as pipe:
-                if holder is not None:
-                    pipe.watch(self.k("leader"))
-                    if pipe.get(self.k("leader")) != holder:
-                        return False
-                    pipe.multi()
+                if holder is not None and not self.watched(pipe, holder):  # fence.py
+                    return False
                 try:
                     self._writes(pipe, w)
                     pipe.execute()

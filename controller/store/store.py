@@ -39,6 +39,7 @@ from tenacity import (
 
 from controller.store import decode, wake
 from controller.store.connect import connect, denial, is_sentinel, safe_url
+from controller.store.fence import Batch, Fence
 from controller.store.mirror import EVENTS_MAXLEN, Mirror
 from controller.store.names import Refused, own
 from controller.store.own import OWN_EVENTS_MAXLEN, OwnRecords, as_text
@@ -86,11 +87,12 @@ def prefix(job: str) -> str:
     return f"optimus:{{{job}}}:"
 
 
-class Store(OwnRecords, Mirror, Summaries, Reports):
+class Store(OwnRecords, Mirror, Summaries, Reports, Fence):
     """One job's keys. All methods raise `StoreUnavailable` once retries are spent. What an
     agent writes under its node's own keys (own.py), the leading controller's relay of them
-    (mirror.py), the nodes' summary rows (summaries.py) and their snapshot and stack reports
-    (reports.py) are methods of it too."""
+    (mirror.py), the nodes' summary rows (summaries.py), their snapshot and stack reports
+    (reports.py) and a decision's fenced commit (fence.py) are methods of it too. A write a
+    decision makes takes `batch`: it then lands with the rest of the decision (`commit`)."""
 
     def __init__(self, url: str, job: str, *, timeout_s: float = 2.0, retry_s: float = 5.0):
         self.url, self.job, self.p = url, job, prefix(job)
@@ -142,7 +144,8 @@ class Store(OwnRecords, Mirror, Summaries, Reports):
         if _transient(e):
             self.trouble_at = time.time()
             return True
-        return False
+        # A fenced EXEC that ran nothing (fence.py): tried again, the lease read anew.
+        return isinstance(e, redis.WatchError)
 
     def ping(self) -> None:
         self.call(self.r.ping)
@@ -177,34 +180,32 @@ class Store(OwnRecords, Mirror, Summaries, Reports):
     def job_record(self) -> dict[str, str]:
         return self.call(lambda: self.r.hgetall(self.k("job")))
 
-    def update_job(self, fields: dict[str, Any], delete: tuple[str, ...] = ()) -> None:
+    def update_job(self, fields: dict[str, Any], delete: tuple[str, ...] = (), *,
+                   batch: Batch | None = None) -> None:
         values = {k: as_text(v) for k, v in fields.items() if v is not None}
         gone = [k for k, v in fields.items() if v is None] + list(delete)
 
-        def write():
-            pipe = self.r.pipeline()
+        def queue(pipe):
             if values:
                 pipe.hset(self.k("job"), mapping=values)
             if gone:
                 pipe.hdel(self.k("job"), *gone)
-            pipe.execute()
-        self.call(write)
+        self._write(queue, batch)
 
     def plan(self) -> dict | None:
         raw = self.call(lambda: self.r.get(self.k("plan")))
         return json.loads(raw) if raw else None
 
-    def set_plan(self, plan: dict) -> None:
-        """The plan, and its stamp: agents read the (large) plan only when the stamp changes."""
+    def set_plan(self, plan: dict, *, batch: Batch | None = None) -> None:
+        """The plan, and its stamp: agents read the (large) plan only when the stamp changes;
+        woken, they read it now, not at their next tick."""
         stamp = f"{plan.get('generation')}:{plan.get('action')}:{plan.get('issued')}"
+        text = json.dumps(plan)
 
-        def write():
-            pipe = self.r.pipeline()
-            pipe.set(self.k("plan"), json.dumps(plan))
+        def queue(pipe):
+            pipe.set(self.k("plan"), text)
             pipe.set(self.k("plan:stamp"), stamp)
-            pipe.execute()
-        self.call(write)
-        wake.publish(self, wake.AGENTS)  # they read the stamp now, not at their next tick
+        self._write(queue, batch, wake.AGENTS)
 
     def master_port(self, generation: int) -> int | None:
         raw = self.call(lambda: self.r.get(self.k(f"gen:{generation}:master_port")))
@@ -248,9 +249,9 @@ class Store(OwnRecords, Mirror, Summaries, Reports):
         raw = self.call(lambda: self.r.get(self.k("control")))
         return json.loads(raw) if raw else {}
 
-    def set_control(self, control: dict) -> None:
-        self.call(lambda: self.r.set(self.k("control"), json.dumps(control, sort_keys=True)))
-        wake.publish(self, wake.AGENTS)
+    def set_control(self, control: dict, *, batch: Batch | None = None) -> None:
+        text = json.dumps(control, sort_keys=True)
+        self._write(lambda pipe: pipe.set(self.k("control"), text), batch, wake.AGENTS)
 
     # --- nodes, agents, heartbeats -------------------------------------------------------------
 
@@ -337,13 +338,17 @@ class Store(OwnRecords, Mirror, Summaries, Reports):
         raw = self.call(lambda: self.r.xrevrange(self.k("exits"), count=1))
         return raw[0][0] if raw else "0"
 
-    def exclude(self, node: str, reason: str, by: str, **record: Any) -> None:
+    def exclude(self, node: str, reason: str, by: str, *, batch: Batch | None = None,
+                **record: Any) -> None:
         """Keep `node` out of generations: `mode` "exclude" (the default) or "drain"."""
-        entry = {"reason": reason, "by": by, "time": time.time(), "mode": "exclude", **record}
-        self.call(lambda: self.r.hset(self.k("excluded"), node, json.dumps(entry)))
+        text = json.dumps({"reason": reason, "by": by, "time": time.time(), "mode": "exclude",
+                           **record})
+        self._write(lambda pipe: pipe.hset(self.k("excluded"), node, text), batch)
 
-    def include(self, node: str) -> bool:
-        return bool(self.call(lambda: self.r.hdel(self.k("excluded"), node)))
+    def include(self, node: str, *, batch: Batch | None = None) -> bool:
+        """Whether `node` was excluded (False when batched: not known before the commit)."""
+        replies = self._write(lambda pipe: pipe.hdel(self.k("excluded"), node), batch)
+        return bool(replies and replies[0])
 
     def excluded(self) -> dict[str, dict]:
         raw = self.call(lambda: self.r.hgetall(self.k("excluded")))
@@ -354,12 +359,14 @@ class Store(OwnRecords, Mirror, Summaries, Reports):
         self.queue_event(actor, kind, message, **fields)
         self.flush_events()
 
-    def queue_event(self, actor: str, kind: str, message: str, **fields: Any) -> None:
-        """An event for the next `flush_events`. Events wait in this process until Redis has
-        taken them: an outage or a failover delays them (their `time` is when they happened)
-        rather than losing them."""
-        self.unsent.append({"time": f"{time.time():.3f}", "actor": actor, "kind": kind,
-                            "message": message, **{k: as_text(v) for k, v in fields.items()}})
+    def queue_event(self, actor: str, kind: str, message: str, *, batch: Batch | None = None,
+                    **fields: Any) -> None:
+        """An event for the next `flush_events` (or, a decision's, for its `batch`). Events
+        wait in this process until Redis has taken them: an outage or a failover delays them
+        (their `time` is when they happened) rather than losing them."""
+        (self.unsent if batch is None else batch.events).append(
+            {"time": f"{time.time():.3f}", "actor": actor, "kind": kind, "message": message,
+             **{k: as_text(v) for k, v in fields.items()}})
 
     def flush_events(self) -> None:
         """Send the unsent events, oldest first, in one round trip; behind Sentinel, wait (up
@@ -369,29 +376,48 @@ class Store(OwnRecords, Mirror, Summaries, Reports):
             batch = list(self.unsent)
             if not batch:
                 return
-
-            wait = self.replicas and time.monotonic() >= self._alone_until
-
-            # An agent's go to its node's own stream, for the controller to relay (own.py).
-            key, maxlen = ((self._own("events"), OWN_EVENTS_MAXLEN) if self.own_node
-                           else (self.k("events"), EVENTS_MAXLEN))
+            wait = self._waits()
 
             def write():
                 pipe = self.r.pipeline(transaction=False)  # WAIT blocks only outside MULTI
-                for entry in batch:
-                    pipe.xadd(key, entry, maxlen=maxlen, approximate=True)
-                if self.own_node:
-                    self._put_row(pipe, events=time.time_ns())
+                self._add_events(pipe, batch)
                 if wait:
                     pipe.wait(self.replicas, EVENT_WAIT_MS)
                 return pipe.execute()
             replies = self.call(write)
-            if wait and replies[-1] < self.replicas:
-                # No replica took them (a primary left alone after a failover): stop waiting
-                # for one for a while, rather than slow every event by EVENT_WAIT_MS.
-                self._alone_until = time.monotonic() + ALONE_S
+            if wait:
+                self._replicated(replies[-1])
             for _ in batch:  # what was queued meanwhile stays
                 self.unsent.popleft()
+
+    def _add_events(self, pipe, entries: list[dict[str, str]]) -> None:
+        """Queue the XADD of each entry on `pipe`. An agent's go to its node's own stream, for
+        the controller to relay (own.py)."""
+        key, maxlen = ((self._own("events"), OWN_EVENTS_MAXLEN) if self.own_node
+                       else (self.k("events"), EVENTS_MAXLEN))
+        for entry in entries:
+            pipe.xadd(key, entry, maxlen=maxlen, approximate=True)
+        if self.own_node and entries:
+            self._put_row(pipe, events=time.time_ns())
+
+    def _waits(self) -> bool:
+        """Whether events written now wait for a replica's copy (behind Sentinel)."""
+        return bool(self.replicas) and time.monotonic() >= self._alone_until
+
+    def _replicated(self, replicas: int) -> None:
+        if replicas < self.replicas:
+            # No replica took them (a primary left alone after a failover): stop waiting for
+            # one for a while, rather than slow every event by EVENT_WAIT_MS.
+            self._alone_until = time.monotonic() + ALONE_S
+
+    def _wait_replica(self) -> None:
+        """WAIT for a replica to have what this connection wrote last: after a commit's EXEC
+        (WAIT blocks only outside MULTI), on the connection the EXEC gave back to the pool,
+        which hands out the last one returned (one thread writes the controller's store)."""
+        try:
+            self._replicated(self.r.wait(self.replicas, EVENT_WAIT_MS))
+        except TRANSIENT:
+            self._replicated(0)
 
     def events(self, count: int = 100, after: str = "-") -> list[tuple[str, dict]]:
         start = after if after in ("-", "0") else f"({after}"
@@ -409,9 +435,10 @@ class Store(OwnRecords, Mirror, Summaries, Reports):
                                              block=block_ms))
         return raw[0][1] if raw else []
 
-    def push_command(self, node: str, command: dict) -> None:
+    def push_command(self, node: str, command: dict, *, batch: Batch | None = None) -> None:
         """A command for one agent (chaos, dump_stacks, health_check), taken in its next tick."""
-        self.call(lambda: self.r.rpush(self.k(f"commands:{node}"), json.dumps(command)))
+        text = json.dumps(command)
+        self._write(lambda pipe: pipe.rpush(self.k(f"commands:{node}"), text), batch)
 
 
 def _transient(e: BaseException) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from controller.store.fence import Batch
 from controller.store.names import own
 
 PEAK_MEMORY = ("peak_allocated", "peak_reserved")  # sorted sets: node -> bytes
@@ -56,30 +57,32 @@ class Summaries:
         return [n for n in (sorted(members) if isinstance(members, set) else members)
                 if self.names.keep(n)]
 
-    def keep_rows(self, plan_nodes: list[str]) -> None:
+    def keep_rows(self, plan_nodes: list[str], *, batch: Batch | None = None) -> None:
         """Remove the summary rows of nodes outside a new plan (a lost agent leaves its rows,
         a rank's beats of a generation it no longer runs): a rule reading the job-wide sets
-        sees only the plan's members. Once per generation, O(nodes with rows)."""
+        sees only the plan's members. Once per generation, O(nodes with rows); with `batch`
+        (fence.py), the rows are read now and removed with the plan's decision."""
         keep = set(plan_nodes)
-        sets = SUMMARY_SETS
 
-        def prune():
+        def read():
             pipe = self.r.pipeline(transaction=False)
-            for key in sets:
+            for key in SUMMARY_SETS:
                 pipe.zrange(self.k(key), 0, -1)
             pipe.smembers(self.k("nonfinite"))
-            rows = pipe.execute()
-            pipe = self.r.pipeline(transaction=False)
-            outside: set[str] = set()
-            for key, members in zip([*sets, "nonfinite"], rows, strict=True):
-                gone = [m for m in members if m not in keep]
-                if gone:
-                    (pipe.srem if key == "nonfinite" else pipe.zrem)(self.k(key), *gone)
-                    outside.update(gone)
-            if outside:  # each node's rank heartbeats once, not once per set it was in
-                pipe.delete(*[self.k(own(m, "ranks")) for m in sorted(outside)])
-            pipe.execute()
-        self.call(prune)
+            return pipe.execute()
+        gone = {key: [m for m in members if m not in keep] for key, members
+                in zip([*SUMMARY_SETS, "nonfinite"], self.call(read), strict=True)}
+        outside = sorted({m for members in gone.values() for m in members})
+        if not outside:
+            return
+
+        def queue(pipe):
+            for key, members in gone.items():
+                if members:
+                    (pipe.srem if key == "nonfinite" else pipe.zrem)(self.k(key), *members)
+            # each node's rank heartbeats once, not once per set it was in
+            pipe.delete(*[self.k(own(m, "ranks")) for m in outside])
+        self._write(queue, batch)
 
     def sweep(self, plan_nodes: list[str], ranks_per_node: int = 1) -> Sweep:
         """The controller's per-tick view of a running generation, in one round trip, whatever
