@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from controller.control import detect, forgive, operator, recovery, rewind, watching
+from controller.control import detect, fabric, forgive, operator, recovery, rewind, watching
 from controller.control.actions import live, restarted, with_action
 from controller.control.detect import COLLATERAL, HARD, Evidence
 from controller.control.shortage import names, resized, shortage
@@ -130,6 +130,7 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
     if _leave(obs, s, d) or _grow(obs, s, d):
         return
     _rebuddy(obs, d)
+    d.exclude += fabric.spare_cut(obs)  # a spare its ring cannot reach: out, no restart
     found = detect.evidence(obs, s)
     training = job.state == RUNNING and job.desired != "pause"  # no stall or straggler paused
     slow = watching.stragglers(obs, s, d) if obs.compute is not None and training else {}
@@ -324,21 +325,25 @@ def _gains(s: Settings, have: int, to: int) -> bool:
 def _rebuddy(obs: Observed, d: Decision) -> None:
     """A spare that registered after the plan (the first spare of a job often does) takes the
     snapshot copies it would have been given: the same generation, re-issued with new buddies
-    (each node's next point goes there)."""
+    (each node's next point goes there) and the mesh check's ring with the spares as they are
+    (controller/control/fabric.py)."""
     plan = obs.plan
     if obs.spares is None:
         return
     spares = sorted(set(obs.spares) - set(plan["nodes"]))
     buddies = recovery.buddies(plan["nodes"], spares, obs.spares)
-    if buddies == plan.get("buddies", {}):
+    peers = fabric.ring(plan["nodes"], spares, obs.spares)  # the mesh check's ring, spares too
+    if buddies == plan.get("buddies", {}) and peers == plan.get(fabric.PEERS, peers):
         return
     before = plan.get("buddies", {})
     moved = sorted(n for n in plan["nodes"]
                    if before.get(n, {}).get("node") != buddies.get(n, {}).get("node"))
-    d.plan = {**plan, "buddies": buddies, "issued": obs.now}
-    d.note("buddies", f"generation {plan['generation']}: the spares changed; snapshot copies "
-           "now go " + "; ".join(f"{n} -> {buddies[n]['node'] if n in buddies else 'nowhere'}"
-                                 for n in moved[:8]), generation=plan["generation"])
+    d.plan = {**plan, "buddies": buddies, fabric.PEERS: peers, "issued": obs.now}
+    if moved:
+        d.note("buddies", f"generation {plan['generation']}: the spares changed; snapshot "
+               "copies now go " + "; ".join(
+                   f"{n} -> {buddies[n]['node'] if n in buddies else 'nowhere'}"
+                   for n in moved[:8]), generation=plan["generation"])
 
 
 def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
@@ -423,6 +428,7 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
         "resume_step": resume_step, "grace_s": s.failure_grace_s,
         "buddies": recovery.buddies(chosen, sorted(usable - set(chosen)),
                                     {n: v.snapshot_addr for n, v in obs.nodes.items()}),
+        fabric.PEERS: fabric.ring_for(obs, chosen, usable),  # the mesh check's ring
         **({"memory": memory} if memory else {}),
         **({"skips": list(job.skips)} if job.skips else {}),
         "heartbeat_timeout_s": s.heartbeat_timeout_s, "startup_timeout_s": s.startup_timeout_s,

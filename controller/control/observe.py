@@ -13,7 +13,7 @@ import dataclasses
 import json
 import time
 
-from controller.control import records
+from controller.control import fabric, forgive, records
 from controller.control.checkpoints import CheckpointView
 from controller.control.decide import ACTIVE, JobView, NodeView, Observed, Overdue, Settings
 from controller.control.detect import in_long_phase, stall_threshold
@@ -26,6 +26,7 @@ from optimus.checkpoint.manifest import committed_steps
 HANG_CANDIDATES = 16  # nodes read in full when a hang is suspected; more: nobody stands out
 STRAGGLER_CHECK_S = 5.0  # how often the compute scores (one entry per node) are read
 REFUSAL_CHECK_S = 5.0  # how often the plan's agents are asked whether they refused it
+MESH_CHECK_S = 2.0  # how often the ring's agents' mesh reports are read (fabric.py)
 
 
 class Observer:
@@ -46,6 +47,9 @@ class Observer:
         self.prober = Prober()  # whether a silent agent's host still takes a connection
         self._watched: tuple | None = None  # (generation, _agents_seen) the prober was given
         self._addresses: dict[str, object] = {}  # registered node -> its snapshot_addr
+        self._owners: dict[str, str] = {}  # address -> the node whose record holds it
+        self._mesh_read = 0.0
+        self._mesh: tuple = (None, {}, frozenset())  # (generation, reports, refused)
         # Nodes that advertise loopback while others run elsewhere (controller/node/reach.py):
         # never planned on; the controller says each once and tells its agent.
         self.isolated: dict[str, str] = {}
@@ -69,7 +73,8 @@ class Observer:
         if job.state in ACTIVE and plan is not None and plan["action"] == "run":
             requests = self._refusals(job, plan) + requests
         operator = {"requests": requests, "control": control, "draining": draining,
-                    "known_nodes": frozenset(self.store.nodes()) if requests else frozenset()}
+                    "known_nodes": frozenset(self.store.nodes()) if requests else frozenset(),
+                    "lost": self._lost(entries, now)}
         steps = committed_steps(self.checkpoint_dir)
         latest = steps[-1] if steps else None
         if job.state in ACTIVE and plan is not None and plan["action"] == "run":
@@ -114,12 +119,47 @@ class Observer:
                         distrust=self.checkpoints.distrust,
                         excluded=excluded, **operator)
 
+    def _lost(self, entries: dict[str, dict], now: float) -> dict[str, NodeView]:
+        """The nodes excluded as lost (their exclusion's `cause`; a record without one is
+        not), as their agents show them now, for the rule that lets them back
+        (controller/control/forgive.py): while there are any, one round trip for their agents'
+        beats, and two more for the records of those that beat again (a dead node's never
+        does)."""
+        at = {n: t for n, e in entries.items()
+              if e.get("cause") == forgive.LOST and (t := records.number(e.get("time")))}
+        if not at:
+            return {}
+        names = sorted(at)
+        beats = self.store.sweep(names).agent_beats
+        beating = [n for n in names if beats.get(n)
+                   and now - self._excused(beats[n]) <= self.s.agent_silence_s]
+        info = self.store.node_info(beating)
+        status = self.store.agent_status(beating) if beating else {}
+        lost = {}
+        for name in names:
+            i, st, beat = info.get(name, {}), status.get(name, {}), beats.get(name)
+            age = now - self._excused(beat) if beat else None
+            live = records.count(st.get("live_ranks"))  # unreadable: not known to be idle
+            lost[name] = NodeView(
+                name=name, host=i.get("host", name),
+                alive=age is not None and age <= self.s.agent_timeout_s
+                and st.get("state") != "gone",
+                healthy=i.get("health") == "ok" and name not in self.isolated,
+                health=records.health(i),
+                excluded=entries[name].get("reason", ""), excluded_at=at[name],
+                live_ranks=1 if live is None else live, last_beat=beat or 0.0,
+                silent=age is None or age > self.s.agent_silence_s,
+                checked_at=records.number(i.get("ok_at")))
+        return lost
+
     def _refusals(self, job: JobView, plan: dict) -> list:
         """An agent that cannot run this generation (the job's fault, e.g. float8 where it
         cannot run) says so in its own record (`refused`, controller/node/checks.py): a stop
         of the job, with its reason, as if an operator had asked. Read every REFUSAL_CHECK_S,
         one field per plan node; not once the job is stopping. First in the tick's requests,
-        under the last request's id: `requests_seen` moves only with operators' requests."""
+        under the last request's id: `requests_seen` moves only with operators' requests.
+        A refusal on the mesh check (cause "network": a peer out of reach) is no stop: the
+        node's fault or its peer's, which fabric.py judges from every agent's report."""
         if job.desired == "stop" or time.monotonic() - self._refusals_read < REFUSAL_CHECK_S:
             return []
         self._refusals_read = time.monotonic()
@@ -128,7 +168,8 @@ class Observer:
                 said = json.loads(raw) if raw else None
             except ValueError:
                 continue
-            if isinstance(said, dict) and said.get("generation") == plan["generation"]:
+            if (isinstance(said, dict) and said.get("generation") == plan["generation"]
+                    and said.get("cause") != "network"):  # a mesh check's: fabric.py's to judge
                 return [records.request(job.requests_seen, {
                     "action": "stop", "actor": f"agent:{node}",
                     "host": str(said.get("host", ""))[:253],
@@ -197,12 +238,14 @@ class Observer:
                 agent_beats[n] = self._unbeaten.setdefault((gen, n), now)
         spares = self._spares(plan, excluded, now, compute is not None)
         unreachable = self._unreachable(plan, agent_beats, now)
+        mesh, mesh_refused = self._mesh_reports(plan)
         spare_count = (None if compute is None else
                        len(self._eligible - set(plan["nodes"])))  # for watching.stragglers
         return Observed(now=now, job=job, plan=plan, nodes={}, exits=exits,
                         overdue=self._overdue(plan, now, sweep.agent_beats),
                         latest_step=latest,
                         agent_beats=agent_beats, unreachable=unreachable,
+                        addresses=self._owners, mesh=mesh, mesh_refused=mesh_refused,
                         progress=sweep.max_step,
                         unhealthy=unhealthy, unhealthy_idle=idle,
                         nonfinite=frozenset(sweep.nonfinite),
@@ -252,10 +295,30 @@ class Observer:
         key = (plan["generation"], self._agents_seen)
         if key != self._watched:
             self._watched = key
-            self._addresses = {n: i.get("snapshot_addr") for n, i in self.store.nodes().items()}
+            infos = self.store.nodes()
+            self._addresses = {n: i.get("snapshot_addr") for n, i in infos.items()}
+            self._owners = fabric.owners(infos)  # whose address a rank could not reach
             self.prober.watch(self._addresses)
         return self.prober.unreachable({n: self._addresses.get(n) for n, b in agent_beats.items()
                                         if now - b > self.s.agent_silence_s})
+
+    def _mesh_reports(self, plan: dict) -> tuple[dict[str, tuple[str, ...]], frozenset[str]]:
+        """The ring's agents' mesh reports of this generation (controller/node/mesh.py, checked
+        by fabric.mesh_report): node -> the neighbours it cannot reach, and the plan's nodes
+        that refused to launch on it. Read every MESH_CHECK_S, one field per ring member (as
+        the refusals are), and kept between reads."""
+        gen = plan["generation"]
+        if self._mesh[0] != gen:
+            self._mesh, self._mesh_read = (gen, {}, frozenset()), 0.0
+        if time.monotonic() - self._mesh_read >= MESH_CHECK_S:
+            self._mesh_read = time.monotonic()
+            ring = fabric.Ring.of(plan)
+            said = {n: r for n, raw in self.store.agent_field(list(ring.members),
+                                                             fabric.MESH).items()
+                    if (r := fabric.mesh_report(raw, n, ring, gen)) is not None}
+            self._mesh = (gen, {n: peers for n, (peers, _) in said.items() if peers},
+                          frozenset(n for n, (_, refused) in said.items() if refused))
+        return self._mesh[1], self._mesh[2]
 
     def _overdue(self, plan: dict, now: float,
                  agent_beats: dict[str, float | None]) -> list[Overdue]:

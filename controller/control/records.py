@@ -29,7 +29,8 @@ def job_view(r: dict[str, str]) -> JobView:
                    progress_at=when("progress_at"),
                    progress_moves=int(r.get("progress_moves", 0)),
                    step_times=tuple(loaded("step_times", [])), hang_since=when("hang_since"),
-                   failures=loaded("failures", {}), stragglers=tuple(loaded("stragglers", [])),
+                   failures=loaded("failures", {}), losses=_times(loaded("losses", {})),
+                   stragglers=tuple(loaded("stragglers", [])),
                    resumed_gen=int(r["resumed_gen"]) if r.get("resumed_gen") else None,
                    resumed_step=int(r["resumed_step"]) if r.get("resumed_step") else None,
                    suspect=loaded("suspect", None), skips=tuple(loaded("skips", [])),
@@ -45,6 +46,15 @@ def _behind(value) -> dict | None:
             and type(value.get("at")) in (int, float) and isinstance(value.get("cause"), str)):
         return value
     return None
+
+
+def _times(value) -> dict:
+    """Node -> a list of times (controller/control/forgive.py's `losses`), only the entries
+    that are one: the rule counts and compares them."""
+    if not isinstance(value, dict):
+        return {}
+    return {k: [t for t in v if number(t) is not None] for k, v in value.items()
+            if isinstance(v, list)}
 
 
 def _seconds(value) -> dict:

@@ -63,6 +63,7 @@ def settings_for(job: JobConfig, job_file: str, overrides: list[str], nodes: int
         hang_step_factor=s.hang_step_factor, straggler_factor=s.straggler_factor,
         straggler_window=s.straggler_window, straggler_action=s.straggler_action,
         flaky_failures=s.flaky_failures, flaky_window_s=s.flaky_window_s,
+        lost_limit=s.lost_limit, lost_window_s=s.lost_window_s,
         heartbeat_timeout_s=s.heartbeat_timeout_s, startup_timeout_s=s.startup_timeout_s,
         agent_timeout_s=s.heartbeat_timeout_s, max_restarts=s.max_restarts,
         backoff_s=s.restart_backoff_s, backoff_max_s=s.restart_backoff_max_s,

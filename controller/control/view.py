@@ -42,6 +42,10 @@ class Settings:
     straggler_action: str = "report"
     flaky_failures: int = 1
     flaky_window_s: float = 3600.0
+    # A node excluded as lost goes back to the spares once it is back and well, unless it was
+    # lost this many times within the window (controller/control/forgive.py).
+    lost_limit: int = 3
+    lost_window_s: float = 3600.0
     # For the agents' stacks of a hang, before deciding anyway (they are usually in within a
     # second; a rank that does not answer SIGUSR1 costs its agent up to ~6 s:
     # controller/node/stacks.py)
@@ -113,6 +117,7 @@ class JobView:
     step_times: tuple[float, ...] = ()
     hang_since: float | None = None  # a hang was noticed and stacks asked for
     failures: dict = field(default_factory=dict)  # node -> times of its soft failures
+    losses: dict = field(default_factory=dict)  # node -> times it was excluded as lost
     stragglers: tuple[str, ...] = ()  # nodes reported as stragglers now
     # What the ranks of generation `resumed_gen` reported loading (None: from scratch).
     resumed_gen: int | None = None
@@ -150,6 +155,8 @@ class NodeView:
     snapshot_addr: str = ""  # host:port of its agent's snapshot server
     next_port: int = 0  # the rendezvous port its agent holds for a plan making it node 0
     failed_saves: int | None = None  # saves failed in a row, as its ranks last said
+    excluded_at: float | None = None  # when it was excluded (read for nodes excluded as lost)
+    checked_at: float | None = None  # when it last passed its health check (its agent's ok_at)
 
 
 @dataclass(frozen=True)
@@ -206,6 +213,12 @@ class Observed:
     # Plan nodes whose agents are silent and whose hosts failed twice to take a connection to
     # them (controller/control/probe.py): node -> why.
     unreachable: dict[str, str] = field(default_factory=dict)
+    # The ranks' network (controller/control/fabric.py): address -> the node whose record holds
+    # it; the ring's agents' mesh reports of this generation (node -> the neighbours it cannot
+    # reach), and the plan's nodes that refused to launch it on that check.
+    addresses: dict[str, str] = field(default_factory=dict)
+    mesh: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    mesh_refused: frozenset[str] = frozenset()
     progress: int | None = None  # the furthest step any rank is at
     unhealthy: dict[str, str] = field(default_factory=dict)  # node -> "<node>/<tile>: why"
     unhealthy_idle: frozenset[str] = frozenset()  # of those, where no rank ran since a pass
@@ -239,6 +252,9 @@ class Observed:
     # An operator's rewind taken from the requests this tick (operator.take_requests):
     # {"step", "window", "floor", "by", "reason", "said"}.
     rewind_asked: dict | None = None
+    # Nodes the controller excluded as lost (their exclusion's cause: node_lost), as their
+    # agents show them now, with `excluded_at` and `checked_at` (controller/control/forgive.py).
+    lost: dict[str, NodeView] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -267,6 +283,7 @@ class Decision:
     job: dict[str, Any] = field(default_factory=dict)  # fields to write; None deletes
     plan: dict | None = None  # the new plan, when it changes
     exclude: list[tuple[str, str]] = field(default_factory=list)  # (node, reason)
+    causes: dict[str, str] = field(default_factory=dict)  # node excluded -> detect.CAUSES
     events: list[tuple[str, str, dict]] = field(default_factory=list)  # (kind, message, more)
     commands: list[tuple[str, dict]] = field(default_factory=list)  # (node, agent command)
     control: dict | None = None  # the new control word for the ranks, when it changes

@@ -1,5 +1,7 @@
 """Whether this node may take a generation: its tiles' health check (on registering, before
-every generation it takes part in, on demand) and whether it can run the job at all.
+every generation it takes part in, on demand), whether it can run the job at all, and whether
+it reaches its peers on the ranks' network (the mesh check, mesh.py: before a launch, and
+every couple of seconds while a generation runs).
 
 The check before a generation is done ahead when it can be: once the node's ranks have left
 their generation (or while it waits as a spare), the agent runs it between its ticks, and a
@@ -10,7 +12,12 @@ kept: the plan's own check runs, fails in its turn and is reported as before. Wh
 does not change either: a tile checked before its node's next ranks start, nothing computed on
 it in between. On a spare (no rank ran there since its last pass) a check ahead that changes
 the node's health is also said at once, as a check on demand is: the controller excludes a
-spare gone bad before a plan counts on it.
+spare gone bad before a plan counts on it. A check ahead that passes once a generation's ranks
+have left is published too (quietly: the node's record, no event): a node the controller
+excluded as lost, whose agent comes back from the outage and kills the ranks of a generation
+that went on without it, is let back by that check, taken after its return
+(controller/control/forgive.py). Where Redis does not take it, it is published again at the
+next tick that can.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import time
 
 from controller.node.health_check import health_check
+from controller.node.mesh import MeshCheck
 from controller.store.store import StoreUnavailable
 
 FRESH_S = 30.0  # how long a passing check ahead of a plan stands for the plan's own
@@ -30,12 +38,15 @@ class Checks:
     ahead: dict | None = None  # a passing check done while no rank ran here, and since when
     ahead_tried = float("-inf")  # monotonic time of the last check ahead, passed or not
     ahead_after: int | None = None  # the generation whose end the last check ahead followed
+    unpublished = False  # self.info holds a result Redis has not taken yet
 
     def _check_ahead(self) -> None:
         """Between generations (no rank of this node runs, no plan for it waits), the check
         the next plan would run, done now: once a generation's ranks have left, and every
         AGAIN_S while idle where a check is a fork of the warm process, not a fresh interpreter
         (a failed one too: the plan's own check reports it)."""
+        if self.unpublished:
+            self._publish()
         if self.ended or self._live() or self._plan_waits():
             return
         now = time.monotonic()
@@ -52,14 +63,24 @@ class Checks:
             # (and the controller sets their work aside).
             if not result["ran_since_ok"] and result["health"] != self.info.get("health"):
                 self._say_health(result, "while idle")
+            elif ended and result["health"] == "ok":  # the ranks left: a pass since they did
+                self.info = {**self.info, **result}
+                self._publish()
+
+    def _publish(self) -> None:
+        """The node's record as the agent knows it (its last check's result in it); kept for
+        the next check ahead's turn if Redis does not take it now."""
+        try:
+            self.store.set_health(self.node, self.info)
+            self.unpublished = False
+        except StoreUnavailable as e:
+            self.unpublished = True
+            self._note_outage(e)
 
     def _say_health(self, result: dict, how: str) -> None:
         """Publish a check's result as the node's health and say it (`health check <how>`)."""
         self.info = {**self.info, **result}
-        try:
-            self.store.set_health(self.node, self.info)
-        except StoreUnavailable as e:
-            self._note_outage(e)
+        self._publish()
         self._event("health", f"health check {how}: {self.node} " + (
             "ok" if result["health"] == "ok" else f"bad tile {result['health_detail']}"))
 
@@ -89,10 +110,7 @@ class Checks:
                  and not self.ran_since_ok)
         self.info = {**self.info, **(ahead["result"] if fresh else self._check_health())}
         self.ahead = None  # this plan's: its ranks start now
-        try:
-            self.store.set_health(self.node, self.info)
-        except StoreUnavailable as e:
-            self._note_outage(e)
+        self._publish()
         if self.info["health"] != "ok":
             self._event("health", f"{self.node} fails its health check before generation "
                         f"{generation}: bad tile {self.info['health_detail']}")
@@ -114,6 +132,50 @@ class Checks:
         self._event("refused", f"{self.node} refuses generation {plan['generation']}: "
                     f"{problem}")
         return False
+
+    # --- the mesh check (mesh.py) -------------------------------------------------------------
+
+    mesh_check: MeshCheck | None = None
+
+    @property
+    def mesh(self) -> MeshCheck:
+        if self.mesh_check is None:
+            waker = getattr(self, "waker", None)
+            self.mesh_check = MeshCheck(self.node, on_done=waker and waker.poke)
+        return self.mesh_check
+
+    def _meshed(self, plan: dict) -> bool:
+        """The mesh check before a launch, after the health check: whether the plan's ranks
+        may start now. Not while its probes run (they wake the agent when they end); never when
+        a node of the plan is out of reach on the ranks' network: the generation is refused,
+        in `refused` with cause "network", which the controller does not take for a stop of
+        the job (observe.py): it finds whose fault it is from every agent's report (fabric.py),
+        excludes that node and plans again."""
+        verdict = self.mesh.before_launch(plan)
+        if verdict is not False:
+            return bool(verdict)
+        gen = plan["generation"]
+        if (self.refusal or {}).get("generation") != gen:
+            problem = (f"cannot reach {self.mesh.where(self.mesh.blocked)} on the ranks' "
+                       "network (no answer from its snapshot server, twice in a row)")
+            self.refusal = {"generation": gen, "host": self.host, "reason": problem,
+                            "cause": "network"}
+            self._event("mesh", f"{self.node} refuses generation {gen}: {problem}",
+                        generation=gen, refused=True, peers=",".join(self.mesh.blocked))
+        return False
+
+    def _check_mesh(self) -> None:
+        """Each tick: the ring's neighbours, while a run plan stands (mesh.py); a neighbour
+        that goes out of reach, or answers again, is said in a `mesh` event."""
+        self.mesh.poll(self.latest_plan)
+        lost, back = self.mesh.news()
+        if lost:
+            self._event("mesh", f"{self.node} cannot reach {self.mesh.where(lost)} on the "
+                        "ranks' network (mesh check: no answer from its snapshot server, twice "
+                        "in a row)", peers=",".join(lost), ok=False)
+        if back:
+            self._event("mesh", f"{self.node} reaches {self.mesh.where(back)} again on the "
+                        "ranks' network (mesh check)", peers=",".join(back), ok=True)
 
 
 def job_problem_here(job_file: str, overrides: list[str]) -> str | None:

@@ -253,6 +253,12 @@ class SupervisionConfig(Section):
     flaky_failures: PositiveInt = Field(
         1, description="attributed failures within flaky_window_s that exclude a node")
     flaky_window_s: PositiveFloat = 3600.0
+    lost_limit: PositiveInt = Field(
+        3, description="a node excluded as lost (its agent went silent) goes back to the spares "
+                       "once its agent beats again with no rank running and it passed a health "
+                       "check since, unless it was lost this many times within lost_window_s: "
+                       "then it stays excluded (1: every lost node stays out)")
+    lost_window_s: PositiveFloat = 3600.0
     when_no_spare: Literal["shrink", "wait"] = Field(
         "shrink", description="a node lost and no spare left: shrink: go on on the nodes left "
                               "(down to min_nodes), on the job's layout with a smaller dp or "
