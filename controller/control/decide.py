@@ -130,7 +130,9 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
     if _leave(obs, s, d) or _grow(obs, s, d):
         return
     _rebuddy(obs, d)
-    d.exclude += fabric.spare_cut(obs)  # a spare its ring cannot reach: out, no restart
+    for node, why in fabric.spare_cut(obs):  # a spare its ring cannot reach: out, no restart
+        d.exclude.append((node, why))
+        d.causes[node] = "network"
     found = detect.evidence(obs, s)
     training = job.state == RUNNING and job.desired != "pause"  # no stall or straggler paused
     slow = watching.stragglers(obs, s, d) if obs.compute is not None and training else {}

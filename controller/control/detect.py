@@ -5,7 +5,8 @@
 `straggling(obs, s)`. Each piece of evidence says how
 sure it is about its node:
 
-- hard: the node itself is broken (a bad tile, a lost node). It is excluded at once.
+- hard: the node itself is broken (a bad tile, a lost node, a node its peers cannot reach on
+  the ranks' network: fabric.py). It is excluded at once.
 - soft: a rank on the node failed (a crash, a frozen process, the culprit of a hang). The node
   is excluded once it has `flaky_failures` attributed failures within `flaky_window_s`
   (default 1: at once); before that the job restarts on it.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from controller.control import fabric
 from optimus.inprocess import PEER_FAILURE
 
 # Exit statuses of `optimus train` (optimus/health.py; the controller must not import optimus
@@ -38,8 +40,8 @@ COLLECTIVE_PHASES = ("grad_sync", "checkpoint_sync", "sync")
 
 HARD, SOFT, COLLATERAL = "hard", "soft", "collateral"
 # Why a generation ended, for the restarts counter (bounded: these values only).
-CAUSES = ("rank_exit", "heartbeat", "node_lost", "hang", "bad_tile", "straggler", "operator",
-          "rewind", "resize", "unattributed")
+CAUSES = ("rank_exit", "heartbeat", "node_lost", "network", "hang", "bad_tile", "straggler",
+          "operator", "rewind", "resize", "unattributed")
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,15 @@ def evidence(obs, s) -> list[Evidence]:
     found += [Evidence(o.node, f"rank {o.rank} on {o.node}: {o.detail}", SOFT, o.since,
                        "heartbeat", o.rank) for o in obs.overdue
               if o.node in in_plan and o.node not in lost and o.confirmed]
+    # The ranks' network (fabric.py): the one node every failure to connect points at is
+    # replaced as a lost one is; with none, a node that refused to launch on its mesh check
+    # holds the generation up (collateral: it restarts after settle_s, nobody excluded).
+    cut = fabric.cut(obs)
+    if cut is not None and cut.node in in_plan:
+        found.append(Evidence(cut.node, cut.what, HARD, obs.now, "network"))
+    elif cut is not None and cut.node is None:
+        found += [Evidence(n, cut.what, COLLATERAL, obs.now, "network")
+                  for n in cut.refused if n in in_plan]
     return found
 
 

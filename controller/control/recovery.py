@@ -249,7 +249,8 @@ def memory_resume(obs: Observed, chosen: list[str],
             free.remove(new)
         nodes.append(new)
         if new not in slot:  # its shards come from a node that holds them
-            source = slot[0]
+            # One still usable first: an excluded node may be alive but cut off from its peers.
+            source = next((n for n in slot if n in usable), slot[0])
             holders[new] = {"node": source, "addr": obs.nodes[source].snapshot_addr}
     return {"step": point["step"], "generation": point["generation"], "holders": holders,
             "nodes": nodes}, why

@@ -52,6 +52,7 @@ from pathlib import Path
 
 from controller.disk import Rewritten
 from controller.node import reach
+from controller.node.addresses import node_addresses
 from controller.node.checks import Checks
 from controller.node.commands import Commands
 from controller.node.folders import private_folder
@@ -124,6 +125,7 @@ class Agent(Lifecycle, Commands, Checks):
         # other hosts cannot reach (reach.py).
         self.info = {"host": self.host, "pid": os.getpid(), "machine": reach.machine(),
                      "loopback": reach.loopback(self.host),
+                     "addresses": node_addresses(),  # what its ranks' peers name (addresses.py)
                      "snapshot_addr": self.snapshots.address, **self._check_health()}
         self.spawner.mode = start_mode(self.info.get("device_kind"))
         tag = hashlib.sha1(f"{store.job}/{node}/{os.getpid()}".encode()).hexdigest()[:12]
@@ -179,6 +181,7 @@ class Agent(Lifecycle, Commands, Checks):
         finally:
             self.waker.close()
             self.ports.close()
+            self.mesh.close()
             self.spawner.close()
             self.snapshots.close()
             self.sock.close()
@@ -232,13 +235,13 @@ class Agent(Lifecycle, Commands, Checks):
                 "pids": [p.popen.pid for p in live], "rank_states": rank_states(live, self.beats),
                 "failed_saves": self.failed_saves, "refused": self.refusal or "",
                 "waiting_ranks": len(self._waiting()), "restarts": self.restarts,
-                "next_port": self.ports.port}
+                "next_port": self.ports.port, "mesh": self.mesh.report() or ""}
 
     @staticmethod
     def _told(status: dict) -> tuple:
         """What the controller plans on: a change of it wakes the controller."""
         return tuple(status[k] for k in ("generation", "state", "live_ranks", "waiting_ranks",
-                                         "refused"))
+                                         "refused", "mesh"))
 
     def _tick(self) -> None:
         status = self._status()
@@ -285,6 +288,7 @@ class Agent(Lifecycle, Commands, Checks):
             self._follow(self.latest_plan)
             self._keep_standbys()
         self._check_node_faults()
+        self._check_mesh()  # the ring's neighbours, while a run plan stands (checks.py)
         if self._told(self._status()) != told:  # launched, stopped: say so at the next turn
             self.waker.poke()
         self._check_ahead()  # between generations: the next plan's check, before it comes

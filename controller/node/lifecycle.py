@@ -60,6 +60,8 @@ class Lifecycle:
                 self.fit_for = self._healthy_for(gen) and self._can_run(plan)
             if not self.fit_for:
                 return  # the node record or the stop request says why
+            if not self._meshed(plan):
+                return  # its mesh check (checks.py): probes out, or a node of the plan unreached
             if self.spawner.warming():
                 return  # its imports are nearly done: ranks then start in milliseconds
             if self.snapshots.resume_dir(plan)[0] == "waiting":
