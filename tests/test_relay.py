@@ -142,7 +142,7 @@ def test_a_row_the_agent_would_not_write_is_not_relayed(redis_server):
     store = _store(redis_server)
     relay(store)
     before = store.agent_beats()["n1"]
-    for text in ("r1 nan", row_text({"beat": 1.0}).replace("r1", "r0"),
+    for text in ("r2 nan", row_text({"beat": 1.0}).replace("r2", "r1"),
                  row_text({"beat": float("nan")}), row_text({"beat": 1.0}) + " extra"):
         store.r.set(store.k("node:n1:row"), text)
         said = relay(store)
@@ -194,3 +194,31 @@ def test_a_pass_that_fails_to_write_is_done_again_whole(redis_server, monkeypatc
     passes.run(PLAN)
     passes.run(PLAN)
     assert [r["rank"] for _, r in store.exits()] == [1]
+
+
+def test_a_row_written_before_the_one_relayed_is_not_relayed(redis_server):
+    """A write a network cut held in the kernel's send buffer reaches Redis after the heal,
+    over the agent's newer row: relayed, its beat would make a healthy node's agent seconds
+    silent. Same incarnation (info token), lower seq: skipped; the next row goes through; an
+    agent that registered again (a new incarnation) is never held to the old one's clock."""
+    store = _store(redis_server)
+    passes = Relay(store, lambda *a, **f: None)
+    key = store.k("node:n0:row")
+
+    def write(beat: float, seq: float, info: str = "7") -> None:
+        store.r.set(key, row_text({"beat": beat, "info": info, "seq": seq}))
+        passes.run(PLAN)
+
+    write(1000.0, seq=50.0)
+    assert store.agent_beats()["n0"] == 1000.0
+    write(987.0, seq=37.0)  # 13 s older: the late write
+    assert store.agent_beats()["n0"] == 1000.0
+    write(1001.0, seq=51.0)
+    assert store.agent_beats()["n0"] == 1001.0
+    write(1002.0, seq=2.0, info="8")  # a new incarnation: its own clock
+    assert store.agent_beats()["n0"] == 1002.0
+    # the row an agent writes carries its clock, rising with every write
+    first = parse_row(store.r.get(store.k("node:n1:row")))["seq"]
+    store.speak_as("n1")
+    store.register_node("n1", {"host": "n1", "health": "ok"})
+    assert parse_row(store.r.get(store.k("node:n1:row")))["seq"] > first

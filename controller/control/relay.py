@@ -79,6 +79,7 @@ class Relay:
         self.beats: dict[str, float | None] = {}  # node -> its agent's last relayed beat
         self.mirrored: dict[str, dict] = {}  # node -> its place in each set, as last written
         self.drain_from: float | None = None
+        self.seqs: dict[str, tuple[str | None, float]] = {}  # node -> (incarnation, seq) relayed
 
     def run(self, plan: dict | None) -> None:
         """One pass (raises StoreUnavailable, like any tick's read). A pass that fails leaves
@@ -104,6 +105,8 @@ class Relay:
             row = parse_row(text)
             if row is None:
                 self._refuse(node, "row", "its row is not one the agent writes")
+                continue
+            if self._late(node, row):
                 continue
             self.rows[node] = text
             self._mirror_row(w, node, row, node in in_plan)
@@ -136,6 +139,19 @@ class Relay:
         beating = any(b is not None and time.time() - b < 3 * DISCOVER_S
                       for b in self.beats.values())
         return beating and now - self.drain_from < DRAIN_S
+
+    def _late(self, node: str, row: dict) -> bool:
+        """Whether `row` was written before the one last relayed by the same incarnation of its
+        agent (its `seq`, the agent's monotonic clock): a write a network cut held back and the
+        kernel delivered after the heal, over a newer one. Relayed, its beat would turn the
+        node's agent back in time, seconds silent, and a healthy node lost."""
+        last = self.seqs.get(node)
+        if row["seq"] is None:
+            return False
+        if last is not None and last[0] == row["info"] and row["seq"] < last[1]:
+            return True
+        self.seqs[node] = (row["info"], row["seq"])
+        return False
 
     def _mirror_row(self, w: Writes, node: str, row: dict, planned: bool) -> None:
         """The row's place in each job-wide set, written where it changed (a row changes its

@@ -30,10 +30,13 @@ OWN_EVENTS_MAXLEN = 1_000
 # The row: one string of space-separated fields, in this order ("-": none). Compact because the
 # controller reads every node's row every tick (one MGET) and a JSON decode per row would cost
 # ~10 us: 100 ms a tick at 10,923 nodes.
-ROW_VERSION = "r1"
+# `seq` is the writer's monotonic clock at the write: a row that reaches Redis after a newer
+# one of the same incarnation (a write a network cut held in the kernel's send buffer, delivered
+# after the heal) is known late and not relayed (controller/control/relay.py).
+ROW_VERSION = "r2"
 ROW_FIELDS = ("beat", "deadline", "max_step", "min_step", "outside", "nonfinite", "compute_s",
               "paused", "oldest", "peak_allocated", "peak_reserved",
-              "info", "exits", "events", "snapshots", "stacks", "port")
+              "info", "exits", "events", "snapshots", "stacks", "port", "seq")
 INCARNATION = re.compile(r"[\w.-]{1,64}")  # how an agent names its incarnation
 TOKENS = ("info", "exits", "events", "snapshots", "stacks", "port")
 
@@ -90,7 +93,7 @@ class OwnRecords:
     def _put_row(self, pipe, node: str | None = None, **fields: Any) -> None:
         node = node or self.own_node
         row = self._rows.setdefault(node, {})
-        row.update(fields)
+        row.update(fields, seq=time.monotonic())
         pipe.set(self._own("row", node), row_text(row))
 
     def register_node(self, node: str, info: dict) -> None:
