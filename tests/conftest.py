@@ -163,6 +163,7 @@ def pytest_runtest_logfinish(nodeid, location):
 # a core or more), so that the two workers do not both wait at once: the first two files go
 # to one worker each, and the third waits for whichever of them frees first.
 LONGEST_FIRST = ("test_chaos_soak", "test_compile", "test_readme", "test_control_plane",
+                 "test_multihost", "test_multihost_faults",
                  "test_moe", "test_detection", "test_parallel_matrix", "test_checkpoint_resume",
                  "test_precision", "test_pbs", "test_inprocess", "test_operator",
                  "test_planner", "test_rewind", "test_warm_start", "test_slurm",

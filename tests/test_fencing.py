@@ -279,3 +279,23 @@ def test_a_single_write_needs_no_transaction_an_operator_may_not_run(tmp_path):
             '{"kind": "health_check"}']
     finally:
         server.stop()
+
+
+def test_a_paused_leaders_mirror_appends_no_event_twice(redis_server, tmp_path):
+    """A leader paused between its decision and its mirror, a standby leading meanwhile: the
+    standby mirrors the events; the old leader, going on, finds the file grown and appends only
+    what is newer."""
+    from controller.control.event_log import EventLog
+
+    store = Store(redis_server.url, "j")
+    path = tmp_path / "events.jsonl"
+    old, new = EventLog(store, path), EventLog(store, path)
+    store.event("controller", "a", "first")
+    assert old.mirror() == 1
+    store.event("controller", "b", "second")
+    store.event("controller", "c", "third")
+    assert new.mirror() == 3 - 1  # the standby carries on after the file's last line
+    store.event("controller", "d", "fourth")
+    assert old.mirror() == 1
+    kinds = [json.loads(line)["kind"] for line in path.read_text().splitlines()]
+    assert kinds == ["a", "b", "c", "d"]

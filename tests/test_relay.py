@@ -199,8 +199,8 @@ def test_a_pass_that_fails_to_write_is_done_again_whole(redis_server, monkeypatc
 def test_a_row_written_before_the_one_relayed_is_not_relayed(redis_server):
     """A write a network cut held in the kernel's send buffer reaches Redis after the heal,
     over the agent's newer row: relayed, its beat would make a healthy node's agent seconds
-    silent. Same incarnation (info token), lower seq: skipped; the next row goes through; an
-    agent that registered again (a new incarnation) is never held to the old one's clock."""
+    silent. Earlier by both its writer's monotonic clock (seq) and its beat: skipped; the next
+    row goes through; either clock alone going back (a reboot, an NTP step) is believed."""
     store = _store(redis_server)
     passes = Relay(store, lambda *a, **f: None)
     key = store.k("node:n0:row")
@@ -215,8 +215,10 @@ def test_a_row_written_before_the_one_relayed_is_not_relayed(redis_server):
     assert store.agent_beats()["n0"] == 1000.0
     write(1001.0, seq=51.0)
     assert store.agent_beats()["n0"] == 1001.0
-    write(1002.0, seq=2.0, info="8")  # a new incarnation: its own clock
+    write(1002.0, seq=2.0, info="8")  # the host rebooted: its monotonic clock starts again
     assert store.agent_beats()["n0"] == 1002.0
+    write(990.0, seq=3.0, info="8")  # NTP stepped the wall clock back: the agent's word
+    assert store.agent_beats()["n0"] == 990.0
     # the row an agent writes carries its clock, rising with every write
     first = parse_row(store.r.get(store.k("node:n1:row")))["seq"]
     store.speak_as("n1")

@@ -32,15 +32,23 @@ class EventLog:
     def __init__(self, store: Store, path: Path):
         self.store, self.path = store, path
         self.last_id: str | None = None  # None: not known yet (read from the file first)
+        self.size = -1  # the file's size after this controller's last append
 
     def forget(self) -> None:
         """Another controller may lead now and append: read the file again before writing."""
         self.last_id = None
 
     def mirror(self) -> int:
-        """Copy the events newer than the last mirrored one; how many were copied."""
+        """Copy the events newer than the last mirrored one; how many were copied. A file
+        another controller appended to since (this one paused between its decision and its
+        mirror while a standby took over) is read again first: no line twice."""
         if self.last_id is None:
-            self.last_id = self._start_id()
+            self.last_id, self.size = self._start_id(), self._size()
+        elif self._size() != self.size:  # another leader appended while this one was paused
+            self.size = self._size()
+            written = last_mirrored_id(self.path)
+            if _id_key(written) > _id_key(self.last_id):
+                self.last_id = written
         new = self.store.events(count=BATCH, after=self.last_id)
         if not new:
             return 0
@@ -56,7 +64,14 @@ class EventLog:
                         self.path, e)
             return 0
         self.last_id = new[-1][0]
+        self.size = self._size()
         return len(new)
+
+    def _size(self) -> int:
+        try:
+            return self.path.stat().st_size
+        except OSError:
+            return -1
 
     def _start_id(self) -> str:
         """The id after which to copy: the file's last one. A stream whose newest id is older

@@ -88,6 +88,9 @@ class Observer:
         beats = self.store.agent_beats()
         names = sorted(set(info) | set(beats))
         status = self.store.agent_status(names)
+        # an agent that refused itself at registration has said so, and left
+        self.isolated = {n: why for n, why in refused.items()
+                         if status.get(n, {}).get("state") != "gone"}
         # A node whose agent is silent and whose host refused (or no longer answers) a
         # connection to it is not alive (probe.py): a node of the last plan, whose ranks died
         # with it, so that the next generation does not wait agent_timeout_s for them; a spare,

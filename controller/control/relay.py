@@ -79,7 +79,7 @@ class Relay:
         self.beats: dict[str, float | None] = {}  # node -> its agent's last relayed beat
         self.mirrored: dict[str, dict] = {}  # node -> its place in each set, as last written
         self.drain_from: float | None = None
-        self.seqs: dict[str, tuple[str | None, float]] = {}  # node -> (incarnation, seq) relayed
+        self.seqs: dict[str, tuple[float, float]] = {}  # node -> (seq, beat) last relayed
 
     def run(self, plan: dict | None) -> None:
         """One pass (raises StoreUnavailable, like any tick's read). A pass that fails leaves
@@ -141,16 +141,18 @@ class Relay:
         return beating and now - self.drain_from < DRAIN_S
 
     def _late(self, node: str, row: dict) -> bool:
-        """Whether `row` was written before the one last relayed by the same incarnation of its
-        agent (its `seq`, the agent's monotonic clock): a write a network cut held back and the
-        kernel delivered after the heal, over a newer one. Relayed, its beat would turn the
-        node's agent back in time, seconds silent, and a healthy node lost."""
+        """Whether `row` was written before the one last relayed: earlier by its writer's
+        monotonic clock (`seq`) and by its beat, a write a network cut held back and the kernel
+        delivered after the heal, over a newer one. Relayed, its beat would turn the node's
+        agent back in time, seconds silent, and a healthy node lost. Either clock alone may go
+        back for a good reason: the monotonic one when the host rebooted, the wall clock when
+        NTP steps it."""
         last = self.seqs.get(node)
-        if row["seq"] is None:
+        if row["seq"] is None or row["beat"] is None:
             return False
-        if last is not None and last[0] == row["info"] and row["seq"] < last[1]:
+        if last is not None and row["seq"] < last[0] and row["beat"] < last[1]:
             return True
-        self.seqs[node] = (row["info"], row["seq"])
+        self.seqs[node] = (row["seq"], row["beat"])
         return False
 
     def _mirror_row(self, w: Writes, node: str, row: dict, planned: bool) -> None:

@@ -224,7 +224,7 @@ class Agent(Lifecycle, Commands, Checks):
             return
         self.store.event(f"agent:{self.node}", "node_refused", why, node=self.node)
         self.store.leave(self.node)
-        raise ConfigError(why)
+        raise ConfigError(f"optimus agent --node {self.node}", why)
 
     def _status(self) -> dict:
         live = [p for p in self.procs.values() if p.running]

@@ -57,7 +57,7 @@ class Commands:
             f"node {self.node} advertises a loopback address while other nodes run elsewhere; "
             f"{reach.FIX}")
         self.store.leave(self.node)
-        raise ConfigError(why)
+        raise ConfigError(f"optimus agent --node {self.node}", why)
 
     def _dump_stacks(self, command: dict) -> None:
         """The asked ranks' stacks, gathered on a thread (a rank that does not answer SIGUSR1
