@@ -55,7 +55,7 @@ def tick_commands(p: str, node: str, status: tuple, beats: list[str], deadline: 
                     "max_step": summary.max_step, "min_step": summary.min_step,
                     "outside": summary.outside, "nonfinite": summary.nonfinite,
                     "compute_s": summary.compute_s, "paused": summary.paused,
-                    "oldest": summary.oldest_beat})
+                    "oldest": summary.oldest_beat, "seq": now})  # the simulator's one clock
     return [status,  # ("HSET", node:<node>:status, field, text, ...): the same every tick
             ("HSET", f"{p}node:{node}:ranks", *ranks),
             ("SET", f"{p}node:{node}:row", row),
@@ -113,7 +113,8 @@ def check_commands(url: str, plan: dict) -> None:
     store = Store(url, JOB)
     store.r = mock.Mock(pipeline=lambda transaction=True: Deferred())
     store._rows = {node: {"info": INFO_TOKEN}}  # as the simulator's rows carry it
-    with mock.patch.object(own_module, "time", mock.Mock(time=lambda: now)):
+    with mock.patch.object(own_module, "time", mock.Mock(time=lambda: now,
+                                                         monotonic=lambda: now)):
         store.agent_tick(node, status, {lr: json.loads(b) for lr, b in enumerate(beats)},
                          now - 0.3 - 0.11 + TIMEOUT_S, False, summary)
     theirs = [hiredis.pack_command(tuple(args)) for args, _ in recorded.command_stack]
