@@ -299,3 +299,42 @@ def test_a_paused_leaders_mirror_appends_no_event_twice(redis_server, tmp_path):
     assert old.mirror() == 1
     kinds = [json.loads(line)["kind"] for line in path.read_text().splitlines()]
     assert kinds == ["a", "b", "c", "d"]
+
+
+def test_a_decision_outlives_a_restart_of_redis_from_its_append_only_file(tmp_path):
+    """A decision is a MULTI/EXEC; Redis (7.0.15 here; fixed upstream by redis/redis#14545) replays a transaction from its AOF as the
+    default user and drops it when that user may not run its commands, so the ACL file's
+    default user, off (no one can log in as it), keeps the controller's write rules: without
+    them a requeued job (tests/test_slurm.py) or a resubmitted one (tests/test_pbs.py) came
+    back without its RUNNING state and its exclusions."""
+    acl = (ROOT / "deploy" / "redis-users.acl").read_text().replace("CHANGE-ME", "pw")
+    (tmp_path / "users.acl").write_text(acl)
+    server = RedisServer(tmp_path / "redis", "--aclfile", str(tmp_path / "users.acl"),
+                         "--appendonly", "yes", "--appendfsync", "always")
+    try:
+        client = redis.Redis(port=server.port, username="optimus-controller",
+                             password="pw-controller", decode_responses=True)
+        with client.pipeline(transaction=True) as pipe:
+            pipe.hset("optimus:{j}:excluded", "n1", json.dumps({"reason": "r"}))
+            pipe.hset("optimus:{j}:job", "state", "RUNNING")
+            pipe.execute()
+        client.close()
+        server.kill()
+        server.start()
+        client = redis.Redis(port=server.port, username="optimus-controller",
+                             password="pw-controller", decode_responses=True)
+        assert client.hgetall("optimus:{j}:excluded") == {"n1": '{"reason": "r"}'}
+        assert client.hget("optimus:{j}:job", "state") == "RUNNING"
+        client.close()
+        with contextlib.suppress(redis.AuthenticationError, redis.ResponseError), \
+                redis.Redis(port=server.port, username="default", password="") as anyone:
+            anyone.ping()
+            raise AssertionError("the default user logged in")
+        with redis.Redis(port=server.port) as anyone:
+            try:
+                anyone.get("optimus:{j}:plan")
+                raise AssertionError("a client that did not authenticate ran a command")
+            except redis.AuthenticationError:
+                pass
+    finally:
+        server.stop()

@@ -293,7 +293,8 @@ def test_redis_users_are_the_acl_files_and_none_is_unauthenticated(which, reques
     site = _acl_rules((ROOT / "deploy" / "redis-users.acl").read_text())
     del site["optimus-agent"]  # no shared agent user: one per agent
     assert _acl_rules(acl) == {**site, **_acl_rules("\n".join(file_lines(job, agents)))}
-    assert "user default off" in acl.splitlines()
+    (default,) = [line for line in acl.splitlines() if line.startswith("user default ")]
+    assert default.startswith("user default off resetpass ")  # nobody logs in as it
     assert "nopass" not in acl
     secrets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Secret"}
     passwords = {f"optimus-{u}": data[f"{u}-password"] for u in ("controller", "operator")}
