@@ -174,3 +174,18 @@ def test_a_node_whose_ranks_ran_leaves_a_failed_check_ahead_to_the_plan(node):
     node._check_ahead()
     assert node.checks == 1 and node.store.health == []
     assert [kind for kind, _ in node.events] == ["chaos"]
+
+
+def test_a_pass_after_the_ranks_left_moves_ok_at_but_not_where_a_window_opens(node):
+    """The pass published once a generation's ranks left (forgive.py's proof) vouches for
+    nothing they computed: a NaN of theirs found now still sets aside all since the pass they
+    ran after (`window_from`, controller/control/checkpoints.py). The next plan's ranks start
+    from the new pass, which is then where a window of theirs opens."""
+    node.info = {**node.info, "ok_at": 900.0, "window_from": 900.0}  # the pass gen 3 ran after
+    _generation_ran(node, 3)
+    node._check_ahead()
+    published = node.store.health[-1]
+    assert (published["ok_at"], published["window_from"]) == (node.now, 900.0)
+    node.now += FRESH_S / 2
+    assert node._healthy_for(4) and node.checks == 1  # the plan launches on it
+    assert node.store.health[-1]["window_from"] == node.now - FRESH_S / 2

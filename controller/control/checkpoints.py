@@ -11,7 +11,7 @@ loaded and set aside, which decide.py reports.
 
 A bad tile's window (the job record's `suspect`) makes suspect every checkpoint committed after
 its node last passed the health check (a rewind's, with no node: every one after the step it goes
-back to; controller/control/rewind.py) (the node record's `ok_at`, kept by its agent; the
+back to; controller/control/rewind.py) (the node record's `window_from`, kept by its agent; the
 manifests' `committed_at`, read from the newest down to the first one before it). Setting those
 aside is the controller's one write here, done only while no rank of the job runs.
 """
@@ -65,7 +65,7 @@ class CheckpointView:
         """When the window's nodes last passed their health check (the earliest of them);
         None when one has no passing check on record."""
         info = self.store.node_info(window["nodes"])
-        passed = [info.get(n, {}).get("ok_at") for n in window["nodes"]]
+        passed = [_window_from(info.get(n, {})) for n in window["nodes"]]
         return None if None in passed or not passed else min(passed)
 
     def _suspect_steps(self, window: dict, since: float | None,
@@ -116,3 +116,10 @@ class CheckpointView:
         return {"step": report.get("step"), "quarantined": aside,
                 "source": report.get("source", "disk")}
 
+
+def _window_from(info: dict) -> float | None:
+    """The pass a node's window opens at: its record's `window_from`, which a pass taken after
+    its ranks left (the check ahead, published for forgive.py) does not move, unlike `ok_at`
+    (controller/node/checks.py); `ok_at` where an older agent wrote no `window_from`."""
+    at = info["window_from"] if "window_from" in info else info.get("ok_at")
+    return at if isinstance(at, int | float) and not isinstance(at, bool) else None

@@ -17,7 +17,11 @@ have left is published too (quietly: the node's record, no event): a node the co
 excluded as lost, whose agent comes back from the outage and kills the ranks of a generation
 that went on without it, is let back by that check, taken after its return
 (controller/control/forgive.py). Where Redis does not take it, it is published again at the
-next tick that can.
+next tick that can. That pass moves the record's `ok_at` but not its `window_from`, the pass a
+bad tile's window opens at (controller/control/checkpoints.py): a check after the ranks left
+proves nothing of what they computed, and the controller may be judging their work by that
+window as it is published (a rank whose own loss went NaN exits: its agent checks at once),
+until its next plan.
 """
 
 from __future__ import annotations
@@ -64,7 +68,12 @@ class Checks:
             if not result["ran_since_ok"] and result["health"] != self.info.get("health"):
                 self._say_health(result, "while idle")
             elif ended and result["health"] == "ok":  # the ranks left: a pass since they did
-                self.info = {**self.info, **result}
+                # Its time is `ok_at` (forgive.py's proof of a check after a return), not where
+                # a bad tile's window opens (`window_from`): it vouches for nothing the ranks
+                # that just left computed, and the controller may be judging their work now.
+                self.info = {**self.info, **result,
+                             "window_from": self.info.get("window_from",
+                                                          self.info.get("ok_at"))}
                 self._publish()
 
     def _publish(self) -> None:
@@ -98,6 +107,8 @@ class Checks:
         ran = self.ran_since_ok or self._live()
         self.ran_since_ok = self._live() if result["health"] == "ok" else ran
         checked = {**result, "ran_since_ok": ran}
+        if result["health"] == "ok":  # where a window would open (but see `_check_ahead`)
+            checked["window_from"] = result["ok_at"]
         self.ahead = ({"at": time.monotonic(), "result": checked}
                       if result["health"] == "ok" and not self._live() else None)
         return checked
