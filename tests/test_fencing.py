@@ -302,9 +302,10 @@ def test_a_paused_leaders_mirror_appends_no_event_twice(redis_server, tmp_path):
 
 
 def test_a_decision_outlives_a_restart_of_redis_from_its_append_only_file(tmp_path):
-    """A decision is a MULTI/EXEC; Redis (7.0.15 here; fixed upstream by redis/redis#14545) replays a transaction from its AOF as the
-    default user and drops it when that user may not run its commands, so the ACL file's
-    default user, off (no one can log in as it), keeps the controller's write rules: without
+    """A decision is a MULTI/EXEC; Redis (7.0.15 here; fixed upstream by redis/redis#14545)
+    replays a transaction from its AOF as the default user and drops it when that user may
+    not run its commands, so the ACL file's default user, off (no one can log in as it),
+    keeps the controller's write rules: without
     them a requeued job (tests/test_slurm.py) or a resubmitted one (tests/test_pbs.py) came
     back without its RUNNING state and its exclusions."""
     acl = (ROOT / "deploy" / "redis-users.acl").read_text().replace("CHANGE-ME", "pw")
