@@ -8,8 +8,6 @@ the socket: SO_PEERCRED), which are its agent's: a rank forked from it runs in i
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import socket
 import struct
@@ -32,68 +30,30 @@ def start_warm_server(logdir: Path) -> tuple[subprocess.Popen, WarmServer]:
     return p, WarmServer(path, p.pid)
 
 
-def _serve_warm(path: str) -> None:
-    """tests/warm_zygote.py's server, each warm process forked into its client's host."""
+def _namespaces(conn: socket.socket) -> list[int]:
+    """The asking client's network, UTS and mount namespaces (its peer on the socket:
+    SO_PEERCRED), which are its agent's host's, opened in NAMESPACES' order."""
+    peer = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+    return [os.open(f"/proc/{peer}/ns/{kind}", os.O_RDONLY) for kind, _ in NAMESPACES]
+
+
+def _join(fds: list[int]) -> None:
+    """In the forked child: enter the namespaces `_namespaces` opened, before it becomes a warm
+    process."""
     import ctypes
 
-    import warm_zygote as zygote
-
-    sys.path[0] = str(ROOT)  # as warm_zygote.main: the repository, not tests/
-    import optimus.train  # noqa: F401
-    from optimus import warm
-    from optimus.cli import main as optimus_main
-
-    warm._first_use_imports()
     libc = ctypes.CDLL(None, use_errno=True)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(64)
-    server.settimeout(0.5)
-    while True:
-        for _ in warm._reaped():
-            pass
-        try:
-            conn, _ = server.accept()
-        except TimeoutError:
-            continue
-        fds, spaces = [], []
-        with conn:
-            conn.settimeout(10)
-            try:
-                request, fds = zygote._receive(conn)
-                peer = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                           12))[0]
-                for kind, flag in NAMESPACES:  # the client's: its agent's host
-                    spaces.append((os.open(f"/proc/{peer}/ns/{kind}", os.O_RDONLY), flag))
-                differs = zygote.differs(request["env"])
-                why = ("two descriptors" if len(fds) != 2 else
-                       f"{', '.join(differs)} differ" if differs else None)
-            except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
-                why = f"an unreadable request ({e})"
-            if why is not None:
-                answer = {"refused": why}
-                print(f"refused: {why}", flush=True)
-            else:
-                pid = os.fork()
-                if pid == 0:
-                    server.close()
-                    for fd, flag in spaces:
-                        if libc.setns(fd, flag) != 0:
-                            print(f"setns {flag:#x}: errno {ctypes.get_errno()}", flush=True)
-                            os._exit(1)
-                        os.close(fd)
-                    zygote._become_warm(request, fds, optimus_main)
-                answer = {"pid": pid}
-            for fd in [*fds, *(fd for fd, _ in spaces)]:
-                os.close(fd)
-            with contextlib.suppress(OSError):
-                conn.sendall((json.dumps(answer) + "\n").encode())
+    for fd, (_, flag) in zip(fds, NAMESPACES, strict=True):
+        if libc.setns(fd, flag) != 0:
+            print(f"setns {flag:#x}: errno {ctypes.get_errno()}", flush=True)
+            os._exit(1)
+        os.close(fd)
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 2:
-        _serve_warm(sys.argv[1])
+        import warm_zygote
+
+        warm_zygote.serve(sys.argv[1], joins=_namespaces, join=_join)
     else:
         sys.exit("usage: python tests/hosts_warm.py SOCKET_PATH")

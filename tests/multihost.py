@@ -107,3 +107,9 @@ def cut_for(h: Hosts, run: Path, host: str, net: str, seconds: float) -> list[in
         trace.append(steps(run))
     h.heal(host, net)
     return trace
+
+
+def generation(store, g: int, timeout: float = 60) -> dict:
+    """The plan of generation `g`, once it is the store's."""
+    return wait_for(lambda: (p := store.plan()) and p.get("generation") == g and p, timeout,
+                    f"generation {g}")

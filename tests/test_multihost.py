@@ -74,8 +74,7 @@ def test_three_hosts_replicate_over_the_data_network_and_recover_rank_0s_node(
     mh.start(h, job, ["node0", "node1", "node2"], plan_nodes=2,
            env={**TEMPLATE, "MASTER_ADDR": nowhere})
     store = h.store("e2e")
-    plan = wait_for(lambda: (p := store.plan()) and p.get("generation") == 0 and p, 60,
-                    "generation 0")
+    plan = mh.generation(store, 0)
     first, second = plan["nodes"]
     (spare,) = {"node0", "node1", "node2"} - {first, second}
     # Rank 0's rendezvous: the data address its node advertised, not loopback, not the
@@ -141,8 +140,7 @@ def test_redis_cut_off_by_silence_costs_no_step(
     job = write_job(tmp_path / "job.yaml", run, steps=mh.ENDLESS)
     mh.start(h, job, ["node0", "node1"], plan_nodes=2)
     store = h.store("e2e")
-    plan = wait_for(lambda: (p := store.plan()) and p.get("generation") == 0 and p, 60,
-                    "generation 0")
+    plan = mh.generation(store, 0)
     wait_for(lambda: mh.rank0_step(store, plan) >= 10, 120, "step 10")
     trace = mh.cut_for(h, run, "redis", "mgmt", 9)
     # Training went on through the cut, second by second.
@@ -179,8 +177,7 @@ def test_agents_cut_off_from_redis_cost_one_restart_at_most(
     job = write_job(tmp_path / "job.yaml", run, steps=mh.ENDLESS)
     mh.start(h, job, ["node0", "node1", "node2"], plan_nodes=2)
     store = h.store("e2e")
-    plan = wait_for(lambda: (p := store.plan()) and p.get("generation") == 0 and p, 60,
-                    "generation 0")
+    plan = mh.generation(store, 0)
     wait_for(lambda: mh.rank0_step(store, plan) >= 10, 120, "step 10")
     mh.cut_for(h, run, "control", "mgmt", 9)
     healed_at = time.time()
@@ -214,8 +211,7 @@ def node_cut(host_warm_server, tmp_path_factory):  # noqa: F811 (tests/hosts.py'
         job = write_job(tmp / "job.yaml", run, steps=mh.ENDLESS, memory_every=2)
         mh.start(h, job, ["node0", "node1", "node2"], plan_nodes=2)
         store = h.store("e2e")
-        plan = wait_for(lambda: (p := store.plan()) and p.get("generation") == 0 and p, 60,
-                        "generation 0")
+        plan = mh.generation(store, 0)
         culprit = plan["nodes"][1]
         wait_for(lambda: mh.rank0_step(store, plan) >= NODE_CUT_AT, 120, f"step {NODE_CUT_AT}")
         h.cut(culprit, "both")

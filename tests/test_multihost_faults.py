@@ -121,8 +121,7 @@ def test_a_leader_cut_off_mid_decision_is_fenced_and_its_plan_adopted(
     job = write_job(tmp_path / "job.yaml", run, steps=mh.ENDLESS, memory_every=2)
     mh.start(h, job, ["node0", "node1", "node2"], plan_nodes=2)
     store = h.store("e2e")
-    plan = wait_for(lambda: (p := store.plan()) and p.get("generation") == 0 and p, 60,
-                    "generation 0")
+    plan = mh.generation(store, 0)
     h.start_controller(job, nodes=2, host="control2", name="standby",
                        args=("--exit-when-done", "--standby"))
     wait_for(lambda: mh.rank0_step(store, plan) >= 10, 120, "step 10")

@@ -25,7 +25,9 @@ import json
 import os
 import signal
 import socket
+import struct
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 # What is read at import (by Python, torch, OpenMP or a device runtime): a client whose value
@@ -115,7 +117,14 @@ def _become_warm(request: dict, fds: list[int], optimus_main) -> None:
 
 
 def main() -> None:
-    path = sys.argv[1]
+    serve(sys.argv[1])
+
+
+def serve(path: str, joins: Callable[[socket.socket], list[int]] | None = None,
+          join: Callable[[list[int]], None] | None = None) -> None:
+    """Serve warm processes at `path`. `joins(conn)`, where given, opens descriptors of the
+    asking client's (tests/hosts_warm.py: its namespaces), which `join(fds)` enters in the forked
+    child before it becomes a warm process; the server closes them after the fork."""
     sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository, not tests/
     import optimus.train  # noqa: F401  (what the warm process would import, done once)
     from optimus import warm
@@ -137,14 +146,16 @@ def main() -> None:
         except TimeoutError:
             continue
         fds: list[int] = []
+        theirs: list[int] = []
         with conn:
             conn.settimeout(10)
             try:
                 request, fds = _receive(conn)
+                theirs = joins(conn) if joins else []
                 env = request["env"]
                 why = ("two descriptors" if len(fds) != 2 else
                        f"{', '.join(differs(env))} differ" if differs(env) else None)
-            except (OSError, ValueError, KeyError, TypeError) as e:
+            except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
                 why = f"an unreadable request ({e})"
             if why is not None:
                 answer = {"refused": why}
@@ -153,9 +164,11 @@ def main() -> None:
                 pid = os.fork()
                 if pid == 0:
                     server.close()
+                    if join:
+                        join(theirs)
                     _become_warm(request, fds, optimus_main)
                 answer = {"pid": pid}
-            for fd in fds:
+            for fd in [*fds, *theirs]:
                 os.close(fd)
             with contextlib.suppress(OSError):  # the client is gone: its warm process too
                 conn.sendall((json.dumps(answer) + "\n").encode())

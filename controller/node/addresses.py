@@ -10,30 +10,26 @@ loopback ones excepted (every host has them, so they name no node), at most MAX_
 from __future__ import annotations
 
 import ipaddress
-import socket
 
-import psutil
+from controller.node.reach import interfaces
 
 MAX_ADDRESSES = 32  # a host with more interfaces than this lists its first ones
 
 
 def node_addresses() -> list[str]:
-    """This host's IPv4 then IPv6 addresses (no scope suffix), loopback left out, each once,
-    at most MAX_ADDRESSES; [] when the kernel will not say."""
+    """This host's IPv4 then IPv6 addresses (controller/node/reach.py `interfaces`), loopback
+    left out, each once, at most MAX_ADDRESSES; [] when the kernel will not say."""
     try:
-        interfaces = psutil.net_if_addrs()
+        found = interfaces()
     except OSError:
         return []
     v4, v6 = [], []
-    for entries in interfaces.values():
-        for e in entries:
-            if e.family not in (socket.AF_INET, socket.AF_INET6):
-                continue
-            try:
-                ip = ipaddress.ip_address(e.address.split("%")[0])
-            except ValueError:
-                continue
-            if ip.is_loopback or ip.is_unspecified:
-                continue
-            (v4 if ip.version == 4 else v6).append(ip.compressed)
+    for address in (a for addresses in found.values() for a in addresses):
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            continue
+        if ip.is_loopback or ip.is_unspecified:
+            continue
+        (v4 if ip.version == 4 else v6).append(ip.compressed)
     return list(dict.fromkeys(v4 + v6))[:MAX_ADDRESSES]
