@@ -27,6 +27,7 @@ from cluster import (
     final_loss,
     maps_torch,
     metrics,
+    metrics_so_far,
     train_ranks,
     wait_for,
     write_job,
@@ -300,7 +301,8 @@ def _holding(text: str) -> list[int]:
 
 
 def _metrics_or_none(run: Path) -> list[dict]:
-    return metrics(run) if (run / "metrics.jsonl").exists() else []
+    """What rank 0 has logged so far: a line it is still writing is not read yet."""
+    return metrics_so_far(run)
 
 
 def test_a_failed_final_save_fails_the_job_and_a_resubmission_completes_it(redis_server, procs,
