@@ -47,7 +47,6 @@ No parallel code here: dispatch and combine are local. Expert parallelism replac
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -55,6 +54,16 @@ from contextvars import ContextVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from optimus.models.moe_routes import (
+    Slots,
+    capacity_of,
+    group_slots,
+    in_compute_dtype,
+    plan_capacity,
+    sum_slots,
+    token_major,
+)
 
 
 class GroupedExperts(nn.Module):
@@ -65,45 +74,74 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, dim))
+        # The grouped GEMM: `grouped_mm`, or a float8 one (optimus/parallel/float8_experts.py).
+        self.matmul: GroupedMM = grouped_mm
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, dim], sorted by expert, `counts[e]` rows for expert e."""
-        return swiglu_experts(x, self.w1, self.w3, self.w2, counts)
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, rows_max: int | None = None,
+                scale: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [tokens, dim], sorted by expert, `counts[e]` rows for expert e (at most
+        `rows_max` where the caller knows it); `scale`: [tokens] weights of the outputs."""
+        return swiglu_experts(x, self.w1, self.w3, self.w2, counts, rows_max, scale,
+                              self.matmul)
+
+
+# (x [rows, in] grouped by expert, w [experts, in, out], counts [experts], rows_max) -> [rows, out]
+GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "int | None"], torch.Tensor]
 
 
 def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                   counts: torch.Tensor) -> torch.Tensor:
-    """Each group of rows of `x` through its expert's SwiGLU (weights stacked by expert)."""
-    h = F.silu(grouped_mm(x, w1, counts)) * grouped_mm(x, w3, counts)
-    return grouped_mm(h, w2, counts)
+                   counts: torch.Tensor, rows_max: int | None = None,
+                   scale: torch.Tensor | None = None, mm: GroupedMM | None = None
+                   ) -> torch.Tensor:
+    """Each group of rows of `x` through its expert's SwiGLU (weights stacked by expert),
+    its output times `scale` (one weight a row) where given: the scale multiplies the hidden
+    activations before the last GEMM (a linear map: the same product), where it is one more
+    factor of the elementwise product a compiler fuses, not a pass over the output."""
+    mm = mm or grouped_mm
+    if rows_max is None and not _native_grouped_mm(x, w1):
+        rows_max = int(counts.max()) if counts.numel() else 0  # one host read, not three
+    h = F.silu(mm(x, w1, counts, rows_max)) * mm(x, w3, counts, rows_max)
+    if scale is not None:
+        h = h * scale.to(h.dtype).unsqueeze(-1)
+    return mm(h, w2, counts, rows_max)
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
+               rows_max: int | None = None) -> torch.Tensor:
     """Rows of `x` (grouped by expert, `counts[e]` for expert e) times their expert's `w[e]`.
     Under autocast (one replica's bf16: no FSDP2 to cast the weights) both operands take the
-    autocast dtype first, as a matmul under autocast would: the grouped kernel then applies."""
+    autocast dtype first, as a matmul under autocast would: the grouped kernel then applies.
+    `rows_max`, the largest count where the caller knows it, spares the padded path its one
+    host read."""
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         x, w = x.to(dtype), w.to(dtype)
+    if x.dim() == 3:  # [experts, rows, in]: every expert takes as many rows (capacity)
+        return torch.bmm(x, w)
     if _native_grouped_mm(x, w):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._grouped_mm(x, w, offs=offsets)
-    return padded_grouped_mm(x, w, counts)
+    return padded_grouped_mm(x, w, counts, rows_max)
 
 
-def padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """The same as one batched matmul over experts padded to the largest group.
+def padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
+                      rows_max: int | None = None) -> torch.Tensor:
+    """The same as one batched matmul over experts padded to the largest group (`rows_max`;
+    read from `counts` when not given: the one host read of this path). Each row's expert is
+    a search in the groups' ends, not `repeat_interleave`, which reads its size on the host.
 
     No shortcut for zero rows: the result must stay in the autograd graph even then. Under
     expert parallelism a rank that receives no tokens still takes part in the backward
     all-to-all, which only runs if the experts' output requires grad (a rank that skips it
     deadlocks the others)."""
     experts = w.shape[0]
-    expert = torch.repeat_interleave(torch.arange(experts, device=x.device), counts)
-    starts = torch.cumsum(counts, 0) - counts
-    position = torch.arange(x.shape[0], device=x.device) - starts[expert]
-    padded = x.new_zeros(experts, int(counts.max()), x.shape[-1])
-    padded = padded.index_put((expert, position), x)
+    if rows_max is None:
+        rows_max = int(counts.max()) if counts.numel() else 0
+    ends = torch.cumsum(counts, 0)
+    row = torch.arange(x.shape[0], device=x.device, dtype=ends.dtype)
+    expert = torch.searchsorted(ends, row, right=True)
+    position = row - (ends - counts)[expert]
+    padded = x.new_zeros(experts, rows_max, x.shape[-1]).index_put((expert, position), x)
     return torch.bmm(padded, w)[expert, position]
 
 
@@ -217,6 +255,7 @@ class MoE(nn.Module):
         self.step_tokens = 1  # the step's global token count (the trainer sets it)
         self.aux_total: torch.Tensor | None = None  # this rank's share of the step's aux loss
         self.z_total: torch.Tensor | None = None  # ... and of its router z-loss (unscaled)
+        self.step_bytes = 0  # sent to other ranks by expert parallelism since the last step
         # Counts summed over the ranks holding other tokens of the same global microbatch
         # (global scope) or of the same sequences (sequence scope): set by the parallel plans.
         self.sum_over_batch: Callable[[torch.Tensor], torch.Tensor] = _alone
@@ -233,6 +272,7 @@ class MoE(nn.Module):
         self.batch_slots.zero_()
         self.batch_tokens.zero_()
         self.aux_total = self.z_total = None
+        self.step_bytes = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, dim = x.shape
@@ -246,13 +286,13 @@ class MoE(nn.Module):
             extra = None  # the auxiliary losses' terms, scaled by their coefficients
             if self.balance == "aux_loss":
                 aux = self.balance_loss(scores, chosen.view(b, s, -1))
-                if _counting():
+                if counting():
                     self.aux_total = aux.detach() + (0 if self.aux_total is None
                                                      else self.aux_total)
                 extra = aux * self.aux_loss_coeff
             if self.router_z_coeff:
                 z = self.router_z_loss(logits)
-                if _counting():
+                if counting():
                     self.z_total = z.detach() + (0 if self.z_total is None else self.z_total)
                 extra = z * self.router_z_coeff + (0 if extra is None else extra)
             if extra is not None:
@@ -281,40 +321,42 @@ class MoE(nn.Module):
 
     def dispatch(self, tokens: torch.Tensor, chosen: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:
-        """Send each token to its experts, run them, and bring the weighted outputs back."""
-        kept, counts = self.slots(chosen, tokens.shape[0])
-        y = self.experts(tokens[kept // self.top_k], counts)
-        return self.combine(tokens, kept, y, weights)
+        """Send each token to its experts, run them, and bring the weighted outputs back
+        (optimus/models/moe_routes.py: how, and what each pass moves)."""
+        k = self.top_k
+        x = in_compute_dtype(tokens)
+        slots = self.slots(chosen)
+        scale = weights.reshape(-1)
+        if self.capacity_factor is None:
+            y = self.experts(x.index_select(0, slots.order // k), slots.counts,
+                             scale=scale[slots.order])
+            return sum_slots(y, token_major(torch.arange(y.shape[0], device=y.device), slots),
+                             k)
+        plan = plan_capacity(slots, self.capacity(tokens.shape[0]))
+        e, dim = self.experts_n, x.shape[-1]
+        stacked = x.index_select(0, plan.source // k).view(e, plan.rows, dim)
+        scale = torch.where(plan.filled, scale[plan.source], 0).view(e, plan.rows)
+        y = self.experts(stacked, None, plan.rows, scale=scale)
+        return sum_slots(y.view(-1, y.shape[-1]), plan.row_of_slot, k)
 
-    def slots(self, chosen: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slots that go to an expert, grouped by expert in token order (slot t * k + j is
-        token t's j-th expert), and how many each expert takes; counts the load and drops."""
-        slots = chosen.reshape(-1)
-        order = torch.argsort(slots, stable=True)
-        counts = torch.bincount(slots, minlength=self.experts_n)
-        kept = order
-        if self.capacity_factor is not None:
-            capacity = math.ceil(self.capacity_factor * n_tokens * self.top_k / self.experts_n)
-            starts = torch.cumsum(counts, 0) - counts
-            rank = torch.arange(order.numel(), device=order.device) - torch.repeat_interleave(
-                starts, counts)  # each slot's place in its expert's queue
-            kept = order[rank < capacity]
-            counts = counts.clamp(max=capacity)
-        if torch.is_grad_enabled() and _counting():  # a training pass, counted once
+    def capacity(self, n_tokens: int) -> int | None:
+        """Slots each expert takes of `n_tokens` tokens (None: dropless)."""
+        if self.capacity_factor is None:
+            return None
+        return capacity_of(self.capacity_factor, n_tokens, self.top_k, self.experts_n)
+
+    def slots(self, chosen: torch.Tensor) -> Slots:
+        """The slots grouped by expert in token order (slot t * k + j is token t's j-th
+        expert), with each expert's count; counts the load and, under a capacity, the slots
+        dropped past it (on the device: nothing here waits for it)."""
+        slots = group_slots(chosen, self.experts_n)
+        if torch.is_grad_enabled() and counting():  # a training pass, counted once
             with torch.no_grad():
-                self.load += torch.bincount(slots, minlength=self.experts_n).float()
-                self.dropped += slots.numel() - kept.numel()
-        return kept, counts
-
-    def combine(self, tokens: torch.Tensor, kept: torch.Tensor, y: torch.Tensor,
-                weights: torch.Tensor) -> torch.Tensor:
-        """Each token's experts' outputs `y` (in `kept` order), weighted and summed.
-
-        The sum is taken in float32 whatever the experts computed in (bf16 in mixed precision),
-        and returned in their dtype, as a dense feed-forward's output would be."""
-        y32 = y.float() * weights.reshape(-1)[kept].unsqueeze(-1).float()
-        out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-        return out.index_add(0, kept // self.top_k, y32).to(y.dtype)
+                self.load += slots.counts.float()
+                capacity = self.capacity(chosen.shape[0])
+                if capacity is not None:
+                    self.dropped += (slots.counts - capacity).clamp(min=0).sum()
+        return slots
 
     def router_z_loss(self, logits: torch.Tensor) -> torch.Tensor:
         """This rank's share of ST-MoE's router z-loss: the sum over its tokens of
@@ -347,7 +389,11 @@ class MoE(nn.Module):
         e, k = self.experts_n, self.top_k
         b, s, _ = chosen.shape
         with torch.no_grad():
-            per_sequence = F.one_hot(chosen.reshape(b, -1), e).sum(1).float()  # [b, E]
+            # [b, E] slots per sequence and expert: a scatter-add, not `one_hot`, whose range
+            # check reads the indices' min and max on the host.
+            flat = chosen.reshape(b, -1)
+            per_sequence = torch.zeros(b, e, device=chosen.device).scatter_add_(
+                1, flat, torch.ones(flat.shape, device=chosen.device))
             if self.aux_scope == "global":
                 counts = torch.cat([per_sequence.sum(0), per_sequence.new_full((1,), b * s)])
                 if mode != "dry":
@@ -366,10 +412,16 @@ class MoE(nn.Module):
         return fraction
 
 
-def _counting() -> bool:
+def counting() -> bool:
     """Whether this pass counts (not a recompute's replay, not a dry pass)."""
     current = _PASS.get()
     return current is None or current[0] == "record"
+
+
+def dry() -> bool:
+    """Whether this pass runs on placeholder inputs (`moe_pass("dry")`)."""
+    current = _PASS.get()
+    return current is not None and current[0] == "dry"
 
 
 def _alone(totals: torch.Tensor) -> torch.Tensor:

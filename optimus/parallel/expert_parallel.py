@@ -35,7 +35,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from optimus.models.moe import MoE, moe_layers, swiglu_experts
+from optimus.models import moe_routes
+from optimus.models.moe import MoE, counting, dry, moe_layers, swiglu_experts
+from optimus.models.moe_routes import in_compute_dtype, place_in_expert, token_major
 from optimus.runtime.dims import own_group
 
 
@@ -66,36 +68,108 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh,
 
 
 class _AllToAllDispatch:
-    """`MoE.dispatch` for one layer under expert parallelism (see the module's docstring)."""
+    """`MoE.dispatch` for one layer under expert parallelism (see the module's docstring).
+
+    `sent_bytes`: what this rank's all-to-alls have sent to other ranks (tokens, their routing
+    and the partial sums coming back; a training pass's backward counted as as many again);
+    `undeduplicated_bytes`: what a dispatch of one row a slot would have sent. Both grow from
+    the host's own split sizes: counting them reads nothing from the device."""
 
     def __init__(self, moe: MoE, group: dist.ProcessGroup):
         self.moe, self.group = moe, group
         self.ep = group.size()
+        self.me = group.rank()
         self.local = moe.experts_n // self.ep
+        self.sent_bytes = self.undeduplicated_bytes = 0
 
     def __call__(self, tokens: torch.Tensor, chosen: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:
-        moe, ep, local = self.moe, self.ep, self.local
-        kept, counts = moe.slots(chosen, tokens.shape[0])
-        # How many of each of my local experts' tokens every rank sends me: [ep, local].
-        arriving = torch.empty_like(counts)
-        dist.all_to_all_single(arriving, counts, group=self.group)
-        sent = counts.view(ep, local).sum(1).tolist()
-        got = arriving.view(ep, local).sum(1).tolist()
-        x = funcol.all_to_all_single_autograd(tokens[kept // moe.top_k], got, sent, self.group)
-        # Arrival order is by source rank, then local expert; the experts want expert-major.
-        segment = torch.repeat_interleave(torch.arange(ep * local, device=x.device), arriving)
-        order = torch.argsort((segment % local) * ep + segment // local, stable=True)
-        y = moe.experts(x[order], arriving.view(ep, local).sum(0))
-        y = y[torch.argsort(order)]  # back to arrival order
-        y = funcol.all_to_all_single_autograd(y, sent, got, self.group)
-        return moe.combine(tokens, kept, y, weights)
+        moe, ep, local, k = self.moe, self.ep, self.local, self.moe.top_k
+        n_tokens = tokens.shape[0]
+        x = in_compute_dtype(tokens)
+        slots = moe.slots(chosen)
+        counts, valid = slots.counts, None  # valid: [tokens, k], the slots not dropped
+        capacity = moe.capacity(n_tokens)
+        if capacity is not None:
+            valid = token_major(place_in_expert(slots) < capacity, slots).view(n_tokens, k)
+            counts = counts.clamp(max=capacity)
+        rank_of = torch.div(chosen, local, rounding_mode="floor")  # each slot's ep rank
+        # pair[t, r]: token t goes to rank r (once, however many of its experts live there).
+        pair = torch.zeros(n_tokens, ep, dtype=torch.int32, device=x.device).scatter_add_(
+            1, rank_of, torch.ones_like(rank_of, dtype=torch.int32) if valid is None
+            else valid.int()) > 0
+        per_rank = pair.sum(0)
+        # One exchange of small counts, then the layer's one host read: the split sizes.
+        header = torch.cat([per_rank.view(ep, 1), counts.view(ep, local)], 1)
+        arriving = torch.empty_like(header)
+        dist.all_to_all_single(arriving, header, group=self.group)
+        sizes = moe_routes.host_sizes(torch.cat([per_rank, counts.view(ep, local).sum(1),
+                                                 arriving.flatten()]))
+        sent, slots_out = sizes[:ep], sizes[ep:2 * ep]
+        rows_in = [sizes[2 * ep + r * (local + 1):2 * ep + (r + 1) * (local + 1)]
+                   for r in range(ep)]
+        got = [row[0] for row in rows_in]
+        local_counts = [sum(row[1 + e] for row in rows_in) for e in range(local)]
+        # The rows to send, rank-major, in token order within a rank.
+        wanted = pair.t().reshape(-1)
+        row = torch.argsort((~wanted).to(torch.uint8), stable=True)[:sum(sent)]
+        dest, token = torch.div(row, n_tokens, rounding_mode="floor"), row % n_tokens
+        mine = rank_of.index_select(0, token) == dest.unsqueeze(1)
+        if valid is not None:
+            mine &= valid.index_select(0, token)
+        ids = torch.where(mine, chosen.index_select(0, token) - dest.unsqueeze(1) * local, local)
+        routing = torch.cat([ids.to(weights.dtype),
+                             torch.where(mine, weights.index_select(0, token), 0)], 1)
+        x_in = funcol.all_to_all_single_autograd(x.index_select(0, token), got, sent,
+                                                 self.group)
+        routing = funcol.all_to_all_single_autograd(routing, got, sent, self.group)
+        # Fan out to the local experts (expert-major; padding places sort last), run them,
+        # and sum each arrived token's slots before the return trip.
+        places = torch.sort(routing[:, :k].detach().reshape(-1).long(), stable=True).indices
+        places = places[:sum(local_counts)]
+        y = moe.experts(x_in.index_select(0, places // k),
+                        arriving[:, 1:].sum(0), max(local_counts, default=0),
+                        scale=routing[:, k:].reshape(-1)[places])
+        partial = y.new_zeros(x_in.shape[0], y.shape[-1]).index_add(0, places // k, y)
+        back = funcol.all_to_all_single_autograd(partial, sent, got, self.group)
+        slots_in = [sum(row[1:]) for row in rows_in]
+        self._count(sent, got, slots_out, slots_in, x.element_size() * x.shape[-1],
+                    routing.element_size() * 2 * k, weights.requires_grad)
+        # Each token's partial sums, one per rank it went to: summed with float32 accumulation.
+        width = min(ep, k)  # the most ranks a token can go to
+        place = (pair.cumsum(1) - 1)[token, dest]
+        return _sum_partials(back, token * width + place, n_tokens, width)
+
+    def _count(self, sent: list[int], got: list[int], slots_out: list[int],
+               slots_in: list[int], row: int, routing: int, trained: bool) -> None:
+        """Bytes to other ranks: the tokens and their routing out, the partial sums back. A
+        training pass's backward sends as much again, counted with its first forward (an
+        activation recompute's forward sends its own, once); a dry pass counts nothing."""
+        if dry():
+            return
+        trips = 2 if torch.is_grad_enabled() and trained and counting() else 1
+        me = self.me
+        moved = trips * ((sum(sent) - sent[me]) * (row + routing) + (sum(got) - got[me]) * row)
+        self.sent_bytes += moved
+        self.moe.step_bytes += moved
+        slot_rows = sum(slots_out) - slots_out[me] + sum(slots_in) - slots_in[me]
+        self.undeduplicated_bytes += trips * slot_rows * row
 
 
-def _local_experts(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _sum_partials(back: torch.Tensor, where: torch.Tensor, n_tokens: int,
+                  width: int) -> torch.Tensor:
+    """Each token's `width` places (its partial sums, zero where it went to fewer ranks),
+    summed with float32 accumulation in the rows' dtype."""
+    buffer = back.new_zeros(n_tokens * width, back.shape[-1]).index_copy(0, where, back)
+    return buffer.view(n_tokens, width, back.shape[-1]).sum(1)
+
+
+def _local_experts(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor,
+                   rows_max: int | None = None, scale: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """This rank's experts (its shard of the stacked weights) on the tokens sent to them."""
     w1, w3, w2 = (_local(getattr(experts, n)) for n in ("w1", "w3", "w2"))
-    return swiglu_experts(x, w1, w3, w2, counts)
+    return swiglu_experts(x, w1, w3, w2, counts, rows_max, scale, experts.matmul)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
