@@ -50,6 +50,9 @@ TRAINING = (  # rank 0's logged figures (its heartbeat's `metrics`), as gauges; 
     ("step_time_s", "optimus_step_time_seconds", "Wall time of the last logged step"),
     ("checkpoint_s", "optimus_checkpoint_duration_seconds",
      "The last save, from its start to rank 0's files written"),
+    ("moe_alltoall_bytes", "optimus_moe_alltoall_bytes",
+     "Bytes the experts' all-to-alls sent between ranks in the last logged step, every rank "
+     "and MoE layer, forward and backward (0 without expert parallelism)"),
     ("val_loss", "optimus_validation_loss",
      "The last validation loss: mean cross-entropy of the held-out tokens (eval.every)"))
 # Rank 0's heartbeat's "stability" (optimus/stability.py): its verdicts along the run's line,

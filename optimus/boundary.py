@@ -147,7 +147,8 @@ class Boundary:
             "loss": loss, "tokens": self.progress.tokens, "tokens_per_s": tokens_per_s,
             "mfu": mfu, "step_time_s": step_time, "stability": self.watch.figures(),
             "checkpoint_s": ckpt.stats.last_write_s if ckpt and ckpt.stats.saves_committed
-            else None}, memory=own_memory)
+            else None, "moe_alltoall_bytes": experts["alltoall_bytes"] if experts else None},
+            memory=own_memory)
         self.log.record(StepMetrics(step=out.step, loss=loss, grad_norm=norm, lr=out.lr,
                                     tokens=self.progress.tokens, step_time_s=step_time,
                                     tokens_per_s=tokens_per_s, mfu=mfu,

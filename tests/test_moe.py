@@ -315,8 +315,11 @@ def test_moe_layouts_train_like_one_process(run_ranks, name):
             assert (got["load"], got["dropped"]) == (want["load"], want["dropped"])
             assert got["aux_loss"] == pytest.approx(want["aux_loss"], rel=1e-5)
             assert got.keys() == want.keys()  # router_z_loss when there is one
+            # What crossed between ranks: the same sum on every rank, none without EP.
+            assert (got["alltoall_bytes"] > 0) == ("ep" in parallel)
             if "router_z_loss" in want:
                 assert got["router_z_loss"] == pytest.approx(want["router_z_loss"], rel=1e-5)
+    assert len({tuple(m["alltoall_bytes"] for m in r["moe"]) for r in ranks}) == 1
     assert sum(one["moe"][0]["load"][0]) == BATCH * 32 * 2  # every token of the step, twice
     assert merged.keys() == one["state"].keys()
     for key, value in one["state"].items():

@@ -37,6 +37,7 @@ CONTRACT = {
     "optimus_tokens_per_second",
     "optimus_mfu_ratio",
     "optimus_step_time_seconds",
+    "optimus_moe_alltoall_bytes",
     "optimus_memory_peak_allocated_bytes",
     "optimus_memory_peak_reserved_bytes",
     "optimus_ranks",

@@ -37,8 +37,13 @@ rank (`moe_pass("dry")`).
 
 Expert weights are stacked, [experts, in, out], and computed by grouped GEMM:
 `torch._grouped_mm` where the device has it (CUDA, bf16, compute capability 9+), a padded
-batched matmul elsewhere (on CPU `_grouped_mm` has no backward in torch 2.13). In bf16 mixed
-precision the experts run in bf16 and their weighted outputs are summed in float32 (`combine`).
+batched matmul elsewhere (on CPU `_grouped_mm` has no backward in torch 2.13), or a float8 one
+(`training.float8_experts`). In bf16 mixed precision the slots move in bf16 and each token's
+weighted outputs are summed with float32 accumulation (optimus/models/moe_routes.py: the
+passes, and why none makes a float32 copy of the experts' rows). Nothing in the layer reads
+the device from the host but the padded GEMM's largest group (one read a layer, dropless, off
+the native kernel); under a capacity, none. The ops it dispatches do not grow with the number
+of experts.
 
 No parallel code here: dispatch and combine are local. Expert parallelism replaces
 `MoE.dispatch` from outside; the parallel plans set `MoE.sum_over_batch` and

@@ -8,7 +8,8 @@ each rank adds its own tokens' probabilities times the shared fractions.
 
 After each step (`expert_step`), every MoE layer's counts of the step (slots routed to each of
 its experts, slots dropped for capacity, its share of the auxiliary loss and of the router
-z-loss) are summed over every rank, one all-reduce of a [n_layers, experts + 3] tensor indexed
+z-loss, the bytes its expert-parallel all-to-alls sent to other ranks) are summed over every
+rank, one all-reduce of a [n_layers, experts + 4] tensor indexed
 by global layer per parallel axis: a pipeline stage fills its own rows, a data-parallel replica
 or a tensor-parallel sequence shard adds its tokens. So every rank sees the whole model's load.
 With `balance: bias` each layer then moves its expert bias by `bias_update_rate` towards the
@@ -58,12 +59,12 @@ def expert_step(layers: list[MoE], cfg, mesh: DeviceMesh, device: torch.device,
     """Sum the step's load over the data-parallel replicas, pipeline stages and tensor-parallel
     sequence shards, update the biases (unless `held`, 1.0 on the device where the step's update
     was held back: such a step leaves them too), reset the counters. Returns the summed
-    [n_layers, experts + 3] figures on the device (None without MoE), read by the host only
+    [n_layers, experts + 4] figures on the device (None without MoE), read by the host only
     when the step is logged (`expert_figures`): nothing here waits on the device."""
     m = cfg.moe
     if not m.experts:
         return None
-    stats = torch.zeros(cfg.n_layers, m.experts + 3, device=device)
+    stats = torch.zeros(cfg.n_layers, m.experts + 4, device=device)
     for layer in layers:
         stats[layer.layer, :m.experts] = layer.load
         stats[layer.layer, m.experts] = layer.dropped
@@ -71,6 +72,7 @@ def expert_step(layers: list[MoE], cfg, mesh: DeviceMesh, device: torch.device,
             stats[layer.layer, m.experts + 1] = layer.aux_total
         if layer.z_total is not None:
             stats[layer.layer, m.experts + 2] = layer.z_total
+        stats[layer.layer, m.experts + 3] = float(layer.step_bytes)  # a host number: no wait
     for axis in ("dp", "pp", "tp"):  # tp ranks route their own shares of the sequence
         if mesh[axis].size() > 1:
             dist.all_reduce(stats, group=mesh[axis].get_group())
@@ -87,15 +89,18 @@ def expert_step(layers: list[MoE], cfg, mesh: DeviceMesh, device: torch.device,
 def expert_figures(values: list[float], cfg) -> dict:
     """A logged step's figures of the experts from `expert_step`'s tensor, read on the host (flat,
     row by row): {"load": per MoE layer, "dropped": slots, "aux_loss": the step's,
-    token-weighted, mean over layers; with a router z-loss, "router_z_loss": the mean over tokens
-    of logsumexp(router logits)^2, unscaled, mean over layers}."""
+    token-weighted, mean over layers; "alltoall_bytes": what the experts' all-to-alls sent
+    between ranks in the step, every layer and rank, forward and backward (0 without expert
+    parallelism); with a router z-loss, "router_z_loss": the mean over tokens of
+    logsumexp(router logits)^2, unscaled, mean over layers}."""
     m = cfg.moe
-    width = m.experts + 3
+    width = m.experts + 4
     rows = [values[i * width:(i + 1) * width]
             for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]
     out = {"load": [[int(v) for v in row[:m.experts]] for row in rows],
            "dropped": int(sum(row[m.experts] for row in rows)),
-           "aux_loss": sum(row[m.experts + 1] for row in rows) / len(rows)}
+           "aux_loss": sum(row[m.experts + 1] for row in rows) / len(rows),
+           "alltoall_bytes": int(sum(row[m.experts + 3] for row in rows))}
     if m.router_z_loss:
         out["router_z_loss"] = sum(row[m.experts + 2] for row in rows) / len(rows)
     return out
