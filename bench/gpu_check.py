@@ -5,12 +5,12 @@
 The GPU machines' image carries its own torch (2.11 when this was written), not the 2.13 the
 project pins. Rather than trust a version table, each piece a part needs is tried here, on the
 device, in a few seconds: the imports of the training path, the names it takes from torch
-(some private, some newer than 2.11), a float8 matmul, a compiled kernel, the grouped GEMM,
-DCP's async stager and writer process, the memory tracker, torch's sync debug mode (that it
-warns on a known synchronisation, or bench/mfu.py's counts would read 0), and the torchtitan
-peer's import (bench/torchtitan_peer.py, with its stand-ins for torch 2.11). It prints one
-line per part (or mfu mode) that cannot run and why, then one line per fallback taken, and
-writes for gpu.sh:
+(some private, some newer than 2.11), a float8 matmul, a compiled kernel, the grouped GEMM and
+its rowwise float8 form (training.float8_experts), DCP's async stager and writer process, the
+memory tracker, torch's sync debug mode (that it warns on a known synchronisation, or
+bench/mfu.py's counts would read 0), and the torchtitan peer's import
+(bench/torchtitan_peer.py, with its stand-ins for torch 2.11). It prints one line per part (or
+mfu mode) that cannot run and why, then one line per fallback taken, and writes for gpu.sh:
 
     DIR/mfu_modes.txt     the runnable modes of bench/mfu.py, comma-separated (empty: none)
     DIR/skip_parts.txt    one part name a line: the parts gpu.sh leaves out
@@ -122,6 +122,33 @@ def probe_grouped_mm() -> str | None:
     return None
 
 
+def probe_float8_grouped_mm() -> str | None:
+    """None if the rowwise float8 grouped GEMM of training.float8_experts runs here, forward and
+    backward, within float8's error of bf16's; else why (the experts then stay in bf16)."""
+    try:
+        from optimus.models.moe import grouped_mm
+        from optimus.parallel.float8_experts import Float8GroupedMM, float8_experts_problem
+    except Exception as e:  # noqa: BLE001
+        return f"optimus/parallel/float8_experts.py does not import: {tail(e)}"
+    problem = float8_experts_problem("rowwise", torch.device("cuda"))
+    if problem:
+        return problem
+    try:
+        counts = torch.tensor([40, 0, 70, 18], device="cuda")  # uneven, one expert empty
+        x = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(4, 64, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out = Float8GroupedMM("rowwise")(x, w, counts)
+        out.float().square().sum().backward()
+        ref = grouped_mm(x.detach(), w.detach(), counts).float()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        return f"the rowwise float8 grouped GEMM fails: {tail(e)}"
+    error = float((out.detach().float() - ref).norm() / ref.norm())
+    if error > 0.1 or w.grad[1].abs().max() != 0:  # e4m3 rounding: about 4% of the norm
+        return f"the rowwise float8 grouped GEMM is wrong: {error:.1%} from bf16's"
+    return None
+
+
 def probe_torchtitan() -> tuple[str | None, list[str]]:
     """None if bench/torchtitan_peer.py's torchtitan imports here (else why not), and the
     stand-ins it put into torch for that."""
@@ -181,6 +208,10 @@ def main() -> None:
         if probes["grouped_mm"]:
             fallbacks.append(f"moe: {probes['grouped_mm']}; the experts take the padded bmm "
                              "path (slower; bench/moe.py's grouped-GEMM figure says so)")
+        probes["float8_grouped_mm"] = probe_float8_grouped_mm()
+        if probes["float8_grouped_mm"]:
+            fallbacks.append(f"moe: no float8 experts: {probes['float8_grouped_mm']}; "
+                             "training.float8_experts is refused here")
         try:
             from optimus.checkpoint import writer_process
             if writer_process._executor is None:

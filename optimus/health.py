@@ -53,7 +53,8 @@ ends normally. Version 1 of the datagram, every field always present:
   far, all ranks), "tokens_per_s", "mfu" (null where the device's peak is unknown),
   "step_time_s", "checkpoint_s" (the last save, from its start to this rank's files written;
   null before one), "moe_alltoall_bytes" (what the experts' all-to-alls sent between ranks
-  in the step, whole job; null without experts)}. The controller's Prometheus exporter reads them from Redis.
+  in the step, whole job; null without experts)}. The controller's Prometheus exporter reads
+  them from Redis.
 - memory: null until a step is logged, then this rank's own peak memory in that step:
   {"allocated_bytes", "reserved_bytes"} (optimus/runtime/memory.py; on a CPU, both the peak
   resident set size so far). Each agent keeps its node's largest; the exporter and `optimus job

@@ -127,6 +127,10 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             log.event("float8", float8_message(job.training.float8, device.type,
                                                model.float8_skipped),
                       skipped=dict(model.float8_skipped))
+        if job.training.float8_experts != "off":
+            log.event("float8_experts", f"the experts' grouped GEMMs in float8 "
+                      f"({job.training.float8_experts} scales); bf16 is the reference",
+                      recipe=job.training.float8_experts)
 
         # Checkpoints: resume from the in-memory snapshot the agent names when every rank can,
         # else from the newest disk checkpoint that verifies; then save every `interval`, and

@@ -82,7 +82,7 @@ def run(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node: int, 
 
     config = load_job(job, list(overrides))
     check_job(config, world=nodes * ranks_per_node, source=str(job))
-    if config.training.float8 != "off":  # torch and torchao: ~1.5 s of CPU, only when asked
+    if config.training.float8_asked:  # torch and torchao: ~1.5 s of CPU, only when asked
         from optimus.parallel.float8 import check_float8_here
 
         check_float8_here(config, source=str(job))  # the nodes are this machine

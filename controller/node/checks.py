@@ -200,7 +200,7 @@ def job_problem_here(job_file: str, overrides: list[str]) -> str | None:
         job = load_job(job_file, list(overrides))
     except ConfigError:
         return None  # each rank names that problem in its log, as it always has
-    if job.training.float8 == "off":
+    if not job.training.float8_asked:
         return None
     from optimus.parallel.float8 import check_float8_here
 

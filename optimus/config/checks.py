@@ -31,6 +31,11 @@ class ConfigError(ValueError):
         return f"{self.source}: {len(lines)} problems\n" + "\n".join(f"  {s}" for s in lines)
 
 
+# training.float8_experts: the multiple its kernels need of the experts' dims, and to which
+# each expert's rows are padded: 16 for rowwise float8 GEMMs, the 32-value block of mxfp8.
+FLOAT8_EXPERTS_MULTIPLE = {"rowwise": 16, "mxfp8": 32}
+
+
 @dataclass(frozen=True)
 class Layout:
     """Parallel degrees resolved for one world size. Experts borrow their ranks from dp."""
@@ -87,6 +92,7 @@ def _job_problems(job: JobConfig) -> list[tuple[str, str, str]]:
                     f"(tp={p.tp}) is not supported: the tp plan's sequence-parallel inputs and "
                     "its kv-head copies have no float8 counterpart here",
                     "set parallel.tp: 1 (shard with dp instead), or training.float8: off"))
+    out += _float8_experts_problems(job)
     if d.seq_len > m.max_seq_len:
         out.append(("data.seq_len", f"{d.seq_len} is longer than model.max_seq_len="
                     f"{m.max_seq_len}", f"use seq_len <= {m.max_seq_len}"))
@@ -146,6 +152,27 @@ def _job_problems(job: JobConfig) -> list[tuple[str, str, str]]:
                         f"{', '.join('{' + n + '}' for n in sorted(names))}",
                         "use only those, or none"))
     return out
+
+
+def _float8_experts_problems(job: JobConfig) -> list[tuple[str, str, str]]:
+    """training.float8_experts against the model: experts to convert, and dims its kernels
+    take. Whether the device can run it is asked on the machine, before any rank starts
+    (optimus/parallel/float8.py `check_float8_here`)."""
+    recipe, m = job.training.float8_experts, job.model
+    if recipe == "off":
+        return []
+    off = "set training.float8_experts: off"
+    if not m.moe.experts:
+        return [("training.float8_experts", f"{recipe} needs model.moe.experts > 0: a dense "
+                 "model has no grouped experts (training.float8 converts its linears)", off)]
+    multiple = FLOAT8_EXPERTS_MULTIPLE[recipe]
+    dims = {"model.dim": m.dim, "model.moe.expert_ffn_dim": m.moe.expert_ffn_dim}
+    odd = [f"{key}={value}" for key, value in dims.items() if value % multiple]
+    if odd:
+        return [("training.float8_experts", f"{recipe} float8 grouped GEMMs need the experts' "
+                 f"dims in multiples of {multiple}, not {' and '.join(odd)}",
+                 f"use multiples of {multiple}, or {off}")]
+    return []
 
 
 def _fit(job: JobConfig, world: int) -> tuple[Layout | None, list[tuple[str, str, str]]]:

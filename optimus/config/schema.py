@@ -135,6 +135,15 @@ class TrainingConfig(Section):
         description="under float8, a block linear narrower than this on either side stays in "
                     "high precision (its scaling and casting would cost more than its faster "
                     "matmul saves); where float8 starts to pay depends on the device")
+    float8_experts: Literal["off", "rowwise", "mxfp8"] = Field(
+        "off", description="float8 grouped GEMMs in the MoE layers' experts (torchao): rowwise "
+                           "scales (CUDA 9.0+: H100, H200) or mxfp8, one scale per 32 values "
+                           "(CUDA 10.0: B200); off: bf16, the reference")
+
+    @property
+    def float8_asked(self) -> bool:
+        """Whether the job asks for any float8 (its device is then checked before ranks start)."""
+        return self.float8 != "off" or self.float8_experts != "off"
 
 
 class OptimConfig(Section):

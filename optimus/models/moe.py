@@ -103,7 +103,7 @@ def swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
     activations before the last GEMM (a linear map: the same product), where it is one more
     factor of the elementwise product a compiler fuses, not a pass over the output."""
     mm = mm or grouped_mm
-    if rows_max is None and not _native_grouped_mm(x, w1):
+    if rows_max is None and mm is grouped_mm and x.dim() == 2 and not _native_grouped_mm(x, w1):
         rows_max = int(counts.max()) if counts.numel() else 0  # one host read, not three
     h = F.silu(mm(x, w1, counts, rows_max)) * mm(x, w3, counts, rows_max)
     if scale is not None:

@@ -82,17 +82,19 @@ def skip_reason(name: str, module: nn.Module, min_dim: int = MIN_DIM) -> str | N
     In order: the output head (`output`: the logits feed the loss, whose softmax is taken in
     fp32; float8 error there reaches every token's loss directly); MoE routers (`router`: their
     scores pick the experts, and float8 rounding would flip near-tied choices); grouped experts
-    (stacked [experts, in, out] weights, not nn.Linear: torchao's float8 grouped GEMM is not
-    wired in here); a dimension not a multiple of 16 (float8 matmul kernels need both); and
-    the rule "both in_features and out_features >= `min_dim`" (`training.float8_min_dim`,
-    default 1024). Below that the per-call cost of scaling and casting the operands, which is
-    memory-bound, takes back most of what the faster matmul saves. torchao's own filter, drawn
-    from H100 measurements, skips layers up to about 1024 wide under tensorwise and 2048 under
-    rowwise; 1024 for both keeps the projections of a 1B-class model (dim 2048) in float8.
+    (stacked [experts, in, out] weights, not nn.Linear: `training.float8_experts` gives them
+    float8 grouped GEMMs, optimus/parallel/float8_experts.py); a dimension not a multiple of 16
+    (float8 matmul kernels need both); and the rule "both in_features and out_features >=
+    `min_dim`" (`training.float8_min_dim`, default 1024). Below that the per-call cost of
+    scaling and casting the operands, which is memory-bound, takes back most of what the faster
+    matmul saves. torchao's own filter, drawn from H100 measurements, skips layers up to about
+    1024 wide under tensorwise and 2048 under rowwise; 1024 for both keeps the projections of a
+    1B-class model (dim 2048) in float8.
     """
     leaf = name.rsplit(".", 1)[-1]
     if isinstance(module, GroupedExperts):
-        return "grouped experts: stacked weights, not nn.Linear"
+        return ("grouped experts (stacked weights, not nn.Linear): converted by "
+                "training.float8_experts, not training.float8")
     if leaf == "output":
         return "the output head: the logits stay in high precision for the loss"
     if leaf == "router":
@@ -166,31 +168,51 @@ def torchao_problem() -> str | None:
 
 
 def check_float8_here(job: JobConfig, source: str = "job") -> None:
-    """Raise ConfigError if `job` asks for float8 and this machine cannot run it: torchao
-    missing, or a device without float8 matmuls. Runs before any rank starts: in `optimus
-    train`, `optimus run`, and in the node agent before it spawns ranks."""
-    if job.training.float8 == "off":
-        return
-    problem, fix = torchao_problem(), f"{INSTALL_HINT}, or set training.float8: off"
-    if problem is None:
-        problem = device_problem_here(job.parallel.device, job.training.float8)
-        fix = "run on a device with float8 matmuls, or set training.float8: off"
-    if problem is not None:
-        raise ConfigError(source, problems=[
-            ("training.float8", f"{job.training.float8} cannot run here: {problem}", fix)])
+    """Raise ConfigError if `job` asks for float8 (`training.float8`, `training.float8_experts`)
+    and this machine cannot run it: torchao missing, or a device without the float8 kernels.
+    Runs before any rank starts: in `optimus train`, `optimus run`, and in the node agent
+    before it spawns ranks."""
+    problems = []
+    recipe = job.training.float8
+    if recipe != "off":
+        problem, fix = torchao_problem(), f"{INSTALL_HINT}, or set training.float8: off"
+        if problem is None:
+            problem = device_problem_here(job.parallel.device, recipe)
+            fix = "run on a device with float8 matmuls, or set training.float8: off"
+        if problem is not None:
+            problems.append(("training.float8", f"{recipe} cannot run here: {problem}", fix))
+    recipe = job.training.float8_experts
+    if recipe != "off" and (device := device_here(job.parallel.device)) is not None:
+        from optimus.parallel.float8_experts import float8_experts_fix, float8_experts_problem
+
+        problem = float8_experts_problem(recipe, device)
+        if problem is not None:
+            problems.append(("training.float8_experts", f"{recipe} cannot run here: {problem}",
+                             float8_experts_fix(recipe)))
+    if problems:
+        raise ConfigError(source, problems=problems)
 
 
 def device_problem_here(kind: str = "auto", recipe: str = "tensorwise") -> str | None:
     """`float8_problem` for the device a rank of this machine gets with `parallel.device`
     `kind` (its first one: a node's accelerators are all of one model)."""
+    device = device_here(kind)
+    if device is None:
+        return None
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return float8_problem(device.type, capability, recipe)
+
+
+def device_here(kind: str = "auto") -> torch.device | None:
+    """The device a rank of this machine gets with `parallel.device` `kind` (its first one: a
+    node's accelerators are all of one model), or None where it gets none (the trainer names
+    that problem itself)."""
     from optimus.runtime.device import DeviceError, pick_device
 
     try:
-        device = pick_device(kind)
+        return pick_device(kind)
     except DeviceError:
-        return None  # the trainer names that problem itself
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    return float8_problem(device.type, capability, recipe)
+        return None
 
 
 def float8_note(kind: str) -> str:
@@ -214,8 +236,13 @@ def import_torchao_float8():
     """`torchao.float8`, without the lines torchao logs while importing: it tries to load its
     prebuilt CUDA kernels (none of which float8 training uses: its matmuls are torch's
     `_scaled_mm`) and warns of a pytree registration deprecated in torch 2.13."""
+    return import_quietly("torchao.float8")
+
+
+def import_quietly(module: str):
+    """Import a torchao `module` without the lines torchao logs while importing."""
     with _quiet("torchao", "torch.utils._pytree"):
-        return importlib.import_module("torchao.float8")
+        return importlib.import_module(module)
 
 
 @contextlib.contextmanager

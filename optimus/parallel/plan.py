@@ -1,8 +1,9 @@
 """Build this rank's share of the model for a layout, and run one step's forward and backward.
 
-Plans are applied in one fixed order: pipeline split, then per stage float8 conversion ->
-tensor parallel -> expert parallel -> activation checkpointing -> compile -> data-parallel
-sharding and mixed precision (FSDP2 over `dp`, experts over `edp`), all on the meta device;
+Plans are applied in one fixed order: pipeline split, then per stage float8 conversion (the
+linears, `training.float8`; the experts' grouped GEMMs, `training.float8_experts`) -> tensor
+parallel -> expert parallel -> activation checkpointing -> compile -> data-parallel sharding
+and mixed precision (FSDP2 over `dp`, experts over `edp`), all on the meta device;
 only then are this rank's shards allocated and initialised. At dp 1 nothing is sharded and
 FSDP2 is not applied: bf16 is autocast around every forward instead (`compute`,
 optimus/parallel/data_parallel.py says why).
@@ -35,6 +36,7 @@ from optimus.parallel.data_parallel import (
 from optimus.parallel.expert_parallel import apply_expert_parallel, expert_group
 from optimus.parallel.experts import share_balance_counts
 from optimus.parallel.float8 import apply_float8
+from optimus.parallel.float8_experts import apply_float8_experts
 from optimus.parallel.loss import (  # noqa: F401 (the first two are re-exported)
     IGNORE_INDEX,
     TokenSumLoss,
@@ -206,6 +208,8 @@ def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
             float8_skipped += apply_float8(
                 part, recipe, fsdp_float8_all_gather=recipe == "tensorwise" and layout.dp > 1,
                 min_dim=job.training.float8_min_dim)
+        if job.training.float8_experts != "off":  # their `matmul`: EP and FSDP2 keep it
+            apply_float8_experts(part, job.training.float8_experts)
         if layout.tp > 1:
             apply_tensor_parallel(part, mesh["tp"])
         if layout.ep > 1:
