@@ -378,7 +378,7 @@ class MoE(nn.Module):
         share of the step's tokens. `chosen` is [sequences, positions, k]. Only the counts
         cross ranks; each rank adds its own tokens' probabilities."""
         e = self.experts_n
-        probs = scores / scores.sum(-1, keepdim=True)  # softmax already sums to 1
+        probs = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
         b, s, _ = chosen.shape
         fraction = self._fractions(chosen)  # [E] (global) or [b, E] (sequence)
         per_sequence = probs.view(b, s, e).sum(1)  # [b, E]
