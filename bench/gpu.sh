@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Everything of issues 16, 19 and 55 that needs a GPU, on one H100 or H200, in one command of
-# at most 9 minutes (the device machine allows 10 a command, and a session 15 of device time,
-# the machine's start included).
+# Every benchmark that needs a GPU (MFU and its peer, the MoE layer, checkpoints, the planner's
+# memory), on one H100 or H200, in one command of at most 9 minutes (a device machine allows 10
+# a command, and 15 of device time a lease, the machine's start included).
 #
 # First, bench/gpu_check.py tries on this machine each piece the parts need (the training
 # path's imports and the private or recent torch names it uses, a float8 matmul, a compiled
@@ -24,8 +24,14 @@
 #                                                               ratio to mfu's Optimus figure
 #   profile: bench/gpu_profile.py, compiled bf16       100 s   where the trainer's step differs
 #                                                               from the plain loop's (profiler)
+#   moe: bench/moe.py --device cuda                     90 s   Mula-7B-A1B's MoE layer (4,096
+#                                                               tokens, bf16) after, before,
+#                                                               torchtitan's, dense: time, bytes,
+#                                                               ops, memory; EP 2/4 all-to-all
+#                                                               bytes (4 gloo CPU processes); a
+#                                                               4-layer training step, bf16 and
+#                                                               float8 experts (2 runs of 10)
 #   mfu_rest: bench/mfu.py, the six other modes        300 s   issue 16: recompute op, eager
-#   moe: bench/moe.py --device cuda --ep 1              60 s   one GPU: no expert parallelism
 #   checkpoint: bench/checkpoint.py --rounds 1          75 s   ~300 MB of state, 25 timed writes
 #   planner_memory: bench/planner_memory.py             40 s   7 one-step layouts of a 170M
 #                                                               model: the planner's memory
@@ -35,7 +41,7 @@
 # The limits add up to more than 9 minutes: the command keeps to GPU_DEADLINE_S (525 s from its
 # start, default) by cutting each part's limit to the time left, and leaves out (recorded as
 # such) a part that would have under 30 s. In 15 minutes of device time, one full call (with
-# the machine's start) and a short second one for what it left out (GPU_PARTS="moe checkpoint
+# the machine's start) and a short second one for what it left out (GPU_PARTS="mfu_rest checkpoint
 # planner_memory", say) fit.
 #
 # A part that runs past its limit is stopped and the rest still run; bench/mfu.py writes its
@@ -78,7 +84,7 @@ DIR=${1:-${OUT:-$REPO/bench/gpu-out}}
 WITH_TESTS=${GPU_TESTS:-0}
 # GPU_PARTS: which parts run (default all, in this order); e.g. GPU_PARTS="checkpoint profile"
 # re-runs two.
-PARTS=" ${GPU_PARTS:-mfu torchtitan profile mfu_rest moe checkpoint planner_memory} "
+PARTS=" ${GPU_PARTS:-mfu torchtitan profile moe mfu_rest checkpoint planner_memory} "
 DEADLINE=${GPU_DEADLINE_S:-525}  # seconds from the start by which every part has ended
 KEY_MODES=",compiled-bf16-none,compiled-float8-none,"  # the mfu part's; the rest: mfu_rest
 PYTHON=${PYTHON:-python3}
@@ -191,9 +197,9 @@ part profile 100 "$PYTHON" bench/gpu_profile.py --device cuda --modes compiled-b
 if [ -d "$DIR/traces" ]; then  # one file back, not two (a device call returns at most 8)
   tar -cf "$DIR/profile-traces.tar" -C "$DIR" traces && rm -rf "$DIR/traces"
 fi
+part moe 90 "$PYTHON" bench/moe.py --device cuda
 part mfu_rest 300 "$PYTHON" bench/mfu.py --device cuda --steps 10 --warmup 3 --modes "$REST" \
   --out "$DIR/mfu_rest.json"
-part moe 60 "$PYTHON" bench/moe.py --device cuda --ep 1
 part checkpoint 75 "$PYTHON" bench/checkpoint.py --device cuda --rounds 1
 part planner_memory 40 "$PYTHON" bench/planner_memory.py --device cuda
 

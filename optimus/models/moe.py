@@ -63,11 +63,12 @@ from torch import nn
 from optimus.models.moe_routes import (
     Slots,
     capacity_of,
+    fold,
     group_slots,
     in_compute_dtype,
     plan_capacity,
+    spread,
     sum_slots,
-    token_major,
 )
 
 
@@ -333,10 +334,9 @@ class MoE(nn.Module):
         slots = self.slots(chosen)
         scale = weights.reshape(-1)
         if self.capacity_factor is None:
-            y = self.experts(x.index_select(0, slots.order // k), slots.counts,
-                             scale=scale[slots.order])
-            return sum_slots(y, token_major(torch.arange(y.shape[0], device=y.device), slots),
-                             k)
+            rows, row_of_slot = spread(x, slots, k)
+            y = self.experts(rows, slots.counts, scale=scale[slots.order])
+            return fold(y, row_of_slot, slots, k)
         plan = plan_capacity(slots, self.capacity(tokens.shape[0]))
         e, dim = self.experts_n, x.shape[-1]
         stacked = x.index_select(0, plan.source // k).view(e, plan.rows, dim)

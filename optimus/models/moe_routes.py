@@ -75,6 +75,60 @@ def host_sizes(counts: torch.Tensor) -> list[int]:
     return counts.tolist()
 
 
+class _Spread(torch.autograd.Function):
+    """Each token's row once for each of its slots (`token_of_row`: the token of each row, in
+    expert order). Backward gathers each token's k rows' gradients (`row_of_slot`) and sums
+    them with float32 accumulation: no zeroed buffer and no scatter-add in the compute dtype,
+    which autograd's own backward of a gather would be."""
+
+    @staticmethod
+    def forward(ctx, x, token_of_row, row_of_slot, top_k):
+        ctx.save_for_backward(row_of_slot)
+        ctx.top_k = top_k
+        return x.index_select(0, token_of_row)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (row_of_slot,) = ctx.saved_tensors
+        return _fold(grad, row_of_slot, ctx.top_k), None, None, None
+
+
+class _Fold(torch.autograd.Function):
+    """Each token's k rows summed (`row_of_slot`: the row of each slot, one slot a row).
+    Backward hands each row its token's gradient (one gather), not an expanded gradient made
+    contiguous and then scattered."""
+
+    @staticmethod
+    def forward(ctx, rows, row_of_slot, token_of_row, top_k):
+        ctx.save_for_backward(token_of_row)
+        return _fold(rows, row_of_slot, top_k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_of_row,) = ctx.saved_tensors
+        return grad.index_select(0, token_of_row), None, None, None
+
+
+def _fold(rows: torch.Tensor, row_of_slot: torch.Tensor, top_k: int) -> torch.Tensor:
+    return rows.index_select(0, row_of_slot).view(-1, top_k, rows.shape[-1]).sum(1)
+
+
+def spread(x: torch.Tensor, slots: Slots, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dropless dispatch: the tokens' rows in expert order (each token k times), and the row
+    of each slot, which `fold` takes back. Every row is one slot's: the gather is a
+    permutation of the slots, so each direction's backward is the other direction."""
+    token_of_row = torch.div(slots.order, top_k, rounding_mode="floor")
+    row_of_slot = token_major(torch.arange(slots.order.numel(), device=x.device), slots)
+    return _Spread.apply(x, token_of_row, row_of_slot, top_k), row_of_slot
+
+
+def fold(rows: torch.Tensor, row_of_slot: torch.Tensor, slots: Slots,
+         top_k: int) -> torch.Tensor:
+    """Dropless combine: each token's k rows (one a slot, in expert order) summed."""
+    token_of_row = torch.div(slots.order, top_k, rounding_mode="floor")
+    return _Fold.apply(rows, row_of_slot, token_of_row, top_k)
+
+
 def in_compute_dtype(tokens: torch.Tensor) -> torch.Tensor:
     """The tokens in the dtype the experts compute in: the autocast dtype under autocast (the
     residual stream is float32 there; the grouped GEMM would cast them anyway, after the
