@@ -51,13 +51,7 @@ from optimus.data import build_loader, build_source
 from optimus.optim import build_optimizer, lr_at, set_lr
 from optimus.parallel.grads import clip_grad_norm_
 from optimus.parallel.plan import IGNORE_INDEX, build_parallel_model
-from optimus.runtime import (
-    ParallelDims,
-    destroy_distributed,
-    init_distributed,
-    launch_env,
-    pick_backend,
-)
+from optimus.runtime import destroy_distributed, init_distributed, launch_env, pick_backend
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("process", "thread", "sync")
@@ -87,11 +81,10 @@ class Rank:
         self.device = device = torch.device(job.parallel.device)
         init_distributed(launch_env({}), pick_backend(device), device)  # world 1: a HashStore
         layout = resolve_layout(job, 1)
-        mesh = ParallelDims(dp=1, tp=1, pp=1, ep=1, world_size=1).build_mesh(device.type)
+        self.mesh = mesh = layout.build_mesh(device.type)
         torch.manual_seed(job.seed)
-        self.model = build_parallel_model(job, layout, mesh, device)
+        self.model = build_parallel_model(job, mesh, device)
         self.optimizer = build_optimizer(self.model.state_view(), job.optim, device)
-        self.pp_group = mesh["pp"].get_group()
         self.progress = Progress(job.data.batch_size)
         self.state = training_state(self.model, self.optimizer, self.progress, rank=0,
                                     layout=layout_key(layout, device))
@@ -112,7 +105,8 @@ class Rank:
         self.model.loss_fn.tokens = tokens
         # bf16 on cuda: the model's mixed precision (training.mixed_precision).
         loss = self.model.forward_backward(microbatches, self.device)
-        clip_grad_norm_(self.model.parameters(), self.job.optim.grad_clip, self.pp_group)
+        clip_grad_norm_(self.model.parameters(), self.job.optim.grad_clip,
+                        self.mesh.size("pipeline"))
         if before_update is not None:
             before_update()
         self.optimizer.step()

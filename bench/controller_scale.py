@@ -32,7 +32,7 @@ interval, the nodes' ticks spread evenly over the interval. A node's tick is the
 `Store.agent_tick(node, status, beats, deadline, reset_ranks=False, summary=NodeSummary(...))`:
 the status the agent's `_tick` sends (generation, state, live ranks, host, pids), the read of
 the plan's stamp (agents read the plan itself only when it changes), 12 rank heartbeats shaped
-as `optimus/health.py` sends them plus `received` (each rank
+as `optimus/supervision/heartbeat.py` sends them plus `received` (each rank
 beats at its own phase, so a relayed beat is 0-1 interval old), the deadline min(beat time) +
 heartbeat_timeout_s, and the summary the agent's `_summary` makes.
 

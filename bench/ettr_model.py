@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from controller.control.probe import FAILS_NEEDED, PROBE_TIMEOUT_S
+from controller.common.probe import FAILS_NEEDED, PROBE_TIMEOUT_S
 
 KINDS = ("kill_rank", "kill_node", "freeze_rank", "hang")
 HOUR, DAY = 3600.0, 86400.0
@@ -102,7 +102,7 @@ class Inputs:
     heartbeat_timeout_s: float = assumed(30.0, "the job's setting: the project's default")
     heartbeat_interval_s: float = assumed(1.0, "the job's setting: the project's default")
     probe_timeout_s: float = assumed(
-        PROBE_TIMEOUT_S, "the controller's (controller/control/probe.py): a lost host answers "
+        PROBE_TIMEOUT_S, "the controller's (controller/common/probe.py): a lost host answers "
                          "nothing, so each probe of its silent agent waits this out")
     probe_fails: float = assumed(FAILS_NEEDED, "the controller's: failed probes in a row that "
                                                "make a silent node lost")

@@ -37,12 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from optimus.ports import unclaimed_port  # noqa: E402
-from optimus.runtime.dims import MESH_DIMS, ParallelDims  # noqa: E402
+from optimus.runtime.dims import ParallelDims  # noqa: E402
 from optimus.runtime.dist import destroy_distributed, init_distributed  # noqa: E402
 from optimus.runtime.launch import launch_env  # noqa: E402
+from optimus.supervision.ports import unclaimed_port  # noqa: E402
 
 GENERATIONS = 2
+# One purpose per dimension of the mesh (pp, edp, ep, tp, and dp flattened): its every group.
+PURPOSES = ("pipeline", "expert_shard", "experts", "tensor", "shard")
 PARTS = ("world", "groups", "kept", "destroy")
 
 
@@ -50,7 +52,7 @@ def layout(world: int) -> ParallelDims:
     """The layout measured at `world` ranks: pp, then tp, then dp take the factors of two."""
     pp = 2 if world >= 8 else 1
     tp = 2 if world >= 4 else 1
-    return ParallelDims(dp=world // (pp * tp), tp=tp, pp=pp, ep=1, world_size=world)
+    return ParallelDims(dp=world // (pp * tp), tp=tp, pp=pp)
 
 
 def _groups_made() -> int:
@@ -73,7 +75,7 @@ def _rank(rank: int, world: int, ports: list[int], out) -> None:
         before = _groups_made()
         started = time.perf_counter()
         mesh = dims.build_mesh("cpu")
-        groups = [mesh[name].get_group() for name in (*MESH_DIMS, "dp")]
+        groups = [mesh.group(purpose) for purpose in PURPOSES]
         groups_s = time.perf_counter() - started
         count = _groups_made() - before
         started = time.perf_counter()

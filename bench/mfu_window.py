@@ -172,7 +172,7 @@ def optimus_step_starts(callback: Callable[[int], None]):
     nothing is marked and the window says so (`StepWindow.figures`), rather than timing the
     wrong thing.
     """
-    from optimus.faults import RankFaults
+    from optimus.supervision.faults import RankFaults
 
     original = RankFaults.step_start
 

@@ -25,6 +25,7 @@ from optimus.config import load_job, validate_job
 from optimus.planner.machines import get_machine
 from optimus.planner.memory import PlanLayout
 from optimus.planner.steptime import StepTime, step_time
+from optimus.runtime.dims import ParallelDims
 
 LLAMA3_8B = {"vocab_size": 128256, "dim": 4096, "n_layers": 32, "n_heads": 32,
              "n_kv_heads": 8, "ffn_dim": 14336, "max_seq_len": 8192}
@@ -95,9 +96,11 @@ RUNS = [
 
 def layout_of(run: Run) -> PlanLayout:
     fields = dict(run.layout)
-    dp = fields.get("dp", 1)
-    fields.setdefault("microbatches", run.batch // (dp * fields.get("microbatch_size", 1)))
-    return PlanLayout(seq_len=run.seq, precision="bf16", **fields)
+    dims = ParallelDims(**{("virtual_stages" if k == "v" else k): fields.pop(k)
+                           for k in ("dp", "tp", "pp", "ep", "v") if k in fields})
+    fields.setdefault("microbatches",
+                      run.batch // (dims.size("batch") * fields.get("microbatch_size", 1)))
+    return PlanLayout(dims, seq_len=run.seq, precision="bf16", **fields)
 
 
 def model_of(run: Run):

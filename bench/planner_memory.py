@@ -64,11 +64,9 @@ def measure(job, device: torch.device) -> tuple[int, int]:
     from optimus.optim import build_optimizer
     from optimus.parallel.plan import build_parallel_model
     from optimus.planner.measure import PeakMemory, state_tensors
-    from optimus.runtime import ParallelDims
 
-    layout = resolve_layout(job, 1)
-    mesh = ParallelDims(dp=1, tp=1, pp=1, ep=1, world_size=1).build_mesh(device.type)
-    parts = build_parallel_model(job, layout, mesh, device)
+    mesh = resolve_layout(job, 1).build_mesh(device.type)
+    parts = build_parallel_model(job, mesh, device)
     optimizer = build_optimizer(parts.state_view(), job.optim, device)
     for p in parts.parameters():  # AdamW's state exists from here: a steady step
         p.grad = torch.zeros_like(p)

@@ -29,12 +29,13 @@ import time
 from dataclasses import replace
 
 from optimus.config import load_job, resolve_layout, validate_job
-from optimus.parallel.schedule_rules import schedule_problem
+from optimus.config.schedule_rules import schedule_problem
 from optimus.planner.fit import job_layout
 from optimus.planner.machines import get_machine
 from optimus.planner.memory import PlanLayout, shape_of
 from optimus.planner.search import plan, worst_rank
 from optimus.planner.steptime import step_time
+from optimus.runtime.dims import ParallelDims
 
 # params (B), heads, hidden, layers, tp, pp, GPUs, batch, published TFLOP/s per GPU, % of peak
 SEED_001_TABLE_1 = [
@@ -61,13 +62,15 @@ def paper_layout(job, tp: int, pp: int, gpus: int, machine) -> PlanLayout:
     """The paper's layout in Optimus's terms; for pp > 1 the interleaving depth the planner
     likes best among those that divide the layers (the paper does not give it)."""
     dp, batch = gpus // (tp * pp), job.data.batch_size
-    base = PlanLayout(dp=dp, tp=tp, pp=pp, microbatches=batch // dp, microbatch_size=1,
+    base = PlanLayout(ParallelDims(dp=dp, tp=tp, pp=pp), microbatches=batch // dp,
+                      microbatch_size=1,
                       seq_len=2048, recompute="full", schedule="1f1b",
                       param_gather="step" if dp > 1 else "microbatch")
     if pp == 1:
         return base
     layers, m = job.model.n_layers, batch // dp
-    options = [replace(base, schedule="interleaved_1f1b", v=v) for v in range(2, 9)
+    options = [replace(base, schedule="interleaved_1f1b",
+                       dims=replace(base.dims, virtual_stages=v)) for v in range(2, 9)
                if layers % (pp * v) == 0
                and not schedule_problem("interleaved_1f1b", pp, v, m)] or [base]
     return max(options, key=lambda lay: step_time(job.model, lay, machine, batch)
@@ -83,9 +86,10 @@ def megatron_2021(job, lay: PlanLayout) -> bool:
     it must fit as it would at dp 1."""
     if lay.recompute != "full" or lay.schedule not in ("1f1b", "interleaved_1f1b"):
         return False
-    if lay.dp > 1 and lay.param_gather != "step":
+    if lay.dims.dp > 1 and lay.param_gather != "step":
         return False
-    return worst_rank(shape_of(job.model), replace(lay, dp=1)).total <= 80 * 2**30
+    one = replace(lay, dims=replace(lay.dims, dp=1))
+    return worst_rank(shape_of(job.model), one).total <= 80 * 2**30
 
 
 # job file, machine profile, devices
@@ -142,12 +146,12 @@ def main() -> None:
         fits, _ = plan(job, gpus, a100, "bf16")
         took = time.perf_counter() - started
         top = fits[:3]
-        shapes = [(c.layout.tp, c.layout.pp) for c in top]
+        shapes = [(c.layout.dims.tp, c.layout.dims.pp) for c in top]
         rank = next((i + 1 for i, c in enumerate(fits)
-                     if (c.layout.tp, c.layout.pp) == (tp, pp)), None)
+                     if (c.layout.dims.tp, c.layout.dims.pp) == (tp, pp)), None)
         # the same ranking within the choices Megatron-LM had in 2021
         own = [c for c in fits if megatron_2021(job, c.layout)]
-        own_top = [(c.layout.tp, c.layout.pp) for c in own[:3]]
+        own_top = [(c.layout.dims.tp, c.layout.dims.pp) for c in own[:3]]
         rows.append((size, f"{tp}x{pp}", published, predicted, memory, theirs,
                      top[0] if top else None, (tp, pp) in shapes, rank, took,
                      (tp, pp) in own_top, " ".join(f"{t}x{p}" for t, p in own_top)))

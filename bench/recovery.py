@@ -25,7 +25,8 @@ The whole measurement runs once per mode (`--modes`), each `<start>-<recovery>`:
   `--memory-every`), replicated to a buddy node, the next generation resumes from the newest
   usable one; `disk`: snapshots off, it resumes from the newest disk checkpoint (every 10 steps);
 - and `-inprocess` at the end (`warm-memory-inprocess`): `supervision.restart: in_process`, the
-  ranks the fault did not touch wait in process for the next generation (optimus/inprocess.py);
+  ranks the fault did not touch wait in process for the next generation
+  (optimus/supervision/inprocess.py);
   without it, `process`: every rank restarts as a new one (how Optimus restarted before).
 Per trial it also records the steps lost (the last step the failed generation logged, minus the
 step the next one resumed from) and where the next generation's state came from. The last lines

@@ -24,12 +24,13 @@ import math
 import time
 
 from optimus.evaluate import evaluate
-from optimus.health import PAUSE_POLL_S, Agreed, NonFinite
 from optimus.metrics import StepMetrics, logs_step
 from optimus.parallel.experts import expert_figures
 from optimus.runtime import max_over_ranks, peak_memory
 from optimus.stability import RewindRequest, marked
 from optimus.step import FIGURES, Limits, StepOutput
+from optimus.supervision.commands import PAUSE_POLL_S, Agreed
+from optimus.supervision.exits import NonFinite
 
 
 class Boundary:
@@ -147,7 +148,7 @@ class Boundary:
             "loss": loss, "tokens": self.progress.tokens, "tokens_per_s": tokens_per_s,
             "mfu": mfu, "step_time_s": step_time, "stability": self.watch.figures(),
             "checkpoint_s": ckpt.stats.last_write_s if ckpt and ckpt.stats.saves_committed
-            else None, "moe_alltoall_bytes": experts["alltoall_bytes"] if experts else None},
+            else None, "moe_alltoall_bytes": experts["alltoall_bytes"] if experts else 0},
             memory=own_memory)
         self.log.record(StepMetrics(step=out.step, loss=loss, grad_norm=norm, lr=out.lr,
                                     tokens=self.progress.tokens, step_time_s=step_time,

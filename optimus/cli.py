@@ -17,13 +17,14 @@ import yaml
 
 from optimus import __version__
 from optimus.checkpoint import CheckpointError
-from optimus.checkpoint.commands import checkpoint, trust_option, where_options
+from optimus.commands.checkpoint import checkpoint, trust_option, where_options
 from optimus.config import ConfigError, check_job, load_job
+from optimus.contract import env
+from optimus.contract.exits import EXIT_USER_ERROR
 from optimus.data.errors import DataError
 from optimus.runtime.launch import LaunchError
 
 USER_ERRORS = (ConfigError, DataError, LaunchError, CheckpointError)
-EXIT_USER_ERROR = 2
 
 
 class _Group(click.Group):
@@ -58,11 +59,11 @@ def main() -> None:
                    "its files are still read without running code.")
 def train(job: Path, overrides: tuple[str, ...], trust: bool) -> None:
     """Train JOB as one rank (or as each rank under torchrun / srun / mpiexec)."""
-    from optimus import inprocess
-    from optimus.health import CheckpointFailed, NonFinite
     from optimus.parallel.float8 import check_float8_here
     from optimus.runtime.dist import forget_meshes
     from optimus.stability import RewindRequest
+    from optimus.supervision import inprocess
+    from optimus.supervision.exits import CheckpointFailed, NonFinite
     from optimus.train import train as run_training  # torch loads only when training
 
     config = load_job(job, list(overrides))
@@ -82,7 +83,7 @@ def train(job: Path, overrides: tuple[str, ...], trust: bool) -> None:
             sys.exit(e.exit_code)
         except RewindRequest as e:  # every rank alike: the controller reads the line (90)
             print(e.line(), flush=True)
-            if not os.environ.get("OPTIMUS_AGENT_SOCKET"):  # no controller to plan it
+            if not os.environ.get(env.AGENT_SOCKET):  # no controller to plan it
                 click.secho(f"error: {e}; a rewind is planned by the controller (optimus run). "
                             "Here: resume with OPTIMUS_SKIP_STEPS=FIRST-LAST set to the steps "
                             "whose batches to skip, after moving aside the checkpoints from "
@@ -112,7 +113,7 @@ def train(job: Path, overrides: tuple[str, ...], trust: bool) -> None:
 
 
 def _generation() -> str:
-    return os.environ.get("OPTIMUS_GENERATION", "?")
+    return os.environ.get(env.GENERATION, "?")
 
 
 def _abandon_helpers() -> None:
@@ -369,7 +370,7 @@ def evaluate_command(step: str, data: Path | None, root: Path | None, job: Path 
     under torchrun (or srun, mpiexec) each rank runs it, data parallel over all of them, or
     the layout --set parallel.tp=2 --set parallel.pp=2 ... asks for. The model and data shapes
     are the checkpoint's own."""
-    from optimus.checkpoint.commands import resolve_step, trust_for
+    from optimus.commands.checkpoint import resolve_step, trust_for
     from optimus.evaluate import evaluate_checkpoint  # torch loads only here
 
     path = resolve_step(step, root, job, what="evaluate")

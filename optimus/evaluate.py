@@ -23,14 +23,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from optimus.checkpoint.trust import Trust, key_file_for
-from optimus.config import JobConfig, Layout
+from optimus.config import JobConfig
 from optimus.data.errors import DataError
 from optimus.data.loader import MicrobatchSampler, WindowDataset, build_source
 from optimus.data.synthetic import SyntheticCorpus
 from optimus.parallel.plan import IGNORE_INDEX, ParallelModel
+from optimus.runtime.mesh import LayoutMesh
 
 
 @dataclass(frozen=True)
@@ -88,17 +88,18 @@ class HeldOut:
             yield batch
 
 
-def held_out_for(job: JobConfig, layout: Layout, dp_rank: int, path: str | None = None,
+def held_out_for(job: JobConfig, mesh: LayoutMesh, path: str | None = None,
                  batches: int | None = None) -> HeldOut:
+    """This rank's held-out windows: its replica's slice (the mesh's "batch")."""
     d = job.data
     return HeldOut(held_out_source(job, path), seq_len=d.seq_len, batch_size=d.batch_size,
                    microbatches=d.microbatches, batches=batches or job.eval.batches,
-                   dp_rank=dp_rank, dp_size=layout.dp, seed=job.seed,
+                   dp_rank=mesh.rank("batch"), dp_size=mesh.size("batch"), seed=job.seed,
                    where=path or job.eval.path or "the synthetic held-out stream")
 
 
 def evaluate(model: ParallelModel, held_out: HeldOut, device: torch.device,
-             mesh: DeviceMesh) -> EvalResult:
+             mesh: LayoutMesh) -> EvalResult:
     """The mean loss of the held-out tokens, on every rank (a collective: all ranks call it)."""
     started = time.perf_counter()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -106,11 +107,11 @@ def evaluate(model: ParallelModel, held_out: HeldOut, device: torch.device,
     for batch in held_out:
         loss_sum += model.forward_loss(batch, device).double()
         tokens += sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in batch)
-    # Ranks holding the last stage have the losses, every tp rank of them the same one: sum
-    # one rank's loss and tokens per dp replica.
-    first_tp = mesh["tp"].get_local_rank() == 0
+    # Ranks holding the last stage have the losses, every tensor-parallel rank of them the
+    # same one: sum one rank's loss and tokens per replica.
+    first_tp = mesh.rank("tensor") == 0
     holds_loss = first_tp and model.num_stages - 1 in model.stage_ids
-    counted = first_tp and mesh["pp"].get_local_rank() == 0
+    counted = first_tp and mesh.rank("pipeline") == 0
     totals = torch.stack([loss_sum * holds_loss,
                           torch.tensor(float(tokens * counted), dtype=torch.float64,
                                        device=device)])
@@ -137,7 +138,6 @@ def evaluate_checkpoint(step_path: Path, *, data: str | None, batches: int,
     from optimus.config import apply_override, resolve_layout, validate_job
     from optimus.parallel.plan import build_parallel_model
     from optimus.runtime import (
-        ParallelDims,
         destroy_distributed,
         init_distributed,
         launch_env,
@@ -170,15 +170,13 @@ def evaluate_checkpoint(step_path: Path, *, data: str | None, batches: int,
         apply_network(job.network)
         init_distributed(env, pick_backend(device, job.parallel.backend), device)
     try:
-        mesh = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,
-                            world_size=env.world_size).build_mesh(device.type)
-        model = build_parallel_model(job, layout, mesh, device)
+        mesh = layout.build_mesh(device.type)
+        model = build_parallel_model(job, mesh, device)
         loader = Checkpointer(step_path.parent, rank=env.rank, world_size=env.world_size,
                               mode="sync", trust=trust)
         loader.load(step_path, {"model": ModelState(model.state_view())})
         loader.close()
-        held_out = held_out_for(job, layout, mesh["dp"].get_local_rank(), path=data,
-                                batches=batches)
+        held_out = held_out_for(job, mesh, path=data, batches=batches)
         return evaluate(model, held_out, device, mesh), manifest, env.rank
     finally:
         if owns_group:

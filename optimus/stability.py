@@ -35,10 +35,9 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from optimus.config.schema import StabilityConfig
+from optimus.contract import env
+from optimus.contract.exits import EXIT_REWIND, REWIND_LINE
 
-EXIT_REWIND = 90  # every rank stopped for a rewind (controller/control/rewind.py reads it)
-REWIND_LINE = "rewind-request "  # + JSON: the line the controller reads in a rank's log's tail
-SKIPS_ENV = "OPTIMUS_SKIP_STEPS"  # "A-B,C-D": windows of steps whose batches a rewind skips
 COUNTED = ("spikes", "divergences", "skipped_steps")
 MAX_HISTORY_CHARS = 1 << 20  # a history is a few windows of floats: ~10 KiB at window 100
 
@@ -91,7 +90,7 @@ def skip_windows(text: str | None = None) -> list[tuple[int, int]]:
     """The windows of steps (first, last) whose batches are skipped, from the agent's
     OPTIMUS_SKIP_STEPS ("A-B,C-D"); anything else in it is ignored. Two windows may start at
     the same step (a spike again at the step a rewind went on from): both are skipped."""
-    text = os.environ.get(SKIPS_ENV, "") if text is None else text
+    text = os.environ.get(env.SKIP_STEPS, "") if text is None else text
     out = []
     for part in text.split(",")[:1000]:
         first, _, last = part.partition("-")

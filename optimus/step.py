@@ -18,13 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from optimus.parallel.experts import expert_step
 from optimus.parallel.float8 import precompute_float8_scales
 from optimus.parallel.grads import clip_grads_
 from optimus.parallel.plan import IGNORE_INDEX, ParallelModel
 from optimus.runtime.memory import ACCELERATORS
+from optimus.runtime.mesh import LayoutMesh
 
 # The step's figures, in this order, in the one tensor the boundary reads (then the experts').
 FIGURES = ("loss", "grad_norm", "tokens", "held", "local_loss", "local_grads_squared")
@@ -84,12 +84,12 @@ class Pending:
 
 @dataclass
 class StepParts:
-    """What a step runs with: the model, its optimizer, the groups its figures are summed over."""
+    """What a step runs with: the model, its optimizer, the mesh its figures are summed over."""
 
     model: ParallelModel
     optimizer: torch.optim.Optimizer
     job: object
-    mesh: object
+    mesh: LayoutMesh
     device: torch.device
     faults: object
     heartbeat: object
@@ -97,8 +97,6 @@ class StepParts:
 
     def __post_init__(self):
         self.readback = Readback(self.device)
-        self.pp_group = self.mesh["pp"].get_group()
-        self.dp_group = self.mesh["dp"].get_group()
 
 
 @dataclass
@@ -124,8 +122,9 @@ def train_step(parts: StepParts, step: int, microbatches: list[dict], *, lr: flo
     the loss over stages and replicas (the rules or the log read it)."""
     started = time.perf_counter()
     model, job, beat, faults = parts.model, parts.job, parts.heartbeat, parts.faults
+    mesh = parts.mesh
     with beat.phase("grad_sync"):
-        tokens = count_tokens(microbatches, parts.dp_group)
+        tokens = count_tokens(microbatches, mesh)
     model.set_step_tokens(tokens)
     loss = model.forward_backward(microbatches, parts.device, beat)
     faults.after_backward(step, model.parameters(), loss)
@@ -133,22 +132,19 @@ def train_step(parts: StepParts, step: int, microbatches: list[dict], *, lr: flo
     with beat.phase("grad_sync"):
         # A non-finite norm turns the gradients NaN: their update is held back below, and
         # whether this rank's own were the bad ones is told by its figures, taken before.
-        norm = clip_grads_(model.parameters(), job.optim.grad_clip, parts.pp_group)
-        if reduce_loss:  # only last stages hold losses
-            for group in (parts.pp_group, parts.dp_group):
-                if group.size() > 1:
-                    loss = loss.clone() if loss is local_loss else loss
-                    dist.all_reduce(loss, group=group)
+        norm = clip_grads_(model.parameters(), job.optim.grad_clip, mesh.size("pipeline"))
+        if reduce_loss and mesh.size("loss") > 1:  # only last stages hold losses
+            loss = mesh.all_reduce("loss", loss.clone())
     limits = before_update()
     held = hold_back(loss, norm.total, limits)
     with beat.phase("optim"):
         faults.in_optimizer(step)
         parts.optimizer.step(found_inf=held)
         parts.optimizer.zero_grad(set_to_none=True)
-        if job.training.float8 == "tensorwise" and parts.mesh["dp"].size() > 1:
+        if job.training.float8 == "tensorwise" and mesh.size("shard") > 1:
             precompute_float8_scales(model.parts)  # float8 all-gather's scales
     with beat.phase("grad_sync"):  # the experts' load, all ranks; their balance
-        experts = expert_step(model.moe, job.model, parts.mesh, parts.device, held)
+        experts = expert_step(model.moe, job.model, mesh, parts.device, held)
     figures = torch.stack([loss.double(), norm.total, tokens, held, local_loss,
                            norm.local_squared])
     if experts is not None:
@@ -157,16 +153,14 @@ def train_step(parts: StepParts, step: int, microbatches: list[dict], *, lr: flo
                       moe=experts is not None)
 
 
-def count_tokens(microbatches: list[dict], dp_group: dist.ProcessGroup) -> torch.Tensor:
-    """Tokens that carry loss in the global batch (all dp replicas, all microbatches), as a
+def count_tokens(microbatches: list[dict], mesh: LayoutMesh) -> torch.Tensor:
+    """Tokens that carry loss in the global batch (all replicas, all microbatches), as a
     tensor on the device: the loss divides by it, nobody reads it on the host."""
     count = None
     for mb in microbatches:
         n = mb["labels"].ne(IGNORE_INDEX).sum()
         count = n if count is None else count.add_(n)
-    if dp_group.size() > 1:
-        dist.all_reduce(count, group=dp_group)
-    return count
+    return mesh.all_reduce("tokens", count)
 
 
 def hold_back(loss: torch.Tensor, norm: torch.Tensor, limits: Limits) -> torch.Tensor:

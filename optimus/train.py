@@ -10,7 +10,7 @@ figures read and judged, its record, saves, snapshots, validation, the ranks' ag
 
 SIGTERM to any rank stops every rank after one same step, with a checkpoint of it (exit 0).
 Under an agent, operators pause, resume and checkpoint the ranks the same way: at a step
-boundary all ranks agree (optimus/health.py), so all act after the same step.
+boundary all ranks agree (optimus/supervision/commands.py), so all act after the same step.
 """
 
 from __future__ import annotations
@@ -36,11 +36,10 @@ from optimus.checkpoint.snapshot import Snapshots, load_agreed, resume_request
 from optimus.checkpoint.state import Progress, layout_key, training_state
 from optimus.checkpoint.trust import Trust, run_key_file
 from optimus.config import JobConfig, resolve_layout
+from optimus.contract.env import CPU_BIND
 from optimus.data import build_loader, build_source
 from optimus.data.prefetch import DeviceBatches
 from optimus.evaluate import EvalResult, held_out_for
-from optimus.faults import RankFaults
-from optimus.health import Commands, start_heartbeat
 from optimus.metrics import Laps, MetricsLog, StepMetrics, peak_flops, sample_fingerprint
 from optimus.models import flops_per_token
 from optimus.optim import build_optimizer, lr_at, set_lr
@@ -48,7 +47,6 @@ from optimus.parallel.compile import CompileLog
 from optimus.parallel.float8 import float8_message
 from optimus.parallel.plan import build_parallel_model
 from optimus.runtime import (
-    ParallelDims,
     cpu_binding,
     destroy_distributed,
     device_name,
@@ -63,6 +61,9 @@ from optimus.runtime.network import apply_network
 from optimus.runtime.stacks import register_stack_dumps
 from optimus.stability import StabilityWatch, rewind_lr, skip_batches, skips_ahead
 from optimus.step import StepParts, train_step
+from optimus.supervision.commands import Commands
+from optimus.supervision.faults import RankFaults
+from optimus.supervision.heartbeat import start_heartbeat
 
 # DTensor warns at every clip on a dp x tp mesh that it gathers in two steps; it is expected.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -84,7 +85,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
     `trust_checkpoint`: resume from the newest checkpoint even if this run did not write it."""
     laps = Laps()  # where a generation's start goes (rank 0's "start" event)
     env = launch_env()
-    cpus = cpu_binding(os.environ.get("OPTIMUS_CPU_BIND"), env.local_rank)
+    cpus = cpu_binding(os.environ.get(CPU_BIND), env.local_rank)
     if cpus:  # e.g. Aurora's 12 ranks per node, each on its own 8 cores
         os.sched_setaffinity(0, cpus)
     layout = resolve_layout(job, env.world_size)
@@ -103,14 +104,13 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                 apply_network(job.network)  # the interface the collectives use, first
                 init_distributed(env, backend, device)
             laps.lap("rendezvous")
-            mesh = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,
-                                world_size=env.world_size).build_mesh(device.type)
+            mesh = layout.build_mesh(device.type)
             host = commands.group = host_group(backend)  # the boundary's: never on the device
             laps.lap("groups")
         torch.manual_seed(job.seed)
 
         # Model: the same weights on every layout, this rank's share of them, plans applied.
-        model = build_parallel_model(job, layout, mesh, device)
+        model = build_parallel_model(job, mesh, device)
         optimizer = build_optimizer(model.state_view(), job.optim, device)
         laps.lap("model")
 
@@ -158,7 +158,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             dropped.append(snapshots.close)
         if job.model.init_from:  # a Hugging Face start, unless resumed; imported only then:
             # it loads torch.export and the tokenizer's modules, ~0.25 s of every rank's start
-            from optimus.checkpoint.hf_import import init_from
+            from optimus.hf.load import init_from
             init_from(job, model, resumed, log)
         laps.lap("restore")
         if progress.step >= job.optim.steps:
@@ -172,7 +172,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             return build_loader(source, seq_len=job.data.seq_len,
                                 batch_size=job.data.batch_size,
                                 microbatches=job.data.microbatches,
-                                dp_rank=mesh["dp"].get_local_rank(), dp_size=layout.dp,
+                                dp_rank=mesh.rank("batch"), dp_size=mesh.size("batch"),
                                 seed=job.seed, start_index=index,
                                 num_workers=job.data.num_workers,
                                 prefetch_factor=job.data.prefetch_factor,
@@ -186,8 +186,8 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         # (a checkpoint past a window's start read past it already).
         skips = skips_ahead(progress.step)
         calmer = rewind_lr(job.stability)  # the learning rate's factor after a rewind's window
-        held_out = (held_out_for(job, layout, mesh["dp"].get_local_rank())
-                    if job.eval.every else None)  # the validation windows, this rank's share
+        # The validation windows, this rank's share.
+        held_out = held_out_for(job, mesh) if job.eval.every else None
         if resumed:
             state["rng"].apply()  # making the iterator drew from the RNG; put it back
         laps.lap("data")
@@ -231,8 +231,10 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                              reduce_loss=between.reduce_loss(step),
                              before_update=between.before_update)
             if log.enabled:
-                out.data = sample_fingerprint(progress.data_index, job.data.batch_size, (
-                    mb["sample_ids"] for mb in microbatches), (layout.dp, job.data.microbatches))
+                out.data = sample_fingerprint(
+                    progress.data_index, job.data.batch_size,
+                    (mb["sample_ids"] for mb in microbatches),
+                    (mesh.size("batch"), job.data.microbatches))
             with heartbeat.phase("data"):  # the next step's, while the device runs this one
                 batches.ahead()
             if between.after_step(out):
@@ -264,7 +266,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         return result
     finally:
         # A generation that ended under this rank (a peer died mid-collective) leaves nothing
-        # running: the rank may go on in process (optimus/inprocess.py), or it exits.
+        # running: the rank may go on in process (optimus/supervision/inprocess.py), or it exits.
         for stop in reversed(dropped):
             with contextlib.suppress(Exception):
                 stop()

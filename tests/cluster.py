@@ -157,7 +157,7 @@ def final_loss(run_dir: Path, step: int) -> float:
     return losses[-1]
 
 
-_spawner = None  # the tests' warm process (optimus/warm.py), started at the first plain run
+_spawner = None  # the tests' warm process (optimus/supervision/warm.py), started at first use
 
 
 def _rank_spawner():

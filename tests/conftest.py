@@ -38,7 +38,7 @@ if ROOT not in sys.path:
 import multiproc  # noqa: E402
 from cluster import WARM_COMMAND, WARM_SERVER, Processes, RedisServer, relaying  # noqa: E402
 
-from controller.node.spawn import die_with_parent  # noqa: E402
+from optimus.contract.process import die_with_parent  # noqa: E402
 
 
 def pytest_addoption(parser):
@@ -223,7 +223,8 @@ def warm_server(request, tmp_path_factory):
 @pytest.fixture
 def fresh_warm(monkeypatch):
     """For a test that inspects warm processes (their parent, cmdline, environment) or every
-    process a run leaves: agents and spawners it starts get the real `python -m optimus.warm`."""
+    process a run leaves: agents and spawners it starts get the real
+    `python -m optimus.supervision.warm`."""
     monkeypatch.delenv(WARM_COMMAND, raising=False)
     monkeypatch.delenv(WARM_SERVER, raising=False)
 

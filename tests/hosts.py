@@ -335,7 +335,7 @@ class Hosts:
               stdin: bytes | None = None) -> subprocess.Popen:
         """`argv` in host `host`, as process `name` (log: `<logdir>/<name>.log`, appended to:
         a restarted process keeps its log), with this environment and `env`."""
-        from controller.node.spawn import die_with_parent
+        from optimus.contract.process import die_with_parent
 
         h = self.hosts[host]
         with open(self.logdir / f"{name}.log", "ab") as out:

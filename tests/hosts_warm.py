@@ -20,7 +20,7 @@ from hosts import NAMESPACES, PREFIX, ROOT, RUN, WarmServer, slot
 
 def start_warm_server(logdir: Path) -> tuple[subprocess.Popen, WarmServer]:
     """This module's warm server (module docstring)."""
-    from controller.node.spawn import die_with_parent
+    from optimus.contract.process import die_with_parent
 
     path = str(RUN / f"{PREFIX}{slot()}-warm.sock")  # swept with the slot's other names
     with open(logdir / "hosts-warm-server.log", "ab") as out:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from optimus.ports import unclaimed_port
+from optimus.supervision.ports import unclaimed_port
 
 # Launcher variables a child must not inherit: they would outrank or contradict RANK/WORLD_SIZE.
 _INHERITED = ("OPTIMUS_", "SLURM_", "PALS_", "PMIX_", "PMI_", "OMPI_", "TORCHELASTIC_", "GROUP_")
@@ -40,13 +40,13 @@ class RanksTimedOut(RanksFailed):
 def free_port() -> int:
     """A TCP port free a moment ago, below the kernel's ephemeral range: no connection the
     machine opens meanwhile takes it before the server meant for it (rank 0's store after a
-    fork, a Redis, an agent) binds it, however loaded the machine (optimus/ports.py)."""
+    fork, a Redis, an agent) binds it, however loaded the machine (optimus/supervision/ports.py)."""
     return unclaimed_port("127.0.0.1")
 
 
 def ephemeral_start() -> int:
-    """The first port of the kernel's ephemeral range, read here (not from optimus/ports.py,
-    whose choice the tests check against it)."""
+    """The first port of the kernel's ephemeral range, read here (not from
+    optimus/supervision/ports.py, whose choice the tests check against it)."""
     return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
 
 

@@ -352,13 +352,14 @@ def test_a_rank_whose_peer_dies_while_its_writer_process_starts_exits_at_once(tm
 
 def test_dcp_gives_its_writers_that_port(monkeypatch):
     """What DCP's rank 0 sends its writers (and every rank's writer binds or dials) once the
-    saver installed its writer: a port below the ephemeral range (optimus/ports.py; DCP's own
+    saver installed its writer: a port below the ephemeral range (optimus/supervision/ports.py;
+    DCP's own
     pick, bind 0 and close, left it to any outgoing connection until the spawned writers bound
     it seconds later: a process-mode run's first save lost under a CPU hog)."""
     import torch.distributed.checkpoint._async_process_executor as executor
 
-    from optimus import ports
     from optimus.checkpoint import writer_process
+    from optimus.supervision import ports
 
     monkeypatch.setattr(executor, "_AsyncCheckpointProcess", executor._AsyncCheckpointProcess)
     monkeypatch.setattr(executor, "get_free_port", executor.get_free_port)

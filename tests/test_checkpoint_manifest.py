@@ -33,8 +33,8 @@ from optimus.checkpoint import (
     step_dir,
     verify,
 )
-from optimus.checkpoint.commands import checkpoint
 from optimus.checkpoint.quarantine import pick_loadable, quarantine, quarantined
+from optimus.commands.checkpoint import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = {"dp": 2, "tp": 1, "pp": 1}

@@ -22,9 +22,8 @@ from multiproc import RanksFailed
 
 from optimus.checkpoint import committed_steps, read_manifest, step_dir, verify
 from optimus.checkpoint.quarantine import quarantined
-from optimus.config import validate_job
+from optimus.config import resolve_layout, validate_job
 from optimus.data.audit import audit_run
-from optimus.runtime import ParallelDims
 from optimus.train import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,9 +47,7 @@ def _train(rank: int, world_size: int, raw: dict, generation: int = 0) -> dict:
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(generation)
     job = validate_job(raw, world=world_size)
     result = train(job, keep_sample_ids=True, quiet=rank != 0)
-    p = job.parallel
-    coords = ParallelDims(dp=world_size // (p.tp * p.pp), tp=p.tp, pp=p.pp, ep=1,
-                          world_size=world_size).coords(rank)
+    coords = resolve_layout(job, world_size).coords(rank)
     steps = [m.step for m in result.metrics]
     return {"losses": result.losses, "steps": steps, "samples": result.sample_ids,
             "reads_for_replica": coords["tp"] == 0 and coords["pp"] == 0}

@@ -22,7 +22,6 @@ from optimus.config import resolve_layout, validate_job
 from optimus.optim import build_optimizer, lr_at, set_lr
 from optimus.parallel.grads import clip_grad_norm_
 from optimus.parallel.plan import build_parallel_model
-from optimus.runtime import ParallelDims
 
 SEQ = 16
 CPU = torch.device("cpu")
@@ -46,20 +45,18 @@ class Trainer:
 
     def __init__(self, rank: int, world: int, parallel: dict):
         self.job = _job(world, parallel)
-        self.layout = resolve_layout(self.job, world)
-        lay = self.layout
-        self.mesh = ParallelDims(dp=lay.dp, tp=lay.tp, pp=lay.pp, ep=lay.ep,
-                                 world_size=world).build_mesh("cpu")
-        self.model = build_parallel_model(self.job, lay, self.mesh, CPU)
+        self.layout = lay = resolve_layout(self.job, world)
+        self.mesh = lay.build_mesh("cpu")
+        self.model = build_parallel_model(self.job, self.mesh, CPU)
         self.optimizer = build_optimizer(self.model.state_view(), self.job.optim, CPU)
         self.progress = Progress(self.job.data.batch_size)
         self.state = training_state(self.model, self.optimizer, self.progress, rank=rank,
                                     layout=layout_key(lay, CPU))
 
     def train(self, steps: int) -> None:
-        data, lay = self.job.data, self.layout
-        per_rank = data.batch_size // lay.dp
-        dp_rank = self.mesh["dp"].get_local_rank()
+        data = self.job.data
+        per_rank = data.batch_size // self.mesh.size("batch")
+        dp_rank = self.mesh.rank("batch")
         for _ in range(steps):
             first = self.progress.data_index + dp_rank * per_rank
             samples = torch.stack([
@@ -73,7 +70,7 @@ class Trainer:
             self.model.loss_fn.tokens = data.batch_size * SEQ
             self.model.forward_backward(microbatches, CPU)
             clip_grad_norm_(self.model.parameters(), self.job.optim.grad_clip,
-                            self.mesh["pp"].get_group())
+                            self.mesh.size("pipeline"))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.progress.advance(data.batch_size * SEQ)

@@ -25,7 +25,8 @@ from controller.node.spawn import Spawner
 from optimus.checkpoint.manifest import committed_steps
 
 # These tests look at warm processes themselves (parents, command lines, maps): the real
-# `python -m optimus.warm`, not one forked by the test session's warm server (conftest.py).
+# `python -m optimus.supervision.warm`, not one forked by the test session's warm server
+# (conftest.py).
 pytestmark = pytest.mark.usefixtures("fresh_warm")
 
 STEPS = 8

@@ -96,7 +96,7 @@ def test_fault_excludes_the_culprit_and_finishes_on_the_spare(fault, evidence, m
     assert evidence.format(node=culprit) in journal["excluded"][culprit]["reason"]
     assert "Error" not in journal["excluded"][culprit]["reason"]  # its own words, not a peer's
     if fault["kind"] == "kill_node":  # named in seconds: its host refused the controller's
-        # connection to its agent (controller/control/probe.py), not after the 8 s timeout
+        # connection to its agent (controller/common/probe.py), not after the 8 s timeout
         assert journal["excluded"][culprit]["reason"].endswith(
             "and its host refused a connection to it (the agent is gone)")
     assert journal["plan"]["generation"] == 1

@@ -79,15 +79,6 @@ def test_every_collective_phase_counts_as_waiting_so_a_hang_during_a_save_names_
     assert "rank 2 on n1" in d.job["reason"]
 
 
-def test_the_rank_and_controller_agree_on_which_phases_are_collectives():
-    from controller.control.detect import COLLECTIVE_PHASES
-    from optimus.health import COLLECTIVE_PHASES as RANK_SIDE
-    from optimus.health import PHASES
-
-    assert COLLECTIVE_PHASES == RANK_SIDE
-    assert set(COLLECTIVE_PHASES) <= set(PHASES) and all(PHASES[p] for p in COLLECTIVE_PHASES)
-
-
 def test_the_second_soft_failure_in_the_window_excludes_the_node():
     killed = Exit("n0", 1, 0, code=None, signal=9, time=NOW)
     d = decide(running(exits=[killed], job=busy(failures={"n0": [NOW - 50]})), H)

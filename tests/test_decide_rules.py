@@ -268,9 +268,11 @@ def test_a_failed_save_is_said_by_the_last_error_line_else_by_the_exit():
     assert d.job["reason"].startswith("the retry failed too; not restarted")
     quiet = [Exit("n1", 2, 0, code=89, time=NOW), Exit("n0", 0, 0, code=89, time=NOW)]
     d = decide(running(exits=quiet), SAVES)
-    assert d.job["reason"].startswith("rank 0 on n0 ended with exit code 89; not restarted")
+    said = ("exit code 89 (its checkpoint saves failed (the final step's, or max_failed_saves "
+            "in a row))")
+    assert d.job["reason"].startswith(f"rank 0 on n0 ended with {said}; not restarted")
     d = decide(running(exits=quiet[:1], now=NOW + 6), SAVES)
-    assert d.job["reason"].startswith("rank 2 on n1 ended with exit code 89; not restarted")
+    assert d.job["reason"].startswith(f"rank 2 on n1 ended with {said}; not restarted")
 
 
 # --- an operator's exclusion of running nodes ---------------------------------------------------

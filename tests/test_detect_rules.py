@@ -31,7 +31,7 @@ NOW = 1000.0
 # agent_silence_s = 2 x 0.5 = 1.0 s; agent_timeout_s = 5 s.
 S = Settings(nodes=2, ranks_per_node=2, heartbeat_interval_s=0.5, agent_timeout_s=5,
              hang_timeout_s=10, hang_step_factor=4, straggler_factor=2, flaky_failures=2,
-             flaky_window_s=100)
+             flaky_window_s=100, launch={"job_file": "/jobs/x.yaml", "log_dir": "/runs/x/logs"})
 PLAN = {"generation": 1, "nodes": ["n0", "n1"], "ranks_per_node": 2}
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cluster import relay, write_job
+from records import run_plan
 
 from controller.control.controller import Controller
 from controller.control.journal import read_journal
@@ -190,7 +191,7 @@ def test_the_agent_supervises_on_while_its_ranks_control_file_cannot_be_written(
         files = {Path(agent.socket_path).name, control.name, agent.chaos_path.name}
         agent._tick()  # registers
         assert json.loads(control.read_text()) == {}
-        plan = {"generation": 0, "action": "run", "nodes": ["n1"], "issued": 1.0}
+        plan = run_plan(0, ["n1"], issued=1.0)
         disk.fill()
         try:
             store.set_control({"pause": True})
@@ -250,7 +251,8 @@ def test_ranks_told_not_to_save_are_killed_while_the_disk_refuses_that_word(
         disk, redis_server, tmp_path, monkeypatch):
     """A stop without a save (a node computing wrong, NaN) tells the ranks "save": false in
     their control file, then sends SIGTERM; a rank that never read the word would save the
-    state the stop drops (optimus/health.py). With the word unwritten, no SIGTERM: SIGKILL."""
+    state the stop drops (optimus/supervision/commands.py). With the word unwritten, no
+    SIGTERM: SIGKILL."""
     from controller.node.ranks import RankProcess
 
     agent, store = _agent(redis_server, tmp_path, disk.root, monkeypatch)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from controller.common.exit_text import describe_exit, last_words, own_lines, signal_name
 from controller.control.detect import SOFT, exit_evidence
 from controller.control.view import Exit
-from controller.node.exit_text import describe_exit, last_words, own_lines, signal_name
 from controller.node.ranks import tail
 
 STEPS = """\

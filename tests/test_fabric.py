@@ -29,7 +29,8 @@ from controller.control.fabric import Ring, culprit, mesh_report, owners, ring, 
 TAILS = json.loads((Path(__file__).parent / "connect_errors.json").read_text())
 NOW = 1000.0
 S = Settings(nodes=3, ranks_per_node=1, heartbeat_interval_s=0.5, heartbeat_timeout_s=5,
-             agent_timeout_s=5, max_restarts=5, backoff_s=1, failure_grace_s=2)
+             agent_timeout_s=5, max_restarts=5, backoff_s=1, failure_grace_s=2,
+             launch={"job_file": "/jobs/x.yaml", "log_dir": "/runs/x/logs"})
 # As in the capture: node0-node2 at 10.99.0.1-3 (node1 was cut), and a spare.
 ADDRS = {"node0": "10.99.0.1", "node1": "10.99.0.2", "node2": "10.99.0.3", "spare": "10.99.0.4"}
 
@@ -304,7 +305,7 @@ def _node(name: str, addr: str = "") -> NodeView:
 def test_a_new_plan_carries_the_ring_of_its_nodes_then_the_spares_with_a_server():
     nodes = {"a": _node("a", "a:1"), "b": _node("b", "b:1"), "c": _node("c", "c:1"),
              "d": _node("d")}
-    s = Settings(nodes=2, ranks_per_node=1)
+    s = Settings(nodes=2, ranks_per_node=1, launch=S.launch)
     d = decide(Observed(now=NOW, job=JobView(), plan=None, nodes=nodes), s)
     assert d.plan["nodes"] == ["a", "b"]
     assert d.plan["peers"] == [["a", "a:1"], ["b", "b:1"], ["c", "c:1"]]  # d has no server

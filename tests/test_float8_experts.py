@@ -161,7 +161,6 @@ def test_the_plan_sets_the_float8_matmul_of_every_moe_layer(monkeypatch):
         pytest.skip("a process group is already running in this test process")
     from optimus.config import resolve_layout
     from optimus.parallel import plan
-    from optimus.runtime import ParallelDims
 
     monkeypatch.setattr(plan, "apply_float8_experts",
                         lambda part, recipe: apply_float8_experts(part, recipe, emulated=True))
@@ -172,9 +171,8 @@ def test_the_plan_sets_the_float8_matmul_of_every_moe_layer(monkeypatch):
         losses = []
         for recipe in ("off", "mxfp8"):
             job = validate_job(_raw(float8_experts=recipe), world=1)
-            layout = resolve_layout(job, 1)
-            mesh = ParallelDims(dp=1, tp=1, pp=1, ep=1, world_size=1).build_mesh("cpu")
-            model = plan.build_parallel_model(job, layout, mesh, torch.device("cpu"))
+            mesh = resolve_layout(job, 1).build_mesh("cpu")
+            model = plan.build_parallel_model(job, mesh, torch.device("cpu"))
             experts = [m for p in model.parts for m in p.modules()
                        if isinstance(m, GroupedExperts)]
             want = grouped_mm if recipe == "off" else EMULATED

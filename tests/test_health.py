@@ -21,8 +21,10 @@ from multiproc import free_port
 
 from optimus.checkpoint.manifest import committed_steps
 from optimus.config import load_job
-from optimus.health import PHASES, Command, Commands, Heartbeat
+from optimus.contract.phases import PHASES
 from optimus.models import build_model
+from optimus.supervision.commands import Command, Commands
+from optimus.supervision.heartbeat import Heartbeat
 from optimus.train import train
 
 REPO = Path(__file__).resolve().parents[1]

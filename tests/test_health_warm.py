@@ -1,5 +1,6 @@
 """The node's health check runs outside the agent, which never imports torch: in a child that
-its warm process forks (optimus/warm.py), or in a fresh process without one (cold starts).
+its warm process forks (optimus/supervision/warm.py), or in a fresh process without one (cold
+starts).
 
 Real processes throughout: agents against a private redis-server, the warm process, the
 check's children, a rank forked after the checks.
@@ -17,10 +18,11 @@ from multiproc import free_port
 from controller.node.health_check import health_check, valid_result
 from controller.node.spawn import Spawner, WarmRank
 from controller.store.store import Store
-from optimus.warm import check_tiles
+from optimus.supervision.warm import check_tiles
 
 # These tests look at warm processes themselves (parents, command lines, maps): the real
-# `python -m optimus.warm`, not one forked by the test session's warm server (conftest.py).
+# `python -m optimus.supervision.warm`, not one forked by the test session's warm server
+# (conftest.py).
 pytestmark = pytest.mark.usefixtures("fresh_warm")
 
 OK_FIELDS = {"devices", "device_kind", "health", "health_detail", "ok_at"}
@@ -82,7 +84,7 @@ def test_the_agent_checks_its_tiles_without_ever_mapping_torch(mode, redis_serve
     assert agent.poll() is None, procs.log("agent")
     assert not _torch_mapped(agent.pid)
     warm = [pid for pid in _children(agent.pid)
-            if b"optimus.warm" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+            if b"optimus.supervision.warm" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     if mode == "fork":
         assert len(warm) == 1 and _torch_mapped(warm[0])  # where the checks' children came from
     else:

@@ -199,7 +199,7 @@ def test_agents_are_reached_by_this_releases_agents_only(which, request):
     agent, controller = pod_labels(one(objects, "Job")), pod_labels(one(objects, "Deployment"))
     other_release = {**agent, "app.kubernetes.io/instance": "other"}
     # The controllers reach the snapshot server's port alone, to learn whether a silent
-    # agent's pod still answers (controller/control/probe.py); the agent listens there.
+    # agent's pod still answers (controller/common/probe.py); the agent listens there.
     snapshot = 9311 if which == "custom" else 7790
     assert reaches(objects, "Job", controller, RELEASE_NS, snapshot)
     env = {e["name"]: e.get("value") for e in main(objects, "Job")["env"]}

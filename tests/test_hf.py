@@ -19,14 +19,12 @@ from click.testing import CliRunner
 from multiproc import run_ranks
 
 from optimus.checkpoint import CheckpointError, latest_committed
-from optimus.checkpoint.hf_export import export_hf
-from optimus.checkpoint.hf_families import choose_family, hf_config
-from optimus.checkpoint.hf_import import load_hf
 from optimus.cli import main
 from optimus.config import ModelConfig, validate_job
 from optimus.data import build_loader, build_source
 from optimus.data.prepare import prepare
 from optimus.data.tokenizer import ByteTokenizer, HFTokenizer
+from optimus.hf import choose_family, export_hf, hf_config, load_hf
 from optimus.models import build_model
 from optimus.train import train
 
@@ -60,14 +58,11 @@ def _import_and_save(rank: int, world_size: int, raw: dict, hf_dir: str, root: s
     from optimus.checkpoint.state import ModelState
     from optimus.config import resolve_layout
     from optimus.parallel.plan import build_parallel_model
-    from optimus.runtime import ParallelDims
     from optimus.train import _full_state
 
     job_ = validate_job(raw, world=world_size)
-    layout = resolve_layout(job_, world_size)
-    mesh = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,
-                        world_size=world_size).build_mesh("cpu")
-    model = build_parallel_model(job_, layout, mesh, torch.device("cpu"))
+    mesh = resolve_layout(job_, world_size).build_mesh("cpu")
+    model = build_parallel_model(job_, mesh, torch.device("cpu"))
     load_hf(Path(hf_dir), job_.model, model.parts)
     saver = Checkpointer(root, rank=rank, world_size=world_size, mode="sync")
     saver.save(0, {"model": ModelState(model.state_view())},

@@ -18,10 +18,8 @@ from multiproc import run_ranks
 from test_hf import GLM, MODEL, QWEN, _import_and_save, _logits_diff, job
 
 from optimus.checkpoint import CheckpointError, latest_committed
-from optimus.checkpoint.hf_export import export_hf
-from optimus.checkpoint.hf_families import choose_family, hf_config
-from optimus.checkpoint.hf_import import load_hf
 from optimus.config import ModelConfig, validate_job
+from optimus.hf import choose_family, export_hf, hf_config, load_hf
 from optimus.models import build_model
 from optimus.models.moe import moe_layers
 

@@ -1,6 +1,6 @@
-"""In-process restart (optimus/inprocess.py): what a rank between generations reads and does,
-and twenty generations of the same two rank processes under a minimal agent of the test's own
-(the real agent's side is tested in the control-plane scenarios)."""
+"""In-process restart (optimus/supervision/inprocess.py): what a rank between generations reads
+and does, and twenty generations of the same two rank processes under a minimal agent of the
+test's own (the real agent's side is tested in the control-plane scenarios)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 import yaml
 from cluster import _rank_spawner, free_port, metrics, train_ranks, wait_for, write_job
 
-from optimus import inprocess
+from optimus.supervision import inprocess
 
 GLOO_LOST = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
              "[127.0.0.1]:14546: Connection reset by peer. This is typically caused by a remote "
@@ -274,18 +274,19 @@ def test_stale_groups_are_looked_for_only_when_a_mesh_outlived_its_generation(mo
 
     import torch.distributed as dist
 
-    from optimus.runtime import dims
-    from optimus.runtime.dims import ParallelDims, meshes_alive
+    from optimus.runtime import mesh as meshes
+    from optimus.runtime.dims import ParallelDims
     from optimus.runtime.dist import destroy_distributed, drop_stale_groups
+    from optimus.runtime.mesh import meshes_alive
 
     walks = []
     real = gc.get_objects
     monkeypatch.setattr(gc, "get_objects", lambda *a: walks.append(1) or real(*a))
-    monkeypatch.setattr(dims, "_BUILT", [])  # whatever meshes this test process built before
+    monkeypatch.setattr(meshes, "_BUILT", [])  # whatever meshes this test process built before
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        mesh = ParallelDims(dp=1, tp=1, pp=1, ep=1, world_size=1).build_mesh("cpu")
-        held_by_a_cache = [mesh["dp"]]  # a submesh: it holds its root
+        mesh = ParallelDims().build_mesh("cpu")
+        held_by_a_cache = [mesh.mesh("shard")]  # a submesh: it holds its root
         del mesh
         gc.collect()
         assert meshes_alive()
@@ -295,7 +296,7 @@ def test_stale_groups_are_looked_for_only_when_a_mesh_outlived_its_generation(mo
         assert mesh_of_submesh._pg_registry == {}
         del held_by_a_cache, mesh_of_submesh
         gc.collect()
-        assert not meshes_alive() and dims._BUILT == []
+        assert not meshes_alive() and meshes._BUILT == []
         assert drop_stale_groups() == 0 and walks == [1]  # no second walk
     finally:
         destroy_distributed()

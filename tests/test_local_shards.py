@@ -214,14 +214,11 @@ def _layout(rank: int, world: int, raw: dict, one_process: bool) -> dict:
     compares across ranks."""
     from optimus.models import build_model
     from optimus.parallel.plan import build_parallel_model
-    from optimus.runtime import ParallelDims
 
     job = validate_job(raw, world=world)
-    layout = resolve_layout(job, world)
-    mesh = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,
-                        world_size=world).build_mesh("cpu")
-    pp_group, dp = mesh["pp"].get_group(), mesh["dp"]
-    model, twin = (build_parallel_model(job, layout, mesh, CPU) for _ in range(2))
+    mesh = resolve_layout(job, world).build_mesh("cpu")
+    pp_group, stages = mesh.group("pipeline"), mesh.size("pipeline")
+    model, twin = (build_parallel_model(job, mesh, CPU) for _ in range(2))
     view, twin_view = model.state_view(), twin.state_view()
     opt = build_optimizer(view, job.optim, CPU)
     assert type(opt) is LocalAdamW and all(g["fused"] for g in opt.param_groups)
@@ -236,7 +233,7 @@ def _layout(rank: int, world: int, raw: dict, one_process: bool) -> dict:
 
     out = {"norms": [], "own": [], "clip_ops": [], "step_ops": []}
     for step in range(1, 5):
-        share = _batch(step).chunk(layout.dp)[dp.get_local_rank()]
+        share = _batch(step).chunk(mesh.size("batch"))[mesh.rank("batch")]
         microbatches = [{"input_ids": b[:, :-1], "labels": b[:, 1:]} for b in share.chunk(2)]
         for m, o in ((model, opt), (twin, stock)):
             set_lr(o, lr_at(step, job.optim))
@@ -249,10 +246,10 @@ def _layout(rank: int, world: int, raw: dict, one_process: bool) -> dict:
         own = sum(float(_local(p.grad).double().square().sum()) for p in params)
         before = [_local(p.grad).clone() for p in params]
         with Ops() as ops:
-            norm = clip_grads_(params, MAX_NORM, pp_group, leave_nonfinite=True)
+            norm = clip_grads_(params, MAX_NORM, stages, leave_nonfinite=True)
             found_inf = norm.found_inf()
         out["clip_ops"].append((ops.all[READ], sum(ops.dtensor.values())))
-        clip_grads_(twin.parameters(), MAX_NORM, pp_group, leave_nonfinite=True)
+        clip_grads_(twin.parameters(), MAX_NORM, stages, leave_nonfinite=True)
         out["norms"].append(float(norm.total))
         out["own"].append(float(norm.local_squared))
         assert float(norm.local_squared) == pytest.approx(own, rel=1e-5, nan_ok=True)
@@ -336,20 +333,19 @@ def test_ops_do_not_grow_with_the_layout_model(run_ranks):
 
 def _clip_op_counts(rank: int, world: int) -> tuple[int, int]:
     from optimus.parallel.plan import build_parallel_model
-    from optimus.runtime import ParallelDims
 
     counts = []
     for n_layers in (1, 3):
         job = validate_job(_raw(n_layers), world=world)
-        layout = resolve_layout(job, world)
-        mesh = ParallelDims(dp=2, tp=1, pp=1, ep=1, world_size=world).build_mesh("cpu")
-        model = build_parallel_model(job, layout, mesh, CPU)
+        mesh = resolve_layout(job, world).build_mesh("cpu")
+        assert mesh.size("shard") == 2
+        model = build_parallel_model(job, mesh, CPU)
         batch = _batch(0).chunk(2)[rank]
         model.set_step_tokens(BATCH * SEQ)
         model.forward_backward([{"input_ids": batch[:, :-1], "labels": batch[:, 1:]}], CPU)
-        params, pp_group = list(model.parameters()), mesh["pp"].get_group()
+        params = list(model.parameters())
         with Ops() as ops:
-            clip_grads_(params, MAX_NORM, pp_group, leave_nonfinite=True)
+            clip_grads_(params, MAX_NORM, mesh.size("pipeline"), leave_nonfinite=True)
         assert ops.all[READ] == 0 and not ops.dtensor, (ops.all, ops.dtensor)
         counts.append(sum(ops.all.values()))
     return tuple(counts)

@@ -14,10 +14,10 @@ import threading
 
 import pytest
 
+from controller.common.probe import NO_ANSWER, NO_ROUTE, REFUSED, probe
+from controller.common.ring import ring
 from controller.control import observe
-from controller.control.fabric import ring
 from controller.control.observe import Observer
-from controller.control.probe import NO_ANSWER, NO_ROUTE, REFUSED, probe
 from controller.control.view import JobView, Settings
 from controller.node import mesh
 from controller.node.checks import Checks

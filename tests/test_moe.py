@@ -343,15 +343,12 @@ def _ep_model(world_size: int, ep: int):
     from optimus.config import resolve_layout
     from optimus.optim import build_optimizer
     from optimus.parallel.plan import build_parallel_model
-    from optimus.runtime import ParallelDims
 
     raw = {**moe_job(), "parallel": {"device": "cpu", "ep": ep}}
     raw["data"]["microbatches"] = 1
     job = validate_job(raw, world=world_size)
-    layout = resolve_layout(job, world_size)
-    mesh = ParallelDims(dp=layout.dp, tp=1, pp=1, ep=layout.ep,
-                        world_size=world_size).build_mesh("cpu")
-    model = build_parallel_model(job, layout, mesh, torch.device("cpu"))
+    mesh = resolve_layout(job, world_size).build_mesh("cpu")
+    model = build_parallel_model(job, mesh, torch.device("cpu"))
     return job, model, build_optimizer(model.state_view(), job.optim, torch.device("cpu")), mesh
 
 
@@ -361,7 +358,7 @@ def _steps(job, model, optimizer, mesh, seed: int):
 
     cpu = torch.device("cpu")
     g = torch.Generator().manual_seed(seed)
-    dp = mesh["dp"].size()
+    dp = mesh.size("batch")
     while True:
         batch = torch.randint(0, 256, (4, 33), generator=g)
         model.set_step_tokens(dp * 4 * 32)

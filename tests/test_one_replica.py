@@ -58,15 +58,12 @@ class _Ops(TorchDispatchMode):
 def _model(world: int, kind: str, precision: str, parallel: dict):
     from optimus.config import resolve_layout
     from optimus.parallel.plan import build_parallel_model
-    from optimus.runtime import ParallelDims
 
     raw = job(kind, precision, steps=1, **parallel)
     raw["optim"]["warmup_steps"] = 0
     j = validate_job(raw, world=world)
-    layout = resolve_layout(j, world)
-    mesh = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,
-                        world_size=world).build_mesh("cpu")
-    return j, build_parallel_model(j, layout, mesh, torch.device("cpu"))
+    mesh = resolve_layout(j, world).build_mesh("cpu")
+    return j, build_parallel_model(j, mesh, torch.device("cpu"))
 
 
 def _step(rank: int, world: int, kind: str, precision: str, parallel: dict) -> dict:

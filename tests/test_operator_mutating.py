@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from cluster import RedisServer, relay
+from records import run_plan
 from test_operator import _who, optimus
 
 from controller.store.store import Store
@@ -40,8 +41,7 @@ class FakeController:
         self.server = RedisServer(tmp)
         self.store = Store(self.server.url, "yes")
         self.store.update_job({"state": "RUNNING", "generation": 0, **record})
-        self.store.set_plan({"generation": 0, "action": "run", "nodes": ["node0", "node1"],
-                             "ranks_per_node": 1, "world_size": 2})
+        self.store.set_plan(run_plan(0, ["node0", "node1"]))
         for name in ("node0", "node1"):
             self.store.register_node(name, {"host": name, "health": "ok"})
         relay(self.store)  # the records a controller would have relayed

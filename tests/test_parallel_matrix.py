@@ -134,14 +134,11 @@ def _one_step(rank: int, world_size: int, raw: dict) -> dict:
     from optimus.config import resolve_layout
     from optimus.optim import build_optimizer, set_lr
     from optimus.parallel.plan import build_parallel_model
-    from optimus.runtime import ParallelDims
 
     cpu = torch.device("cpu")
     job = validate_job(raw, world=world_size)
-    layout = resolve_layout(job, world_size)
-    mesh = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,
-                        world_size=world_size).build_mesh("cpu")
-    model = build_parallel_model(job, layout, mesh, cpu)
+    mesh = resolve_layout(job, world_size).build_mesh("cpu")
+    model = build_parallel_model(job, mesh, cpu)
     optimizer = build_optimizer(model.state_view(), job.optim, cpu)
     batch = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(0))
     model.set_step_tokens(8 * 32)

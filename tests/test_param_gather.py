@@ -37,21 +37,18 @@ def _run(rank: int, world: int, parallel: dict, microbatches: int = MICROBATCHES
     from optimus.optim import build_optimizer
     from optimus.parallel.plan import build_parallel_model
     from optimus.planner.measure import Collectives, PeakMemory, state_tensors
-    from optimus.runtime import ParallelDims
 
     cpu = torch.device("cpu")
     job = validate_job(_raw(parallel, microbatches), world=world)
-    layout = resolve_layout(job, world)
-    mesh = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,
-                        world_size=world).build_mesh("cpu")
-    parts = build_parallel_model(job, layout, mesh, cpu)
+    mesh = resolve_layout(job, world).build_mesh("cpu")
+    parts = build_parallel_model(job, mesh, cpu)
     optimizer = build_optimizer(parts.state_view(), job.optim, cpu)
     out = {"losses": [], "counts": [], "peaks": [],
            "units": sum(isinstance(m, FSDPModule) for p in parts.parts for m in p.modules())}
     for step in range(STEPS):
         batch = torch.randint(0, 256, (4 * microbatches, SEQ + 1),
                               generator=torch.Generator().manual_seed(step))
-        mine = batch.chunk(layout.dp)[mesh["dp"].get_local_rank()]
+        mine = batch.chunk(mesh.size("batch"))[mesh.rank("batch")]
         pieces = [{"input_ids": x[:, :-1], "labels": x[:, 1:]}
                   for x in mine.chunk(microbatches)]
         parts.set_step_tokens(batch[:, 1:].numel())

@@ -15,9 +15,7 @@ import torch.distributed.pipelining as pipelining
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from optimus.models import build_model
-from optimus.parallel.pipeline import build_schedule, build_stage_models, run_pipeline_step
-from optimus.parallel.schedule_rules import (
+from optimus.config.schedule_rules import (
     SCHEDULES,
     SINGLE_STAGE,
     is_multi_stage,
@@ -26,6 +24,8 @@ from optimus.parallel.schedule_rules import (
     stage_layers,
     stage_style,
 )
+from optimus.models import build_model
+from optimus.parallel.pipeline import build_schedule, build_stage_models, run_pipeline_step
 
 SEED, MB_SIZE, SEQ = 3, 2, 16
 
@@ -48,7 +48,7 @@ def test_schedule_names_are_the_job_files_and_torchs():
 
 
 def test_rules_import_no_torch():
-    code = ("import sys; import optimus.parallel.schedule_rules; "
+    code = ("import sys; import optimus.config.schedule_rules; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
 
@@ -199,17 +199,17 @@ def _pipeline_rank(rank: int, world_size: int, schedule: str, v: int, n_layers: 
     from optimus.parallel.data_parallel import apply_data_parallel
     from optimus.runtime.dims import ParallelDims
 
-    dims = ParallelDims(dp=dp, tp=1, pp=world_size // dp, ep=1, world_size=world_size)
+    dims = ParallelDims(dp=dp, pp=world_size // dp)
     mesh, coords = dims.build_mesh("cpu"), dims.coords(rank)
     cfg, num_stages = _cfg(n_layers), dims.pp * v
     ids = stage_ids(coords["pp"], dims.pp, v, stage_style(schedule))
     models = build_stage_models(cfg, SEED, "cpu", ids, num_stages)
     if dp > 1:
         for model in models:
-            apply_data_parallel(model, mesh["dp"])
+            apply_data_parallel(model, mesh.mesh("shard"))
     tokens, labels = _batch(cfg, microbatches, dp)
     mine = slice(coords["dp"] * len(tokens) // dp, (coords["dp"] + 1) * len(tokens) // dp)
-    pipe = build_schedule(models, ids, num_stages, mesh["pp"].get_group(), "cpu", schedule,
+    pipe = build_schedule(models, ids, num_stages, mesh.group("pipeline"), "cpu", schedule,
                           microbatches, _TokenSumLoss(labels.numel()))
     out = []
     for _ in range(steps):  # the same batch again: gradients must not depend on the step

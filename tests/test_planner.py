@@ -16,6 +16,7 @@ import torch
 
 from optimus.config import validate_job
 from optimus.planner.memory import PlanLayout, rank_memory
+from optimus.runtime.dims import ParallelDims
 
 WORLD, SEQ = 4, 128
 DENSE = {"vocab_size": 256, "dim": 128, "n_layers": 4, "n_heads": 4, "ffn_dim": 384,
@@ -70,16 +71,13 @@ def _measure(rank: int, world: int, layouts: list[tuple]) -> list[int]:
     from optimus.optim import build_optimizer
     from optimus.parallel.plan import build_parallel_model
     from optimus.planner.measure import PeakMemory, state_tensors
-    from optimus.runtime import ParallelDims
 
     cpu = torch.device("cpu")
     peaks = []
     for model, parallel, microbatch, microbatches, *optim in layouts:
         job = validate_job(_raw(model, parallel, microbatch, microbatches, *optim), world=world)
-        layout = resolve_layout(job, world)
-        mesh = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,
-                            world_size=world).build_mesh("cpu")
-        parts = build_parallel_model(job, layout, mesh, cpu)
+        mesh = resolve_layout(job, world).build_mesh("cpu")
+        parts = build_parallel_model(job, mesh, cpu)
         optimizer = build_optimizer(parts.state_view(), job.optim, cpu)
         # AdamW makes its state at its first step: make it now, so one measured step is a
         # steady one (parameters, state, then the step's gradients and activations).
@@ -107,9 +105,9 @@ def _measure(rank: int, world: int, layouts: list[tuple]) -> list[int]:
 
 def _plan(model: dict, parallel: dict, microbatch: int, microbatches: int) -> PlanLayout:
     tp, pp = parallel.get("tp", 1), parallel.get("pp", 1)
-    return PlanLayout(dp=WORLD // (tp * pp), tp=tp, pp=pp, ep=parallel.get("ep", 1),
-                      v=parallel.get("virtual_stages", 1),
-                      schedule=parallel.get("schedule", "1f1b"), microbatches=microbatches,
+    dims = ParallelDims(dp=WORLD // (tp * pp), tp=tp, pp=pp, ep=parallel.get("ep", 1),
+                        virtual_stages=parallel.get("virtual_stages", 1))
+    return PlanLayout(dims, schedule=parallel.get("schedule", "1f1b"), microbatches=microbatches,
                       microbatch_size=microbatch, seq_len=SEQ,
                       recompute=parallel.get("activation_checkpoint", "none"),
                       param_gather=parallel.get("param_gather", "microbatch"), precision="fp32")
@@ -128,8 +126,8 @@ def test_memory_model_within_15_percent_of_measured_peak(measured, name):
     model, parallel, microbatch, microbatches = LAYOUTS[name]
     cfg = validate_job(_raw(model, parallel, microbatch, microbatches)).model
     plan = _plan(model, parallel, microbatch, microbatches)
-    per_position = WORLD // plan.pp  # ranks are ordered pp outermost (optimus/runtime/dims.py)
-    for pp_rank in range(plan.pp):
+    per_position = WORLD // plan.dims.pp  # ranks are ordered pp outermost (runtime/dims.py)
+    for pp_rank in range(plan.dims.pp):
         ranks = measured[name][pp_rank * per_position:(pp_rank + 1) * per_position]
         predicted = rank_memory(cfg, plan, pp_rank).total
         for got in ranks:
@@ -278,7 +276,7 @@ def test_plan_1t_on_3072_devices():
     speeds = [c.time.tokens_per_s_per_device for c in fits]
     assert speeds == sorted(speeds, reverse=True)
     assert all(c.memory.total <= 80 * 2**30 for c in fits)
-    assert all(c.layout.devices == 3072 and c.layout.tp <= 8 for c in fits)
+    assert all(c.layout.devices == 3072 and c.layout.dims.tp <= 8 for c in fits)
 
 
 def test_plan_command_json_and_explain():

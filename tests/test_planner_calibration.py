@@ -18,6 +18,7 @@ from optimus.config import validate_job
 from optimus.planner.machines import get_machine
 from optimus.planner.memory import LOSS, PlanLayout, rank_memory, shape_of
 from optimus.planner.steptime import op_recompute_bytes, selective_share, step_time
+from optimus.runtime.dims import ParallelDims
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.planner_calibration import LLAMA3_8B, RUNS, predict  # noqa: E402
@@ -65,7 +66,7 @@ def test_h100_over_a100_is_no_longer_three_times():
     published runs show ~1.9x."""
     cfg = validate_job({"name": "l8", "model": LLAMA3_8B,
                         "data": {"seq_len": 8192, "batch_size": 16}}).model
-    lay = PlanLayout(dp=8, microbatch_size=2, seq_len=8192, recompute="op")
+    lay = PlanLayout(ParallelDims(dp=8), microbatch_size=2, seq_len=8192, recompute="op")
     h100, a100 = (step_time(cfg, lay, get_machine(n), 16).tokens_per_s_per_device
                   for n in ("h100-ndr", "a100-hdr"))
     assert h100 / a100 == pytest.approx(1.65, abs=0.02)
@@ -180,7 +181,7 @@ def test_fix_advice_for_accumulated_gradients_is_checked_not_more_devices():
 def test_fsdp_overlap_shows_the_first_gather_the_last_reduce_and_each_units_excess():
     from optimus.planner.steptime import _passes, fsdp_exposed
 
-    two = _passes(PlanLayout(dp=4, microbatches=2))
+    two = _passes(PlanLayout(ParallelDims(dp=4), microbatches=2))
     assert two == [(2, True, True, False), (1, False, True, False), (1, False, True, True)]
     # every unit's traffic hides under its compute: the first gathers and the last
     # reduce-scatter show all the same (4 gathers of 0.5, one reduce-scatter of 0.8)
@@ -190,7 +191,7 @@ def test_fsdp_overlap_shows_the_first_gather_the_last_reduce_and_each_units_exce
     assert fsdp_exposed(1.0, 2.0, 10, 1.5, 0.8, two) == pytest.approx(
         2 * (1.5 + 9 * 0.5) + 1.5 + (1.5 + 0.8 + 9 * 0.3))
     # kept gathered: one gather pass, one reduce-scatter pass
-    kept = _passes(PlanLayout(dp=4, microbatches=2, param_gather="step"))
+    kept = _passes(PlanLayout(ParallelDims(dp=4), microbatches=2, param_gather="step"))
     assert fsdp_exposed(1.0, 2.0, 10, 0.5, 0.8, kept) == pytest.approx(1.3)
     # seed 001's ZeRO-3 on 384 A100s: the old model hid all of it; now the first gathers and
     # the last reduce-scatter show

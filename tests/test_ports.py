@@ -2,8 +2,8 @@
 ports.py): the kernel gives it to no one else while held, rank 0's store listens on it all the
 same, the controller puts node 0's offer into the plan (every node launches at once), and a
 port a node wrote is read as a port or as none. And the ports picked for a server that binds
-later (optimus/ports.py: DCP's writers' store, `optimus run`'s Redis, an agent without an
-offer, the tests' ranks): below the kernel's ephemeral range."""
+later (optimus/supervision/ports.py: DCP's writers' store, `optimus run`'s Redis, an agent
+without an offer, the tests' ranks): below the kernel's ephemeral range."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from controller.cli.run import LocalCluster, start_redis
 from controller.control import records
 from controller.control.decide import RESTARTING, JobView, Observed, decide
 from controller.node.ports import PortOffer
-from optimus import ports
+from optimus.supervision import ports
 
 STORE = """
 import datetime, sys

@@ -1,4 +1,4 @@
-"""controller/control/probe.py: what a connection to a silent agent's snapshot server says about
+"""controller/common/probe.py: what a connection to a silent agent's snapshot server says about
 its node, with real sockets (a listening one, a closed port, a listener that never accepts), and
 the detect rule that names a node lost on it before agent_timeout_s.
 """
@@ -16,9 +16,7 @@ import time
 import yaml
 from cluster import wait_for, write_job
 
-from controller.control.controller import Controller
-from controller.control.detect import HARD, Evidence, evidence
-from controller.control.probe import (
+from controller.common.probe import (
     FAILS_NEEDED,
     NO_ANSWER,
     NO_ROUTE,
@@ -28,6 +26,8 @@ from controller.control.probe import (
     parse_address,
     probe,
 )
+from controller.control.controller import Controller
+from controller.control.detect import HARD, Evidence, evidence
 from controller.control.settings import settings_for
 from controller.control.view import Observed, Overdue, Settings
 from controller.store.store import Store
@@ -35,7 +35,8 @@ from optimus.config import validate_job
 
 NOW = 1000.0
 # agent_silence_s = 2 x 0.5 = 1.0 s; agent_timeout_s = 5 s.
-S = Settings(nodes=2, ranks_per_node=1, heartbeat_interval_s=0.5, agent_timeout_s=5)
+S = Settings(nodes=2, ranks_per_node=1, heartbeat_interval_s=0.5, agent_timeout_s=5,
+             launch={"job_file": "/jobs/x.yaml", "log_dir": "/runs/x/logs"})
 PLAN = {"generation": 1, "nodes": ["n0", "n1"], "ranks_per_node": 1}
 
 

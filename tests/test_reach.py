@@ -1,4 +1,4 @@
-"""Where a node is reached (controller/node/reach.py) and which interface its ranks use
+"""Where a node is reached (controller/common/reach.py) and which interface its ranks use
 (optimus/runtime/network.py, the job's `network` section and site profiles): a node that
 advertises loopback while another runs on another host is refused in one line, by its agent at
 registration and by the controller, whichever learns first."""
@@ -15,9 +15,9 @@ import time
 import pytest
 import yaml
 
+from controller.common import reach
 from controller.control.controller import Controller
 from controller.control.settings import settings_for
-from controller.node import reach
 from controller.store.store import Store
 from optimus.config import ConfigError, load_job
 from optimus.runtime.network import apply_network, collective_env, interface_env
@@ -39,7 +39,7 @@ def test_loopback_names_the_address_a_host_resolves_to():
 def test_machine_differs_exactly_across_network_namespaces():
     here = reach.machine()
     assert here == reach.machine()
-    code = "from controller.node import reach; print(reach.machine())"
+    code = "from controller.common import reach; print(reach.machine())"
     same = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip()
     other = subprocess.run(["unshare", "--net", sys.executable, "-c", code],

@@ -10,12 +10,13 @@ import time
 
 import pytest
 from cluster import relay
+from records import exit_record, run_plan
 
 from controller.control.relay import Relay, parse_row
 from controller.store.own import row_text
 from controller.store.store import Store
 
-PLAN = {"generation": 2, "action": "run", "nodes": ["n0", "n1"], "ranks_per_node": 2}
+PLAN = run_plan(2, ["n0", "n1"], ranks_per_node=2)
 
 
 def _store(redis_server) -> Store:
@@ -26,10 +27,8 @@ def _store(redis_server) -> Store:
     return store
 
 
-def _exit(node: str, rank: int, generation: int = 2, **more) -> dict:
-    return {"node": node, "rank": rank, "local_rank": rank % 2, "generation": generation,
-            "code": 1, "signal": None, "by_agent": False, "time": time.time(), "tail": "",
-            "tail_age": None, **more}
+def _exit(node: str, rank: int, generation: int = 2, **more):
+    return exit_record(node, rank, generation, local_rank=rank % 2, **more)
 
 
 def _forge(store: Store, node: str, name: str, **token) -> None:
@@ -47,8 +46,13 @@ def test_an_exit_is_relayed_only_for_a_rank_the_plan_puts_on_its_node(redis_serv
     store.report_exit(_exit("n2", 2))  # n2 runs nothing of generation 2
     store.report_exit(_exit("n1", 2, generation=3))  # not planned yet
     store.report_exit(_exit("n1", 0, generation=1))  # an older generation: kept as history
-    store.r.xadd(store.k("node:n1:exits"), {"json": json.dumps(_exit("n0", 1))})
+    store.r.xadd(store.k("node:n1:exits"), {"json": json.dumps(_exit("n0", 1).record())})
     store.r.xadd(store.k("node:n1:exits"), {"json": "[1, 2]"})
+    # Whole and well typed, or refused with the line that names the field.
+    store.r.xadd(store.k("node:n1:exits"), {"json": json.dumps(
+        {k: v for k, v in _exit("n1", 2).record().items() if k != "pid"})})
+    store.r.xadd(store.k("node:n1:exits"), {"json": json.dumps(
+        {**_exit("n1", 2).record(), "rank": "2"})})
     _forge(store, "n1", "exits", exits=time.time_ns())
     said = relay(store)
     assert [(r["node"], r["rank"], r["generation"]) for _, r in store.exits()] == [
@@ -60,7 +64,10 @@ def test_an_exit_is_relayed_only_for_a_rank_the_plan_puts_on_its_node(redis_serv
         "on n2",
         "not relayed from node n1: an exit record: generation 3 is not planned yet",
         "not relayed from node n1: an exit record: it names node 'n0'",
-        "not relayed from node n1: an exit record: it is no JSON object"])
+        "not relayed from node n1: an exit record: it is no JSON object",
+        "not relayed from node n1: an exit record: field 'pid' is missing",
+        "not relayed from node n1: an exit record: field 'rank' should be a valid integer "
+        "(got '2')"])
 
 
 def test_a_leader_that_takes_over_relays_nothing_twice_and_skips_nothing(redis_server):

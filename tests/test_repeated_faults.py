@@ -12,10 +12,10 @@ from pathlib import Path
 from cluster import relay
 from test_decide import NOW, S, beat, busy, node, running, running_plan
 
+from controller.common.exit_text import describe_exit
 from controller.control.decide import RESTARTING, RUNNING, JobView, NodeView, Observed, decide
 from controller.control.detect import hang_culprits
 from controller.control.recovery import memory_point, outlived
-from controller.node.exit_text import describe_exit
 from controller.node.snapshots import _retain_held, _retain_own, _scan
 from controller.store.store import Store
 from controller.store.summaries import NodeSummary

@@ -94,7 +94,8 @@ FULL = {"devices": 3, "layout": "tp1.pp3.dp1.1f1b.mb4x3.none", "overrides": [],
 S3 = Settings(nodes=3, ranks_per_node=1, agent_timeout_s=5, node_counts=(3, 2),
               layouts={2: REPLANNED, 3: FULL}, refusals={1: "none of 40 layouts on 1 "
                                                             "devices fits h100-ndr's 76 GiB"},
-              launch={"job_file": "/jobs/x.yaml", "overrides": ["optim.lr=0.001"]})
+              launch={"job_file": "/jobs/x.yaml", "overrides": ["optim.lr=0.001"],
+                      "log_dir": "/runs/x/logs"})
 
 
 def _restarting(nodes: dict) -> Observed:
@@ -137,7 +138,7 @@ def test_a_shrunk_job_grows_to_a_middle_size_only_for_a_predicted_gain():
 
     five = Settings(nodes=5, ranks_per_node=1, stop_grace_s=30, node_counts=(5, 4, 3, 2, 1),
                     layouts={1: {**FULL, "tokens_per_s": 500.0},
-                             2: {**FULL, "tokens_per_s": 400.0}})
+                             2: {**FULL, "tokens_per_s": 400.0}}, launch=S3.launch)
     # one node free: 2 of 5 would be slower than 1 by the planner: no stop for it
     assert not [e for e in decide(shrunk(spare_count=1), five).events if e[0] == "grow"]
     faster = dataclasses.replace(five, layouts={1: five.layouts[1],
@@ -151,7 +152,8 @@ def test_a_first_generation_starts_short_only_when_the_job_names_min_nodes():
     one = {"n0": node("n0"), "n1": node("n1", alive=False)}
     fresh = Observed(now=NOW + 60, job=JobView(state=WAITING, next_plan_at=NOW), plan=None,
                      nodes=one, latest_step=None)
-    named = Settings(nodes=2, ranks_per_node=1, agent_timeout_s=5, node_counts=(2, 1))
+    named = Settings(nodes=2, ranks_per_node=1, agent_timeout_s=5, node_counts=(2, 1),
+                     launch=S3.launch)
     assert decide(fresh, named).plan["nodes"] == ["n0"]  # min_nodes: starts on what it has
     floor = dataclasses.replace(named, start_short=False)  # the default floor: lost nodes only
     d = decide(fresh, floor)

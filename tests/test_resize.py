@@ -26,7 +26,8 @@ from optimus.config import apply_override
 from optimus.data.audit import audit_run
 
 S = Settings(nodes=2, ranks_per_node=1, heartbeat_interval_s=0.5, heartbeat_timeout_s=5,
-             agent_timeout_s=5, stop_grace_s=30, node_counts=(2, 1))
+             agent_timeout_s=5, stop_grace_s=30, node_counts=(2, 1),
+             launch={"job_file": "/jobs/x.yaml", "log_dir": "/runs/x/logs"})
 
 
 def shrunk(**more):

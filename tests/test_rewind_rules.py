@@ -19,7 +19,8 @@ from controller.node.lifecycle import skip_steps
 S = Settings(nodes=2, ranks_per_node=2, heartbeat_interval_s=0.5, heartbeat_timeout_s=5,
              agent_timeout_s=5, max_restarts=2, backoff_s=1, failure_grace_s=2,
              rewind_skip_before=2, rewind_skip_after=3, rewind_back=5, rewind_budget=2,
-             rewind_budget_steps=1000, batch_size=8, launch={"job_file": "/jobs/x.yaml"})
+             rewind_budget_steps=1000, batch_size=8,
+             launch={"job_file": "/jobs/x.yaml", "log_dir": "/runs/x/logs"})
 
 
 def asks(rank: int, step: int = 50, since: int | None = None, line: str | None = None,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 from cluster import ROOT, metrics, write_job
+from records import run_plan
 from rich.console import Console
 
 from controller.cli import console as console_module
@@ -100,8 +101,7 @@ def test_a_restart_is_said_in_order_with_its_rollback(redis_server, tmp_path, mo
     store.update_job({"state": "RUNNING", "restarts": 0})
 
     def generation(gen: int) -> None:
-        store.set_plan({"generation": gen, "action": "run", "nodes": ["node0"],
-                        "issued": time.time()})
+        store.set_plan(run_plan(gen, ["node0"], issued=time.time()))
 
     def log(step: int, loss: float, commit: int | None = None) -> None:
         row = {"time": time.time(), "step": step, "loss": loss,

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from cluster import ROOT, free_port, wait_for, write_job
+from records import run_plan
 
 from controller.cli.main import main
 from controller.schedulers.slurm import time_limit_s
@@ -360,7 +361,7 @@ def test_a_new_allocation_takes_a_job_left_running_as_a_new_submission(tmp_path)
         _resubmit(store, job, "slurm job 7, start 1")
         assert store.job_record()["state"] == "COMPLETED"
         store.update_job({"state": "RUNNING", "generation": 4})
-        store.set_plan({"generation": 4, "action": "run", "nodes": ["n1", "n2"]})
+        store.set_plan(run_plan(4, ["n1", "n2"]))
         store.exclude("n3", "ECC errors", by="controller")
         _resubmit(store, job, "slurm job 7, start 1")
         assert store.job_record() == {} and store.plan() is None

@@ -164,7 +164,7 @@ def test_without_a_secret_no_server_starts_and_the_node_keeps_its_snapshots(
 def test_the_server_listens_where_the_firewall_says_or_says_why_it_cannot(
         keeper, monkeypatch, caplog):
     """OPTIMUS_SNAPSHOT_PORT (the Helm chart's agents.snapshotPort, the one port of an agent's
-    pod the controller may reach: controller/control/probe.py)."""
+    pod the controller may reach: controller/common/probe.py)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]

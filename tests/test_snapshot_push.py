@@ -27,7 +27,7 @@ from optimus.checkpoint.snapshot_files import (
     shard_files,
     write_marker,
 )
-from optimus.ports import unclaimed_port
+from optimus.supervision.ports import unclaimed_port
 
 SECRET = secrets.token_bytes(32)  # the job's key (snapshot_link.read_secret)
 RANKS = [0, 1, 2, 3]

@@ -14,13 +14,13 @@ import pytest
 from controller.node.stacks import Target, collect, find_py_spy
 
 # A rank blocked in C (a lock that is never released, as in a device sync that never returns).
-# "answers": faulthandler on SIGUSR1, as optimus.health registers it. "deaf": SIGUSR1 ignored,
-# as by a rank stuck in the kernel. "second": the first SIGUSR1 is lost (a handler that only
-# installs faulthandler), the second is answered.
+# "answers": faulthandler on SIGUSR1, as optimus/runtime/stacks.py registers it. "deaf":
+# SIGUSR1 ignored, as by a rank stuck in the kernel. "second": the first SIGUSR1 is lost (a
+# handler that only installs faulthandler), the second is answered.
 RANK = """
 import ctypes, faulthandler, os, signal, sys, threading
 mode, path = sys.argv[1], sys.argv[2]
-ctypes.CDLL(None).prctl(0x59616D61, os.getppid(), 0, 0, 0)  # as optimus.health does
+ctypes.CDLL(None).prctl(0x59616D61, os.getppid(), 0, 0, 0)  # as optimus/runtime/stacks.py does
 
 def answer(*_):
     faulthandler.register(signal.SIGUSR1, file=open(path, "a"), all_threads=True)

@@ -9,9 +9,9 @@ import torch
 from optimus.config import validate_job
 from optimus.config.schema import StabilityConfig
 from optimus.data.audit import audit_run
-from optimus.health import NonFinite
 from optimus.stability import StabilityWatch
 from optimus.step import Limits, hold_back
+from optimus.supervision.exits import NonFinite
 from optimus.train import train
 
 

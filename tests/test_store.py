@@ -8,6 +8,7 @@ import time
 
 import pytest
 from cluster import ROOT, free_port, relay, wait_for
+from records import exit_record, run_plan
 
 from controller.store.store import Store, StoreUnavailable, prefix
 from controller.store.summaries import NodeSummary
@@ -32,7 +33,7 @@ def test_one_leader_at_a_time_and_the_lease_expires(redis_server):
 
 def test_agent_tick_is_one_round_trip_that_writes_beats_and_reads_plan_and_chaos(redis_server):
     s = Store(redis_server.url, "j")
-    s.set_plan({"generation": 3, "action": "run", "nodes": ["n0"]})
+    s.set_plan(run_plan(3, ["n0"]))
     s.push_command("n0", {"kind": "kill_rank", "rank": 1})
     now = time.time()
     tick = s.agent_tick("n0", {"generation": 3, "state": "running", "live_ranks": 2},
@@ -62,7 +63,7 @@ def _summary(allocated: int | None, reserved: int | None) -> NodeSummary:
 
 def test_peak_memory_is_the_largest_of_any_node_and_leaves_with_its_ranks(redis_server):
     s = Store(redis_server.url, "j")
-    s.set_plan({"generation": 0, "action": "run", "nodes": ["n0", "n1"], "ranks_per_node": 1})
+    s.set_plan(run_plan(0, ["n0", "n1"]))
     tick = {"status": {"state": "running"}, "rank_beats": {}, "deadline": None,
             "reset_ranks": False}
     for node in ("n0", "n1", "n2"):
@@ -84,12 +85,12 @@ def test_peak_memory_is_the_largest_of_any_node_and_leaves_with_its_ranks(redis_
 
 def test_exits_stream_reads_after_a_cursor(redis_server):
     s = Store(redis_server.url, "j")
-    s.set_plan({"generation": 0, "action": "run", "nodes": ["n0"], "ranks_per_node": 2})
+    s.set_plan(run_plan(0, ["n0"], ranks_per_node=2))
     s.register_node("n0", {"host": "n0", "health": "ok"})
-    s.report_exit({"node": "n0", "rank": 0, "generation": 0, "code": 0})
+    s.report_exit(exit_record("n0", 0, code=0))
     assert s.exits() == [] and relay(s) == []  # the node's own stream, until relayed
     cursor = s.last_exit_id()
-    s.report_exit({"node": "n0", "rank": 1, "generation": 0, "code": None, "signal": 9})
+    s.report_exit(exit_record("n0", 1, code=None, signal=9))
     relay(s)
     assert [r["rank"] for _, r in s.exits()] == [0, 1]
     assert [r["rank"] for _, r in s.exits(cursor)] == [1]
@@ -101,7 +102,7 @@ def test_reset_forgets_the_job_but_keeps_its_event_history(redis_server):
     s = Store(redis_server.url, "j")
     other = Store(redis_server.url, "other")
     s.update_job({"state": "RUNNING"})
-    s.set_plan({"generation": 0})
+    s.set_plan({"generation": 0, "action": "end", "nodes": []})
     s.event("test", "note", "kept")
     other.update_job({"state": "RUNNING"})
     assert s.reset() == 3  # job, plan, plan:stamp

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from optimus.inprocess import peer_failure
-from optimus.ports import unclaimed_port
 from optimus.runtime import destroy_distributed, init_distributed, launch_env
 from optimus.runtime import dist as runtime_dist
+from optimus.supervision.inprocess import peer_failure
+from optimus.supervision.ports import unclaimed_port
 
 
 def test_it_returns_only_once_the_port_listens():

@@ -56,7 +56,7 @@ def _trainer_loss(logits: torch.Tensor, labels: torch.Tensor, z_loss: float) -> 
 
 
 def _tp_mesh(tp: int = TP):
-    return ParallelDims(dp=1, tp=tp, pp=1, ep=1, world_size=tp).build_mesh("cpu")["tp"]
+    return ParallelDims(tp=tp).build_mesh("cpu").mesh("tensor")
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float = 1e-7):

@@ -16,7 +16,8 @@ from controller.control.decide import decide
 from controller.control.view import RUNNING, Decision, JobView, Observed, Settings
 from controller.control.watching import track_progress
 
-S = Settings(nodes=2, ranks_per_node=1, heartbeat_interval_s=0.5, agent_timeout_s=5)
+S = Settings(nodes=2, ranks_per_node=1, heartbeat_interval_s=0.5, agent_timeout_s=5,
+             launch={"job_file": "/jobs/x.yaml", "log_dir": "/runs/x/logs"})
 PLAN = {"generation": 4, "nodes": ["n0", "n1"], "ranks_per_node": 1, "world_size": 2,
         "action": "run"}
 BEHIND = {"generation": 3, "step": 40, "at": 100.0, "cause": "rank_exit"}

@@ -15,6 +15,7 @@ import yaml
 from click.testing import CliRunner
 from cluster import free_port, relay, write_job
 from prometheus_client.parser import text_string_to_metric_families
+from records import run_plan
 from rich.console import Console
 
 from controller.cli.console import Follow
@@ -33,8 +34,7 @@ MATH = "$\\foo{$"  # matplotlib: "Unknown symbol: \foo"
 def _running(url: str) -> Store:
     store = Store(url, "j")
     store.update_job({"state": "RUNNING", "generation": 0, "reason": f"{CLOSING} {LINK}"})
-    store.set_plan({"generation": 0, "action": "run", "nodes": ["n0", "n1"],
-                    "ranks_per_node": 1, "world_size": 2})
+    store.set_plan(run_plan(0, ["n0", "n1"]))
     return store
 
 

@@ -118,7 +118,8 @@ def test_a_failed_exit_under_a_forged_name_blames_nobody_by_that_name(redis_serv
     gen = store.plan()["generation"]
     # n1's credentials write n1's own exits stream only; the record names another node.
     store.r.xadd(store.k("node:n1:exits"), {"json": json.dumps(
-        {"node": SCRIPT_LINE, "rank": 1, "local_rank": 0, "generation": gen, "code": 1,
+        {"version": 1, "node": SCRIPT_LINE, "rank": 1, "local_rank": 0, "generation": gen,
+         "pid": 4242, "code": 1,
          "signal": None, "by_agent": False, "time": time.time(), "tail": "",
          "tail_age": None})})
     pipe = store.r.pipeline()
@@ -148,8 +149,12 @@ def test_reading_the_journal_back_refuses_a_name_that_is_no_hostname(tmp_path):
     message = str(refused.value)
     assert "\n" not in message and "names a node 'n9\\nhostname #'" in message
     assert message.startswith(f"{tmp_path / 'run' / 'controller.json'}: ")
-    _journal(tmp_path, {"n7": {"reason": "x"}}, plan={"nodes": ["n0", "n1"]})
+    _journal(tmp_path, {"n7": {"reason": "x"}}, plan={"version": 1, "generation": 0,
+                                                      "action": "end", "nodes": ["n0", "n1"]})
     assert list(read_journal(tmp_path / "run" / "controller.json")["excluded"]) == ["n7"]
+    _journal(tmp_path, {"n7": {"reason": "x"}}, plan={"nodes": ["n0", "n1"]})
+    with pytest.raises(ConfigError, match="its plan: field 'version' is missing"):
+        read_journal(tmp_path / "run" / "controller.json")
 
 
 def test_the_controller_rebuilding_redis_refuses_a_journal_with_a_bad_name(redis_server,

@@ -131,7 +131,7 @@ def test_optimus_run_shows_no_secret_anywhere_and_its_redis_wants_the_password(t
     # The ranks' side: the warm processes, the ranks forked from them (whose /proc environ is
     # the warm process's), standbys, and any rank started cold.
     side = {pid for pid, (cmdline, _) in seen.items()
-            if b"optimus.warm" in cmdline or b"optimus\0train" in cmdline}
+            if b"optimus.supervision.warm" in cmdline or b"optimus\0train" in cmdline}
     ranks = {pid for pid in side if parents[pid] in side or b"optimus\0train" in seen[pid][0]}
     assert len(ranks) >= 2, "both ranks were read"
     for pid in side:

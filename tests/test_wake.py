@@ -10,6 +10,7 @@ import threading
 import time
 
 import redis
+from records import exit_record, run_plan
 
 from controller.store import wake
 from controller.store.acl import create_node_users
@@ -61,13 +62,13 @@ def test_a_set_plan_a_control_word_an_exit_and_a_port_wake_who_reads_them(redis_
     controller = wake.Waker(store, wake.CONTROLLER)
     agents.wait(0)
     controller.wait(0)
-    store.set_plan({"generation": 1, "action": "run", "issued": 1.0})
+    store.set_plan(run_plan(1, ["node0"], issued=1.0))
     assert agents.wait(LONG_S) is True
     store.set_control({"pause": True})
     assert agents.wait(LONG_S) is True
     node = Store(redis_server.url, "j")
     node.speak_as("node0")
-    node.report_exit({"node": "node0", "rank": 0, "code": 1})
+    node.report_exit(exit_record("node0", 0))
     assert controller.wait(LONG_S) is True
     node.set_master_port(1, 29500)
     assert controller.wait(LONG_S) is True
@@ -113,7 +114,7 @@ def test_without_the_channel_in_its_acl_a_loop_polls_as_before(redis_server, cap
         assert waker.wait(0.2) is False
     warnings = [r.message for r in caplog.records if "cannot subscribe" in r.message]
     assert len(warnings) == 1 and "docs/security.md" in warnings[0]
-    store.set_plan({"generation": 1, "action": "run", "issued": 1.0})  # its publish refused
+    store.set_plan(run_plan(1, ["node0"], issued=1.0))  # its publish refused
     assert store.plan()["generation"] == 1  # and the plan written all the same
 
 
@@ -151,7 +152,8 @@ def test_an_agent_follows_a_new_plan_at_once_not_at_its_next_tick(redis_server, 
         time.sleep(0.05)  # its first tick: status written
     assert store.agent_status(["n0"]).get("n0"), "the agent's first tick"
     assert controller.wait(LONG_S) is True  # its first state, told
-    store.set_plan({"generation": 0, "action": "end", "issued": time.time(), "grace_s": 1.0})
+    store.set_plan({"generation": 0, "action": "end", "nodes": [], "issued": time.time(),
+                    "grace_s": 1.0})
     thread.join(LONG_S * 0.8)  # before its next tick would have come
     assert not thread.is_alive(), "the agent did not take the plan before its next tick"
     controller.close()

@@ -25,16 +25,16 @@ def _ppid(pid: int) -> int:
 
 def test_the_warm_command_is_a_json_list_of_words_or_the_default(monkeypatch, caplog):
     monkeypatch.setenv(WARM_COMMAND, json.dumps(["taskset", "-c", "0-3", "python3", "-m",
-                                                 "optimus.warm"]))
-    assert warm_command() == ["taskset", "-c", "0-3", "python3", "-m", "optimus.warm"]
+                                                 "optimus.supervision.warm"]))
+    assert warm_command() == ["taskset", "-c", "0-3", "python3", "-m", "optimus.supervision.warm"]
     for bad in ("taskset -c 0-3", "[]", '["a", 3]', '["a", ""]', '{"a": 1}'):
         monkeypatch.setenv(WARM_COMMAND, bad)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="optimus.agent"):
-            assert warm_command()[1:] == ["-m", "optimus.warm"], bad
+            assert warm_command()[1:] == ["-m", "optimus.supervision.warm"], bad
         assert "OPTIMUS_WARM_COMMAND is not a JSON list of words" in caplog.text, bad
     monkeypatch.delenv(WARM_COMMAND)
-    assert warm_command()[1:] == ["-m", "optimus.warm"]
+    assert warm_command()[1:] == ["-m", "optimus.supervision.warm"]
 
 
 @pytest.fixture
@@ -96,7 +96,7 @@ def test_what_is_read_at_import_differing_gets_a_fresh_warm_process(server, monk
     try:
         wait_for(lambda: not spawner.warming(), 120, "the fresh warm process's imports")
         cmdline = Path(f"/proc/{spawner._proc.pid}/cmdline").read_bytes().split(b"\0")
-        assert cmdline[1:3] == [b"-m", b"optimus.warm"], cmdline  # the client became it
+        assert cmdline[1:3] == [b"-m", b"optimus.supervision.warm"], cmdline  # the client became it
         assert spawner.health_check("n0", set(), 60)["health"] == "ok"
     finally:
         spawner.close()

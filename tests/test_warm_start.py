@@ -1,7 +1,7 @@
 """Warm starts: the agent's ranks are forks of one process that imported the trainer once.
 
-Real processes throughout: the warm process (`python -m optimus.warm`), real `optimus train`
-ranks forked from it, real signals, a real heartbeat socket.
+Real processes throughout: the warm process (`python -m optimus.supervision.warm`), real
+`optimus train` ranks forked from it, real signals, a real heartbeat socket.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from multiproc import free_port
 from controller.node.spawn import Spawner, WarmRank
 
 # These tests look at warm processes themselves (parents, command lines, maps): the real
-# `python -m optimus.warm`, not one forked by the test session's warm server (conftest.py).
+# `python -m optimus.supervision.warm`, not one forked by the test session's warm server
+# (conftest.py).
 pytestmark = pytest.mark.usefixtures("fresh_warm")
 
 
@@ -201,7 +202,8 @@ def _imported_dynamo(text: str) -> list[str]:
 
 
 def test_the_warm_process_is_past_what_a_ranks_first_steps_import(tmp_path, monkeypatch, capfd):
-    """The real warm process (`python -m optimus.warm`) imports what a rank forked from it
+    """The real warm process (`python -m optimus.supervision.warm`) imports what a rank forked
+    from it
     would import in its first steps (its model built on meta, a step, DTensor's first
     decisions: dynamo, ~0.5 s of CPU, on a restart's critical path, where the resume's
     agreement waits for the new rank) before it serves: its rank imports none of dynamo."""

@@ -4,7 +4,8 @@ The agent starts this as its warm process (OPTIMUS_WARM_COMMAND, set by tests/co
 it hands its stdin and stdout (the agent's pipes) to the server, which forks a warm process
 serving on them, then stays until that process ends, as the agent's handle on it (its pid,
 its exit, its parent-death signal). Where no server answers, or it refuses, this process
-becomes the real `python -m optimus.warm`, so an agent never goes without a warm process.
+becomes the real `python -m optimus.supervision.warm`, so an agent never goes without a warm
+process.
 """
 
 import json
@@ -18,7 +19,7 @@ ZYGOTE_ENV = "OPTIMUS_TEST_WARM_SERVER"
 
 
 def fresh() -> None:
-    os.execv(sys.executable, [sys.executable, "-m", "optimus.warm"])
+    os.execv(sys.executable, [sys.executable, "-m", "optimus.supervision.warm"])
 
 
 def main() -> None:

@@ -1,15 +1,16 @@
 """The test session's warm server: it imports the trainer once and forks every agent's warm
-process (optimus/warm.py) from itself, instead of each agent starting a fresh one.
+process (optimus/supervision/warm.py) from itself, instead of each agent starting a fresh one.
 
 Every agent the suite starts (control plane, operator, Slurm, PBS, `optimus run` tests) starts a
 warm process, which imports torch and the trainer: ~5 s of CPU each, several times a test, on
 a two-core machine. tests/conftest.py starts this server once per test process and sets
 OPTIMUS_WARM_COMMAND (controller/node/spawn.py) to `python tests/warm_client.py`, which hands
 the agent's pipes to this server and stays as the agent's handle on the warm process. What the
-warm process then does is optimus/warm.py's own `serve`, unchanged: only how it got past its
-imports differs. Whatever the server cannot give exactly what a fresh warm process would be
-(another interpreter, another PYTHONPATH, another thread count or device setting: anything
-read at import), the client starts the real `python -m optimus.warm` instead.
+warm process then does is optimus/supervision/warm.py's own `serve`, unchanged: only how it
+got past its imports differs. Whatever the server cannot give exactly what a fresh warm
+process would be (another interpreter, another PYTHONPATH, another thread count or device
+setting: anything read at import), the client starts the real
+`python -m optimus.supervision.warm` instead.
 
     python tests/warm_zygote.py SOCKET_PATH
 
@@ -41,7 +42,8 @@ BEFORE = dict(os.environ)  # this server's environment before its imports (which
 
 
 def added_paths(env: dict[str, str]) -> list[str]:
-    """The client's PYTHONPATH entries, which `python -m optimus.warm` would put on sys.path."""
+    """The client's PYTHONPATH entries, which `python -m optimus.supervision.warm` would put on
+    sys.path."""
     return [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
 
 
@@ -94,7 +96,7 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
 
 def _become_warm(request: dict, fds: list[int], optimus_main) -> None:
     """In the forked child: the warm process of the client's agent (never returns)."""
-    from optimus import warm
+    from optimus.supervision import warm
 
     code = 1
     try:
@@ -107,7 +109,8 @@ def _become_warm(request: dict, fds: list[int], optimus_main) -> None:
         added = imports_set()
         os.environ.clear()
         os.environ.update({**request["env"], **added})
-        # As `python -m optimus.warm` started there has it: its directory, then PYTHONPATH.
+        # As `python -m optimus.supervision.warm` started there has it: its directory, then
+        # PYTHONPATH.
         sys.path[:1] = [request["cwd"], *added_paths(request["env"])]
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         warm.serve(optimus_main)
@@ -127,8 +130,8 @@ def serve(path: str, joins: Callable[[socket.socket], list[int]] | None = None,
     child before it becomes a warm process; the server closes them after the fork."""
     sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository, not tests/
     import optimus.train  # noqa: F401  (what the warm process would import, done once)
-    from optimus import warm
     from optimus.cli import main as optimus_main
+    from optimus.supervision import warm
 
     warm._first_use_imports()  # as the warm process does before it serves
 

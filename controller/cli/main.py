@@ -27,6 +27,8 @@ from controller.schedulers import pbs, slurm
 from controller.store.connect import Denied, NothingListens, fail_if_refused, has_secret
 from controller.store.store import Store, StoreUnavailable, redis_url
 from optimus.config import ConfigError, check_job, load_job
+from optimus.contract import chaos as kinds
+from optimus.contract import env
 
 core.USER_ERRORS = (*core.USER_ERRORS, StoreUnavailable, NothingListens, Denied, UnsafeFolder)
 main = core.main
@@ -212,12 +214,12 @@ submit.add_command(pbs.command)
 @redis_option
 @click.option("--interval", "interval_s", type=click.FloatRange(min=0.05), default=1.0,
               show_default=True, help="Seconds between round trips to Redis.")
-@click.option("--host", envvar="OPTIMUS_HOST", callback=ops.host_address,
+@click.option("--host", envvar=env.HOST, callback=ops.host_address,
               help="The address other hosts reach this node at (rank 0's rendezvous, the "
                    "snapshot link): a hostname or an IP address of the interface they share. "
                    "Default: this machine's hostname, which some sites resolve to loopback "
                    "(docs/deploy.md). Also OPTIMUS_HOST.")
-@click.option("--interface", envvar="OPTIMUS_INTERFACE", callback=ops.interface_name,
+@click.option("--interface", envvar=env.INTERFACE, callback=ops.interface_name,
               help="The network interface the ranks' collectives use (gloo, NCCL, oneCCL): "
                    "its address is advertised unless --host says another, and the ranks get "
                    "GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, CCL_KVS_IFACE and FI_TCP_IFACE "
@@ -225,7 +227,7 @@ submit.add_command(pbs.command)
 def agent(job_name: str, node: str, redis: str | None, interval_s: float,
           host: str | None, interface: str | None) -> None:
     """Run the node agent: register, start and stop ranks, relay heartbeats."""
-    from controller.node import reach
+    from controller.common import reach
     from controller.node.agent import Agent
     from optimus.runtime.network import collective_env
 
@@ -249,19 +251,9 @@ def agent(job_name: str, node: str, redis: str | None, interval_s: float,
     sys.exit(a.run())
 
 
-CHAOS = {  # what each fault does, for the help and the confirmation
-    "kill-rank": "SIGKILL to the rank (a crash)",
-    "freeze-rank": "SIGSTOP to the rank (its heartbeats stop)",
-    "hang-rank": "the rank blocks in its next step (a hung device sync); its peers wait in a "
-                 "collective",
-    "stall-rank": "the rank sleeps --seconds in its next step, outside any collective",
-    "nan-rank": "the rank's loss and gradients turn NaN from its next step on (a tile "
-                "computing wrong: nothing since its node's last passing check is trusted)",
-    "kill-node": "SIGKILL to the node's agent and its ranks (a lost node)",
-    "bad-tile": "the node's tile --tile computes wrong (its next health check fails)",
-    "spike": "every rank's share of step --at-step's batch turns to random tokens: a real "
-             "loss spike, for the job's stability rules (stability.on_spike)",
-}
+# What each fault an operator may send does, for the help and the confirmation (the
+# contract's kinds: optimus/contract/chaos.py).
+CHAOS = {kinds.word(k.name): k.what for k in kinds.KINDS if k.operator}
 
 
 @main.command(help="Inject FAULT into a running job, through the agent of the node concerned."
@@ -314,7 +306,7 @@ def chaos(fault: str, job_name: str, rank: int | None, node: str | None, tile: i
         target = plan["nodes"][rank // plan["ranks_per_node"]]
     if fault == "stall-rank" and seconds is None:
         raise ConfigError("stall-rank needs --seconds S: how long the rank sleeps in its step")
-    in_step = fault in ("hang-rank", "stall-rank", "nan-rank")  # the rank fires them itself
+    in_step = kinds.from_word(fault) in kinds.IN_STEP  # the rank fires them itself
     if at_step is not None and not in_step:
         raise ConfigError(f"--at-step is for hang-rank, stall-rank and nan-rank, not {fault}")
     now = store.furthest_step() if in_step else None
@@ -326,7 +318,7 @@ def chaos(fault: str, job_name: str, rank: int | None, node: str | None, tile: i
                           + ", ".join(sorted(store.nodes())))
     what = f"rank {rank} (on {target})" if rank is not None and fault != "kill-node" else target
     ops.confirm(yes, f"Chaos on job {job_name}: {fault} {what}: {CHAOS[fault]}?")
-    command = {"kind": fault.replace("-", "_"), "rank": rank, **sent}
+    command = {"kind": kinds.from_word(fault), "rank": rank, **sent}
     if fault == "stall-rank":
         command["seconds"] = seconds
     if at_step is not None:
@@ -356,7 +348,7 @@ def _spike(store: Store, plan: dict, job_name: str, at_step: int | None, sent: d
                           f"{now + 3} or later (every node's agent relays it first)")
     ops.confirm(yes, f"Chaos on job {job_name}: spike at step {at_step}: {CHAOS['spike']}?")
     for name in plan["nodes"]:
-        store.push_command(name, {"kind": "spike", "step": at_step, **sent})
+        store.push_command(name, {"kind": kinds.SPIKE, "step": at_step, **sent})
     click.echo(f"spike sent to the agents of {len(plan['nodes'])} node(s): every rank poisons "
                f"its share of step {at_step}'s batch (events: kind chaos, then stability)")
 

@@ -37,6 +37,7 @@ from controller.control.view import PAUSED, RUNNING, STOPPED, TERMINAL
 from controller.store import names
 from controller.store.connect import fail_if_refused
 from controller.store.store import Store, StoreUnavailable, redis_url, safe_url
+from optimus.contract import env
 
 ACK_TIMEOUT_S = 15.0  # a leading controller answers within a tick or two
 
@@ -48,7 +49,7 @@ class Refused(Exception):
 core.USER_ERRORS = (*core.USER_ERRORS, Refused)
 main = core.main
 
-job_option = click.option("--job", "job_name", envvar="OPTIMUS_JOB", required=True,
+job_option = click.option("--job", "job_name", envvar=env.JOB, required=True,
                           help="The job's name (`name` in its file); default $OPTIMUS_JOB.")
 redis_option = click.option(
     "--redis", "redis", metavar="URL", default=None,

@@ -35,14 +35,15 @@ from rich.console import Console
 
 from controller.cli.console import Follow
 from controller.control.decide import FAILED, TERMINAL
-from controller.node.spawn import die_with_parent
 from controller.store.acl import create_node_users, node_user
 from controller.store.connect import safe_url
 from controller.store.store import Store, StoreUnavailable
 from optimus.checkpoint.manifest import committed_steps
 from optimus.config import ConfigError, JobConfig
+from optimus.contract.env import JOB, SNAPSHOT_SECRET
+from optimus.contract.process import die_with_parent
 from optimus.data.errors import DataError
-from optimus.ports import unclaimed_port
+from optimus.supervision.ports import unclaimed_port
 
 POLL_S = 0.25
 
@@ -86,9 +87,9 @@ class LocalCluster:
 
 def start_redis(cluster: LocalCluster) -> str:
     """A private redis-server on a free loopback port (below the ephemeral range: no client's
-    connection takes it before the server binds it, optimus/ports.py), no persistence, with a
-    password of its own (in its configuration, which it reads from stdin: on no command line,
-    in no file); its URL."""
+    connection takes it before the server binds it, optimus/supervision/ports.py), no
+    persistence, with a password of its own (in its configuration, which it reads from stdin:
+    on no command line, in no file); its URL."""
     port, password = unclaimed_port("127.0.0.1"), secrets.token_hex(24)
     config = "".join(f"{line}\n" for line in (
         f"port {port}", "bind 127.0.0.1", 'save ""', "appendonly no",
@@ -146,7 +147,7 @@ def run_local(job: JobConfig, job_file: str, overrides: list[str], *, nodes: int
         if private:  # a private Redis: its URL, for an operator's commands, in a mode-600 file
             url = start_redis(cluster)
             env_file = control_dir / "redis.env"
-            _write_private(env_file, f"export REDIS_URL={url}\nexport OPTIMUS_JOB={job.name}\n")
+            _write_private(env_file, f"export REDIS_URL={url}\nexport {JOB}={job.name}\n")
             operators = f" (for `optimus job ...`: . {_shown(env_file)})"
         store = Store(url, job.name)
         store.ping()
@@ -170,7 +171,7 @@ def run_local(job: JobConfig, job_file: str, overrides: list[str], *, nodes: int
                                             "--interval",
                                             str(job.supervision.heartbeat_interval_s)],
                           env={"REDIS_URL": agent_urls[name],
-                               "OPTIMUS_SNAPSHOT_SECRET": snapshot_secret})
+                               SNAPSHOT_SECRET: snapshot_secret})
         console.print(f"optimus run: job {job.name}, {nodes} node(s) x {ranks_per_node} "
                       f"rank(s) + {spares} spare(s); Redis {safe_url(url)}{operators}; logs in "
                       f"{control_dir} and {run_dir / 'logs'}"

@@ -158,10 +158,13 @@ class Controller:
 
     def _say_refused_names(self) -> None:
         """Once each: a name read from Redis that is no node name, whose records the store
-        skipped (written with an agent's credentials, not by an agent: it checks its own)."""
+        skipped (written with an agent's credentials, not by an agent: it checks its own), and
+        a plan or exit record the store refused (the line names its field)."""
         for name in self.store.names.take():
             self._event("name_refused", f"a node named {name} is ignored: not a node name "
                         f"({RULE}); its records in Redis are skipped", send=False)
+        for line in self.store.records.take():  # the contract's records (decode.checked)
+            self._event("record_refused", f"a record in Redis is ignored: {line}", send=False)
 
     def _say_isolated(self) -> None:
         """Once each: a node that advertises loopback while others run on other hosts is never

@@ -59,6 +59,8 @@ from controller.control.view import (  # noqa: F401 (re-exported: the rules' voc
     Settings,
 )
 from optimus.checkpoint.snapshot_files import extend_lineage
+from optimus.contract.exits import EXIT_CHECKPOINT_FAILED, EXIT_USER_ERROR
+from optimus.contract.records import Plan
 
 
 def decide(obs: Observed, s: Settings) -> Decision:
@@ -233,7 +235,7 @@ def _checkpoints_failed(obs: Observed, s: Settings, d: Decision) -> bool:
     generation would fail the same way, so the job ends FAILED with their reason (rank 0's,
     which alone knows why a commit failed: its exit is awaited up to settle_s); a resubmission
     tries again from the newest committed checkpoint."""
-    failed = sorted((e for e in obs.exits if e.code == detect.EXIT_CHECKPOINT_FAILED),
+    failed = sorted((e for e in obs.exits if e.code == EXIT_CHECKPOINT_FAILED),
                     key=lambda e: e.rank)
     if not failed:
         return False
@@ -252,7 +254,7 @@ def _input_refused(obs: Observed, s: Settings, d: Decision) -> bool:
     job ends FAILED with rank 0's line, no restart spent, no node blamed. From some ranks only
     it may be their node's own (a mount, an environment): held settle_s for the others' exits,
     then judged by the usual rules."""
-    refused = sorted((e for e in obs.exits if e.code == detect.EXIT_USER_ERROR),
+    refused = sorted((e for e in obs.exits if e.code == EXIT_USER_ERROR),
                      key=lambda e: e.rank)
     if not refused:
         return False
@@ -420,24 +422,24 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
     layout = s.layouts.get(len(chosen)) if len(chosen) < s.nodes else None
     if len(chosen) < s.nodes:
         reason += f" (shrunk to {len(chosen)} of {s.nodes} nodes: {resized(s, len(chosen))})"
-    d.plan = {
-        **s.launch,
-        **({"overrides": [*s.launch.get("overrides", []), *layout["overrides"]],
-            "layout": layout["layout"]} if layout and layout["overrides"] else {}),
-        "generation": gen, "action": "run", "nodes": chosen,
-        "ranks_per_node": s.ranks_per_node, "world_size": len(chosen) * s.ranks_per_node,
-        "master_addr": obs.nodes[chosen[0]].host, "master_port": _offered(obs, chosen[0]),
-        "resume_step": resume_step, "grace_s": s.failure_grace_s,
-        "buddies": recovery.buddies(chosen, sorted(usable - set(chosen)),
-                                    {n: v.snapshot_addr for n, v in obs.nodes.items()}),
-        fabric.PEERS: fabric.ring_for(obs, chosen, usable),  # the mesh check's ring
+    launch = {**s.launch, **({"overrides": [*s.launch.get("overrides", []), *layout["overrides"]],
+                              "layout": layout["layout"]}
+                             if layout and layout["overrides"] else {})}
+    d.plan = Plan(  # the contract's record: a field of the wrong type fails here, not at agents
+        **launch, generation=gen, action="run", nodes=chosen,
+        ranks_per_node=s.ranks_per_node, world_size=len(chosen) * s.ranks_per_node,
+        master_addr=obs.nodes[chosen[0]].host, master_port=_offered(obs, chosen[0]),
+        resume_step=resume_step, grace_s=s.failure_grace_s,
+        buddies=recovery.buddies(chosen, sorted(usable - set(chosen)),
+                                 {n: v.snapshot_addr for n, v in obs.nodes.items()}),
+        peers=fabric.ring_for(obs, chosen, usable),  # the mesh check's ring
         **({"memory": memory} if memory else {}),
-        **({"skips": list(job.skips)} if job.skips else {}),
-        "heartbeat_timeout_s": s.heartbeat_timeout_s, "startup_timeout_s": s.startup_timeout_s,
-        "reason": reason, "issued": obs.now,
-    }
-    d.plan["lineage"] = extend_lineage(recovery.lineage(obs), gen, resume_step)
-    d.plan["failed_saves"] = recovery.failed_saves(obs)
+        **({"skips": [list(w) for w in job.skips]} if job.skips else {}),
+        heartbeat_timeout_s=s.heartbeat_timeout_s, startup_timeout_s=s.startup_timeout_s,
+        reason=reason, issued=obs.now,
+        lineage=extend_lineage(recovery.lineage(obs), gen, resume_step),
+        failed_saves=recovery.failed_saves(obs),
+    ).record()
     if (rewinds := rewind.resumed(job, resume_step)) is not None:  # the rewind carried out
         d.job["rewinds"] = rewinds
     d.job.update({"state": PAUSING if job.desired == "pause" else RUNNING, "generation": gen,

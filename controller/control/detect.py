@@ -20,23 +20,13 @@ import math
 from dataclasses import dataclass
 
 from controller.control import fabric
-from optimus.inprocess import PEER_FAILURE
+from optimus.contract.exits import EXIT_BAD_TILE, EXIT_NONFINITE_ELSEWHERE, meaning
+from optimus.contract.phases import COLLECTIVE_PHASES, LONG_PHASES, PEER_FAILURE
 
-# Exit statuses of `optimus train` (optimus/health.py; the controller must not import optimus
-# modules that load torch, so the numbers are repeated here).
-EXIT_BAD_TILE = 87
-EXIT_NONFINITE_ELSEWHERE = 88
-EXIT_CHECKPOINT_FAILED = 89  # the final step's save, or max_failed_saves saves in a row, failed
-EXIT_REWIND = 90  # every rank stopped for a rewind (optimus/stability.py; control/rewind.py)
-EXIT_USER_ERROR = 2  # optimus/cli.py: a setting, the data, the launch or a checkpoint refused
-# Where a rank waits in a collective with its peers, by the loop's phase markers: the step's
-# reductions, the checkpointer's agreements and loads, the commands agreement and process-group
-# setup (optimus/health.py's COLLECTIVE_PHASES, repeated for the same reason).
-COLLECTIVE_PHASES = ("grad_sync", "checkpoint_sync", "sync")
-
-# Last lines of a rank that failed because a peer did: its collective or the rendezvous store
-# lost a partner (gloo, NCCL, XCCL and the TCPStore word it differently). The rank's own test
-# of whether it may go on in process (optimus/inprocess.py) is the same: PEER_FAILURE.
+# The exit statuses, the phases (which are collective: where a rank waits with its peers) and
+# the last words of a rank that failed because a peer did (PEER_FAILURE: its collective or the
+# rendezvous store lost a partner; the rank's own test of whether it may go on in process) are
+# the contract's, which the ranks use too (optimus/contract/).
 
 HARD, SOFT, COLLATERAL = "hard", "soft", "collateral"
 # Why a generation ended, for the restarts counter (bounded: these values only).
@@ -69,8 +59,8 @@ class Evidence:
 
 def exit_evidence(e) -> Evidence:
     if e.code == EXIT_BAD_TILE:
-        return Evidence(e.node, f"bad tile {e.node}/{e.local_rank} (rank {e.rank}): its own "
-                        "loss or gradients were NaN/Inf", HARD, e.time, "bad_tile", e.rank,
+        return Evidence(e.node, f"bad tile {e.node}/{e.local_rank} (rank {e.rank}): "
+                        f"{meaning(EXIT_BAD_TILE)}", HARD, e.time, "bad_tile", e.rank,
                         f"{e.node}/{e.local_rank}")
     collateral = e.code == EXIT_NONFINITE_ELSEWHERE or (
         bool(e.tail) and PEER_FAILURE.search(e.tail) is not None)
@@ -92,8 +82,8 @@ def evidence(obs, s) -> list[Evidence]:
         bad = [(lr, b) for lr, b in sorted(obs.suspects.get(node, {}).items())
                if not b.get("finite", True)]
         which = ", ".join(f"{node}/{lr} (rank {b['rank']}, step {b['step']})" for lr, b in bad)
-        found.append(Evidence(node, f"bad tile {which or node}: its own loss or gradients "
-                              "were NaN/Inf", HARD, obs.now, "bad_tile",
+        found.append(Evidence(node, f"bad tile {which or node}: {meaning(EXIT_BAD_TILE)}",
+                              HARD, obs.now, "bad_tile",
                               bad[0][1].get("rank") if bad else None,
                               f"{node}/{bad[0][0]}" if bad else ""))
 
@@ -132,10 +122,8 @@ def evidence(obs, s) -> list[Evidence]:
     return found
 
 
-# Phases whose steps take longer than training steps and have no history of their own: a
-# save (writing, and the agreements around it) and an evaluation. A stall in one of them is
-# judged by the fixed bound (hang_timeout_s), not by the step times.
-LONG_PHASES = ("checkpoint", "checkpoint_sync", "eval")
+# A stall in a phase longer than a step (LONG_PHASES: a save, an evaluation) is judged by the
+# fixed bound (hang_timeout_s), not by the step times.
 
 
 def stall_threshold(job, s, long_phase: bool = False) -> float:

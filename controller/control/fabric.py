@@ -1,6 +1,7 @@
 """Faults of the ranks' network, named: who could not reach whom, and the one node every such
 failure points at. Pure functions, like detect.py, which turns `cut` into evidence; the agents'
-half of the mesh check is controller/node/mesh.py.
+half of the mesh check is controller/node/mesh.py, the ring both use
+controller/common/ring.py.
 
 A failing pair is two nodes, one of which could not reach the other. Pairs come from:
 
@@ -38,14 +39,13 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from controller.control.probe import parse_address
+from controller.common.probe import parse_address
+from controller.common.ring import PEERS, REPORT_PEERS, Ring, ring  # noqa: F401 (the rules')
 from controller.control.shortage import names
 
-# The ring in the plan (`peers`) and the mesh check's word for a neighbour it cannot reach.
-PEERS, MESH = "peers", "mesh"
+MESH = "mesh"  # the agent's status field that holds its mesh check's report
 MAX_ADDRESSES = 32  # addresses of one node's record that are read (addresses.MAX_ADDRESSES)
 REPORT_CHARS = 4096  # of one agent's mesh report
-REPORT_PEERS = 8  # names in one report (an agent probes 2, 3 before a launch)
 TAIL_CHARS = 16_384  # of a rank's tail that is searched (its agent sends its last 20 lines)
 LINE_CHARS = 4096
 TAIL_ADDRESSES = 8  # unreached addresses taken from one tail
@@ -76,50 +76,6 @@ def address(text: str, by_name: bool = True) -> str:
         return name if (by_name and HOST_NAME.fullmatch(name) and name != "localhost"
                         and not name.replace(".", "").isdigit()) else ""
     return "" if ip.is_loopback or ip.is_unspecified or ip.is_multicast else ip.compressed
-
-
-# --- the ring --------------------------------------------------------------------------------
-
-def ring(nodes: list[str], spares: list[str], addrs: Mapping[str, str]) -> list[list[str]]:
-    """The plan's `peers`: the mesh check's ring, [[node, its snapshot server's address or ""],
-    ...]: the plan's nodes in their order (node 0, the rendezvous, first), then the spares that
-    have a server. O(nodes) in the plan; each agent probes its two neighbours."""
-    taken = set(nodes)
-    return ([[n, addrs.get(n) or ""] for n in nodes]
-            + [[n, addrs[n]] for n in spares if n not in taken and addrs.get(n)])
-
-
-@dataclass(frozen=True)
-class Ring:
-    """A plan's ring, indexed: whom each member probes."""
-
-    members: tuple[str, ...]
-    addrs: dict[str, str]
-    index: dict[str, int]
-    first: str | None  # the plan's node 0
-
-    @classmethod
-    def of(cls, plan: Mapping | None) -> Ring:
-        entries = (plan or {}).get(PEERS)
-        entries = [e for e in entries if isinstance(e, list) and len(e) == 2
-                   and all(isinstance(x, str) for x in e)] if isinstance(entries, list) else []
-        members = tuple(e[0] for e in entries)
-        nodes = (plan or {}).get("nodes") or []
-        return cls(members, {n: a for n, a in entries}, {n: i for i, n in enumerate(members)},
-                   nodes[0] if nodes and nodes[0] in members else None)
-
-    def peers(self, node: str, launch: bool = False) -> dict[str, str]:
-        """Whom `node` probes, -> their addresses ("" where no server runs): its neighbours,
-        and node 0 before a launch (its rendezvous)."""
-        i = self.index.get(node)
-        if i is None:
-            return {}
-        n = len(self.members)
-        out = {p: self.addrs[p] for p in (self.members[(i - 1) % n], self.members[(i + 1) % n])
-               if p != node}
-        if launch and self.first is not None and self.first != node:
-            out.setdefault(self.first, self.addrs[self.first])
-        return out
 
 
 # --- what ranks said -------------------------------------------------------------------------

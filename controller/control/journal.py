@@ -5,8 +5,9 @@ It outlives Redis and the allocation, and its node names go on into Redis (the c
 rebuilding a lost store, `optimus controller --allocation`) and into batch scripts
 (`optimus submit slurm` turns its exclusions into `#SBATCH --exclude=`; `optimus submit pbs`
 checks it before the job starts). So every reader takes it from here, where each name in it is
-checked against the one rule (controller/store/names.py): a journal naming a node by anything
-else was not written by a controller, and is refused whole, with one line that says where.
+checked against the one rule (controller/store/names.py), and its plan is a whole plan of the
+contract (optimus/contract/records.py): a journal naming a node by anything else, or with a
+plan a controller does not write, is refused whole, with one line that says where.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from pathlib import Path
 
 from controller.store.names import RULE, is_node_name, shown
 from optimus.config import ConfigError
+from optimus.contract.records import Plan, RecordError
 
 
 def read_journal(path: Path) -> dict:
     """What the journal holds: {} when there is none or it is not a JSON object; a ConfigError
-    naming the first node name in it that is no node name (or an `excluded` or `plan` of the
-    wrong shape)."""
+    naming the first node name in it that is no node name (or an `excluded` of the wrong shape,
+    or the field of its `plan` that is missing or mistyped)."""
     try:
         journal = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -37,6 +39,11 @@ def read_journal(path: Path) -> dict:
     for name in [*excluded, *nodes]:
         if not is_node_name(name):
             raise _refused(path, f"names a node {shown(name)}, which is not a node name ({RULE})")
+    if plan:
+        try:
+            Plan.parse(plan)
+        except RecordError as e:
+            raise _refused(path, f"its {e}") from None
     return journal
 
 

@@ -4,7 +4,7 @@
 for a running generation a fixed number of round trips, each O(nodes that matter); between
 generations every node. It keeps what it learnt across ticks: when each planned node was first
 found with no beat, the plan's index of nodes, the spares' addresses, and the prober of silent
-agents (controller/control/probe.py). Split from controller.py, which applies the decisions.
+agents (controller/common/probe.py). Split from controller.py, which applies the decisions.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import dataclasses
 import json
 import time
 
+from controller.common.probe import Prober
+from controller.common.reach import isolated
 from controller.control import fabric, forgive, records
 from controller.control.checkpoints import CheckpointView
 from controller.control.decide import ACTIVE, JobView, NodeView, Observed, Overdue, Settings
 from controller.control.detect import in_long_phase, stall_threshold
-from controller.control.probe import Prober
 from controller.control.relay import Relay
-from controller.node.reach import isolated
 from controller.store.store import Store
 from optimus.checkpoint.manifest import committed_steps
 
@@ -50,7 +50,7 @@ class Observer:
         self._owners: dict[str, str] = {}  # address -> the node whose record holds it
         self._mesh_read = 0.0
         self._mesh: tuple = (None, {}, frozenset())  # (generation, reports, refused)
-        # Nodes that advertise loopback while others run elsewhere (controller/node/reach.py):
+        # Nodes that advertise loopback while others run elsewhere (controller/common/reach.py):
         # never planned on; the controller says each once and tells its agent.
         self.isolated: dict[str, str] = {}
 
@@ -283,7 +283,7 @@ class Observer:
                 and (n in in_plan or n in self._eligible)}
 
     def _isolated(self, info: dict[str, dict]) -> dict[str, str]:
-        """The registered nodes no other host can reach (controller/node/reach.py), kept in
+        """The registered nodes no other host can reach (controller/common/reach.py), kept in
         `self.isolated` for the controller to say."""
         found = {n: why for n, i in info.items() if (why := isolated(n, i, info))}
         self.isolated = found

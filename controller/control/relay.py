@@ -30,6 +30,7 @@ from collections.abc import Callable
 from controller.store.mirror import READ_COUNT, Writes, cursors
 from controller.store.own import INCARNATION, ROW_FIELDS, ROW_VERSION, TOKENS
 from controller.store.summaries import SUMMARY_SETS
+from optimus.contract.records import ExitRecord, RecordError
 
 DISCOVER_S = 1.0
 DRAIN_S = 10.0  # once the job ended: how long the relay waits for the agents' goodbyes
@@ -257,14 +258,15 @@ def placed(node: str, plan: dict | None, generation: int) -> set[int]:
 
 
 def exit_problem(node: str, record, plan: dict | None) -> str | None:
-    """Why an exit record a node wrote is not to be relayed, or None."""
-    if not isinstance(record, dict):
-        return "it is no JSON object"
-    if record.get("node") != node:
-        return f"it names node {str(record.get('node'))[:64]!r}"
-    generation, rank = record.get("generation"), record.get("rank")
-    if not isinstance(generation, int) or not isinstance(rank, int):
-        return "no generation or rank"
+    """Why an exit record a node wrote is not to be relayed, or None: it is no whole, well-typed
+    `ExitRecord` (the line names the field), or one about another node's rank."""
+    try:
+        exit_ = ExitRecord.parse(record)
+    except RecordError as e:
+        return e.what
+    if exit_.node != node:
+        return f"it names node {exit_.node[:64]!r}"
+    generation, rank = exit_.generation, exit_.rank
     current = (plan or {}).get("generation", -1)
     if generation > current:
         return f"generation {generation} is not planned yet"

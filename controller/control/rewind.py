@@ -35,10 +35,9 @@ import json
 import math
 
 from controller.control.actions import restarted, with_action
-from controller.control.detect import EXIT_REWIND
 from controller.control.view import RESTARTING, Decision, Exit, JobView, Observed, Settings
+from optimus.contract.exits import EXIT_REWIND, REWIND_LINE
 
-REWIND_LINE = "rewind-request "  # optimus/stability.py writes it
 MAX_LINE = 2048  # a request line is ~150 bytes
 KEPT = 100  # rewinds the job record keeps (the newest); the budget looks at fewer
 

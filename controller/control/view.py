@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.node.exit_text import describe_exit
+from controller.common.exit_text import describe_exit
 
 RUNNING, RESTARTING, PENDING, WAITING, STOPPING = (
     "RUNNING", "RESTARTING", "PENDING", "WAITING", "STOPPING")
@@ -211,7 +211,7 @@ class Observed:
     # The running generation's sweep (see Store.sweep):
     agent_beats: dict[str, float | None] = field(default_factory=dict)  # plan node -> beat
     # Plan nodes whose agents are silent and whose hosts failed twice to take a connection to
-    # them (controller/control/probe.py): node -> why.
+    # them (controller/common/probe.py): node -> why.
     unreachable: dict[str, str] = field(default_factory=dict)
     # The ranks' network (controller/control/fabric.py): address -> the node whose record holds
     # it; the ring's agents' mesh reports of this generation (node -> the neighbours it cannot
@@ -231,7 +231,7 @@ class Observed:
     # healthy, beating, not excluded), as the controller last read them; None: not read.
     spare_count: int | None = None
     # A stalled generation's ranks read (the hang's candidates, or a sample of them) save a
-    # checkpoint or evaluate: the stall is judged by the fixed bound (detect.LONG_PHASES).
+    # checkpoint or evaluate: the stall is judged by the fixed bound (the contract's LONG_PHASES).
     long_phase: bool = False
     excluded: dict[str, str] = field(default_factory=dict)  # node -> reason (draining too)
     draining: frozenset[str] = frozenset()  # excluded from future generations only

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import ipaddress
 
-from controller.node.reach import interfaces
+from controller.common.reach import interfaces
 
 MAX_ADDRESSES = 32  # a host with more interfaces than this lists its first ones
 
 
 def node_addresses() -> list[str]:
-    """This host's IPv4 then IPv6 addresses (controller/node/reach.py `interfaces`), loopback
+    """This host's IPv4 then IPv6 addresses (controller/common/reach.py `interfaces`), loopback
     left out, each once, at most MAX_ADDRESSES; [] when the kernel will not say."""
     try:
         found = interfaces()

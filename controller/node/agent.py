@@ -18,18 +18,20 @@ ranks keep training and the agent re-registers when Redis is back.
 Ranks run `optimus train JOB` in their own session, with the normalised environment
 (OPTIMUS_*), output to `<log_dir>/gen_<g>/rank_<r>.log`, and PR_SET_PDEATHSIG so they die with
 the agent (a lost node takes its ranks with it, as a real one does). They are forked from a
-warm process that imported the trainer once (controller/node/spawn.py, optimus/warm.py), so a
-generation starts without seconds of imports per rank.
+warm process that imported the trainer once (controller/node/spawn.py,
+optimus/supervision/warm.py), so a generation starts without seconds of imports per rank.
 
 The heartbeat protocol (rank -> agent) is one JSON datagram per interval on a Unix datagram
-socket (OPTIMUS_AGENT_SOCKET); see optimus/health.py. Datagrams, not a stream: a rank never
-blocks on a slow or absent agent, and the agent never waits on a rank. The other way, the
-agent relays the job's control word (operators' pause and checkpoint-now, from the `control`
-key it reads every tick) into a small file the ranks stat at every step boundary
+socket (OPTIMUS_AGENT_SOCKET); see optimus/supervision/heartbeat.py. Datagrams, not a stream:
+a rank never blocks on a slow or absent agent, and the agent never waits on a rank. The other
+way, the agent relays the job's control word (operators' pause and checkpoint-now, from the
+`control` key it reads every tick) into a small file the ranks stat at every step boundary
 (OPTIMUS_CONTROL_FILE), rewritten atomically when the word changes (a plan that stops a
 generation with `"save": false`, on evidence of wrong arithmetic, adds `"save": false` to it
 before the SIGTERM: the ranks then stop without a checkpoint); and an operator's
-`chaos hang-rank|stall-rank|nan-rank` into another (OPTIMUS_CHAOS_FILE, see optimus/faults.py).
+`chaos hang-rank|stall-rank|nan-rank` into another (OPTIMUS_CHAOS_FILE, see
+optimus/supervision/faults.py). What the three share (phases, exit statuses, fault kinds,
+environment names, the plan and exit records) is optimus/contract/.
 
 Beside this module: how it follows plans and runs its ranks (lifecycle.py: launches, stops,
 exits, heartbeats, in-process restarts), the commands it takes (commands.py: stacks, faults),
@@ -50,8 +52,8 @@ import threading
 import time
 from pathlib import Path
 
+from controller.common import reach
 from controller.disk import Rewritten
-from controller.node import reach
 from controller.node.addresses import node_addresses
 from controller.node.checks import Checks
 from controller.node.commands import Commands
@@ -71,6 +73,7 @@ from controller.store.connect import Denied
 from controller.store.store import Store, StoreUnavailable
 from controller.store.wake import Waker
 from optimus.config import ConfigError
+from optimus.contract.records import ExitRecord
 
 log = logging.getLogger("optimus.agent")
 
@@ -94,7 +97,7 @@ class Agent(Lifecycle, Commands, Checks):
         self.plan: dict | None = None  # its plan
         self.waiting_port: dict | None = None  # a run plan waiting for node 0's master port
         self.ports = PortOffer()  # the rendezvous port offered for the next plan (ports.py)
-        self.unreported: list[dict] = []  # exits Redis has not taken yet
+        self.unreported: list[ExitRecord] = []  # exits Redis has not taken yet
         self.reset_ranks = True
         self.plan_stamp: str | None = None  # of the last plan read
         self.latest_plan: dict | None = None
@@ -274,12 +277,15 @@ class Agent(Lifecycle, Commands, Checks):
         elif self.control_writes.failing:  # the disk refused the last word: again
             self._write_control(self.control)
         if tick.plan_stamp is not None and tick.plan_stamp != self.plan_stamp:
-            try:
-                self.latest_plan = self.store.plan()
+            try:  # a plan refused (decode.checked) leaves the last one standing, said once
+                self.latest_plan = self.store.plan() or self.latest_plan
             except StoreUnavailable as e:
                 self._note_outage(e)
                 return
             self.plan_stamp = tick.plan_stamp
+            for line in self.store.records.take():
+                self._event("record_refused", f"agent of {self.node} ignores a record in "
+                            f"Redis: {line}")
         told = self._told(status)
         if told != self.told:  # the controller looks now, not at its next tick
             wake.publish(self.store, wake.CONTROLLER)

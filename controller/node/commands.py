@@ -1,6 +1,7 @@
 """The commands an agent takes from its tick (`Store.push_command`): a hang's stacks, a health
 check on demand, the controller's refusal of a node other hosts cannot reach, and operators'
-and tests' faults (`optimus chaos`, the plan's node faults).
+and tests' faults (`optimus chaos`, the plan's node faults: their kinds are the contract's,
+optimus/contract/chaos.py).
 
 A hang's stacks (the controller's `dump_stacks` command) are collected on a thread of their own,
 so the agent goes on reaping and relaying meanwhile: SIGUSR1, then py-spy from outside for a
@@ -16,10 +17,11 @@ import signal
 import threading
 from typing import Any
 
-from controller.node import reach
+from controller.common import reach
 from controller.node.stacks import Target, collect, find_py_spy
 from controller.store.store import StoreUnavailable
 from optimus.config import ConfigError
+from optimus.contract import chaos
 
 
 class Commands:
@@ -83,18 +85,18 @@ class Commands:
         by = command.get("by", "")
         why = f" (by {by}" + (f": {command['reason']}" if command.get("reason") else "") + ")"
         self._event("chaos", f"chaos on {self.node}: {kind} "
-                    f"{command.get('rank', '') if kind != 'kill_node' else ''}".rstrip()
+                    f"{command.get('rank', '') if kind != chaos.KILL_NODE else ''}".rstrip()
                     + (why if by else ""),
                     fault=kind, rank=command.get("rank", ""), sent=command.get("time", ""),
                     by=by, reason=command.get("reason", ""))
-        if kind == "kill_node":
+        if kind == chaos.KILL_NODE:
             self._die()
-        if kind == "spike" and isinstance(command.get("step"), int):  # all of this node's ranks
+        if kind == chaos.SPIKE and isinstance(command.get("step"), int):  # every rank here
             self._write_chaos([*self.chaos, {
                 "id": len(self.chaos) + 1, "kind": kind, "rank": None,
                 "generation": self.generation, "step": command["step"]}])
             return
-        if kind in ("hang_rank", "stall_rank", "nan_rank"):  # the rank fires it in a step
+        if kind in chaos.IN_STEP:  # the rank fires it in a step
             if any(p.rank == command.get("rank") and p.popen.returncode is None
                    for p in self.procs.values()):
                 self._write_chaos([*self.chaos, {

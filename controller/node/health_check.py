@@ -1,5 +1,5 @@
 """The node's deterministic health check, as the agent runs it: every tile must reproduce a
-fixed-seed matmul (`check_tiles` in optimus/warm.py).
+fixed-seed matmul (`check_tiles` in optimus/supervision/warm.py).
 
 The agent runs it when it registers, before every generation its node takes part in, and on
 demand (`optimus health-check`). A tile that fails names itself `<node>/<index>`, and the
@@ -31,8 +31,9 @@ import subprocess
 import sys
 import time
 
-from controller.node.spawn import Spawner, die_with_parent, rank_environment
-from optimus.warm import DETAIL_LIMIT, RESULT_LIMIT, bad_result, check_tiles
+from controller.node.spawn import Spawner, rank_environment
+from optimus.contract.process import die_with_parent
+from optimus.supervision.warm import DETAIL_LIMIT, RESULT_LIMIT, bad_result, check_tiles
 
 CHECK_TIMEOUT_S = 120.0  # a tile's runtime takes seconds to start; a cold check imports torch
 _FIELDS = {"ok": {"devices", "device_kind", "health", "health_detail", "ok_at"},

@@ -1,6 +1,7 @@
 """How the node agent follows plans and runs its ranks: launches a generation's ranks, stops
 them, escalates to SIGKILL, reaps their exits, drains their heartbeats, and hands ranks that
-wait between generations the next one (in-process restart, optimus/inprocess.py). A mixin of
+wait between generations the next one (in-process restart, optimus/supervision/inprocess.py).
+Each exit it reports is an exit record of the contract (optimus/contract/records.py). A mixin of
 `Agent` (agent.py), whose state it reads and writes.
 """
 
@@ -18,7 +19,9 @@ from controller.node.commands import signal_group
 from controller.node.ranks import RankProcess, log_age, sample_compute, tail
 from controller.node.spawn import rank_environment
 from controller.store.store import StoreUnavailable
-from optimus.inprocess import READY
+from optimus.contract import env
+from optimus.contract.phases import READY
+from optimus.contract.records import ExitRecord
 
 DISMISS_S = 10.0  # a waiting rank told to exit is killed if it has not within this
 LEAVE_S = 10.0  # at least this more, past a failed generation's grace, for the ranks the fault
@@ -94,12 +97,13 @@ class Lifecycle:
     def _next_path(self, local_rank: int) -> Path:
         return self.control_path.with_suffix(f".next{local_rank}")
 
-    def _hand_over(self, p: RankProcess, gen: int, env: dict[str, str], log_path: Path) -> bool:
-        """Give a waiting rank the next generation (optimus/inprocess.py): its launch
+    def _hand_over(self, p: RankProcess, gen: int, launch: dict[str, str],
+                   log_path: Path) -> bool:
+        """Give a waiting rank the next generation (optimus/supervision/inprocess.py): its launch
         environment (the OPTIMUS_* variables, less what only the agent holds) and its log."""
         word = {"generation": gen, "log": str(log_path),
-                "env": {k: v for k, v in rank_environment(env).items()
-                        if k.startswith("OPTIMUS_")}}
+                "env": {k: v for k, v in rank_environment(launch).items()
+                        if k.startswith(env.PREFIX)}}
         if self._write_next(p, word):
             return True
         self._dismiss([p])
@@ -179,29 +183,28 @@ class Lifecycle:
         reused = 0
         for local_rank in range(rpn):
             rank = node_rank * rpn + local_rank
-            env = {**os.environ,
-                   "OPTIMUS_RANK": str(rank), "OPTIMUS_WORLD_SIZE": str(plan["world_size"]),
-                   "OPTIMUS_LOCAL_RANK": str(local_rank), "OPTIMUS_LOCAL_WORLD_SIZE": str(rpn),
-                   "OPTIMUS_NODE_RANK": str(node_rank),
-                   "OPTIMUS_NUM_NODES": str(len(plan["nodes"])),
-                   "OPTIMUS_JOB_ID": self.store.job, "OPTIMUS_GENERATION": str(gen),
-                   "OPTIMUS_MASTER_ADDR": plan["master_addr"], "OPTIMUS_MASTER_PORT": str(port),
-                   "OPTIMUS_AGENT_SOCKET": self.socket_path,
-                   "OPTIMUS_CONTROL_FILE": str(self.control_path),
-                   "OPTIMUS_CHAOS_FILE": str(self.chaos_path),
-                   "OPTIMUS_AGENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
-                   "OPTIMUS_FAILED_SAVES": str(self.failed_saves),
-                   "OPTIMUS_SKIP_STEPS": skip_steps(plan),
-                   **snapshot_env}
+            launch = {**os.environ,
+                      env.RANK: str(rank), env.WORLD_SIZE: str(plan["world_size"]),
+                      env.LOCAL_RANK: str(local_rank), env.LOCAL_WORLD_SIZE: str(rpn),
+                      env.NODE_RANK: str(node_rank), env.NUM_NODES: str(len(plan["nodes"])),
+                      env.JOB_ID: self.store.job, env.GENERATION: str(gen),
+                      env.MASTER_ADDR: plan["master_addr"], env.MASTER_PORT: str(port),
+                      env.AGENT_SOCKET: self.socket_path,
+                      env.CONTROL_FILE: str(self.control_path),
+                      env.CHAOS_FILE: str(self.chaos_path),
+                      env.AGENT_PID: str(os.getpid()), "PYTHONUNBUFFERED": "1",
+                      env.FAILED_SAVES: str(self.failed_saves),
+                      env.SKIP_STEPS: skip_steps(plan),
+                      **snapshot_env}
             path = log_dir / f"rank_{rank:05d}.log"
-            env["OPTIMUS_STACKS_FILE"] = str(log_dir / f"rank_{rank:05d}.stacks")
+            launch[env.STACKS_FILE] = str(log_dir / f"rank_{rank:05d}.stacks")
             if plan.get("restart") == "in_process":
-                env["OPTIMUS_NEXT_FILE"] = str(self._next_path(local_rank))
+                launch[env.NEXT_FILE] = str(self._next_path(local_rank))
             waits = waiting.pop(local_rank, None)
-            if waits is not None and self._hand_over(waits, gen, env, path):
+            if waits is not None and self._hand_over(waits, gen, launch, path):
                 popen, reused = waits.popen, reused + 1
             else:
-                popen = self.spawner.start(command, env, path)
+                popen = self.spawner.start(command, launch, path)
             self.procs[local_rank] = RankProcess(
                 rank, local_rank, popen, path, time.time(),
                 stacks_path=log_dir / f"rank_{rank:05d}.stacks",
@@ -221,12 +224,12 @@ class Lifecycle:
         """Where this generation's ranks write snapshots, and the point they resume from when
         the plan names one (every rank gets it; a rank whose shard is missing says so, and all
         then resume from disk)."""
-        env = {"OPTIMUS_SNAPSHOT_DIR": str(self.snapshots.own)}
+        where = {env.SNAPSHOT_DIR: str(self.snapshots.own)}
         _, folder = self.snapshots.resume_dir(plan)
         memory = plan.get("memory")
         if folder is None or not memory:
-            return env
-        env["OPTIMUS_SNAPSHOT_RESUME"] = json.dumps(
+            return where
+        where[env.SNAPSHOT_RESUME] = json.dumps(
             {"step": memory["step"], "generation": memory["generation"], "dir": str(folder)})
         holder = memory.get("holders", {}).get(self.node)
         if holder is not None:
@@ -236,11 +239,11 @@ class Lifecycle:
                            f"{holder['node']}: {problem}" if problem else
                            f"fetched the shards of step {memory['step']} from {holder['node']}"),
                         step=memory["step"], holder=holder["node"], ok=problem is None)
-        return env
+        return where
 
     def _stop(self, grace_s: float, reason: str, save: bool = True) -> None:
         if not save and not self.no_save and self._live():
-            self.no_save = True  # in the control file before the SIGTERM: see optimus/health.py
+            self.no_save = True  # in the control file before the SIGTERM (supervision/commands.py)
             self._write_control(self.control)
         # A rank learns "do not save" from the control file only: while the disk refuses that
         # word, a SIGTERM would let it save the very state this stop drops. Killed instead;
@@ -311,13 +314,11 @@ class Lifecycle:
             if p.ready:  # its leaving the generation was reported; its exit adds nothing
                 continue
             code = p.popen.returncode
-            record = {"node": self.node, "rank": p.rank, "local_rank": p.local_rank,
-                      "generation": self.generation, "pid": p.popen.pid,
-                      "code": code if code >= 0 else None,
-                      "signal": -code if code < 0 else None,
-                      "by_agent": p.stop_sent is not None, "time": time.time(),
-                      "tail": tail(p.log_path), "tail_age": log_age(p.log_path)}
-            self.unreported.append(record)
+            self.unreported.append(ExitRecord(
+                node=self.node, rank=p.rank, local_rank=p.local_rank, generation=self.generation,
+                pid=p.popen.pid, code=code if code >= 0 else None,
+                signal=-code if code < 0 else None, by_agent=p.stop_sent is not None,
+                time=time.time(), tail=tail(p.log_path), tail_age=log_age(p.log_path)))
             self.beats.pop(p.local_rank, None)
         if self.unreported:
             try:
@@ -370,11 +371,11 @@ class Lifecycle:
         code = code if isinstance(code, int) and not isinstance(code, bool) and \
             0 <= code < 256 else 1
         self.beats.pop(p.local_rank, None)
-        self.unreported.append({
-            "node": self.node, "rank": p.rank, "local_rank": p.local_rank,
-            "generation": self.generation, "pid": p.popen.pid, "code": code, "signal": None,
-            "by_agent": p.stop_sent is not None, "time": time.time(), "in_process": True,
-            "tail": tail(p.log_path), "tail_age": log_age(p.log_path)})
+        self.unreported.append(ExitRecord(
+            node=self.node, rank=p.rank, local_rank=p.local_rank, generation=self.generation,
+            pid=p.popen.pid, code=code, signal=None, by_agent=p.stop_sent is not None,
+            time=time.time(), in_process=True, tail=tail(p.log_path),
+            tail_age=log_age(p.log_path)))
         p.stop_sent, p.spared = None, False  # a stop it was sent is done: no SIGKILL for it
         if self.ended:
             self._dismiss([p])

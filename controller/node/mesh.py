@@ -2,7 +2,7 @@
 
 Each agent probes its neighbours in the plan's ring (`peers`: the plan's nodes, then the
 spares; controller/control/fabric.py): a TCP connect to their snapshot servers, closed at once
-(controller/control/probe.py's `probe`; the server takes it). A server listens on every
+(controller/common/probe.py's `probe`; the server takes it). A server listens on every
 interface of a host that advertises a non-loopback address, so the probe crosses the ranks'
 network when the agents advertise their addresses on it (`optimus agent --host`). Two probes per
 node, however large the job: a node cut off is seen by both its neighbours, and sees neither.
@@ -31,8 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from controller.control.fabric import REPORT_PEERS, Ring
-from controller.control.probe import (
+from controller.common.probe import (
     FAILS_NEEDED,
     NO_ANSWER,
     NO_ROUTE,
@@ -40,6 +39,7 @@ from controller.control.probe import (
     parse_address,
     probe,
 )
+from controller.common.ring import REPORT_PEERS, Ring
 
 log = logging.getLogger("optimus.agent")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import socket
 
-from optimus.ports import unclaimed_port
+from optimus.supervision.ports import unclaimed_port
 
 
 def _held_socket() -> socket.socket:

@@ -12,14 +12,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controller.control.detect import COLLECTIVE_PHASES
-from controller.node.exit_text import own_lines
+from controller.common.exit_text import own_lines
 from controller.store.summaries import NodeSummary
+from optimus.contract.phases import (
+    CHECKPOINT,
+    CHECKPOINT_SYNC,
+    COLLECTIVE_PHASES,
+    DONE,
+    PAUSED,
+    STARTUP,
+)
 
 TAIL_LINES = 20
-# A rank's state for the ranks-by-state count, from its heartbeat's phase.
-RANK_STATES = {"startup": "startup", "checkpoint": "checkpoint", "checkpoint_sync": "checkpoint",
-               "paused": "paused", "done": "done"}  # any other phase: a step, "training"
+# A rank's state for the ranks-by-state count (the exporter's), from its heartbeat's phase.
+RANK_STATES = {STARTUP: "startup", CHECKPOINT: "checkpoint", CHECKPOINT_SYNC: "checkpoint",
+               PAUSED: "paused", DONE: "done"}  # any other phase: a step, "training"
 
 
 @dataclass
@@ -41,7 +48,7 @@ class RankProcess:
 
     @property
     def ready(self) -> bool:
-        """It left its generation and waits in process (optimus/inprocess.py)."""
+        """It left its generation and waits in process (optimus/supervision/inprocess.py)."""
         return self.left is not None
 
     @property
@@ -94,7 +101,7 @@ def summary(live: list[RankProcess], beats: dict[int, dict]) -> NodeSummary | No
         outside=sum(b["phase"] not in COLLECTIVE_PHASES for b in seen),
         nonfinite=not all(b.get("finite", True) for b in seen),
         compute_s=max(statistics.median(c) for c in full) if full else None,
-        paused=sum(b["phase"] == "paused" for b in seen),
+        paused=sum(b["phase"] == PAUSED for b in seen),
         oldest_beat=min(b["time"] for b in seen),
         peak_allocated=max((m["allocated_bytes"] for m in memory), default=None),
         peak_reserved=max((m["reserved_bytes"] for m in memory), default=None))

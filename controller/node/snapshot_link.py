@@ -65,13 +65,14 @@ from pathlib import Path
 from typing import BinaryIO
 
 from optimus.checkpoint.snapshot_files import check_open, install_shards, open_shard, shard_files
+from optimus.contract import env
 
 log = logging.getLogger("optimus.agent")
 
-SECRET_ENV, SECRET_FILE_ENV = "OPTIMUS_SNAPSHOT_SECRET", "OPTIMUS_SNAPSHOT_SECRET_FILE"
-TLS_CERT_ENV, TLS_KEY_ENV = "OPTIMUS_SNAPSHOT_TLS_CERT", "OPTIMUS_SNAPSHOT_TLS_KEY"
-TLS_CA_ENV = "OPTIMUS_SNAPSHOT_TLS_CA"
-PORT_ENV = "OPTIMUS_SNAPSHOT_PORT"  # where the server listens; unset: a free port
+SECRET_ENV, SECRET_FILE_ENV = env.SNAPSHOT_SECRET, env.SNAPSHOT_SECRET_FILE
+TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV = (env.SNAPSHOT_TLS_CERT, env.SNAPSHOT_TLS_KEY,
+                                         env.SNAPSHOT_TLS_CA)
+PORT_ENV = env.SNAPSHOT_PORT  # where the server listens; unset: a free port
 SECRET_MIN, SECRET_MAX = 16, 4096  # bytes of secret
 AUTH_S = 10.0  # from a worker taking a connection to its authenticated request
 TIMEOUT_S = 60.0  # the rest of a request, beyond the time its bytes take at MIN_RATE
@@ -162,7 +163,7 @@ def link_tls() -> LinkTLS | None:
 def listen_port() -> int:
     """The port the snapshot server listens on: OPTIMUS_SNAPSHOT_PORT where a firewall rule
     names it (the Helm chart lets the controller reach only that port of an agent's pod:
-    controller/control/probe.py), else 0, any free port. ValueError says what is wrong."""
+    controller/common/probe.py), else 0, any free port. ValueError says what is wrong."""
     raw = os.environ.get(PORT_ENV, "").strip()
     if not raw:
         return 0

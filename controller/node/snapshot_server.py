@@ -119,7 +119,7 @@ class LinkServer(socketserver.TCPServer):
             self._serve(link, peer)
         except (ssl.SSLEOFError, ssl.SSLZeroReturnError) as e:
             # Closed before its handshake: the controller asking whether this agent's host
-            # answers (controller/control/probe.py), or a port scan. Nothing to say at info.
+            # answers (controller/common/probe.py), or a port scan. Nothing to say at info.
             log.log(logging.DEBUG if stage == "TLS handshake" else logging.WARNING,
                     "snapshot connection from %s closed in its %s: %s", peer, stage, e)
         except ConnectionError as e:

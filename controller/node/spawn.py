@@ -2,12 +2,14 @@
 as a fresh one.
 
 `Spawner.start(argv, env, log)` returns a handle with `pid`, `returncode` and `poll()`, as a
-`subprocess.Popen` has. OPTIMUS_WARM_START picks how (optimus/warm.py explains both warm kinds):
+`subprocess.Popen` has. OPTIMUS_WARM_START picks how (optimus/supervision/warm.py explains
+both warm kinds):
 - `fork` (the default on a CPU-only node; also `1`): ranks are forked by one
-  `python -m optimus.warm` process per agent, which imported the trainer once: a rank starts in
-  milliseconds instead of seconds of imports;
+  `python -m optimus.supervision.warm` process per agent, which imported the trainer once: a
+  rank starts in milliseconds instead of seconds of imports;
 - `standby` (the default on a node with GPUs or XPUs, whose runtime context a fork cannot
-  carry): one `python -m optimus.warm --standby N` per device, past its imports with device N's
+  carry): one `python -m optimus.supervision.warm --standby N` per device, past its imports
+  with device N's
   context created, waits for a rank to become; the agent keeps as many as a generation has
   ranks per node (`keep_ready`), and a used one is replaced once the generation runs;
 - `0`: every rank starts cold, as `python -m optimus ...` (subprocess.Popen).
@@ -28,7 +30,6 @@ what /proc/<rank>/environ shows of a forked rank.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -39,11 +40,20 @@ import sys
 import time
 from pathlib import Path
 
+from optimus.contract.env import (
+    LOCAL_RANK,
+    SNAPSHOT_SECRET,
+    SNAPSHOT_SECRET_FILE,
+    WARM_COMMAND,
+    WARM_START,
+)
+from optimus.contract.process import die_with_parent
+
 log = logging.getLogger("optimus.agent")
 
-WARM_ENV = "OPTIMUS_WARM_START"
-WARM_COMMAND_ENV = "OPTIMUS_WARM_COMMAND"
-AGENT_ONLY = ("OPTIMUS_SNAPSHOT_SECRET", "OPTIMUS_SNAPSHOT_SECRET_FILE")  # and REDIS_*
+WARM_ENV = WARM_START  # bench/recovery.py's name for it
+WARM_MODULE = "optimus.supervision.warm"
+AGENT_ONLY = (SNAPSHOT_SECRET, SNAPSHOT_SECRET_FILE)  # and REDIS_*
 # Another launcher's words for where a rank sits and where rank 0 is: a site's batch template
 # often exports them into the agent's environment, but under an agent the controller's plan
 # says both (OPTIMUS_*); a rank that inherited MASTER_ADDR would wait on that host forever once
@@ -53,17 +63,10 @@ LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK
                  "ROLE_WORLD_SIZE", "NODE_RANK")
 LAUNCHER_PREFIXES = ("TORCHELASTIC_",)
 MODES = ("fork", "standby", "cold")
-_PR_SET_PDEATHSIG = 1
 _POLL_S = 0.05
 WARMING_S = 60.0  # how long a launch waits for the warm process's imports, then starts cold
 _FORK_TIMEOUT_S = 10.0
 _LINE_LIMIT = 1 << 20  # bytes of one message from the warm process (a reply is a few hundred)
-
-
-def die_with_parent() -> None:
-    """In a child before exec: SIGKILL when its parent (the agent) dies (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class WarmRank:
@@ -102,14 +105,15 @@ def _from_a_launcher(name: str) -> bool:
 
 
 def warm_command() -> list[str]:
-    """The command that starts the warm process: `python -m optimus.warm`, or the words of
-    OPTIMUS_WARM_COMMAND (a JSON list), which must end up serving optimus/warm.py's protocol on
+    """The command that starts the warm process: `python -m optimus.supervision.warm`, or the
+    words of OPTIMUS_WARM_COMMAND (a JSON list), which must end up serving
+    optimus/supervision/warm.py's protocol on
     its stdin and stdout: a wrapper that pins it to the cores the ranks should use (`numactl`,
     `taskset`), or the test suite's, which forks it from one process per test session that has
     imported the trainer already (tests/warm_zygote.py). A value that is no such list is said
     and the default used."""
-    default = [sys.executable, "-m", "optimus.warm"]
-    raw = os.environ.get(WARM_COMMAND_ENV, "").strip()
+    default = [sys.executable, "-m", WARM_MODULE]
+    raw = os.environ.get(WARM_COMMAND, "").strip()
     if not raw:
         return default
     try:
@@ -118,14 +122,14 @@ def warm_command() -> list[str]:
         words = None
     if not (isinstance(words, list) and words and all(isinstance(w, str) and w for w in words)):
         log.warning("%s is not a JSON list of words; the warm process starts as %s",
-                    WARM_COMMAND_ENV, " ".join(default[1:]))
+                    WARM_COMMAND, " ".join(default[1:]))
         return default
     return words
 
 
 def start_mode(device_kind: str | None) -> str:
     """fork, standby or cold, from OPTIMUS_WARM_START and the node's device kind."""
-    value = os.environ.get(WARM_ENV, "").strip().lower()
+    value = os.environ.get(WARM_START, "").strip().lower()
     if value in ("0", "cold", "off", "false"):
         return "cold"
     if value in ("fork", "standby"):
@@ -160,7 +164,7 @@ class Spawner:
         less the agent's credentials (`rank_environment`)."""
         env = rank_environment(env)
         if self.mode == "standby":
-            local_rank = int(env.get("OPTIMUS_LOCAL_RANK", env.get("LOCAL_RANK", "0")))
+            local_rank = int(env.get(LOCAL_RANK, env.get("LOCAL_RANK", "0")))
             adopted = self._adopt(local_rank, argv, env, log_path)
             if adopted is not None:
                 return adopted
@@ -188,7 +192,7 @@ class Spawner:
                 continue
             try:
                 self._standby[local_rank] = subprocess.Popen(
-                    [sys.executable, "-m", "optimus.warm", "--standby", str(local_rank)],
+                    [sys.executable, "-m", WARM_MODULE, "--standby", str(local_rank)],
                     env=rank_environment(os.environ), stdin=subprocess.PIPE,
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL, start_new_session=True,
@@ -219,7 +223,8 @@ class Spawner:
         return proc
 
     def health_check(self, node: str, corrupt: set[int], timeout_s: float):
-        """The node's health check, run in a child of the warm process (optimus/warm.py): the
+        """The node's health check, run in a child of the warm process (optimus/supervision/
+        warm.py): the
         `health` of its reply, as read (the caller validates it), or None where no warm
         process can run it: cold starts, or one that failed, died, refused, or is still
         importing after WARMING_S. TimeoutError when no answer comes within `timeout_s` (the

@@ -30,7 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-PY_SPY_ENV = "OPTIMUS_PY_SPY"
+from optimus.contract.env import PY_SPY as PY_SPY_ENV
+
 ANSWER_S = 1.0  # how long a rank has to answer SIGUSR1, each time
 PY_SPY_TIMEOUT_S = 3.0
 _POLL_S = 0.05

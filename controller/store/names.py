@@ -17,13 +17,13 @@ controller's journal is refused whole (controller/control/journal.py).
 from __future__ import annotations
 
 import re
-import threading
+
+from controller.store.decode import Notes
 
 NODE_NAME = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?:\.(?!-)[A-Za-z0-9_-]{1,63})*")
 MAX_LENGTH = 253
 RULE = ("letters, digits, '-' and '_' in dot-separated labels of 1-63 characters, none "
         "starting with '-'; 253 characters in all")
-REMEMBERED = 1_000  # refused names a process keeps to say once; more are dropped unsaid
 
 
 def own(node: str, name: str) -> str:
@@ -55,27 +55,13 @@ def check(name: str) -> str:
     return name
 
 
-class Refused:
-    """The names one process read from Redis and dropped; `take` hands each over once."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()  # the exporter reads in its own thread
-        self._seen: set[str] = set()
-        self._unsaid: list[str] = []
+class Refused(Notes):
+    """The names one process read from Redis and dropped; `take` hands each over once, as
+    `shown` writes it."""
 
     def keep(self, name: object) -> bool:
-        """Whether `name` is a node name; if not, it is remembered (up to REMEMBERED)."""
+        """Whether `name` is a node name; if not, it is noted (up to decode.REMEMBERED)."""
         if is_node_name(name):
             return True
-        key = shown(name)
-        with self._lock:
-            if key not in self._seen and len(self._seen) < REMEMBERED:
-                self._seen.add(key)
-                self._unsaid.append(key)
+        self.note(shown(name))
         return False
-
-    def take(self) -> list[str]:
-        """The refused names not handed over yet, as `shown` writes them."""
-        with self._lock:
-            out, self._unsaid = self._unsaid, []
-        return out

@@ -23,6 +23,7 @@ from typing import Any
 from controller.store import decode, wake
 from controller.store.names import check, own
 from controller.store.summaries import NodeSummary
+from optimus.contract.records import ExitRecord
 
 OWN_EXITS_MAXLEN = 10_000  # a node's own exit records not yet relayed are far fewer
 OWN_EVENTS_MAXLEN = 1_000
@@ -156,13 +157,14 @@ class OwnRecords:
             pipe.execute()
         self.call(write)
 
-    def report_exit(self, record: dict) -> str:
-        """A rank's exit, under its node's (`record["node"]`) own stream."""
-        node = check(record["node"])
+    def report_exit(self, record: ExitRecord) -> str:
+        """A rank's exit, under its node's (`record.node`) own stream."""
+        node = check(record.node)
+        text = json.dumps(record.record())
 
         def write():
             pipe = self.r.pipeline()
-            pipe.xadd(self._own("exits", node), {"json": json.dumps(record)},
+            pipe.xadd(self._own("exits", node), {"json": text},
                       maxlen=OWN_EXITS_MAXLEN, approximate=True)
             self._put_row(pipe, node, exits=time.time_ns())
             return pipe.execute()[0]

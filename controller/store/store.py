@@ -1,7 +1,10 @@
 """The whole Redis schema of a job, in one package (documented in docs/redis-schema.md): the
 `Store` here, with the nodes' summary rows (summaries.py) and reports (reports.py) mixed in.
 Every node name read back from Redis passes the one rule of names.py: what is no node name (an
-agent's credentials can write any) is dropped where it is read, and noted (`Store.names`).
+agent's credentials can write any) is dropped where it is read, and noted (`Store.names`); the
+plan and every exit record are the contract's typed records (optimus/contract/records.py),
+written through their types and checked where they are read: one with a missing or mistyped
+field is dropped, and noted in one line that names the field (`Store.records`).
 
 Every key lives under `optimus:{<job>}:` (the braces are a Redis Cluster hash tag: one job, one
 slot). Redis is the only state the control plane shares; the controller keeps none of its own.
@@ -45,6 +48,7 @@ from controller.store.names import Refused, own
 from controller.store.own import OWN_EVENTS_MAXLEN, OwnRecords, as_text
 from controller.store.reports import Reports
 from controller.store.summaries import Summaries
+from optimus.contract.records import VERSION, ExitRecord, Plan
 
 T = TypeVar("T")
 
@@ -112,6 +116,12 @@ class Store(OwnRecords, Mirror, Summaries, Reports, Fence):
         self.trouble_at = 0.0  # wall time of the last call that found Redis unreachable
         self._alone_until = 0.0  # monotonic time until which events wait for no replica
         self.names = Refused()  # node names read here and dropped: the controller says them
+        self.records = decode.Notes()  # records read here and refused, each in one line
+        # The last plan text checked and whether it passed; the exit records read last, by id
+        # (None: refused). A plan is checked once, not at every tick that reads it; an exit
+        # record (a stream entry never changes) once while it is read.
+        self._plan_checked: tuple[str, bool] | None = None
+        self._exits_checked: dict[str, dict | None] = {}
         self._rows: dict[str, dict[str, Any]] = {}  # node -> its row's fields (own.py)
 
     def k(self, name: str) -> str:
@@ -193,14 +203,22 @@ class Store(OwnRecords, Mirror, Summaries, Reports, Fence):
         self._write(queue, batch)
 
     def plan(self) -> dict | None:
+        """The plan's fields as written (checked: a plan that is no `Plan` reads as none, and
+        is noted in `records`)."""
         raw = self.call(lambda: self.r.get(self.k("plan")))
-        return json.loads(raw) if raw else None
+        if not raw:
+            return None
+        if self._plan_checked is None or self._plan_checked[0] != raw:
+            self._plan_checked = (raw, decode.checked(Plan, raw, self.records) is not None)
+        return json.loads(raw) if self._plan_checked[1] else None
 
-    def set_plan(self, plan: dict, *, batch: Batch | None = None) -> None:
-        """The plan, and its stamp: agents read the (large) plan only when the stamp changes;
-        woken, they read it now, not at their next tick."""
-        stamp = f"{plan.get('generation')}:{plan.get('action')}:{plan.get('issued')}"
-        text = json.dumps(plan)
+    def set_plan(self, plan: Plan | dict, *, batch: Batch | None = None) -> None:
+        """The plan (a dict passes through the type: a RecordError names what is wrong with
+        it), and its stamp: agents read the (large) plan only when the stamp changes; woken,
+        they read it now, not at their next tick."""
+        plan = plan if isinstance(plan, Plan) else Plan.parse({"version": VERSION, **plan})
+        stamp = f"{plan.generation}:{plan.action}:{plan.issued}"
+        text = json.dumps(plan.record())
 
         def queue(pipe):
             pipe.set(self.k("plan"), text)
@@ -326,13 +344,19 @@ class Store(OwnRecords, Mirror, Summaries, Reports, Fence):
     # --- exits, exclusions, events, chaos ------------------------------------------------------
 
     def exits(self, after: str = "0") -> list[tuple[str, dict]]:
-        """Exit records with stream ids greater than `after`, oldest first (those of a node
-        with no node name left out)."""
+        """Exit records with stream ids greater than `after`, oldest first, as written (checked:
+        one that is no `ExitRecord` is left out and noted in `records`, as is one of a node
+        with no node name in `names`)."""
         start = after if after == "0" else f"({after}"
         raw = self.call(lambda: self.r.xrange(self.k("exits"), min=start))
-        records = [(i, decode.record(f.get("json"))) for i, f in raw]
-        return [(i, r) for i, r in records
-                if isinstance(r, dict) and self.names.keep(r.get("node"))]
+        seen, self._exits_checked = self._exits_checked, {}
+        for i, fields in raw:
+            if i not in seen:
+                record = decode.checked(ExitRecord, fields.get("json"), self.records, f" {i}")
+                seen[i] = (record.record() if record is not None and self.names.keep(record.node)
+                           else None)
+            self._exits_checked[i] = seen[i]
+        return [(i, dict(r)) for i, r in self._exits_checked.items() if r is not None]
 
     def last_exit_id(self) -> str:
         raw = self.call(lambda: self.r.xrevrange(self.k("exits"), count=1))

@@ -17,9 +17,11 @@ from dataclasses import asdict, dataclass
 from optimus.checkpoint.manifest import committed_steps
 from optimus.checkpoint.saver import Checkpointer
 from optimus.checkpoint.state import Progress
-from optimus.config import JobConfig, Layout, job_hash
-from optimus.health import CheckpointFailed
+from optimus.config import JobConfig, job_hash
+from optimus.contract.env import FAILED_SAVES
 from optimus.metrics import MetricsLog
+from optimus.runtime.dims import ParallelDims
+from optimus.supervision.exits import CheckpointFailed
 
 
 @dataclass
@@ -27,7 +29,7 @@ class RunCheckpoints:
     ckpt: Checkpointer | None
     log: MetricsLog
     job: JobConfig
-    layout: Layout
+    layout: ParallelDims
     state: dict  # what a save writes: training_state(...)
     progress: Progress  # its step, tokens and data index
 
@@ -182,7 +184,7 @@ class RunCheckpoints:
         return f"the newest committed is step {steps[-1]}" if steps else "none is committed"
 
 
-FAILED_SAVES_ENV = "OPTIMUS_FAILED_SAVES"
+FAILED_SAVES_ENV = FAILED_SAVES
 
 
 def carried_failed_saves() -> int:

@@ -25,9 +25,9 @@ Every collective the checkpointer runs on the caller's thread (the agreements, t
 broadcast and DCP's collective load, a synchronous save, its process group's creation) runs
 inside `collective()`, a context manager the caller supplies: the trainer marks them as the
 heartbeat phase "checkpoint_sync", so that a rank hung elsewhere while its peers wait in one is
-named the culprit (optimus/health.py). The staging of an asynchronous save is this rank's own
-work and is not marked. (The first PROCESS-mode save also broadcasts the writer processes'
-rendezvous inside `dcp.async_save`, after staging: that one is not marked.)
+named the culprit (optimus/supervision/heartbeat.py). The staging of an asynchronous save is
+this rank's own work and is not marked. (The first PROCESS-mode save also broadcasts the writer
+processes' rendezvous inside `dcp.async_save`, after staging: that one is not marked.)
 
 Where PyTorch (2.13) falls short, and what is done here:
 - `dcp.async_save` returns a Future per rank and nothing else: no commit point that says every

@@ -64,9 +64,10 @@ from optimus.checkpoint.snapshot_files import (
 )
 from optimus.checkpoint.staging import Begun, Stager
 from optimus.checkpoint.state import OPTIONAL_STATE
+from optimus.contract.env import SNAPSHOT_DIR, SNAPSHOT_RESUME
 
-DIR_ENV = "OPTIMUS_SNAPSHOT_DIR"  # this node's own/ folder: where ranks write
-RESUME_ENV = "OPTIMUS_SNAPSHOT_RESUME"  # JSON {"step", "generation", "dir"}: what to load
+DIR_ENV = SNAPSHOT_DIR  # this node's own/ folder: where ranks write
+RESUME_ENV = SNAPSHOT_RESUME  # JSON {"step", "generation", "dir"}: what to load
 COST_SHARE = 0.02  # auto: snapshots may take this share of the step time
 
 log = logging.getLogger(__name__)

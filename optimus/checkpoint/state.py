@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from optimus.config import Layout
 from optimus.parallel.plan import ParallelModel
+from optimus.runtime.dims import ParallelDims
 
 # State under a key of this name holds one entry per rank. A checkpoint saved by another world
 # size lacks some of those entries; the loader skips them instead of failing (see saver.py).
@@ -166,11 +166,10 @@ def _accelerator() -> str | None:
     return torch.accelerator.current_accelerator().type
 
 
-def layout_key(layout: Layout, device: torch.device | str) -> str:
-    """A layout as one string: per-rank state restores only where this matches."""
-    device_type = torch.device(device).type
-    return (f"{device_type}:dp{layout.dp}.tp{layout.tp}.pp{layout.pp}.ep{layout.ep}"
-            f".vs{layout.virtual_stages}")
+def layout_key(layout: ParallelDims, device: torch.device | str) -> str:
+    """A layout on a kind of device as one string: per-rank state restores only where this
+    matches (e.g. "cpu:dp2.tp1.pp1.ep1.vs1")."""
+    return f"{torch.device(device).type}:{layout.key()}"
 
 
 def training_state(model: ParallelModel, optimizer: torch.optim.Optimizer, progress: Progress,

@@ -4,10 +4,10 @@ On the first PROCESS-mode save `dcp.async_save` spawns one writer process per ra
 `_AsyncCheckpointProcess`) and keeps it in a module global for the rest of the rank's life.
 torch 2.13 has no call that stops it: its `__del__` asks it to exit only if the object is
 collected before the interpreter ends, and multiprocessing's exit handler kills it otherwise;
-a warm-forked rank leaves through os._exit (optimus/warm.py), which runs neither, so the writer
-reads EOF from its pipe and dies with an `EOFError` traceback in the rank's log. The writer also
-logs every request at INFO ("Waiting for checkpoint save request..."): torch gives the child's
-root logger its own INFO handler on the rank's stderr.
+a warm-forked rank leaves through os._exit (optimus/supervision/warm.py), which runs neither,
+so the writer reads EOF from its pipe and dies with an `EOFError` traceback in the rank's log.
+The writer also logs every request at INFO ("Waiting for checkpoint save request..."): torch
+gives the child's root logger its own INFO handler on the rank's stderr.
 
 What is done here is the least that fixes both. The names are private to torch's
 `_async_process_executor`; pyproject pins torch to 2.13.x and tests/test_clean_exit.py fails on
@@ -26,7 +26,7 @@ a change:
   any outgoing connection of the host (their local ports come from the same ephemeral range),
   and the writers' rendezvous fails: the save fails (seen under a CPU hog: a process-mode
   run's first save lost, the later ones committed). `unclaimed_port` picks a free port below
-  the ephemeral range, which the kernel never hands out by itself (optimus/ports.py).
+  the ephemeral range, which the kernel never hands out by itself (optimus/supervision/ports.py).
 
 PROCESS-mode saves stage into shared memory the writer reads in place (staging.py `Stager`).
 """
@@ -40,7 +40,7 @@ import os
 
 import torch
 
-from optimus.ports import unclaimed_port
+from optimus.supervision.ports import unclaimed_port
 
 try:  # private names: another torch (a GPU image's) may lack them; then DCP's writer is as is
     import torch.distributed.checkpoint._async_process_executor as _executor

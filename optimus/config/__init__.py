@@ -1,11 +1,7 @@
-"""Job configuration: typed sections, validation, overrides and layouts."""
+"""Job configuration: typed sections, validation, overrides, and the layout a job resolves to
+on a world (an optimus.runtime.dims.ParallelDims)."""
 
-from optimus.config.checks import (
-    ConfigError,
-    Layout,
-    check_job,
-    resolve_layout,
-)
+from optimus.config.checks import ConfigError, check_job, resolve_layout
 from optimus.config.load import apply_override, job_hash, load_job, validate_job
 from optimus.config.schema import (
     CheckpointConfig,
@@ -21,7 +17,7 @@ from optimus.config.schema import (
 
 __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "FaultInjectionConfig", "JobConfig",
-    "Layout", "ModelConfig", "MonitoringConfig", "OptimConfig", "ParallelConfig",
+    "ModelConfig", "MonitoringConfig", "OptimConfig", "ParallelConfig",
     "SupervisionConfig",
     "apply_override", "check_job", "job_hash", "load_job", "resolve_layout",
     "validate_job",

@@ -6,10 +6,9 @@ mended without reading code. All of it runs before any process starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from optimus.config.schedule_rules import schedule_problem
 from optimus.config.schema import JobConfig
-from optimus.parallel.schedule_rules import schedule_problem
+from optimus.runtime.dims import ParallelDims
 
 
 class ConfigError(ValueError):
@@ -34,21 +33,6 @@ class ConfigError(ValueError):
 # training.float8_experts: the multiple its kernels need of the experts' dims, and to which
 # each expert's rows are padded: 16 for rowwise float8 GEMMs, the 32-value block of mxfp8.
 FLOAT8_EXPERTS_MULTIPLE = {"rowwise": 16, "mxfp8": 32}
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Parallel degrees resolved for one world size. Experts borrow their ranks from dp."""
-
-    dp: int
-    tp: int
-    pp: int
-    ep: int
-    virtual_stages: int
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
 
 
 def _divisors(n: int) -> str:
@@ -175,8 +159,8 @@ def _float8_experts_problems(job: JobConfig) -> list[tuple[str, str, str]]:
     return []
 
 
-def _fit(job: JobConfig, world: int) -> tuple[Layout | None, list[tuple[str, str, str]]]:
-    """The layout on `world` ranks, or why dp x tp x pp cannot make `world`."""
+def _fit(job: JobConfig, world: int) -> tuple[int | None, list[tuple[str, str, str]]]:
+    """The data-parallel degree on `world` ranks, or why dp x tp x pp cannot make `world`."""
     p = job.parallel
     cells = p.tp * p.pp
     if p.dp == -1:
@@ -191,14 +175,15 @@ def _fit(job: JobConfig, world: int) -> tuple[Layout | None, list[tuple[str, str
                        else "set parallel.dp: -1 and pick tp x pp dividing the world")]
     else:
         dp = p.dp
-    return Layout(dp, p.tp, p.pp, p.ep, p.virtual_stages), []
+    return dp, []
 
 
-def _layout_problems(job: JobConfig, layout: Layout) -> list[tuple[str, str, str]]:
-    """What is wrong with a layout that fits its world: the model and the batch against it."""
-    m, d = job.model, job.data
-    dp, tp, pp = layout.dp, layout.tp, layout.pp
-    world = layout.world_size
+def _layout_problems(job: JobConfig, dp: int) -> list[tuple[str, str, str]]:
+    """What is wrong with a layout that fits its world (the job's degrees, `dp` resolved):
+    the model and the batch against it."""
+    m, d, p = job.model, job.data, job.parallel
+    tp, pp, ep, virtual_stages = p.tp, p.pp, p.ep, p.virtual_stages
+    world = dp * tp * pp
     out = []
     if m.n_heads % tp:
         out.append(("parallel.tp", f"n_heads={m.n_heads} is not divisible by tp={tp}",
@@ -215,7 +200,7 @@ def _layout_problems(job: JobConfig, layout: Layout) -> list[tuple[str, str, str
         out.append(("model.vocab_size", f"{m.vocab_size} does not split over tp={tp} "
                     "(the embedding and the loss are vocab-parallel)",
                     f"pad it to {padded}; ids past the tokenizer's are never used"))
-    stages = pp * layout.virtual_stages
+    stages = pp * virtual_stages
     if m.n_layers < stages:
         out.append(("parallel.pp", f"{m.n_layers} layers cannot fill pp x virtual_stages = "
                     f"{stages} pipeline stages", f"use at most {m.n_layers} stages in all, or "
@@ -224,16 +209,15 @@ def _layout_problems(job: JobConfig, layout: Layout) -> list[tuple[str, str, str
         out.append(("data.seq_len", f"{d.seq_len} does not split over tp={tp} (sequence "
                     "parallel gives each tp rank an equal slice of the sequence)",
                     f"use a multiple of {tp}"))
-    if pp == 1 and layout.virtual_stages > 1:
-        out.append(("parallel.virtual_stages", f"{layout.virtual_stages} needs a pipeline",
+    if pp == 1 and virtual_stages > 1:
+        out.append(("parallel.virtual_stages", f"{virtual_stages} needs a pipeline",
                     "set parallel.pp > 1, or virtual_stages: 1"))
     elif pp > 1:
-        problem = schedule_problem(job.parallel.schedule, pp, layout.virtual_stages,
-                                   d.microbatches)
+        problem = schedule_problem(p.schedule, pp, virtual_stages, d.microbatches)
         if problem:
             out.append(("parallel.schedule", *problem))
-    if dp % layout.ep:
-        out.append(("parallel.ep", f"ep={layout.ep} does not divide dp={dp}; experts borrow "
+    if dp % ep:
+        out.append(("parallel.ep", f"ep={ep} does not divide dp={dp}; experts borrow "
                     "their ranks from dp", f"use ep among {_divisors(dp)}"))
     per_step = d.microbatches * dp
     if d.batch_size % per_step:
@@ -248,7 +232,8 @@ def _layout_problems(job: JobConfig, layout: Layout) -> list[tuple[str, str, str
     return out
 
 
-def check_job(job: JobConfig, world: int | None = None, source: str = "job") -> Layout | None:
+def check_job(job: JobConfig, world: int | None = None,
+              source: str = "job") -> ParallelDims | None:
     """Raise ConfigError listing every problem; return the layout when `world` is given.
 
     The layout's fit to the world is named first, and what depends on the layout (heads and
@@ -256,18 +241,19 @@ def check_job(job: JobConfig, world: int | None = None, source: str = "job") -> 
     it fits: a fix of the fit changes those degrees. Without a world, only what holds on every
     world is checked; the layout waits for the world it runs on.
     """
-    problems, layout = [], None
+    problems, dp = [], None
     if world is not None:
-        layout, problems = _fit(job, world)
+        dp, problems = _fit(job, world)
     problems += _job_problems(job)
-    if layout is not None:
-        problems += _layout_problems(job, layout)
+    if dp is not None:
+        problems += _layout_problems(job, dp)
     if problems:
         raise ConfigError(source, problems=problems)
-    return layout
+    return None if dp is None else ParallelDims.of(job.parallel, dp=dp)
 
 
-def resolve_layout(job: JobConfig, world: int, source: str = "job") -> Layout:
+def resolve_layout(job: JobConfig, world: int, source: str = "job") -> ParallelDims:
+    """The layout `job` runs on a world of `world` ranks (ConfigError if none)."""
     layout = check_job(job, world=world, source=source)
     assert layout is not None
     return layout

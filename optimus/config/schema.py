@@ -10,6 +10,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from optimus.contract import chaos
+
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -233,7 +235,8 @@ class SupervisionConfig(Section):
     max_restarts: NonNegativeInt = Field(10, description="then the job is FAILED")
     restart: Literal["in_process", "process"] = Field(
         "in_process", description="in_process: a rank a fault did not touch stays for the "
-        "next generation (optimus/inprocess.py); process: every rank restarts as a new one")
+        "next generation (optimus/supervision/inprocess.py); process: every rank restarts as a "
+        "new one")
     restart_backoff_s: NonNegativeFloat = Field(
         1.0, description="wait before restart n: this x 2^(n-1), capped")
     restart_backoff_max_s: NonNegativeFloat = 60.0
@@ -364,8 +367,7 @@ class StabilityConfig(Section):
 
 
 class Fault(Section):
-    kind: Literal["kill_rank", "freeze_rank", "kill_node", "stall_rank", "hang_rank",
-                  "nan_rank", "slow_rank", "spike"]
+    kind: Literal[chaos.JOB_FILE]  # the contract's kinds that a job file may plan
     step: NonNegativeInt
     rank: NonNegativeInt | None = None
     node: NonNegativeInt | None = None
@@ -380,12 +382,12 @@ class Fault(Section):
 
     @model_validator(mode="after")
     def _target(self) -> Fault:
-        if self.kind == "spike":  # the whole step's batch: every rank poisons its share
+        if self.kind == chaos.SPIKE:  # the whole step's batch: every rank poisons its share
             if self.rank is not None or self.node is not None:
                 raise ValueError("a spike fault poisons the whole step's batch: give no "
                                  "`rank` or `node`")
             return self
-        wants = "node" if self.kind == "kill_node" else "rank"
+        wants = "node" if self.kind == chaos.KILL_NODE else "rank"
         if getattr(self, wants) is None:
             raise ValueError(f"a {self.kind} fault needs `{wants}`")
         return self

@@ -109,7 +109,7 @@ def audit_run(run_dir: Path | str, seed: int | None = None) -> Audit:
         raise DataError(f"{path} does not exist: give a run directory (the job's run_dir) "
                         "or its metrics.jsonl")
     if seed is None:
-        from optimus.report.runlog import job_config  # reads JSON and YAML only
+        from optimus.rundir import job_config  # reads JSON and YAML only
 
         seed = (job_config(path.parent) or {}).get("seed")
     with open(path) as f:

@@ -46,20 +46,14 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from optimus.models import moe_routes
 from optimus.models.moe import MoE, counting, dry, moe_layers, swiglu_experts
 from optimus.models.moe_routes import in_compute_dtype, place_in_expert, token_major
-from optimus.runtime.dims import own_group
-
-
-def expert_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """This rank's ep group, as a process group of its own, used by no other collective (see
-    `own_group`: FSDP's asynchronous collectives on dp would otherwise interleave with the
-    dispatch's all-to-alls when dp and ep span the same ranks)."""
-    return own_group(mesh, ("ep",))
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh,
                           group: dist.ProcessGroup | None = None) -> None:
     """Shard every MoE layer's experts over `ep_mesh` and dispatch by all-to-all (on `group`,
-    by default the mesh's own)."""
+    by default the mesh's own). The trainer's `group` is one used by no other collective
+    (`LayoutMesh.own_group("experts")`): FSDP's asynchronous collectives on dp would otherwise
+    interleave with the dispatch's all-to-alls when dp and ep span the same ranks."""
     ep = ep_mesh.size()
     for moe in moe_layers(model):
         if moe.experts_n % ep:

@@ -23,14 +23,13 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from optimus.models.counts import is_moe_layer
 from optimus.models.moe import MoE
-from optimus.runtime.dims import own_group
+from optimus.runtime.mesh import LayoutMesh
 
 
-def share_balance_counts(layers: list[MoE], cfg, mesh: DeviceMesh) -> None:
+def share_balance_counts(layers: list[MoE], cfg, mesh: LayoutMesh) -> None:
     """Have the MoE layers sum their auxiliary loss's counts over the ranks of their scope.
 
     Every rank calls it (it may create process groups), whether or not it holds MoE layers."""
@@ -38,7 +37,7 @@ def share_balance_counts(layers: list[MoE], cfg, mesh: DeviceMesh) -> None:
     if not m.experts or m.balance != "aux_loss":
         return
     scope_global = m.aux_loss_scope == "global"
-    group = own_group(mesh, ("edp", "ep", "tp") if scope_global else ("tp",))
+    group = mesh.own_group("stage" if scope_global else "sequence")
     if group is None:
         return
     summed = partial(_all_reduce, group=group)
@@ -54,7 +53,7 @@ def _all_reduce(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return counts
 
 
-def expert_step(layers: list[MoE], cfg, mesh: DeviceMesh, device: torch.device,
+def expert_step(layers: list[MoE], cfg, mesh: LayoutMesh, device: torch.device,
                 held: torch.Tensor | None = None) -> torch.Tensor | None:
     """Sum the step's load over the data-parallel replicas, pipeline stages and tensor-parallel
     sequence shards, update the biases (unless `held`, 1.0 on the device where the step's update
@@ -73,9 +72,7 @@ def expert_step(layers: list[MoE], cfg, mesh: DeviceMesh, device: torch.device,
         if layer.z_total is not None:
             stats[layer.layer, m.experts + 2] = layer.z_total
         stats[layer.layer, m.experts + 3] = float(layer.step_bytes)  # a host number: no wait
-    for axis in ("dp", "pp", "tp"):  # tp ranks route their own shares of the sequence
-        if mesh[axis].size() > 1:
-            dist.all_reduce(stats, group=mesh[axis].get_group())
+    mesh.all_reduce("world", stats)  # tp ranks route their own shares of the sequence
     keep = None if held is None or m.balance != "bias" else 1 - held
     for layer in layers:
         load = stats[layer.layer, :m.experts]

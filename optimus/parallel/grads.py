@@ -50,24 +50,23 @@ class GradNorm(NamedTuple):
         return torch.isfinite(self.total).logical_not().float()
 
 
-def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float,
-                    pp_group: dist.ProcessGroup | None = None, *,
+def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, stages: int = 1, *,
                     leave_nonfinite: bool = False) -> torch.Tensor:
     """`clip_grads_`, returning the global norm alone (as torch's clip_grad_norm_ does)."""
-    return clip_grads_(params, max_norm, pp_group, leave_nonfinite=leave_nonfinite).total
+    return clip_grads_(params, max_norm, stages, leave_nonfinite=leave_nonfinite).total
 
 
 @torch.no_grad()
-def clip_grads_(params: Iterable[torch.nn.Parameter], max_norm: float,
-                pp_group: dist.ProcessGroup | None = None, *,
+def clip_grads_(params: Iterable[torch.nn.Parameter], max_norm: float, stages: int = 1, *,
                 leave_nonfinite: bool = False) -> GradNorm:
     """Clip to `max_norm` (0: measure only); return the global L2 norm before clipping, and
     this rank's own squared share of it (`GradNorm`).
 
     A collective over the default group when the world has more than one rank: every rank
-    calls it (a rank without gradients returns at once, as it always did). `pp_group` is the
-    pipeline's group, None when there is no pipeline. Every rank ends with the same norm and
-    applies the same scale, torch's coefficient min(1, max_norm / (norm + 1e-6)). With
+    calls it (a rank without gradients returns at once, as it always did). `stages`: the ranks
+    of one pipeline (`LayoutMesh.size("pipeline")`), 1 without a pipeline. Every rank ends
+    with the same norm and applies the same scale, torch's coefficient
+    min(1, max_norm / (norm + 1e-6)). With
     `leave_nonfinite`, a NaN/Inf norm leaves the gradients as they are (the coefficient is
     chosen on the device); without it they are scaled as torch's clip scales them (by NaN, or
     by 0 for an infinite norm), which is no matter when the update is skipped.
@@ -79,7 +78,6 @@ def clip_grads_(params: Iterable[torch.nn.Parameter], max_norm: float,
     if not grads:
         return GradNorm(torch.zeros(()), torch.zeros(()))
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    stages = pp_group.size() if pp_group is not None else 1
     if world % stages:
         raise ValueError(f"a pipeline of {stages} stages does not divide a world of {world}")
     total, own = _squares(grads, world // stages)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 
-IGNORE_INDEX = -100  # label value that carries no loss
+from optimus.models import IGNORE_INDEX  # noqa: F401 (re-exported: the loss's own)
 
 
 class TokenSumLoss:

@@ -42,14 +42,14 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from optimus.models import GPT, materialize
-from optimus.parallel.data_parallel import compute
-from optimus.parallel.schedule_rules import (
+from optimus.config.schedule_rules import (
     SCHEDULES,
     SPLIT_BACKWARD,
     is_multi_stage,
     stage_layers,
 )
+from optimus.models import GPT, materialize
+from optimus.parallel.data_parallel import compute
 
 
 def build_stage_models(cfg, seed: int, device: torch.device | str, stage_ids: list[int],
@@ -79,11 +79,12 @@ def build_stage_models(cfg, seed: int, device: torch.device | str, stage_ids: li
 
 
 def build_schedule(stage_models: list[nn.Module], stage_ids: list[int], num_stages: int,
-                   pp_group: ProcessGroup | DeviceMesh, device: torch.device | str,
+                   group: ProcessGroup | DeviceMesh, device: torch.device | str,
                    schedule: str, microbatches: int,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                    autocast: torch.dtype | None = None):
-    """The named torch schedule over this rank's stages, `n_microbatches=microbatches`.
+    """The named torch schedule over this rank's stages, `n_microbatches=microbatches`, its
+    stages talking over `group` (the pipeline's process group, or its one-dimensional mesh).
 
     `stage_models` may already be tensor-parallel (DTensor parameters) and FSDP2-wrapped
     (`fully_shard` applied to each stage model as root): the schedules recognise a root
@@ -106,7 +107,7 @@ def build_schedule(stage_models: list[nn.Module], stage_ids: list[int], num_stag
 
     from optimus.parallel.pipeline_stage import Stage
 
-    group = pp_group.get_group() if isinstance(pp_group, DeviceMesh) else pp_group
+    group = group.get_group() if isinstance(group, DeviceMesh) else group
     device = torch.device(device)
     order = sorted(range(len(stage_ids)), key=stage_ids.__getitem__)  # ascending, as torch wants
     modules = [m if autocast is None else _Autocast(m, autocast) for m in stage_models]
@@ -159,22 +160,23 @@ def run_pipeline_step(schedule, stage_ids: list[int], num_stages: int,
 
 
 def forward_stages(parts: list[nn.Module], stage_ids: list[int], owners: list[int],
-                   pp_group: ProcessGroup, inputs: list[torch.Tensor],
+                   group: ProcessGroup, inputs: list[torch.Tensor],
                    loss_fn: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
     """Forward only, without torch's schedules (validation): every microbatch through the
     stages this rank holds, in ascending stage order, hidden states passed point to point.
 
-    `owners[s]` is the pp rank holding stage s; `inputs` are the microbatches' tokens, used
-    by the rank holding stage 0; `loss_fn(microbatch index, logits)` runs on the rank holding
-    the last stage, whose losses are returned (elsewhere []). Why not `schedule.eval`: in torch
-    2.13 it fails for the zero-bubble schedules (their action lists keep backward actions), and
-    every switch between it and training re-runs the stages' shape inference. Dependencies only
-    point to higher stages and sends do not block, so ascending order cannot deadlock. Hidden states
-    travel in float32 (under FSDP2 the next stage's root casts them back to its compute dtype;
-    under autocast, dp 1, the residual stream is float32 anyway), after their shape (under
-    sequence parallelism each tp rank's share of the sequence). The caller enters autocast.
+    `owners[s]` is the rank of the pipeline's `group` holding stage s; `inputs` are the
+    microbatches' tokens, used by the rank holding stage 0; `loss_fn(microbatch index,
+    logits)` runs on the rank holding the last stage, whose losses are returned (elsewhere
+    []). Why not `schedule.eval`: in torch 2.13 it fails for the zero-bubble schedules (their
+    action lists keep backward actions), and every switch between it and training re-runs the
+    stages' shape inference. Dependencies only point to higher stages and sends do not block,
+    so ascending order cannot deadlock. Hidden states travel in float32 (under FSDP2 the next
+    stage's root casts them back to its compute dtype; under autocast, dp 1, the residual
+    stream is float32 anyway), after their shape (under sequence parallelism each tp rank's
+    share of the sequence). The caller enters autocast.
     """
-    group_ranks = dist.get_process_group_ranks(pp_group)
+    group_ranks = dist.get_process_group_ranks(group)
     last = len(owners) - 1
     local = {}  # (stage, microbatch) -> hidden states from a stage this rank also holds
     losses = []
@@ -189,9 +191,9 @@ def forward_stages(parts: list[nn.Module], stage_ids: list[int], owners: list[in
             else:
                 src = group_ranks[owners[stage - 1]]
                 shape = torch.empty(3, dtype=torch.int64, device=tokens.device)
-                dist.recv(shape, src, group=pp_group)
+                dist.recv(shape, src, group=group)
                 x = torch.empty(shape.tolist(), device=tokens.device)
-                dist.recv(x, src, group=pp_group)
+                dist.recv(x, src, group=group)
             out = part(x)
             if stage == last:
                 losses.append(loss_fn(i, out))
@@ -200,7 +202,7 @@ def forward_stages(parts: list[nn.Module], stage_ids: list[int], owners: list[in
             else:
                 dst = group_ranks[owners[stage + 1]]
                 for t in (torch.tensor(out.shape, device=out.device), out.float().contiguous()):
-                    sends.append((dist.isend(t, dst, group=pp_group), t))
+                    sends.append((dist.isend(t, dst, group=group), t))
     for work, _ in sends:
         work.wait()
     return losses

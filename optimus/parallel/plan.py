@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from optimus.config import JobConfig, Layout
-from optimus.health import NO_HEARTBEAT, Heartbeat, NoHeartbeat
+from optimus.config import JobConfig
+from optimus.config.schedule_rules import stage_ids as pipeline_stage_ids
+from optimus.config.schedule_rules import stage_style
 from optimus.models import build_model, materialize
 from optimus.models.moe import MoE, moe_layers
 from optimus.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -33,7 +33,7 @@ from optimus.parallel.data_parallel import (
     precision_policy,
     set_gradient_sync,
 )
-from optimus.parallel.expert_parallel import apply_expert_parallel, expert_group
+from optimus.parallel.expert_parallel import apply_expert_parallel
 from optimus.parallel.experts import share_balance_counts
 from optimus.parallel.float8 import apply_float8
 from optimus.parallel.float8_experts import apply_float8_experts
@@ -48,14 +48,14 @@ from optimus.parallel.pipeline import (
     forward_stages,
     run_pipeline_step,
 )
-from optimus.parallel.schedule_rules import stage_ids as pipeline_stage_ids
-from optimus.parallel.schedule_rules import stage_style
 from optimus.parallel.tensor_parallel import (
     apply_tensor_parallel,
     loss_context,
     sum_grads_over_tp,
 )
 from optimus.runtime.device import compute_dtype
+from optimus.runtime.mesh import LayoutMesh
+from optimus.supervision.heartbeat import NO_HEARTBEAT, Heartbeat, NoHeartbeat
 
 
 @dataclass
@@ -70,12 +70,13 @@ class ParallelModel:
     tp_enabled: bool
     moe: list[MoE] = field(default_factory=list)  # the MoE layers of these chunks
     # Under tensor parallelism: the MoE layers train on each tp rank's own tokens.
-    tp_group: dist.ProcessGroup | None = None
+    tensor_group: dist.ProcessGroup | None = None
     # training.float8: the matmul layers of these chunks left in high precision, and why.
     float8_skipped: list[tuple[str, str]] = field(default_factory=list)
-    # Under a pipeline: the pp rank holding each stage, and the pp group (validation's forward).
+    # Under a pipeline: the pipeline rank holding each stage, and the pipeline's group
+    # (validation's forward).
     stage_owners: list[int] = field(default_factory=list)
-    pp_group: dist.ProcessGroup | None = None
+    pipeline_group: dist.ProcessGroup | None = None
     # parallel.param_gather: step: parameters stay gathered between microbatches.
     keep_gathered: bool = False
     # dp 1 in bf16: the dtype every forward autocasts to (FSDP2's policy casts at dp > 1).
@@ -143,9 +144,10 @@ class ParallelModel:
                         loss.backward()
                     value = _local(loss.detach())  # the graph is gone: its storage is free
                     total = value if total is None else total.add_(value)
-        if self.tp_group is not None and self.moe:
+        if self.tensor_group is not None and self.moe:
             with heartbeat.phase("backward"):
-                sum_grads_over_tp([p for m in self.moe for p in m.parameters()], self.tp_group)
+                sum_grads_over_tp([p for m in self.moe for p in m.parameters()],
+                                  self.tensor_group)
         return total
 
 
@@ -161,7 +163,7 @@ class ParallelModel:
                 if self.schedule is not None:
                     labels = [mb["labels"].to(device) for mb in microbatches]
                     losses = forward_stages(
-                        self.parts, self.stage_ids, self.stage_owners, self.pp_group,
+                        self.parts, self.stage_ids, self.stage_owners, self.pipeline_group,
                         [mb["input_ids"].to(device) for mb in microbatches],
                         lambda i, logits: self.loss_fn(logits, labels[i]))
                     for loss in losses:
@@ -180,62 +182,64 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def build_parallel_model(job: JobConfig, layout: Layout, mesh: DeviceMesh,
+def build_parallel_model(job: JobConfig, mesh: LayoutMesh,
                          device: torch.device) -> ParallelModel:
-    """This rank's model chunks, with the same weights as the one-process model."""
-    p = job.parallel
+    """This rank's model chunks, with the same weights as the one-process model, on the layout
+    `mesh` was built from."""
+    p, layout = job.parallel, mesh.dims
     # The vocab-parallel loss (tp > 1) stays eager: its DTensor backward does not compile.
     loss_fn = TokenSumLoss(job.training.compile_backend
-                           if job.training.compile and layout.tp == 1 else None,
+                           if job.training.compile and mesh.size("tensor") == 1 else None,
                            z_loss=job.optim.z_loss)
     if layout.pp > 1:
-        num_stages = layout.pp * layout.virtual_stages
-        ids = pipeline_stage_ids(mesh["pp"].get_local_rank(), layout.pp, layout.virtual_stages,
+        num_stages = layout.stages
+        ids = pipeline_stage_ids(mesh.rank("pipeline"), layout.pp, layout.virtual_stages,
                                  stage_style(p.schedule))
         parts = build_stage_models(job.model, job.seed, "meta", ids, num_stages)
     else:
         num_stages, ids = 1, [0]
         parts = [build_model(job.model, seed=job.seed, device="meta")]
-    ep_group = expert_group(mesh) if layout.ep > 1 else None
+    sharded, tensor, experts = (mesh.size(s) > 1 for s in ("shard", "tensor", "experts"))
+    experts_group = mesh.own_group("experts") if experts else None
     # bf16 is FSDP2's mixed-precision policy under data parallelism, autocast without it.
     dtype = compute_dtype(job.training.mixed_precision, device)
-    policy = precision_policy(dtype) if layout.dp > 1 else None
-    autocast = autocast_dtype(dtype, layout.dp)
+    policy = precision_policy(dtype) if sharded else None
+    autocast = autocast_dtype(dtype, mesh.size("shard"))
     recipe, float8_skipped = job.training.float8, []
-    keep_gathered = p.param_gather == "step" and layout.dp > 1
+    keep_gathered = p.param_gather == "step" and sharded
     for part in parts:
         if recipe != "off":  # first: TP and FSDP2 then wrap the Float8Linear layers
             float8_skipped += apply_float8(
-                part, recipe, fsdp_float8_all_gather=recipe == "tensorwise" and layout.dp > 1,
+                part, recipe, fsdp_float8_all_gather=recipe == "tensorwise" and sharded,
                 min_dim=job.training.float8_min_dim)
         if job.training.float8_experts != "off":  # their `matmul`: EP and FSDP2 keep it
             apply_float8_experts(part, job.training.float8_experts)
-        if layout.tp > 1:
-            apply_tensor_parallel(part, mesh["tp"])
-        if layout.ep > 1:
-            apply_expert_parallel(part, mesh["ep"], ep_group)
+        if tensor:
+            apply_tensor_parallel(part, mesh.mesh("tensor"))
+        if experts:
+            apply_expert_parallel(part, mesh.mesh("experts"), experts_group)
         apply_activation_checkpointing(part, p.activation_checkpoint, p.ac_every)
         if job.training.compile:
             apply_compile(part, job.training.compile_backend)
-        if layout.dp > 1:
-            apply_data_parallel(part, mesh["dp"], mesh["edp"] if layout.ep > 1 else None,
+        if sharded:
+            apply_data_parallel(part, mesh.mesh("shard"),
+                                mesh.mesh("expert_shard") if experts else None,
                                 policy, keep_gathered=keep_gathered)
         # Only now, sharded, is the model allocated: each rank holds its shards, never the
         # whole model (init_weights gives every shard its part of the one-process values).
         materialize(part, job.seed, device)
     moe = [m for part in parts for m in moe_layers(part)]
     share_balance_counts(moe, job.model, mesh)
-    schedule = None
+    schedule, owners, pipeline = None, [], None
     if layout.pp > 1:
-        schedule = build_schedule(parts, ids, num_stages, mesh["pp"].get_group(), device,
-                                  p.schedule, job.data.microbatches, loss_fn, autocast)
-    owners = []
-    if layout.pp > 1:
+        pipeline = mesh.group("pipeline")
+        schedule = build_schedule(parts, ids, num_stages, pipeline, device, p.schedule,
+                                  job.data.microbatches, loss_fn, autocast)
         style = stage_style(p.schedule)
         held = [pipeline_stage_ids(r, layout.pp, layout.virtual_stages, style)
                 for r in range(layout.pp)]
         owners = [next(r for r in range(layout.pp) if s in held[r]) for s in range(num_stages)]
-    return ParallelModel(parts, schedule, ids, num_stages, loss_fn, layout.tp > 1, moe,
-                         mesh["tp"].get_group() if layout.tp > 1 else None, float8_skipped,
-                         owners, pp_group=mesh["pp"].get_group() if layout.pp > 1 else None,
-                         keep_gathered=keep_gathered, autocast=autocast)
+    return ParallelModel(parts, schedule, ids, num_stages, loss_fn, tensor, moe,
+                         mesh.group("tensor") if tensor else None, float8_skipped,
+                         owners, pipeline_group=pipeline, keep_gathered=keep_gathered,
+                         autocast=autocast)

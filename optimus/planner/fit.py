@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from optimus.config import ConfigError, JobConfig, Layout
-from optimus.parallel.schedule_rules import schedule_problem
+from optimus.config import ConfigError, JobConfig
+from optimus.config.schedule_rules import schedule_problem
 from optimus.planner.memory import Memory, PlanLayout, peak_memory
+from optimus.runtime.dims import ParallelDims
 
 GIB = 2**30
 _LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer state",
@@ -20,12 +21,12 @@ _LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer": "o
            "slack": "slack"}
 
 
-def job_layout(job: JobConfig, layout: Layout, precision: str) -> PlanLayout:
+def job_layout(job: JobConfig, layout: ParallelDims, precision: str) -> PlanLayout:
     """The planner's view of a job file on its resolved layout."""
     d, p = job.data, job.parallel
-    return PlanLayout(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep,
-                      v=layout.virtual_stages, schedule=p.schedule, microbatches=d.microbatches,
-                      microbatch_size=max(1, d.batch_size // (layout.dp * d.microbatches)),
+    per_replica = d.batch_size // (layout.size("batch") * d.microbatches)
+    return PlanLayout(layout, schedule=p.schedule, microbatches=d.microbatches,
+                      microbatch_size=max(1, per_replica),
                       seq_len=d.seq_len, recompute=p.activation_checkpoint,
                       ac_every=p.ac_every, precision=precision, param_gather=p.param_gather,
                       z_loss=job.optim.z_loss > 0)
@@ -41,7 +42,7 @@ def job_precision(job: JobConfig, machine_precision: str = "bf16") -> str:
 def fixes(cfg, lay: PlanLayout, capacity: float) -> list[str]:
     """Changes of the job file, one at a time, after which the model says it fits."""
     out = []
-    if lay.param_gather == "step" and lay.dp > 1 and peak_memory(
+    if lay.param_gather == "step" and lay.dims.dp > 1 and peak_memory(
             cfg, replace(lay, param_gather="microbatch")).total <= capacity:
         out.append("parallel.param_gather: microbatch")
     order = ("none", "selective", "op", "full")  # ever less kept
@@ -58,7 +59,7 @@ def fixes(cfg, lay: PlanLayout, capacity: float) -> list[str]:
                                         microbatches=more)).total <= capacity:
                 out.append(f"data.microbatches: {more}")
                 break
-    if lay.microbatches > 1 and lay.pp == 1 and lay.dp > 1:
+    if lay.microbatches > 1 and lay.dims.pp == 1 and lay.dims.dp > 1:
         # FSDP2 accumulates unsharded gradients across microbatches; one microbatch of the
         # same sequences reduce-scatters each block's gradient as it is made
         whole = replace(lay, microbatch_size=lay.microbatch_size * lay.microbatches,
@@ -67,20 +68,21 @@ def fixes(cfg, lay: PlanLayout, capacity: float) -> list[str]:
             out.append("data.microbatches: 1")
     for axis in ("pp", "tp"):
         for times in (2, 4, 8):  # the smallest growth that fits, dp shrinking to match
-            if lay.dp % times or (lay.dp // times) % lay.ep:
+            if lay.dims.dp % times or (lay.dims.dp // times) % lay.dims.ep:
                 break
             # the job file's one change: the same global batch and data.microbatches over
             # fewer replicas, so each microbatch holds `times` more sequences
-            grown = replace(lay, **{axis: getattr(lay, axis) * times, "dp": lay.dp // times,
-                                    "microbatch_size": lay.microbatch_size * times})
-            if axis == "pp" and (cfg.n_layers < grown.pp * grown.v or schedule_problem(
-                    grown.schedule, grown.pp, grown.v, grown.microbatches)):
+            dims = replace(lay.dims, **{axis: getattr(lay.dims, axis) * times,
+                                        "dp": lay.dims.dp // times})
+            grown = replace(lay, dims=dims, microbatch_size=lay.microbatch_size * times)
+            if axis == "pp" and (cfg.n_layers < dims.stages or schedule_problem(
+                    grown.schedule, dims.pp, dims.virtual_stages, grown.microbatches)):
                 break
-            if axis == "tp" and (cfg.n_heads % grown.tp or cfg.ffn_dim % grown.tp
-                                 or cfg.vocab_size % grown.tp):
+            if axis == "tp" and (cfg.n_heads % dims.tp or cfg.ffn_dim % dims.tp
+                                 or cfg.vocab_size % dims.tp):
                 break
             if peak_memory(cfg, grown).total <= capacity:
-                out.append(f"parallel.{axis}: {getattr(grown, axis)} (dp {grown.dp})")
+                out.append(f"parallel.{axis}: {getattr(dims, axis)} (dp {dims.dp})")
                 break
     return out
 
@@ -93,16 +95,17 @@ def more_devices(cfg, lay: PlanLayout, capacity: float) -> int | None:
     for _ in range(8):
         if grown.microbatch_size * grown.microbatches % 2:
             return None
+        wider = replace(grown.dims, dp=grown.dims.dp * 2)
         if grown.microbatches % 2 == 0:
-            grown = replace(grown, dp=grown.dp * 2, microbatches=grown.microbatches // 2)
+            grown = replace(grown, dims=wider, microbatches=grown.microbatches // 2)
         else:
-            grown = replace(grown, dp=grown.dp * 2, microbatch_size=grown.microbatch_size // 2)
+            grown = replace(grown, dims=wider, microbatch_size=grown.microbatch_size // 2)
         if peak_memory(cfg, grown).total <= capacity:
             return grown.devices
     return None
 
 
-def check_fits(job: JobConfig, layout: Layout, capacity_gib: float, device: str,
+def check_fits(job: JobConfig, layout: ParallelDims, capacity_gib: float, device: str,
                precision: str, source: str = "job") -> Memory:
     """The largest rank's memory; ConfigError when it exceeds `capacity_gib`."""
     lay = job_layout(job, layout, precision)
@@ -120,6 +123,6 @@ def check_fits(job: JobConfig, layout: Layout, capacity_gib: float, device: str,
         "none of the changes the planner tries fits (recompute, smaller microbatches, one "
         "microbatch, more tp or pp, more devices): a smaller model or data.batch_size, or a "
         "device with more memory; `optimus plan` ranks what fits")
-    where = f" (pipeline rank {memory.pp_rank})" if lay.pp > 1 else ""
+    where = f" (pipeline rank {memory.pp_rank})" if lay.dims.pp > 1 else ""
     raise ConfigError(source, f"needs {memory.total / GIB:.1f} GiB per rank{where} on {device} "
                       f"with {capacity_gib:g} GiB: {_LABELS[term]} {size / GIB:.1f} GiB", fix)

@@ -45,9 +45,10 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
+from optimus.config.schedule_rules import SPLIT_BACKWARD, stage_ids, stage_layers, stage_style
 from optimus.models.counts import is_moe_layer
-from optimus.parallel.schedule_rules import SPLIT_BACKWARD, stage_ids, stage_layers, stage_style
 from optimus.planner.schedules import in_flight
+from optimus.runtime.dims import ParallelDims
 
 SLACK = 0.05
 # Bytes per vocabulary entry (of the rank's vocab / tp) per token of the loss at its peak, in
@@ -65,13 +66,10 @@ COMPUTE = {"fp32": 4, "bf16": 2}
 
 @dataclass(frozen=True)
 class PlanLayout:
-    """One candidate layout of a job: degrees, schedule, batch shape, recompute, precision."""
+    """One candidate of a job: its layout (the degrees the trainer would run), schedule, batch
+    shape, recompute, precision."""
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    v: int = 1
+    dims: ParallelDims = ParallelDims()
     schedule: str = "1f1b"
     microbatches: int = 1
     microbatch_size: int = 1  # sequences per microbatch per dp replica
@@ -86,18 +84,27 @@ class PlanLayout:
     def keeps_gathered(self) -> bool:
         """Whether the rank's parameters stay gathered from a forward to its backward and
         across microbatches: `param_gather: step`, or a zero-bubble schedule (pipeline.py)."""
-        return self.param_gather == "step" or (self.pp > 1 and self.schedule in SPLIT_BACKWARD)
+        return self.param_gather == "step" or (self.dims.pp > 1
+                                                and self.schedule in SPLIT_BACKWARD)
 
     @property
     def devices(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dims.world_size
+
+    def fields(self) -> dict:
+        """Every field, the degrees among them, by the names `optimus plan -o json` prints."""
+        out = {k: v for k, v in asdict(self.dims).items() if k != "virtual_stages"}
+        out["v"] = self.dims.virtual_stages
+        return out | {k: v for k, v in asdict(self).items() if k != "dims"}
 
     def label(self) -> str:
-        out = f"tp{self.tp}.pp{self.pp}.dp{self.dp}"
-        if self.ep > 1:
-            out += f".ep{self.ep}"
-        if self.pp > 1:
-            out += f".{self.schedule}" + (f".v{self.v}" if self.v > 1 else "")
+        d = self.dims
+        out = f"tp{d.tp}.pp{d.pp}.dp{d.dp}"
+        if d.ep > 1:
+            out += f".ep{d.ep}"
+        if d.pp > 1:
+            v = d.virtual_stages
+            out += f".{self.schedule}" + (f".v{v}" if v > 1 else "")
         out += f".mb{self.microbatch_size}x{self.microbatches}.{self.recompute}"
         return out + (".gathered" if self.param_gather == "step" else "")
 
@@ -246,25 +253,31 @@ class _Stage:
     last: bool
 
 
+def _stage_ids(lay: PlanLayout, pp_rank: int) -> list[int]:
+    """The stages pipeline rank `pp_rank` holds."""
+    d = lay.dims
+    return stage_ids(pp_rank, d.pp, d.virtual_stages, stage_style(lay.schedule)) \
+        if d.pp > 1 else [0]
+
+
 def _stages(cfg, lay: PlanLayout, pp_rank: int) -> list[_Stage]:
-    n = lay.pp * lay.v
+    n = lay.dims.stages
     ranges = stage_layers(cfg.n_layers, n)
-    ids = stage_ids(pp_rank, lay.pp, lay.v, stage_style(lay.schedule)) if lay.pp > 1 else [0]
-    return [_Stage(ranges[i], i == 0, i == n - 1) for i in ids]
+    return [_Stage(ranges[i], i == 0, i == n - 1) for i in _stage_ids(lay, pp_rank)]
 
 
 def rank_memory(cfg, lay: PlanLayout, pp_rank: int = 0) -> Memory:
     """Peak bytes of one rank at pipeline position `pp_rank` (every dp/tp rank alike)."""
     cfg = shape_of(cfg)
     c = COMPUTE[lay.precision]
-    tp, dp = lay.tp, lay.dp
+    tp, dp = lay.dims.tp, lay.dims.dp
     stages = _stages(cfg, lay, pp_rank)
     # Parameters per rank before FSDP: (outside experts, experts), and per block for transients.
     dense = experts = root = 0.0
     blocks: list[float] = []
     for st in stages:
         for i in st.layers:
-            a, e = _layer_params(cfg, i, tp, lay.ep)
+            a, e = _layer_params(cfg, i, tp, lay.dims.ep)
             dense, experts = dense + a, experts + e
             blocks.append(a + e)
         if st.first:
@@ -276,7 +289,7 @@ def rank_memory(cfg, lay: PlanLayout, pp_rank: int = 0) -> Memory:
     sharded = local / dp  # experts over ep x edp = dp ranks, the rest over dp
     params = MASTER * sharded
     optimizer = OPTIM * sharded
-    accumulate = lay.microbatches > 1 or lay.pp > 1
+    accumulate = lay.microbatches > 1 or lay.dims.pp > 1
     if dp > 1 and accumulate:  # unsharded, in compute, until the step's one reduce-scatter
         grads = c * local + (GRAD * sharded if c != GRAD else 0)
     else:
@@ -294,9 +307,9 @@ def rank_memory(cfg, lay: PlanLayout, pp_rank: int = 0) -> Memory:
         gathered = c * local if c != MASTER else 0.0
     # Activations: each stage's per microbatch, times the microbatches held at the peak.
     tokens = lay.microbatch_size * lay.seq_len
-    held = in_flight(lay.schedule, lay.pp, lay.v, lay.microbatches)[pp_rank] \
-        if lay.pp > 1 else {0: 1.0}
-    ids = stage_ids(pp_rank, lay.pp, lay.v, stage_style(lay.schedule)) if lay.pp > 1 else [0]
+    held = in_flight(lay.schedule, lay.dims.pp, lay.dims.virtual_stages,
+                     lay.microbatches)[pp_rank] if lay.dims.pp > 1 else {0: 1.0}
+    ids = _stage_ids(lay, pp_rank)
     acts = logits = 0.0
     layers = []  # this rank's layers in the order its forward runs them
     for sid, st in zip(ids, stages, strict=True):
@@ -305,7 +318,7 @@ def rank_memory(cfg, lay: PlanLayout, pp_rank: int = 0) -> Memory:
         if st.first:
             per_mb += cfg.dim / tp * c  # the embedding's output
         acts += held.get(sid, 0.0) * per_mb * tokens
-        if lay.pp > 1:
+        if lay.dims.pp > 1:
             # torch's PipelineStage allocates a receive buffer per microbatch, for the inputs
             # of every stage but the first and the gradients of every stage but the last.
             acts += (2 - st.first - st.last) * lay.microbatches * cfg.dim / tp * tokens * c
@@ -321,7 +334,7 @@ def rank_memory(cfg, lay: PlanLayout, pp_rank: int = 0) -> Memory:
     if any(is_moe_layer(cfg, i) for i in layers):
         # an MoE layer's backward: the padded expert inputs' and hidden states' gradients
         backward += 2 * cfg.moe.top_k * (cfg.dim + cfg.moe.expert_ffn_dim) / tp * tokens * c
-    if lay.pp == 1 and not accumulate:
+    if lay.dims.pp == 1 and not accumulate:
         # One microbatch: gradients appear as the backward frees activations, so the peak is
         # below the sum of both. Walk the backward block by block.
         grads, acts = _one_pass_peak(cfg, lay, stages[0], grads, acts, tokens, c)
@@ -337,8 +350,8 @@ def _recompute_extra(cfg, lay: PlanLayout, layers: list[int], c: int) -> float:
     what `mode` kept), the blocks above it have already freed theirs."""
     worst, above = 0.0, 0.0
     for i in reversed(layers):
-        kept = _layer_bytes(cfg, i, _block_mode(lay, i), lay.tp, c)
-        worst = max(worst, _layer_bytes(cfg, i, "none", lay.tp, c) - kept - above)
+        kept = _layer_bytes(cfg, i, _block_mode(lay, i), lay.dims.tp, c)
+        worst = max(worst, _layer_bytes(cfg, i, "none", lay.dims.tp, c) - kept - above)
         above += kept
     return worst
 
@@ -346,9 +359,9 @@ def _recompute_extra(cfg, lay: PlanLayout, layers: list[int], c: int) -> float:
 def _one_pass_peak(cfg, lay, stage, grads, acts, tokens, c) -> tuple[float, float]:
     """(gradients, activations) at the worst moment of a single forward-backward: backward
     runs from the last block, freeing its activations as its gradients are made."""
-    per_layer = [_layer_bytes(cfg, i, _block_mode(lay, i), lay.tp, c) * tokens
+    per_layer = [_layer_bytes(cfg, i, _block_mode(lay, i), lay.dims.tp, c) * tokens
                  for i in stage.layers]
-    grad_layer = [sum(_layer_params(cfg, i, lay.tp, lay.ep)) / lay.dp * GRAD
+    grad_layer = [sum(_layer_params(cfg, i, lay.dims.tp, lay.dims.ep)) / lay.dims.dp * GRAD
                   for i in stage.layers]
     head = grads - sum(grad_layer)  # embedding, head and final norm
     best = (grads, acts, -1.0)
@@ -364,4 +377,4 @@ def _one_pass_peak(cfg, lay, stage, grads, acts, tokens, c) -> tuple[float, floa
 def peak_memory(cfg, lay: PlanLayout) -> Memory:
     """The largest rank's memory over the pipeline positions."""
     cfg = shape_of(cfg)
-    return max((rank_memory(cfg, lay, r) for r in range(lay.pp)), key=lambda m: m.total)
+    return max((rank_memory(cfg, lay, r) for r in range(lay.dims.pp)), key=lambda m: m.total)

@@ -14,7 +14,7 @@ only the reshard from disk.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from optimus.config import ConfigError, JobConfig, check_job
 from optimus.config.load import apply_override, validate_job
@@ -48,11 +48,10 @@ class Replanned:
 
 def overrides(lay: PlanLayout) -> tuple[str, ...]:
     """The job file's changes that make it `lay` (the global batch and the model untouched)."""
-    out = [f"parallel.dp={lay.dp}", f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}",
-           f"parallel.ep={lay.ep}", f"parallel.virtual_stages={lay.v}",
-           f"parallel.activation_checkpoint={lay.recompute}",
-           f"parallel.param_gather={lay.param_gather}", f"data.microbatches={lay.microbatches}"]
-    if lay.pp > 1:  # with one stage the job's schedule is not used; left as written
+    out = [f"parallel.{name}={value}" for name, value in asdict(lay.dims).items()]
+    out += [f"parallel.activation_checkpoint={lay.recompute}",
+            f"parallel.param_gather={lay.param_gather}", f"data.microbatches={lay.microbatches}"]
+    if lay.dims.pp > 1:  # with one stage the job's schedule is not used; left as written
         out.append(f"parallel.schedule={lay.schedule}")
     return tuple(out)
 
@@ -90,7 +89,7 @@ def replan(job: JobConfig, devices: int, ranks_per_node: int, machine: Machine,
     fits, seen = plan(job, devices, node, precision, capacity / GIB)
     for candidate in fits:
         lay = candidate.layout
-        if ranks_per_node % lay.tp:
+        if ranks_per_node % lay.dims.tp:
             continue
         assignments = overrides(lay)
         try:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from rich.console import Console
 from rich.table import Table
 
@@ -14,7 +12,7 @@ GIB = 2**30
 
 def as_dict(c: Candidate) -> dict:
     t = c.time
-    return {"layout": c.layout.label(), **asdict(c.layout),
+    return {"layout": c.layout.label(), **c.layout.fields(),
             "tokens_per_s_per_device": round(t.tokens_per_s_per_device, 3),
             "tflops_per_device": round(t.tflops_per_device, 2), "mfu": round(t.mfu, 4),
             "step_s": round(t.total, 4),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from optimus.parallel.schedule_rules import SCHEDULES, V_STYLE
+from optimus.config.schedule_rules import SCHEDULES, V_STYLE
 
 # What an input backward (I) leaves held, as a share of a stage's activations: it frees nothing
 # the weight backward (W) still needs (every linear layer's input) and adds the gradients of

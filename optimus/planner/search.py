@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from optimus.config import JobConfig
-from optimus.parallel.schedule_rules import schedule_problem
+from optimus.config.schedule_rules import schedule_problem
 from optimus.planner.machines import Machine
 from optimus.planner.memory import Memory, PlanLayout, rank_memory, shape_of
 from optimus.planner.steptime import StepTime, step_time
+from optimus.runtime.dims import ParallelDims
 
 GIB = 2**30
 RECOMPUTE = ("none", "selective", "op", "full")
@@ -41,7 +42,7 @@ def worst_rank(cfg, lay: PlanLayout) -> Memory:
     """The largest rank's memory. Only the first, second and last pipeline positions are
     candidates: the first holds the most microbatches in flight (and the embedding), the last
     the loss's logits, and under V-shaped schedules rank 0 holds both ends."""
-    positions = sorted({0, min(1, lay.pp - 1), lay.pp - 1})
+    positions = sorted({0, min(1, lay.dims.pp - 1), lay.dims.pp - 1})
     return max((rank_memory(cfg, lay, r) for r in positions), key=lambda m: m.total)
 
 
@@ -70,9 +71,10 @@ def layouts(job: JobConfig, devices: int, machine: Machine, precision: str):
                         if pp * v > cfg.n_layers or (pp > 1 and schedule_problem(
                                 schedule, pp, v, m)):
                             continue
+                        dims = ParallelDims(dp=dp, tp=tp, pp=pp, ep=ep, virtual_stages=v)
                         for recompute in RECOMPUTE:
-                            lay = PlanLayout(dp=dp, tp=tp, pp=pp, ep=ep, v=v, schedule=schedule,
-                                             microbatches=m, microbatch_size=size, seq_len=seq,
+                            lay = PlanLayout(dims, schedule=schedule, microbatches=m,
+                                             microbatch_size=size, seq_len=seq,
                                              recompute=recompute, precision=precision,
                                              z_loss=job.optim.z_loss > 0)
                             yield lay
@@ -102,8 +104,8 @@ def parse_layout(text: str, job: JobConfig, precision: str) -> PlanLayout:
     """A layout from its label (`PlanLayout.label`), e.g. tp8.pp4.dp32.1f1b.mb1x48.full."""
     from optimus.config import ConfigError
 
-    fields = {"dp": 1, "tp": 1, "pp": 1, "ep": 1, "v": 1, "schedule": "1f1b",
-              "recompute": "none", "microbatch_size": 1, "microbatches": 1,
+    degrees = {"dp": 1, "tp": 1, "pp": 1, "ep": 1, "virtual_stages": 1}
+    fields = {"schedule": "1f1b", "recompute": "none", "microbatch_size": 1, "microbatches": 1,
               "param_gather": "microbatch"}
     try:
         for part in text.split("."):
@@ -120,10 +122,14 @@ def parse_layout(text: str, job: JobConfig, precision: str) -> PlanLayout:
                 key = part.rstrip("0123456789")
                 if key not in ("dp", "tp", "pp", "ep", "v"):
                     raise ValueError(part)
-                fields[key] = int(part[len(key):])
+                degrees["virtual_stages" if key == "v" else key] = int(part[len(key):])
     except ValueError:
         raise ConfigError("--explain", f"cannot read layout {text!r}",
                           "write it as optimus plan prints it, e.g. "
                           "tp8.pp4.dp32.interleaved_1f1b.v2.mb1x48.full") from None
-    return PlanLayout(seq_len=job.data.seq_len, precision=precision,
+    try:
+        dims = ParallelDims(**degrees)
+    except ValueError as e:
+        raise ConfigError("--explain", f"layout {text!r}: {e}") from None
+    return PlanLayout(dims, seq_len=job.data.seq_len, precision=precision,
                       z_loss=job.optim.z_loss > 0, **fields)

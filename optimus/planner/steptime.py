@@ -39,8 +39,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
+from optimus.config.schedule_rules import stage_ids, stage_layers, stage_style
 from optimus.models.counts import flops_per_token, is_moe_layer, matmul_param_count
-from optimus.parallel.schedule_rules import stage_ids, stage_layers, stage_style
 from optimus.planner.machines import Machine
 from optimus.planner.memory import COMPUTE, GRAD, PlanLayout, _layer_activation, shape_of
 from optimus.planner.schedules import bubble
@@ -89,7 +89,7 @@ def _passes(lay: PlanLayout) -> list[tuple[int, bool, bool, bool]]:
     m = lay.microbatches
     if lay.keeps_gathered:
         return [(1, True, True, False), (1, False, False, True)]
-    if lay.pp > 1:  # the first forward gathers, then each backward (forwards find them held)
+    if lay.dims.pp > 1:  # the first forward gathers, then each backward (forwards find them held)
         return [(1, True, True, False), (m - 1, False, True, False), (1, False, True, True)]
     return [(m, True, True, False), (m - 1, False, True, False), (1, False, True, True)]
 
@@ -137,7 +137,7 @@ def op_recompute_bytes(cfg, lay: PlanLayout) -> float:
     and once written, in the compute dtype."""
     if lay.recompute != "op":
         return 0.0
-    return 2 * _op_redone(shape_of(cfg), lay.tp) * COMPUTE[lay.precision]
+    return 2 * _op_redone(shape_of(cfg), lay.dims.tp) * COMPUTE[lay.precision]
 
 
 @lru_cache(maxsize=4096)
@@ -151,71 +151,74 @@ def _busiest_rank_flops(cfg, lay: PlanLayout) -> float:
     """FLOPs per token (recompute included) of the pipeline rank with the most work: the
     rank holding the first stage has the most layers, the one holding the last the head."""
     head = 6 * cfg.dim * cfg.vocab_size
+    dims = lay.dims
     total = flops_per_token(cfg, lay.seq_len) + recompute_flops(cfg, lay)
-    if lay.pp == 1:
+    if dims.pp == 1:
         return total
     per_layer = (total - head) / cfg.n_layers
-    ranges = stage_layers(cfg.n_layers, lay.pp * lay.v)
-    last = lay.pp * lay.v - 1
+    ranges = stage_layers(cfg.n_layers, dims.stages)
+    last = dims.stages - 1
     style = stage_style(lay.schedule)
     return max(sum(len(ranges[s]) * per_layer + (head if s == last else 0)
-                   for s in stage_ids(r, lay.pp, lay.v, style))
-               for r in {0, lay.pp - 1})
+                   for s in stage_ids(r, dims.pp, dims.virtual_stages, style))
+               for r in {0, dims.pp - 1})
 
 
 def step_time(cfg, lay: PlanLayout, machine: Machine, global_batch: int) -> StepTime:
     """Predicted step time of `lay` with `global_batch` sequences a step."""
     c = COMPUTE[lay.precision]
+    dims = lay.dims
     node = machine.devices_per_node
     tokens_mb = lay.microbatch_size * lay.seq_len  # one microbatch of one replica
     m = lay.microbatches
     model_flops = flops_per_token(cfg, lay.seq_len)
     hw_flops = model_flops + recompute_flops(cfg, lay)
     shape = (tokens_mb / (tokens_mb + SHAPE_KNEE)
-             * (cfg.dim / lay.tp) / (cfg.dim / lay.tp + SHAPE_KNEE))
+             * (cfg.dim / dims.tp) / (cfg.dim / dims.tp + SHAPE_KNEE))
     rate = machine.peak_tflops * 1e12 * machine.sustained * shape
-    compute = m * tokens_mb * _busiest_rank_flops(cfg, lay) / lay.tp / rate
+    compute = m * tokens_mb * _busiest_rank_flops(cfg, lay) / dims.tp / rate
     # the busiest pipeline rank's blocks, at most those of the first stage
-    share = max(len(r) for r in stage_layers(cfg.n_layers, lay.pp * lay.v)) * lay.v \
-        / cfg.n_layers if lay.pp > 1 else 1.0
+    share = (max(len(r) for r in stage_layers(cfg.n_layers, dims.stages))
+             * dims.virtual_stages / cfg.n_layers) if dims.pp > 1 else 1.0
     recompute_s = (m * tokens_mb * op_recompute_bytes(cfg, lay) * share
                    / (machine.hbm_gbps * 1e9))
 
-    layers_here = cfg.n_layers / lay.pp
+    layers_here = cfg.n_layers / dims.pp
     hidden = tokens_mb * cfg.dim * c
-    tp_link = machine.intra_gbps if lay.tp <= node else machine.inter_gbps
+    tp_link = machine.intra_gbps if dims.tp <= node else machine.inter_gbps
     per_block = 8 + 4 * selective_share(cfg, lay)  # the recomputed forwards gather again
-    tp_comm = m * layers_here * per_block * _ring(lay.tp, hidden, tp_link, machine.latency_us)
+    tp_comm = m * layers_here * per_block * _ring(dims.tp, hidden, tp_link, machine.latency_us)
 
-    pp_link = machine.intra_gbps if lay.tp * lay.pp <= node else machine.inter_gbps
+    pp_link = machine.intra_gbps if dims.tp * dims.pp <= node else machine.inter_gbps
     pp_comm = 0.0
-    if lay.pp > 1:
-        pp_comm = m * lay.v * 2 * (hidden / lay.tp / (pp_link * 1e9)
-                                   + machine.latency_us * 1e-6)
+    if dims.pp > 1:
+        pp_comm = m * dims.virtual_stages * 2 * (hidden / dims.tp / (pp_link * 1e9)
+                                                 + machine.latency_us * 1e-6)
 
     ep_comm = 0.0
-    moe_layers = sum(is_moe_layer(cfg, i) for i in range(cfg.n_layers)) / lay.pp
-    if lay.ep > 1 and moe_layers:
-        ep_link = machine.intra_gbps if lay.tp * lay.ep <= node else machine.inter_gbps
-        routed = tokens_mb / lay.tp * cfg.moe.top_k * cfg.dim * c
-        ep_comm = m * moe_layers * 4 * (lay.ep - 1) / lay.ep * routed / (ep_link * 1e9)
+    moe_layers = sum(is_moe_layer(cfg, i) for i in range(cfg.n_layers)) / dims.pp
+    if dims.ep > 1 and moe_layers:
+        ep_link = machine.intra_gbps if dims.tp * dims.ep <= node else machine.inter_gbps
+        routed = tokens_mb / dims.tp * cfg.moe.top_k * cfg.dim * c
+        ep_comm = m * moe_layers * 4 * (dims.ep - 1) / dims.ep * routed / (ep_link * 1e9)
 
     pipeline_bubble = ((compute + recompute_s + tp_comm + ep_comm)
-                       * bubble(lay.schedule, lay.pp, lay.v, m))
+                       * bubble(lay.schedule, dims.pp, dims.virtual_stages, m))
 
     dp_exposed = 0.0
-    if lay.dp > 1:
+    if dims.dp > 1:
         experts = sum(3 * cfg.dim * cfg.moe.expert_ffn_dim * cfg.moe.experts
                       for i in range(cfg.n_layers) if is_moe_layer(cfg, i))
         # this rank's parameters, unsharded: experts split over ep, the rest over tp
-        params = ((matmul_param_count(cfg) - experts) / lay.tp + experts / lay.ep) / lay.pp
+        params = ((matmul_param_count(cfg) - experts) / dims.tp
+                  + experts / dims.ep) / dims.pp
         dp_link = machine.intra_gbps if lay.devices <= node else machine.inter_gbps
         # counted (tests/test_param_gather.py): 2 per microbatch; m + 1 under a pipeline,
         # whose stages hold the units gathered from a backward to the next forward
-        units = max(len(r) for r in stage_layers(cfg.n_layers, lay.pp * lay.v)) * lay.v \
-            if lay.pp > 1 else cfg.n_layers
-        gather = _ring(lay.dp, params * c / units, dp_link, machine.latency_us)
-        reduce = _ring(lay.dp, params * GRAD / units, dp_link, machine.latency_us)
+        units = (max(len(r) for r in stage_layers(cfg.n_layers, dims.stages))
+                 * dims.virtual_stages) if dims.pp > 1 else cfg.n_layers
+        gather = _ring(dims.dp, params * c / units, dp_link, machine.latency_us)
+        reduce = _ring(dims.dp, params * GRAD / units, dp_link, machine.latency_us)
         forward = 1 / (3 + selective_share(cfg, lay))  # of each microbatch's compute
         dp_exposed = fsdp_exposed(compute / m * forward / units,
                                   compute / m * (1 - forward) / units, units, gather, reduce,

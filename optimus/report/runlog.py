@@ -12,7 +12,8 @@
   plain `optimus train`), among them each `rewind` (its fields as Redis holds them: text).
 - `controller.json`, the controller's journal: the job record (with its `rewinds`, read when
   events.jsonl has none), the last plan, the exclusions.
-- the checkpoint manifests (`optimus.json`): the resolved job configuration and layout.
+- the checkpoint manifests (`optimus.json`): the resolved job configuration and layout
+  (optimus/rundir.py, which `optimus data audit` reads too).
 
 Robust to what a crash leaves: a line cut short, or not JSON, is skipped and counted.
 Pure Python: no torch, no plotting.
@@ -25,10 +26,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from optimus.checkpoint import CheckpointError
-from optimus.checkpoint.manifest import committed_steps, read_manifest, step_dir
-from optimus.config import ConfigError, load_job
 from optimus.data.errors import DataError
+from optimus.rundir import JOURNAL, read_json, run_config
 
 RECENT = 4096  # steps whose times are kept while reading: a commit follows its step closely
 TRACE = 20_000  # points of the progress line (a figure shows no more)
@@ -175,19 +174,10 @@ def read_run(run_dir: Path | str) -> Run:
                          {k: v for k, v in e.items()
                           if k not in ("id", "time", "kind", "message", "actor")})
                    for e in _json_lines(run, run_dir / "events.jsonl")]
-    run.journal = _json_file(run_dir / "controller.json") or {}
+    run.journal = read_json(run_dir / JOURNAL) or {}
     run.rewinds = _rewinds(run)
     _read_config(run)
     return run
-
-
-def job_config(run_dir: Path | str) -> dict | None:
-    """The run's resolved job configuration, where the run dir says it (`optimus data audit`
-    needs a mixture run's seed)."""
-    run = Run(run_dir=Path(run_dir))
-    run.journal = _json_file(run.run_dir / "controller.json") or {}
-    _read_config(run)
-    return run.config
 
 
 def _json_lines(run: Run, path: Path) -> Iterator[dict]:
@@ -357,35 +347,8 @@ def _count(value) -> int | None:
 
 
 def _read_config(run: Run) -> None:
-    """The resolved configuration: the newest checkpoint manifest's (what the ranks trained),
-    else the job file the controller's plan names, loaded with its overrides."""
-    plan = run.journal.get("plan") or {}
-    job = None
-    if plan.get("job_file"):
-        try:
-            job = load_job(plan["job_file"], list(plan.get("overrides") or []))
-        except (ConfigError, OSError):
-            job = None  # moved or changed since: the manifests may still say
-    root = Path(job.resolved_checkpoint_dir) if job else run.run_dir / "checkpoints"
-    run.committed = committed_steps(root) if root.is_dir() else []
-    if run.committed:
-        try:
-            manifest = read_manifest(step_dir(root, run.committed[-1]))
-        except CheckpointError:  # damaged: the job file may still say
-            manifest = {}
-        run.config, run.layout = manifest.get("config"), manifest.get("layout")
-        if run.layout and manifest.get("world_size"):
-            run.layout = {**run.layout, "world_size": manifest["world_size"]}
-    if run.config is None and job is not None:
-        run.config = job.model_dump(mode="json")
-
-
-def _json_file(path: Path) -> dict | None:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
+    found = run_config(run.run_dir, run.journal)
+    run.config, run.layout, run.committed = found.config, found.layout, found.committed
 
 
 def _number(value) -> float | None:

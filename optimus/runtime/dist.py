@@ -76,7 +76,8 @@ def await_listener(host: str, port: int, world_size: int, timeout_s: float) -> N
     10,000 ranks on, jittered: a job of 100 to 10,000 ranks knocks ~10,000 times a second at
     most, a larger one once a second a rank, as torch's own retries do. An address that cannot
     be reached returns at once: the store's own connect says why. Raises DistNetworkError (a peer's
-    failure to optimus/inprocess.py, as the store's own timeout is) after `timeout_s`."""
+    failure to optimus/supervision/inprocess.py, as the store's own timeout is) after
+    `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     pause, cap = 0.002, min(1.0, max(0.01, world_size / 10_000))
     while (left := deadline - time.monotonic()) > 0:
@@ -94,7 +95,7 @@ def await_listener(host: str, port: int, world_size: int, timeout_s: float) -> N
 
 def destroy_distributed(abort: bool = False) -> None:
     """Tear down every process group; a no-op when there is none. `abort`: a collective failed
-    (a peer is gone) and the rank goes on in process (optimus/inprocess.py): abort the
+    (a peer is gone) and the rank goes on in process (optimus/supervision/inprocess.py): abort the
     communicators rather than let them drain, which on NCCL or XCCL can wait forever on the
     dead peer. (gloo's teardown does not wait; aborting it is as good.)"""
     if not dist.is_initialized():
@@ -155,7 +156,7 @@ def drop_stale_groups() -> int:
 
     from torch.distributed.device_mesh import DeviceMesh
 
-    from optimus.runtime.dims import meshes_alive
+    from optimus.runtime.mesh import meshes_alive
 
     if not meshes_alive():
         return 0

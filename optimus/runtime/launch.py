@@ -16,6 +16,8 @@ import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from optimus.contract import env as names  # the local `env` reads the environment
+
 DEFAULT_PORT = 29500
 LOCALHOST = "127.0.0.1"
 
@@ -146,22 +148,22 @@ class _Reader:
 
 
 def _agent(env: _Reader) -> dict:
-    world = env.integer("world_size", "OPTIMUS_WORLD_SIZE", minimum=1)
-    rank = env.integer("rank", "OPTIMUS_RANK")
+    world = env.integer("world_size", names.WORLD_SIZE, minimum=1)
+    rank = env.integer("rank", names.RANK)
     local_world = env.integer(
-        "local_world_size", "OPTIMUS_LOCAL_WORLD_SIZE", default=world, minimum=1
+        "local_world_size", names.LOCAL_WORLD_SIZE, default=world, minimum=1
     )
     return dict(
         rank=rank,
         world_size=world,
         local_world_size=local_world,
-        local_rank=env.integer("local_rank", "OPTIMUS_LOCAL_RANK", default=rank % local_world),
-        node_rank=env.integer("node_rank", "OPTIMUS_NODE_RANK", default=rank // local_world),
-        num_nodes=env.integer("num_nodes", "OPTIMUS_NUM_NODES", default=-(-world // local_world)),
-        job_id=env.text("OPTIMUS_JOB_ID"),
-        restart_count=env.integer("restart_count", "OPTIMUS_GENERATION", default=0),
-        master_addr=env.text("OPTIMUS_MASTER_ADDR"),
-        master_port=env.integer("master_port", "OPTIMUS_MASTER_PORT", default=0, minimum=1),
+        local_rank=env.integer("local_rank", names.LOCAL_RANK, default=rank % local_world),
+        node_rank=env.integer("node_rank", names.NODE_RANK, default=rank // local_world),
+        num_nodes=env.integer("num_nodes", names.NUM_NODES, default=-(-world // local_world)),
+        job_id=env.text(names.JOB_ID),
+        restart_count=env.integer("restart_count", names.GENERATION, default=0),
+        master_addr=env.text(names.MASTER_ADDR),
+        master_port=env.integer("master_port", names.MASTER_PORT, default=0, minimum=1),
     )
 
 
@@ -277,7 +279,7 @@ def _single(env: _Reader) -> dict:
 
 _Detect = Callable[[Mapping[str, str]], bool]
 _LAUNCHERS: list[tuple[str, _Detect, Callable[[_Reader], dict]]] = [
-    ("agent", lambda e: "OPTIMUS_RANK" in e, _agent),
+    ("agent", lambda e: names.RANK in e, _agent),
     ("torchrun", lambda e: "RANK" in e and "WORLD_SIZE" in e, _torchrun),
     ("slurm", lambda e: "SLURM_PROCID" in e, _slurm),
     # Open MPI 5 also sets PMIX_RANK, so PMIx alone means PALS only without OMPI_* variables.

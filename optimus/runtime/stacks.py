@@ -8,13 +8,15 @@ import contextlib
 import os
 import signal
 
+from optimus.contract.env import AGENT_PID, STACKS_FILE
+
 
 def register_stack_dumps() -> None:
     """SIGUSR1 dumps every thread's Python stack to $OPTIMUS_STACKS_FILE, from C, even while
     the main thread is blocked in a collective or a device call: the agent's view of a hang.
     And the agent may read this rank's memory from outside (py-spy), for a rank that cannot
     answer the signal."""
-    path = os.environ.get("OPTIMUS_STACKS_FILE")
+    path = os.environ.get(STACKS_FILE)
     if not path:
         return
     import faulthandler  # a C signal handler: it runs with the interpreter stuck
@@ -34,6 +36,6 @@ def allow_parent_to_read() -> None:
     parent would not do. Elsewhere a no-op."""
     import ctypes
 
-    agent = int(os.environ.get("OPTIMUS_AGENT_PID") or os.getppid())
+    agent = int(os.environ.get(AGENT_PID) or os.getppid())
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PTRACER, agent, 0, 0, 0)

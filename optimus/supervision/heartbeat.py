@@ -1,6 +1,6 @@
-"""The rank side of supervision: heartbeats to the node agent, and commands agreed by all ranks.
+"""Heartbeats: a rank tells its node's agent where it is.
 
-Heartbeats. When the node agent gives a rank OPTIMUS_AGENT_SOCKET, the path of a Unix datagram
+When the node agent gives a rank OPTIMUS_AGENT_SOCKET, the path of a Unix datagram
 socket it has bound, a daemon thread sends it one UTF-8 JSON object per datagram: one at start,
 one every `supervision.heartbeat_interval_s`, and a last one with phase "done" when training
 ends normally. Version 1 of the datagram, every field always present:
@@ -29,8 +29,9 @@ ends normally. Version 1 of the datagram, every field always present:
   at exit). A collective phase lasts exactly as long as its call: the rank then goes back to
   the phase it was in (inside "checkpoint", or "startup"), so a rank outside every collective
   never reads as waiting in one. The controller names the rank outside them, or behind in
-  step, as a hang's culprit (controller/control/detect.py repeats the tuple). The other phases last
-  until the next is entered. "paused" is not one: a paused job is not checked for hangs.
+  step, as a hang's culprit (both sides take the phases from optimus/contract/phases.py). The
+  other phases last until the next is entered. "paused" is not one: a paused job is not
+  checked for hangs.
 - compute_s, wait_s: the last completed step's host wall-clock time split in two (0.0 before the
   first). wait_s is the time spent in "data", the collective phases and "checkpoint" (the
   checkpointer's poll and save: staging the tensors, not the background write); compute_s is
@@ -39,7 +40,7 @@ ends normally. Version 1 of the datagram, every field always present:
   receives) count as compute, and so does the time they spend waiting for a slow peer. On an
   accelerator the host runs ahead of the device: device work queued earlier is charged to
   whichever phase first blocks on it.
-- exit_code: null; phase "ready" (between generations, optimus/inprocess.py): the exit status
+- exit_code: null; phase "ready" (between generations, inprocess.py): the exit status
   the rank would have had, had it not stayed for the next generation.
 - freed: false; true in phase "ready" once the rank has freed the generation it left (it does
   so after its first "ready" beat, while the next generation is planned).
@@ -53,7 +54,7 @@ ends normally. Version 1 of the datagram, every field always present:
   far, all ranks), "tokens_per_s", "mfu" (null where the device's peak is unknown),
   "step_time_s", "checkpoint_s" (the last save, from its start to this rank's files written;
   null before one), "moe_alltoall_bytes" (what the experts' all-to-alls sent between ranks
-  in the step, whole job; null without experts)}. The controller's Prometheus exporter reads
+  in the step, whole job; 0 without expert parallelism)}. The controller's Prometheus exporter reads
   them from Redis.
 - memory: null until a step is logged, then this rank's own peak memory in that step:
   {"allocated_bytes", "reserved_bytes"} (optimus/runtime/memory.py; on a CPU, both the peak
@@ -64,49 +65,23 @@ The socket never blocks, and every send error (no agent yet, agent gone, its que
 ignored: the next beat tries again, and reaches an agent that binds the same path again.
 Training only writes fields here (a few time.perf_counter()/time.time() calls a step); without
 OPTIMUS_AGENT_SOCKET `start_heartbeat` returns an object that does nothing and starts no thread.
-
-Commands. Each rank collects what it was asked: SIGTERM asks for STOP; the agent's control file
-($OPTIMUS_CONTROL_FILE, a small JSON object the agent rewrites atomically when an operator acts:
-{"pause": true, "checkpoint": 3}) asks for PAUSE while "pause" is true, and for a checkpoint
-each time "checkpoint" (a sequence number) grows; "save": false, which an agent writes before
-it sends SIGTERM for a stop on evidence of wrong arithmetic (a bad tile) or for a rewind, makes
-that stop one without a checkpoint (NO_SAVE). At every step boundary all ranks agree, in one
-all-reduce (MAX) of four integers: a bit set on any rank is set on all (a MAX of 0/1 is an OR),
-and the checkpoint number agreed is the newest any rank has seen. Every rank then acts on the
-same values after the same step: nobody pauses, saves or stops a step before another. Ranks
-read the file with one stat() per boundary; they need not see a change at the same moment.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import json
 import math
 import os
-import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-
+from optimus.contract.env import AGENT_SOCKET
+from optimus.contract.phases import COLLECTIVE_PHASES, DONE, PHASES, READY, STARTUP
 from optimus.runtime.launch import LaunchEnv
 
-SOCKET_ENV = "OPTIMUS_AGENT_SOCKET"
-VERSION = 1
-# Each phase, and whether its time counts as waiting (the rest of a step is compute). A
-# validation ("eval") is not the step's compute: counted with waiting, it cannot make a step
-# that validates look like a straggler's.
-PHASES = {"startup": False, "data": True, "forward": False, "backward": False,
-          "grad_sync": True, "optim": False, "checkpoint": True, "checkpoint_sync": True,
-          "sync": True, "paused": True, "eval": True, "done": False}
-# The phases a rank is in while it waits in a collective with its peers (see the module doc).
-COLLECTIVE_PHASES = ("grad_sync", "checkpoint_sync", "sync")
-CONTROL_ENV = "OPTIMUS_CONTROL_FILE"
-PAUSE_POLL_S = 0.2  # while paused, how often the ranks agree on the commands again
+VERSION = 1  # of the datagram
 
 
 def _finite(value):
@@ -119,7 +94,7 @@ def _finite(value):
 
 def start_heartbeat(env: LaunchEnv, interval_s: float) -> Heartbeat | NoHeartbeat:
     """Heartbeats to the agent at $OPTIMUS_AGENT_SOCKET; a do-nothing object when it is unset."""
-    path = os.environ.get(SOCKET_ENV)
+    path = os.environ.get(AGENT_SOCKET)
     if not path:
         return NO_HEARTBEAT
     return Heartbeat(path, rank=env.rank, local_rank=env.local_rank,
@@ -136,7 +111,7 @@ class Heartbeat:
                        "generation": generation}
         # Each field the sender reads together is one tuple, replaced whole: never torn.
         self._step = 0
-        self._phase = ("startup", time.time())
+        self._phase = (STARTUP, time.time())
         self._last = (0.0, 0.0)  # compute_s, wait_s of the last completed step
         self._finite = True
         self._metrics: dict | None = None  # rank 0's last logged step (see the module doc)
@@ -204,20 +179,20 @@ class Heartbeat:
         self._send()
 
     def left(self, code: int) -> None:
-        """This rank left its generation and waits in process for the next (optimus/
-        inprocess.py): phase "ready", with the exit status it would have had; sent now."""
-        self._phase, self._exit_code = ("ready", time.time()), code
+        """This rank left its generation and waits in process for the next (inprocess.py):
+        phase "ready", with the exit status it would have had; sent now."""
+        self._phase, self._exit_code = (READY, time.time()), code
         self._send()
 
     def freed(self) -> None:
-        """The generation this rank left is freed (optimus/inprocess.py); sent now."""
+        """The generation this rank left is freed (inprocess.py); sent now."""
         self._freed = True
         self._send()
 
     def finish(self) -> None:
         """Training is over: stop the thread, send the last beat (phase "done"), close."""
         self._stop_thread()
-        self._phase = ("done", time.time())
+        self._phase = (DONE, time.time())
         self._send()
         self.close()
 
@@ -323,157 +298,3 @@ class NoHeartbeat:
 
 
 NO_HEARTBEAT = NoHeartbeat()
-
-
-class Command(enum.IntFlag):
-    """What all ranks do together after a step: the bits of the word they agree on."""
-
-    STOP = 1  # save a checkpoint of this step and leave training (SIGTERM)
-    PAUSE = 2  # wait at this step boundary until no rank is asked to pause any more
-    NO_SAVE = 4  # a STOP saves nothing: the state may be wrong (the control file's "save")
-
-
-@dataclass(frozen=True)
-class Agreed:
-    """The commands every rank acts on after one step: the same on all of them."""
-
-    commands: Command
-    checkpoint: int  # the newest checkpoint request any rank has seen (0: none)
-
-    @property
-    def stop(self) -> bool:
-        return bool(self.commands & Command.STOP)
-
-    @property
-    def pause(self) -> bool:
-        return bool(self.commands & Command.PAUSE)
-
-    @property
-    def no_save(self) -> bool:
-        return bool(self.commands & Command.NO_SAVE)
-
-
-class Commands:
-    """The commands this rank was given, and what all ranks agree on at a step boundary.
-
-    `listen()` makes SIGTERM request STOP (from the main thread only: Python runs signal
-    handlers there); `close()` puts the previous handler back. `start()` is the first agreement,
-    before the first step: it fixes which checkpoint request counts as done already (every rank
-    the same), so a restarted generation does not repeat an old one.
-    """
-
-    def __init__(self, world_size: int, device: torch.device, control_file: str | None = None):
-        self.requested = Command(0)
-        self.checkpoint_seen = 0  # the newest checkpoint number in the control file
-        self.checkpoint_done = 0  # agreed: requests up to this one are served
-        self.no_save = False  # agreed: stop without a checkpoint (kept once agreed)
-        self.world_size, self.device = world_size, device
-        # The group the word is all-reduced over: a host (gloo) group under nccl or xccl, so the
-        # agreement never waits on the device (optimus/runtime/dist.py `host_group`); None: the
-        # default group.
-        self.group: dist.ProcessGroup | None = None
-        self.control_file = control_file if control_file is not None else os.environ.get(
-            CONTROL_ENV)
-        self._control_key: tuple | None = None
-        self._listening = False
-        self._previous = None
-
-    def listen(self) -> Commands:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-            self._listening = True
-        return self
-
-    def close(self) -> None:
-        if self._listening:
-            # None: the previous handler was not set from Python; the default is the best guess.
-            signal.signal(signal.SIGTERM,
-                          signal.SIG_DFL if self._previous is None else self._previous)
-            self._listening = False
-
-    def start(self) -> Agreed:
-        """The agreement before the first step; requests made before it are not repeated."""
-        agreed = self.agree()
-        self.checkpoint_done = agreed.checkpoint
-        return Agreed(agreed.commands, agreed.checkpoint)
-
-    def agree(self) -> Agreed:
-        """Every rank's requests combined. Collective on the default group (all ranks call it
-        at the same step boundary); free with one rank."""
-        # STOP before the file: an agent writes a stop's "save": false before its SIGTERM, so
-        # a STOP taken here comes with its NO_SAVE (a SIGTERM from now on waits a boundary).
-        stop = self.requested & Command.STOP
-        self._read_control()
-        requested = self.requested & ~Command.STOP | stop
-        if self.world_size == 1:
-            agreed, checkpoint = requested, self.checkpoint_seen
-        else:
-            flags = [int(bool(requested & c)) for c in Command]
-            word = torch.tensor([*flags, self.checkpoint_seen], dtype=torch.int64,
-                                device=self.device)
-            dist.all_reduce(word, op=dist.ReduceOp.MAX, group=self.group)
-            values = word.tolist()
-            agreed, checkpoint = Command(0), values[-1]
-            for command, on in zip(Command, values, strict=False):
-                if on:
-                    agreed |= command
-        if agreed & Command.STOP and agreed & Command.NO_SAVE:
-            self.no_save = True
-        return Agreed(agreed, checkpoint)
-
-    def checkpoint_due(self, agreed: Agreed) -> bool:
-        """Whether `agreed` carries a checkpoint request not served yet; marks it served."""
-        if agreed.checkpoint <= self.checkpoint_done:
-            return False
-        self.checkpoint_done = agreed.checkpoint
-        return True
-
-    def _read_control(self) -> None:
-        """Re-read the agent's control file when it changed (one stat() otherwise)."""
-        if not self.control_file:
-            return
-        try:
-            st = os.stat(self.control_file)
-            key = (st.st_ino, st.st_mtime_ns, st.st_size)
-            if key == self._control_key:
-                return
-            with open(self.control_file, "rb") as f:
-                control = json.loads(f.read())
-        except (OSError, ValueError):
-            return  # none yet, or mid-replace: the next boundary reads it
-        self._control_key = key
-        if control.get("pause"):
-            self.requested |= Command.PAUSE
-        else:
-            self.requested &= ~Command.PAUSE
-        self.checkpoint_seen = max(self.checkpoint_seen, int(control.get("checkpoint") or 0))
-        if control.get("save") is False:
-            self.requested |= Command.NO_SAVE
-
-    def _on_sigterm(self, signum, frame) -> None:
-        self.requested |= Command.STOP
-
-
-# Exit statuses the agent reports and the controller reads (controller/control/decide.py).
-EXIT_BAD_TILE = 87  # this rank's own loss or gradients were NaN/Inf: its tile is suspect
-EXIT_NONFINITE_ELSEWHERE = 88  # the reduced gradients were NaN/Inf, this rank's own were not
-EXIT_CHECKPOINT_FAILED = 89  # the final step's save failed, or max_failed_saves in a row did
-
-
-class NonFinite(Exception):
-    """A step whose global gradient norm is NaN/Inf: no rank may step on it."""
-
-    def __init__(self, step: int, local: bool, detail: str):
-        self.step, self.local = step, local
-        self.exit_code = EXIT_BAD_TILE if local else EXIT_NONFINITE_ELSEWHERE
-        where = ("this rank's own values (its tile is suspect)" if local
-                 else "another rank's values (this rank's own are finite)")
-        super().__init__(f"non-finite gradient norm at step {step}, from {where}: {detail}")
-
-
-class CheckpointFailed(Exception):
-    """Training cannot end well: its final checkpoint, or too many saves in a row, failed. All
-    ranks raise it after the same step (the saves' outcomes are agreed); a restart would fail the
-    same way, so the controller ends the job with this message instead."""
-
-    exit_code = EXIT_CHECKPOINT_FAILED

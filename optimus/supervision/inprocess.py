@@ -24,8 +24,8 @@ user error 2, any other exception 1) and the agent starts a new process in its p
 generation stopped by the agent (a SIGTERM: every rank stops after one same step, with its
 checkpoint) ends in "ready" too, with status 0.
 
-This module imports no torch: the controller reads `PEER_FAILURE` too (a rank that exits on one
-is collateral, not a culprit).
+`PEER_FAILURE` is the contract's (optimus/contract/phases.py): the controller reads it too (a
+rank that exits on one is collateral, not a culprit).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import ctypes
 import gc
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -43,25 +42,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-NEXT_ENV = "OPTIMUS_NEXT_FILE"
-READY = "ready"  # the heartbeat phase of a rank between generations
+from optimus.contract.env import NEXT_FILE, PREFIX, SNAPSHOT_RESUME
+from optimus.contract.phases import PEER_FAILURE
+
 POLL_S = 0.02
 _NEXT_LIMIT = 1 << 20  # bytes of the agent's word (a launch environment: a few KiB)
 # Variables a launch may set that the next one may leave out: not carried over.
-_LAUNCH_ONLY = ("OPTIMUS_SNAPSHOT_RESUME",)
-
-# What a collective (or the rendezvous) says when a peer is gone, not this rank's own fault.
-PEER_FAILURE = re.compile(
-    r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|ECONNREFUSED|Connection refused|"
-    r"Socket Timeout|timed out|Timeout|DistNetworkError|DistStoreError|gloo::IoException|"
-    r"NCCL (error|communicator)|ProcessGroup.*(abort|error)|peer .*(died|exited|closed)|"
-    r"Read error|Write error",
-    re.IGNORECASE)
+_LAUNCH_ONLY = (SNAPSHOT_RESUME,)
 
 
 def enabled() -> bool:
     """Whether this rank's agent restarts it in process."""
-    return bool(os.environ.get(NEXT_ENV))
+    return bool(os.environ.get(NEXT_FILE))
 
 
 def peer_failure(exc: BaseException) -> bool:
@@ -109,7 +101,7 @@ def read_word(path: Path, after: int) -> Word | None:
     gen, env, log = word.get("generation"), word.get("env"), word.get("log")
     if (not isinstance(gen, int) or isinstance(gen, bool) or gen <= after
             or not isinstance(env, dict) or not isinstance(log, str)
-            or not all(isinstance(k, str) and k.startswith("OPTIMUS_") and isinstance(v, str)
+            or not all(isinstance(k, str) and k.startswith(PREFIX) and isinstance(v, str)
                        for k, v in env.items())):
         return None
     return Word(gen, env, log)
@@ -117,7 +109,7 @@ def read_word(path: Path, after: int) -> Word | None:
 
 def hold_sigterm() -> None:
     """Under an agent that restarts in process, a SIGTERM outside training does nothing (in
-    training, optimus/health.py's handler makes it a stop after one same step). The agent's
+    training, commands.py's handler makes it a stop after one same step). The agent's
     SIGTERM stops a generation; one that reaches a rank after it left that generation (a
     peer died under it first) must not end the process the next generation is to reuse.
     The agent tells a waiting rank to exit in its file instead, and dies with its ranks."""
@@ -144,17 +136,17 @@ def wait_for_next(exit_code: int, interval_s: float,
     """Between generations: heartbeats of phase "ready" (carrying `exit_code`) until the agent
     names the next generation (its Word) or says exit (None). `meanwhile` runs once after the
     first beat: what the rank can do while the next generation is planned."""
-    from optimus.health import start_heartbeat  # its import is the trainer's, already paid
     from optimus.runtime import launch_env
+    from optimus.supervision.heartbeat import start_heartbeat
 
-    env = launch_env()
-    beat = start_heartbeat(env, interval_s)
+    launch = launch_env()
+    beat = start_heartbeat(launch, interval_s)
     beat.left(exit_code)
     try:
         if meanwhile is not None:
             meanwhile()
             beat.freed()
-        path, seen = Path(os.environ[NEXT_ENV]), None
+        path, seen = Path(os.environ[NEXT_FILE]), None
         while True:
             try:  # read only what changed: the agent replaces the file whole (a new inode)
                 st = os.stat(path)
@@ -163,7 +155,7 @@ def wait_for_next(exit_code: int, interval_s: float,
                 now = None
             if now is not None and now != seen:
                 seen = now
-                word = read_word(path, env.restart_count)
+                word = read_word(path, launch.restart_count)
                 if word is not None:
                     return None if word.generation < 0 else word
             time.sleep(POLL_S)

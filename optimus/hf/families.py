@@ -5,7 +5,7 @@ model maps to a family only where every operation matches (checked against the s
 transformers 5.23, the release pinned in pyproject's `hf` extra):
 
 - dense -> `LlamaForCausalLM`: RMSNorm, GQA attention without biases, RoPE (rotate-half; the
-  q/k rows are permuted on export, `hf_tensors.py`), SwiGLU, untied head.
+  q/k rows are permuted on export, `tensors.py`), SwiGLU, untied head.
 - dense with `qk_norm` -> `Qwen3ForCausalLM`: Llama's computation plus an RMSNorm of head_dim
   on each head's q and k before RoPE (`q_norm`, `k_norm`, eps `rms_norm_eps`), as here; no
   sliding window.

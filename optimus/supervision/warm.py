@@ -1,8 +1,10 @@
 """Warm starts: rank processes that are past their imports before the agent needs them.
 
-    python -m optimus.warm                  one per node: forks every rank (requests on stdin)
-    python -m optimus.warm --standby N      one per device: becomes one rank (its request on
-                                            stdin), with device N's runtime already started
+    python -m optimus.supervision.warm                one per node: forks every rank (requests
+                                                      on stdin)
+    python -m optimus.supervision.warm --standby N    one per device: becomes one rank (its
+                                                      request on stdin), with device N's
+                                                      runtime already started
 
 A rank that starts as `python -m optimus train JOB` first imports torch, its distributed stack
 and the trainer: ~3 s of CPU on a small test machine, far more from a cold parallel file system
@@ -48,7 +50,6 @@ and the rank's layout is known only from its request.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import math
 import os
@@ -58,7 +59,8 @@ import sys
 import time
 import traceback
 
-_PR_SET_PDEATHSIG = 1
+from optimus.contract.process import die_with_parent
+
 _POLL_S = 0.05
 # The fixed-seed matmul's checksum, computed once on the CPU in float64: every tile must
 # reproduce it (to 1e-6 relative: devices sum in other orders) and agree with itself bit for bit.
@@ -72,7 +74,7 @@ def main() -> None:
     if sys.argv[1:2] == ["--standby"]:
         standby(int(sys.argv[2]))
         return
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the agent's to handle
     import optimus.train  # noqa: F401  (the point: every import a rank would do, done once)
     from optimus.cli import main as optimus_main
@@ -173,7 +175,7 @@ def _spawn(request: dict, optimus_main, inherited: list[int]) -> dict:
 
 def standby(device_index: int) -> None:
     """One device's standby rank (see the top of this module): ready, then adopted."""
-    _die_with_parent()  # the agent started it in a session of its own
+    die_with_parent()  # the agent started it in a session of its own
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the agent's to handle
     import optimus.train  # noqa: F401  (the point: every import a rank would do, done now)
     from optimus.cli import main as optimus_main
@@ -216,7 +218,7 @@ def _become_rank(request: dict, optimus_main, inherited: list[int], settled_fd: 
         os.setsid()
         os.write(settled_fd, b"x")
         os.close(settled_fd)
-        _die_with_parent()
+        die_with_parent()
         for fd in inherited:
             os.close(fd)
     except BaseException:
@@ -371,7 +373,7 @@ def _run_check(node: str, corrupt: set[int], result_fd: int, inherited: list[int
     """In the forked child: the check, its result into `result_fd`, then exit."""
     code = 1
     try:
-        _die_with_parent()
+        die_with_parent()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in inherited:
@@ -411,11 +413,6 @@ def _accelerator_initialised() -> bool:
         if module is not None and getattr(module, "is_initialized", lambda: False)():
             return True
     return False
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,11 @@
 
 For continued pretraining from an exported model, or from any Llama (or matching MoE family)
 checkpoint whose `config.json` describes the job's model. The check comes first and names the
-first setting that differs, with both values (`hf_families.check_hf_config`).
+first setting that differs, with both values (`families.check_hf_config`).
 
 The model is built and sharded as usual (`build_parallel_model`), then every rank fills its own
 shards: for each tensor this rank holds, it reads the full tensor from the safetensors files,
-converts it (`hf_tensors.py`) and keeps its part (`distribute_tensor` without communication, as
+converts it (`tensors.py`) and keeps its part (`distribute_tensor` without communication, as
 `init_weights` does). So it works the same under tensor, pipeline (a stage reads only its own
 layers), data (FSDP2) and expert parallelism, and no rank holds more than one full tensor at a
 time beyond its shards.
@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from optimus.checkpoint.hf_export import INDEX
-from optimus.checkpoint.hf_families import Family, check_hf_config
-from optimus.checkpoint.hf_tensors import from_hf, pieces
 from optimus.checkpoint.manifest import CheckpointError
+from optimus.hf.export import INDEX
+from optimus.hf.families import Family, check_hf_config
+from optimus.hf.tensors import from_hf, pieces
 from optimus.models.gpt import canonical_name
 
 PREFIX = "hf:"

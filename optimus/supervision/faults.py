@@ -15,6 +15,8 @@ ones do.
 - spike: step s's whole batch (every rank's share; no `rank`) becomes random tokens, as a
   corrupt shard would feed it: a real loss spike, for the stability rules (optimus/stability.py).
 
+The kinds are the contract's (optimus/contract/chaos.py).
+
 Each fires only in its `generation`. Whole-node faults (`kill_node`) are carried out by the
 node's agent, not here.
 
@@ -39,10 +41,8 @@ import torch
 
 from optimus.config import FaultInjectionConfig
 from optimus.config.schema import Fault
-from optimus.parallel.plan import IGNORE_INDEX
-
-CHAOS_ENV = "OPTIMUS_CHAOS_FILE"
-CHAOS_KINDS = ("hang_rank", "stall_rank", "nan_rank", "spike")  # an operator's, through the file
+from optimus.contract import chaos, env
+from optimus.models import IGNORE_INDEX
 
 
 class RankFaults:
@@ -50,10 +50,10 @@ class RankFaults:
 
     def __init__(self, cfg: FaultInjectionConfig, *, rank: int, generation: int,
                  chaos_file: str | None = None):
-        self.faults = [f for f in cfg.faults if (f.rank == rank or f.kind == "spike")
-                       and f.generation == generation and f.kind != "kill_node"]
+        self.faults = [f for f in cfg.faults if (f.rank == rank or f.kind == chaos.SPIKE)
+                       and f.generation == generation and f.kind != chaos.KILL_NODE]
         self.rank, self.generation = rank, generation
-        self.chaos_file = chaos_file if chaos_file is not None else os.environ.get(CHAOS_ENV)
+        self.chaos_file = chaos_file if chaos_file is not None else os.environ.get(env.CHAOS_FILE)
         self._chaos_key: tuple | None = None
         self._chaos_seen: set = set()
 
@@ -128,9 +128,9 @@ class RankFaults:
             return  # none yet, or unreadable: the next step tries again
         self._chaos_key = key
         for e in entries:
-            if not isinstance(e, dict) or e.get("kind") not in CHAOS_KINDS:
+            if not isinstance(e, dict) or e.get("kind") not in chaos.RANK_FIRED:
                 continue
-            every = e["kind"] == "spike"  # every rank its share of the step (no rank named)
+            every = e["kind"] == chaos.SPIKE  # every rank its share of the step (no rank named)
             if e.get("rank") != (None if every else self.rank) or \
                     e.get("generation") != self.generation:
                 continue

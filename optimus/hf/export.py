@@ -2,11 +2,11 @@
 
 `export_hf(step_dir, out)` writes `config.json`, `model-0000i-of-0000n.safetensors` with
 `model.safetensors.index.json`, `generation_config.json` and the tokenizer files
-(`hf_tokenizer.py`), from a checkpoint saved on any layout: DCP reassembles each tensor from
+(`tokenizer.py`), from a checkpoint saved on any layout: DCP reassembles each tensor from
 whatever shards hold it.
 
 It never holds the model: each Optimus tensor is read alone (a DCP load of a one-key state dict,
-no process group), converted (`hf_tensors.py`) and written, then dropped. The safetensors files
+no process group), converted (`tensors.py`) and written, then dropped. The safetensors files
 are therefore written here rather than by `safetensors.torch.save_file`, which takes every
 tensor of a file at once: the format is an 8-byte header length, a JSON header (dtype, shape
 and byte range of every tensor) and the bare little-endian bytes, so the header is made from
@@ -32,15 +32,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from optimus.checkpoint.hf_families import Family, choose_family, hf_config
-from optimus.checkpoint.hf_tensors import Piece, hf_shapes, pieces, to_hf
-from optimus.checkpoint.hf_tokenizer import tokenizer_files
 from optimus.checkpoint.manifest import CheckpointError, verify
 from optimus.checkpoint.safe_pickle import refusal
 from optimus.checkpoint.storage import TensorFileReader
 from optimus.checkpoint.trust import Trust, key_file_for
 from optimus.config import ModelConfig
 from optimus.files import fsync_path
+from optimus.hf.families import Family, choose_family, hf_config
+from optimus.hf.tensors import Piece, hf_shapes, pieces, to_hf
+from optimus.hf.tokenizer import tokenizer_files
 
 INDEX = "model.safetensors.index.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

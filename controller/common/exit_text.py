@@ -9,13 +9,16 @@ or `EOFError`). `own_lines` drops both; the agent keeps the tail of what is left
 A rank ended by a signal raised nothing: a traceback, an exception line or a peer's connection
 error at the end of its log is someone else's (or the collateral of its death), so its last
 words are the last line it printed itself (a step, a checkpoint, a fault injection), or none.
-A rank that exited with a code said why on its last line: its own exception, or `error: ...`.
+A rank that exited with a code said why on its last line: its own exception, or `error: ...`;
+a status only Optimus's ranks give (optimus/contract/exits.py) says what it means beside it.
 """
 
 from __future__ import annotations
 
 import re
 import signal
+
+from optimus.contract.exits import OWN, meaning
 
 # DCP's checkpoint writer's logger (torch/distributed/checkpoint/logger.py), in its own process.
 _WRITER_LOG = re.compile(r"^\[\d+\] \d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ - ")
@@ -88,10 +91,12 @@ def signal_name(number: int) -> str:
 def describe_exit(rank: int, node: str, code: int | None, sig: int | None, tail: str,
                   tail_age: float | None = None) -> str:
     """`rank 1 on node3 ended with SIGKILL (9): step 12 | loss ...`, or with `exit code 1:
-    ValueError: ...`. A rank killed by a signal said nothing about it: its last line is quoted
-    only when it wrote it within RECENT_S of its end (`tail_age`), as where it was; an older
-    one (a save that failed minutes before) would read as the cause."""
-    how = signal_name(sig) if sig is not None else f"exit code {code}"
+    ValueError: ...`, or `exit code 89 (its checkpoint saves failed ...): ...`. A rank killed by
+    a signal said nothing about it: its last line is quoted only when it wrote it within
+    RECENT_S of its end (`tail_age`), as where it was; an older one (a save that failed minutes
+    before) would read as the cause."""
+    how = (signal_name(sig) if sig is not None else f"exit code {code} ({meaning(code)})"
+           if code in OWN else f"exit code {code}")
     stale = sig is not None and tail_age is not None and tail_age > RECENT_S
     last = "" if stale else last_words(tail, by_signal=sig is not None)
     return f"rank {rank} on {node} ended with {how}" + (f": {last}" if last else "")

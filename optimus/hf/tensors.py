@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from optimus.checkpoint.hf_families import GLM4_MOE, QWEN2_MOE, Family
 from optimus.checkpoint.manifest import CheckpointError
+from optimus.hf.families import GLM4_MOE, QWEN2_MOE, Family
 from optimus.models.counts import is_moe_layer
 
 

@@ -1,6 +1,6 @@
 """`optimus checkpoint list | inspect | verify | export`: look at checkpoints, hand them on.
 
-list, inspect and verify never load torch; export (hf_export.py) loads it when it runs.
+list, inspect and verify never load torch; export (optimus/hf/export.py) loads it when it runs.
 
 Every command (and `optimus eval`) finds its checkpoints the same way: `--dir DIR` (a job's
 `checkpoint.dir`), or `--job JOB_FILE` (that job's checkpoint.dir, resolved as training resolves
@@ -8,13 +8,14 @@ it), or, with neither, the one run under ./runs that has checkpoints (`locate`).
 number or `latest` in that directory; the older form, a path (a checkpoint directory or one
 `step_<n>` folder in it) in place of STEP, still works. A path that is not there raises
 CheckpointError, which the top-level CLI prints as one line.
-Checkpoints set aside (`<root>/quarantine/`, quarantine.py) are listed as "quarantined" with
-their reason; `verify` names them but does not count them as damage (they are out of use).
+Checkpoints set aside (`<root>/quarantine/`, optimus/checkpoint/quarantine.py) are listed as
+"quarantined" with their reason; `verify` names them but does not count them as damage (they are
+out of use).
 
 inspect, verify, export (and `optimus eval`) accept only a checkpoint the run's key
-authenticates (trust.py): the key of --job's run, else the one beside the checkpoint directory.
-`--trust-checkpoint` accepts one it does not (another run's, or one from before checkpoints were
-signed); its files are still read without running code.
+authenticates (optimus/checkpoint/trust.py): the key of --job's run, else the one beside the
+checkpoint directory. `--trust-checkpoint` accepts one it does not (another run's, or one from
+before checkpoints were signed); its files are still read without running code.
 """
 
 from __future__ import annotations
@@ -371,7 +372,7 @@ def export_checkpoint(step: str, root: Path | None, job: Path | None, fmt: str, 
     Tensors are read and
     written one at a time, so a model larger than this machine's memory exports too.
     """
-    from optimus.checkpoint.hf_export import export_hf  # torch loads only here
+    from optimus.hf import export_hf  # torch loads only here
 
     source = resolve_step(step, root, job)
     done = export_hf(source, out, max_shard_bytes=_size(max_shard),
