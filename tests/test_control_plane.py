@@ -371,7 +371,7 @@ def test_a_failed_final_save_fails_the_job_and_a_resubmission_completes_it(redis
 def _damage(path: Path, how: str) -> None:
     """The largest shard of a checkpoint: cut in half, or bytes flipped at the same size."""
     shards = list(path.glob("*.distcp"))
-    # Once seen under a CPU hog: no shard there (stop 40). Say what the folder held then.
+    # Once seen under a CPU hog: no shard there. Say what the folder held then.
     assert shards, (f"no shard in {path}: "
                     f"{sorted(q.name for q in path.parent.rglob('*'))[:200]}")
     shard = max(shards, key=lambda p: p.stat().st_size)
@@ -390,7 +390,7 @@ def test_the_checkpoint_named_is_the_one_the_ranks_load_and_corrupt_ones_are_set
     # Rank 0 slows down once step 15 is saved (2 s a step): time for the test to damage it and
     # for the kill to arrive before step 20 is saved, however loaded the machine. Saves in the
     # step (sync): a thread-mode save still in flight at the next interval makes it skip, and
-    # step 10 was once never saved (stop 40 under a CPU hog; CI, 2026-11-28, quiet).
+    # step 10 was once never saved (under a CPU hog, and once on a quiet machine).
     job = write_job(tmp_path / "job.yaml", run, steps=25, async_mode="sync", faults=[
         {"kind": "slow_rank", "rank": 0, "step": 16, "seconds": 2.0, "generation": 0}])
     p = subprocess.Popen([sys.executable, "-m", "controller", "run", str(job), "--nodes", "2",

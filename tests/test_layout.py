@@ -1,0 +1,131 @@
+"""The layout (`ParallelDims`): its checks, coordinates and key, and the mesh it builds, each
+purpose's ranks checked on real processes."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from optimus.runtime import ParallelDims, destroy_distributed, init_distributed, launch_env
+from optimus.runtime.dims import FLATTENED, MESH_DIMS, PURPOSES
+
+# --- layout --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dims, message",
+    [
+        ({"dp": 4, "ep": 3}, "ep=3 does not divide dp=4: .* choose ep among \\[1, 2, 4\\]"),
+        ({"dp": 0}, "dp must be a positive integer, got 0"),
+        ({"virtual_stages": 0}, "virtual_stages must be a positive integer, got 0"),
+    ],
+)
+def test_parallel_dims_validation(dims, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelDims(**dims)
+
+
+def test_coords_sizes_and_key():
+    dims = ParallelDims(dp=4, tp=2, pp=2, ep=2, virtual_stages=3)
+    assert (dims.edp, dims.world_size, dims.stages) == (2, 16, 6)
+    # rank = ((pp * edp + edp_i) * ep + ep_i) * tp + tp_i
+    assert dims.coords(13) == {"pp": 1, "dp": 2, "edp": 1, "ep": 0, "tp": 1}
+    assert {purpose: dims.size(purpose) for purpose in PURPOSES} == {
+        "batch": 4, "tokens": 4, "loss": 8, "world": 16, "pipeline": 2, "tensor": 2,
+        "sequence": 2, "stage": 8, "shard": 4, "experts": 2, "expert_shard": 2}
+    assert dims.key() == "dp4.tp2.pp2.ep2.vs3"  # checkpoints hold it: it stays as it was
+    with pytest.raises(ValueError, match="'context' is not a purpose"):
+        dims.size("context")
+
+
+def test_a_section_names_the_degrees():
+    class Section:  # a job's `parallel` section: the degrees and more
+        dp, tp, pp, ep, virtual_stages, schedule = -1, 2, 1, 1, 2, "1f1b"
+
+    assert ParallelDims.of(Section(), dp=3) == ParallelDims(dp=3, tp=2, virtual_stages=2)
+
+
+def test_single_process_mesh_without_env():
+    """One process: a HashStore group, so collectives and the mesh need no variables."""
+    env = launch_env({})
+    init_distributed(env, "gloo", torch.device("cpu"))
+    init_distributed(env, "gloo", torch.device("cpu"))  # idempotent
+    try:
+        with pytest.raises(ValueError, match="needs 2 ranks .* the process group has 1"):
+            ParallelDims(dp=2).build_mesh("cpu")
+        mesh = ParallelDims().build_mesh("cpu")
+        for purpose in PURPOSES:
+            assert mesh.size(purpose) == 1
+            if len(PURPOSES[purpose]) == 1:
+                assert mesh.mesh(purpose).size() == 1 and mesh.rank(purpose) == 0
+            assert mesh.own_group(purpose) is None
+        value = torch.tensor([3.0])
+        dist.all_reduce(value, group=mesh.group("batch"))
+        assert mesh.all_reduce("loss", value).item() == 3.0
+        with pytest.raises(ValueError, match="'loss' spans"):
+            mesh.group("loss")
+    finally:
+        destroy_distributed()
+        destroy_distributed()
+    assert not dist.is_initialized()
+
+
+OWN = ("stage", "sequence", "experts")  # the purposes the plans take groups of their own of
+
+
+def _gathered(group, rank: int) -> list[int]:
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, torch.tensor([rank]), group=group)
+    return [int(t) for t in gathered]
+
+
+def _mesh_groups(rank, world_size, dims):
+    """Each purpose's sum of ranks (`all_reduce`); a one-dimension purpose's group members,
+    by all_gather, and this rank's place among them; an own group's members."""
+    mesh = dims.build_mesh("cpu")
+    out = {}
+    for purpose, spanned in PURPOSES.items():
+        total = int(mesh.all_reduce(purpose, torch.tensor([rank])))
+        members = local = own = None
+        if len(spanned) == 1:
+            members, local = _gathered(mesh.group(purpose), rank), mesh.rank(purpose)
+        if purpose in OWN:
+            group = mesh.own_group(purpose)
+            own = [rank] if group is None else _gathered(group, rank)
+        out[purpose] = (members, total, local, own)
+    return out
+
+
+def _check_mesh(dims, results):
+    for rank, groups in enumerate(results):
+        mine = dims.coords(rank)
+        for purpose, (members, total, local, own) in groups.items():
+            spanned = {d for dim in PURPOSES[purpose] for d in FLATTENED.get(dim, (dim,))}
+            peers = [r for r in range(dims.world_size)
+                     if all(dims.coords(r)[d] == mine[d] for d in MESH_DIMS if d not in spanned)]
+            assert total == sum(peers), (rank, purpose)
+            if members is not None:
+                (dim,) = PURPOSES[purpose]
+                assert members == sorted(peers, key=lambda r: dims.coords(r)[dim]), (rank, purpose)
+                assert local == mine[dim], (rank, purpose)
+            if own is not None:
+                assert sorted(own) == peers, (rank, purpose)
+
+
+def test_mesh_8_ranks_pp_dp_tp_ep(run_ranks):
+    dims = ParallelDims(dp=2, tp=2, pp=2, ep=2)
+    assert dims.edp == 1
+    results = run_ranks(_mesh_groups, 8, dims)
+    _check_mesh(dims, results)
+    five = results[5]  # pp 1, ep 0, tp 1
+    assert five["shard"][0] == [5, 7] and five["pipeline"][0] == [1, 5]
+    assert five["loss"][1] == 1 + 3 + 5 + 7 and five["world"][1] == sum(range(8))
+    assert sorted(five["stage"][3]) == [4, 5, 6, 7] and sorted(five["sequence"][3]) == [4, 5]
+
+
+def test_mesh_4_ranks_dp_with_experts(run_ranks):
+    dims = ParallelDims(dp=4, ep=2)
+    results = run_ranks(_mesh_groups, 4, dims)
+    _check_mesh(dims, results)
+    assert results[1]["experts"][0] == [0, 1] and results[1]["expert_shard"][0] == [1, 3]
+
+
