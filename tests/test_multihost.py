@@ -216,6 +216,7 @@ def node_cut(host_warm_server, tmp_path_factory):  # noqa: F811 (tests/hosts.py'
         wait_for(lambda: mh.rank0_step(store, plan) >= NODE_CUT_AT, 120, f"step {NODE_CUT_AT}")
         h.cut(culprit, "both")
         cut_at = time.time()
+        step_at_cut = mh.steps(run)  # at least the memory snapshot generation 1 resumes from
         excluded = wait_for(lambda: store.excluded().get(culprit), 60, f"{culprit} excluded")
         named_s = time.time() - cut_at
         wait_for(lambda: (store.job_record().get("state") == "RUNNING"
@@ -233,7 +234,9 @@ def node_cut(host_warm_server, tmp_path_factory):  # noqa: F811 (tests/hosts.py'
         while culprit in store.excluded() and time.monotonic() < deadline:
             time.sleep(0.2)
         forgiven = culprit not in store.excluded()
-        gen1_step = mh.steps(run)
+        # Generation 1 trains on: however loaded the machine, its first logged step comes.
+        gen1_step = wait_for(lambda: (mh.steps(run) > step_at_cut) and mh.steps(run), 120,
+                             "generation 1 to log a step past the cut")
         mh.stop(h, store, run)
         yield {"run": run, "culprit": culprit, "plan0": plan, "excluded": excluded,
                "named_s": named_s, "back_s": back_s, "forgiven": forgiven,
