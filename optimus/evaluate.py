@@ -108,10 +108,11 @@ def evaluate(model: ParallelModel, held_out: HeldOut, device: torch.device,
         loss_sum += model.forward_loss(batch, device).double()
         tokens += sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in batch)
     # Ranks holding the last stage have the losses, every tensor-parallel rank of them the
-    # same one: sum one rank's loss and tokens per replica.
+    # same one, each context-parallel rank its slice's: sum one tp rank's loss per replica and
+    # slice, and the tokens (counted over whole sequences) once per replica.
     first_tp = mesh.rank("tensor") == 0
     holds_loss = first_tp and model.num_stages - 1 in model.stage_ids
-    counted = first_tp and mesh.rank("pipeline") == 0
+    counted = first_tp and mesh.rank("pipeline") == 0 and mesh.rank("context") == 0
     totals = torch.stack([loss_sum * holds_loss,
                           torch.tensor(float(tokens * counted), dtype=torch.float64,
                                        device=device)])

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from optimus.runtime import ParallelDims, destroy_distributed, init_distributed, launch_env
-from optimus.runtime.dims import FLATTENED, MESH_DIMS, PURPOSES
+from optimus.runtime.dims import MESH_DIMS, PURPOSES
 
 # --- layout --------------------------------------------------------------------------------
 
@@ -16,6 +16,9 @@ from optimus.runtime.dims import FLATTENED, MESH_DIMS, PURPOSES
     [
         ({"dp": 4, "ep": 3}, "ep=3 does not divide dp=4: .* choose ep among \\[1, 2, 4\\]"),
         ({"dp": 0}, "dp must be a positive integer, got 0"),
+        ({"dp": 2, "cp": 2, "ep": 3}, "ep=3 is not a multiple of cp=2: .* among \\[2, 4\\] or 1"),
+        ({"dp": 3, "cp": 2, "ep": 4}, "ep=4 does not divide dp=3 \\(ep / cp = 2\\)"),
+        ({"cp": 0}, "cp must be a positive integer, got 0"),
         ({"virtual_stages": 0}, "virtual_stages must be a positive integer, got 0"),
     ],
 )
@@ -27,14 +30,30 @@ def test_parallel_dims_validation(dims, message):
 def test_coords_sizes_and_key():
     dims = ParallelDims(dp=4, tp=2, pp=2, ep=2, virtual_stages=3)
     assert (dims.edp, dims.world_size, dims.stages) == (2, 16, 6)
-    # rank = ((pp * edp + edp_i) * ep + ep_i) * tp + tp_i
-    assert dims.coords(13) == {"pp": 1, "dp": 2, "edp": 1, "ep": 0, "tp": 1}
+    # rank = (((pp * edp + edp_i) * epd + epd_i) * cp + cp_i) * tp + tp_i
+    assert dims.coords(13) == {"pp": 1, "edp": 1, "epd": 0, "cp": 0, "tp": 1,
+                               "dp": 2, "ep": 0, "dpcp": 2, "eshard": 1}
     assert {purpose: dims.size(purpose) for purpose in PURPOSES} == {
         "batch": 4, "tokens": 4, "loss": 8, "world": 16, "pipeline": 2, "tensor": 2,
-        "sequence": 2, "stage": 8, "shard": 4, "experts": 2, "expert_shard": 2}
+        "context": 1, "sequence": 2, "stage": 8, "shard": 4, "experts": 2, "expert_shard": 2}
     assert dims.key() == "dp4.tp2.pp2.ep2.vs3"  # checkpoints hold it: it stays as it was
-    with pytest.raises(ValueError, match="'context' is not a purpose"):
-        dims.size("context")
+    with pytest.raises(ValueError, match="'replica' is not a purpose"):
+        dims.size("replica")
+
+
+def test_context_parallel_coords_sizes_and_key():
+    """cp ranks are neighbours inside tp; experts borrow them whole (ep = epd x cp)."""
+    dims = ParallelDims(dp=2, cp=2, tp=2, ep=2)
+    assert (dims.world_size, dims.epd, dims.edp) == (8, 1, 2)
+    assert dims.coords(6) == {"pp": 0, "edp": 1, "epd": 0, "cp": 1, "tp": 0,
+                              "dp": 1, "ep": 1, "dpcp": 3, "eshard": 1}
+    assert {purpose: dims.size(purpose) for purpose in PURPOSES} == {
+        "batch": 2, "tokens": 2, "loss": 4, "world": 8, "pipeline": 1, "tensor": 2,
+        "context": 2, "sequence": 4, "stage": 8, "shard": 4, "experts": 2, "expert_shard": 2}
+    assert dims.key() == "dp2.tp2.pp1.ep2.vs1.cp2"
+    # Without expert parallelism the experts shard as the dense weights, over dp x cp.
+    assert ParallelDims(dp=2, cp=2).size("expert_shard") == 4
+    assert ParallelDims(dp=4, cp=2, ep=4).coords(7)["ep"] == 3
 
 
 def test_a_section_names_the_degrees():
@@ -69,7 +88,7 @@ def test_single_process_mesh_without_env():
     assert not dist.is_initialized()
 
 
-OWN = ("stage", "sequence", "experts")  # the purposes the plans take groups of their own of
+OWN = ("stage", "sequence", "experts", "loss")  # the purposes the plans take groups of their own of
 
 
 def _gathered(group, rank: int) -> list[int]:
@@ -99,7 +118,7 @@ def _check_mesh(dims, results):
     for rank, groups in enumerate(results):
         mine = dims.coords(rank)
         for purpose, (members, total, local, own) in groups.items():
-            spanned = {d for dim in PURPOSES[purpose] for d in FLATTENED.get(dim, (dim,))}
+            spanned = {d for dim in PURPOSES[purpose] for d in dims.inner(dim)}
             peers = [r for r in range(dims.world_size)
                      if all(dims.coords(r)[d] == mine[d] for d in MESH_DIMS if d not in spanned)]
             assert total == sum(peers), (rank, purpose)
@@ -129,3 +148,14 @@ def test_mesh_4_ranks_dp_with_experts(run_ranks):
     assert results[1]["experts"][0] == [0, 1] and results[1]["expert_shard"][0] == [1, 3]
 
 
+
+
+def test_mesh_8_ranks_dp_cp_tp_ep(run_ranks):
+    dims = ParallelDims(dp=2, cp=2, tp=2, ep=2)
+    results = run_ranks(_mesh_groups, 8, dims)
+    _check_mesh(dims, results)
+    six = results[6]  # edp 1, cp 1, tp 0
+    assert six["context"][0] == [4, 6] and six["experts"][0] == [4, 6]
+    assert six["shard"][0] == [0, 2, 4, 6] and six["expert_shard"][0] == [2, 6]
+    assert sorted(six["sequence"][3]) == [4, 5, 6, 7]
+    assert six["loss"][1] == 0 + 2 + 4 + 6 and six["batch"][0] == [2, 6]

@@ -6,6 +6,7 @@ mended without reading code. All of it runs before any process starts.
 
 from __future__ import annotations
 
+from optimus.config.context_rules import context_problems
 from optimus.config.schedule_rules import schedule_problem
 from optimus.config.schema import JobConfig
 from optimus.runtime.dims import ParallelDims
@@ -160,19 +161,22 @@ def _float8_experts_problems(job: JobConfig) -> list[tuple[str, str, str]]:
 
 
 def _fit(job: JobConfig, world: int) -> tuple[int | None, list[tuple[str, str, str]]]:
-    """The data-parallel degree on `world` ranks, or why dp x tp x pp cannot make `world`."""
+    """The data-parallel degree on `world` ranks, or why dp x tp x pp (x cp) cannot make
+    `world`."""
     p = job.parallel
-    cells = p.tp * p.pp
+    cells = p.tp * p.pp * p.cp
+    names = "tp x pp" + (" x cp" if p.cp > 1 else "")
+    degrees = f"{p.tp} x {p.pp}" + (f" x {p.cp}" if p.cp > 1 else "")
     if p.dp == -1:
         if world % cells:
-            return None, [("parallel", f"tp x pp = {p.tp} x {p.pp} = {cells} does not divide "
-                           f"the world size {world}", f"use tp x pp among {_divisors(world)}")]
+            return None, [("parallel", f"{names} = {degrees} = {cells} does not divide "
+                           f"the world size {world}", f"use {names} among {_divisors(world)}")]
         dp = world // cells
     elif p.dp * cells != world:
-        return None, [("parallel.dp", f"dp x tp x pp = {p.dp} x {p.tp} x {p.pp} = "
+        return None, [("parallel.dp", f"dp x {names} = {p.dp} x {degrees} = "
                        f"{p.dp * cells} but the world has {world} ranks",
                        f"set parallel.dp to {world // cells}" if world % cells == 0
-                       else "set parallel.dp: -1 and pick tp x pp dividing the world")]
+                       else f"set parallel.dp: -1 and pick {names} dividing the world")]
     else:
         dp = p.dp
     return dp, []
@@ -183,7 +187,7 @@ def _layout_problems(job: JobConfig, dp: int) -> list[tuple[str, str, str]]:
     the model and the batch against it."""
     m, d, p = job.model, job.data, job.parallel
     tp, pp, ep, virtual_stages = p.tp, p.pp, p.ep, p.virtual_stages
-    world = dp * tp * pp
+    world = dp * tp * pp * p.cp
     out = []
     if m.n_heads % tp:
         out.append(("parallel.tp", f"n_heads={m.n_heads} is not divisible by tp={tp}",
@@ -216,9 +220,15 @@ def _layout_problems(job: JobConfig, dp: int) -> list[tuple[str, str, str]]:
         problem = schedule_problem(p.schedule, pp, virtual_stages, d.microbatches)
         if problem:
             out.append(("parallel.schedule", *problem))
-    if dp % ep:
+    if p.cp > 1:
+        out += context_problems(job)
+    elif dp % ep:
         out.append(("parallel.ep", f"ep={ep} does not divide dp={dp}; experts borrow "
                     "their ranks from dp", f"use ep among {_divisors(dp)}"))
+    if p.cp > 1 and ep > 1 and not ep % p.cp and dp % (ep // p.cp):
+        out.append(("parallel.ep", f"ep={ep} takes ep / cp = {ep // p.cp} data-parallel "
+                    f"ranks, which does not divide dp={dp}", "use ep among "
+                    + ", ".join(str(n * p.cp) for n in range(1, dp + 1) if dp % n == 0)))
     per_step = d.microbatches * dp
     if d.batch_size % per_step:
         nearest = max(per_step, round(d.batch_size / per_step) * per_step)

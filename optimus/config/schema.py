@@ -96,6 +96,16 @@ class ParallelConfig(Section):
     pp: PositiveInt = 1
     ep: PositiveInt = Field(1, description="expert parallel; borrows its ranks from dp")
     virtual_stages: PositiveInt = Field(1, description="model chunks per pipeline rank")
+    cp: PositiveInt = Field(1, description="context parallel: each sequence split over cp ranks")
+    cp_method: Literal["alltoall", "ring"] = Field(
+        "alltoall", description="how attention spans the context-parallel group: alltoall "
+                                "trades sequence for heads and back around the device's own "
+                                "attention kernel (heads must divide by cp); ring passes key "
+                                "and value blocks around the group (any head count)")
+    cp_split: Literal["balanced", "contiguous"] = Field(
+        "balanced", description="balanced: each rank holds a chunk from the head and one from "
+                                "the tail of every sequence (even causal-attention work; the "
+                                "sequence divides by 2 x cp); contiguous: one run of positions")
     schedule: Literal[
         "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
         "zbv_zero_bubble", "dualpipev",

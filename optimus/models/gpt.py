@@ -7,6 +7,9 @@ are applied from outside by `optimus.parallel`. Two properties make that possibl
   sharding `wq`/`wk`/`wv` column-wise and `wo` row-wise needs no change here.
 - `forward` skips `tok_embeddings`, `norm` and `output` when they are set to None, and `layers`
   is a ModuleDict keyed "0".."L-1", so a pipeline stage is this model with pieces deleted.
+- Two seams let a model hold a slice of each sequence (context parallelism): `GPT.positions`,
+  the positions its sequences hold (RoPE rotates by them), and `Attention.attend`, the
+  attention of q, k, v.
 
 Models are built on the meta device and initialised by `init_weights`, which gives every
 parameter values that depend only on (seed, its fully qualified name): every layout starts from
@@ -67,8 +70,17 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of q [b, heads, s, head_dim] to k, v [b, kv_heads, s, head_dim]."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
 class Attention(nn.Module):
     """Grouped-query causal self-attention; q, k, v are separate so TP can shard each.
+
+    `attend` computes the attention of q, k, v, [b, heads, s, head_dim] each: the device's
+    causal kernel, or one that spans the ranks holding the rest of the sequence.
 
     With `qk_norm`, each head's query and key are RMS-normalised before RoPE (Qwen3's QK-norm:
     `q_norm` and `k_norm`, one weight of head_dim each, shared by every head), which bounds
@@ -86,6 +98,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.attend = causal_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -97,8 +110,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             enable_gqa=k.shape[1] != q.shape[1])
+        out = self.attend(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -141,6 +153,8 @@ class GPT(nn.Module):
 
     Any of `tok_embeddings`, `norm`, `output` may be set to None (pipeline stages): without
     `tok_embeddings` the input is hidden states [b, s, dim]; without `output` the result is.
+    `positions` (int64, on the CPU) are the positions of every sequence this model holds, in
+    order, when it holds a slice of each; None: all of them from 0.
     """
 
     def __init__(self, cfg):
@@ -150,6 +164,7 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.positions: torch.Tensor | None = None
         self.reset_rope()
 
     def reset_rope(self) -> None:
@@ -157,6 +172,9 @@ class GPT(nn.Module):
         device = self._param_device()
         cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len,
                                self.cfg.rope_theta, device=device)
+        if self.positions is not None:  # the rows of the positions this model holds
+            where = self.positions.to(device)
+            cos, sin = cos.index_select(0, where), sin.index_select(0, where)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

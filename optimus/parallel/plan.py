@@ -2,11 +2,13 @@
 
 Plans are applied in one fixed order: pipeline split, then per stage float8 conversion (the
 linears, `training.float8`; the experts' grouped GEMMs, `training.float8_experts`) -> tensor
-parallel -> expert parallel -> activation checkpointing -> compile -> data-parallel sharding
-and mixed precision (FSDP2 over `dp`, experts over `edp`), all on the meta device;
+parallel -> context parallel -> expert parallel -> activation checkpointing -> compile ->
+data-parallel sharding and mixed precision (FSDP2 over dp x cp, experts over their `edp`), all
+on the meta device;
 only then are this rank's shards allocated and initialised. At dp 1 nothing is sharded and
 FSDP2 is not applied: bf16 is autocast around every forward instead (`compute`,
-optimus/parallel/data_parallel.py says why).
+optimus/parallel/data_parallel.py says why). Under context parallelism each rank's
+microbatches are cut to its slice of every sequence as they enter (`take_microbatches`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ from optimus.models import build_model, materialize
 from optimus.models.moe import MoE, moe_layers
 from optimus.parallel.activation_checkpoint import apply_activation_checkpointing
 from optimus.parallel.compile import apply_compile
+from optimus.parallel.context_parallel import (
+    SequenceSlice,
+    apply_context_parallel,
+    take_microbatches,
+)
 from optimus.parallel.data_parallel import (
     apply_data_parallel,
     autocast_dtype,
@@ -81,6 +88,8 @@ class ParallelModel:
     keep_gathered: bool = False
     # dp 1 in bf16: the dtype every forward autocasts to (FSDP2's policy casts at dp > 1).
     autocast: torch.dtype | None = None
+    # Under context parallelism: the positions of every sequence this rank holds.
+    context: SequenceSlice | None = None
 
     def set_step_tokens(self, tokens: int) -> None:
         """The step's global token count: the loss and any auxiliary loss divide by it."""
@@ -121,6 +130,7 @@ class ParallelModel:
         the phase, "forward" or "backward".
         """
         total = None
+        microbatches = take_microbatches(microbatches, self.context)
         with loss_context(self.tp_enabled):
             if self.schedule is not None:
                 total = torch.zeros((), device=device)  # a stage without losses: zero
@@ -157,6 +167,7 @@ class ParallelModel:
         labelled tokens, not divided by anything. Under a pipeline only ranks holding the last
         stage see losses (the others return zero); nothing is counted as training load."""
         total = torch.zeros((), device=device)
+        microbatches = take_microbatches(microbatches, self.context)
         tokens, self.loss_fn.tokens = self.loss_fn.tokens, 1  # the step's divisor, put back
         try:
             with loss_context(self.tp_enabled), compute(device, self.autocast):
@@ -199,8 +210,13 @@ def build_parallel_model(job: JobConfig, mesh: LayoutMesh,
     else:
         num_stages, ids = 1, [0]
         parts = [build_model(job.model, seed=job.seed, device="meta")]
-    sharded, tensor, experts = (mesh.size(s) > 1 for s in ("shard", "tensor", "experts"))
+    sharded, tensor, experts, context = (mesh.size(s) > 1 for s in
+                                         ("shard", "tensor", "experts", "context"))
     experts_group = mesh.own_group("experts") if experts else None
+    where = context_group = None
+    if context:
+        where = SequenceSlice(mesh.rank("context"), layout.cp, p.cp_split == "balanced")
+        context_group = mesh.own_group("context")
     # bf16 is FSDP2's mixed-precision policy under data parallelism, autocast without it.
     dtype = compute_dtype(job.training.mixed_precision, device)
     policy = precision_policy(dtype) if sharded else None
@@ -216,6 +232,8 @@ def build_parallel_model(job: JobConfig, mesh: LayoutMesh,
             apply_float8_experts(part, job.training.float8_experts)
         if tensor:
             apply_tensor_parallel(part, mesh.mesh("tensor"))
+        if context:
+            apply_context_parallel(part, context_group, p.cp_method, where, job.data.seq_len)
         if experts:
             apply_expert_parallel(part, mesh.mesh("experts"), experts_group)
         apply_activation_checkpointing(part, p.activation_checkpoint, p.ac_every)
@@ -242,4 +260,4 @@ def build_parallel_model(job: JobConfig, mesh: LayoutMesh,
     return ParallelModel(parts, schedule, ids, num_stages, loss_fn, tensor, moe,
                          mesh.group("tensor") if tensor else None, float8_skipped,
                          owners, pipeline_group=pipeline, keep_gathered=keep_gathered,
-                         autocast=autocast)
+                         autocast=autocast, context=where)

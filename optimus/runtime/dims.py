@@ -5,9 +5,14 @@ One `ParallelDims` is the layout everywhere: the config check resolves a job's o
 rank builds its mesh from one (`build_mesh`: a `LayoutMesh`, optimus/runtime/mesh.py). It is
 plain Python: torch loads only when a mesh is built.
 
-Rank order, outermost first: pp, edp, ep, tp (`MESH_DIMS`). Data parallelism is dp = edp x ep:
-experts shard over `ep` and borrow those ranks from data parallelism, their gradients and
-optimizer state shard over the expert-data-parallel `edp`. "dp" is those two flattened.
+Rank order, outermost first: pp, edp, epd, cp, tp (`MESH_DIMS`). Data parallelism is
+dp = edp x epd and context parallelism cp splits each sequence over neighbouring ranks. Experts
+borrow their ranks from the data- and context-parallel ones: an experts' group is epd x cp
+(every context-parallel rank of a data-parallel rank joins it, as in torchtitan), their
+gradients and optimizer state shard over the expert-data-parallel `edp`. "dp", "ep", "dpcp"
+(the dense weights' shard group: data and context parallel ranks together, as torchtitan folds
+cp into FSDP) and "eshard" (an expert's shard group) are flattened from the mesh's own
+dimensions (`ParallelDims.inner`).
 
 Code asks for the ranks of a purpose (`PURPOSES`), never for a dimension by name: the ranks
 whose losses add up, those reading different samples, those the weights shard over. A new
@@ -23,31 +28,32 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from optimus.runtime.mesh import LayoutMesh
 
-MESH_DIMS = ("pp", "edp", "ep", "tp")  # the mesh's own dimensions, outermost first
-FLATTENED = {"dp": ("edp", "ep")}  # dimensions made of several, flattened in the mesh
+MESH_DIMS = ("pp", "edp", "epd", "cp", "tp")  # the mesh's own dimensions, outermost first
+FLATTENED = ("dp", "ep", "dpcp", "eshard")  # dimensions made of several (`ParallelDims.inner`)
 
 # Each purpose: the dimensions its ranks span, in the order a sum over it reduces them.
 PURPOSES: dict[str, tuple[str, ...]] = {
     # Ranks whose figures add up.
     "batch": ("dp",),  # read different samples: the loader's and validation's slices
-    "tokens": ("dp",),  # hold different tokens of a step: the token count sums over them
-    "loss": ("pp", "dp"),  # hold shares of the step's loss: each replica's last stage
-    "world": ("dp", "pp", "tp"),  # every rank, a dimension at a time: the experts' load
+    "tokens": ("dp",),  # count a step's labelled tokens, each over whole sequences
+    "loss": ("pp", "dp", "cp"),  # hold shares of the step's loss: each replica's last stage
+    "world": ("dp", "cp", "pp", "tp"),  # every rank, a dimension at a time: the experts' load
     # Ranks that split something.
     "pipeline": ("pp",),  # the stages of one pipeline
     "tensor": ("tp",),  # each tensor-parallel matmul, and the vocabulary of the loss
-    "sequence": ("tp",),  # the positions of one sequence (sequence parallel)
-    "stage": ("dp", "tp"),  # the tokens of one pipeline stage's global batch
-    "shard": ("dp",),  # the dense weights, their gradients and optimizer state (FSDP2)
+    "context": ("cp",),  # the positions of each sequence (context parallel)
+    "sequence": ("cp", "tp"),  # the positions of one sequence: context and sequence parallel
+    "stage": ("dp", "cp", "tp"),  # the tokens of one pipeline stage's global batch
+    "shard": ("dpcp",),  # the dense weights, their gradients and optimizer state (FSDP2)
     "experts": ("ep",),  # the experts (expert parallel)
-    "expert_shard": ("edp",),  # each expert's weights (FSDP2): its replicas
+    "expert_shard": ("eshard",),  # each expert's weights (FSDP2): its replicas
 }
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Parallel degrees of one job: data, tensor, pipeline and expert parallelism, and the
-    pipeline stages each pipeline rank holds. The fields are named as the job file's
+    """Parallel degrees of one job: data, tensor, pipeline, expert and context parallelism,
+    and the pipeline stages each pipeline rank holds. The fields are named as the job file's
     `parallel` keys (`of`, the planner's `--set` assignments and checkpoints' manifests read
     them by name)."""
 
@@ -56,28 +62,44 @@ class ParallelDims:
     pp: int = 1
     ep: int = 1
     virtual_stages: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.dp % self.ep:
-            choices = [n for n in range(1, self.dp + 1) if self.dp % n == 0]
+        if self.ep > 1 and self.ep % self.cp:
             raise ValueError(
-                f"ep={self.ep} does not divide dp={self.dp}: experts borrow their ranks from "
-                f"data parallelism, so choose ep among {choices} or change dp"
+                f"ep={self.ep} is not a multiple of cp={self.cp}: experts borrow whole "
+                f"context-parallel groups, so choose ep among {self._ep_choices()} or 1")
+        if self.dp % self.epd:
+            borrowed = f" (ep / cp = {self.epd})" if self.cp > 1 else ""
+            raise ValueError(
+                f"ep={self.ep} does not divide dp={self.dp}{borrowed}: experts borrow their "
+                f"ranks from data parallelism, so choose ep among {self._ep_choices()} or "
+                "change dp"
             )
+
+    def _ep_choices(self) -> list[int]:
+        return [n * self.cp for n in range(1, self.dp + 1) if self.dp % n == 0]
 
     @classmethod
     def of(cls, section: object, **given: int) -> ParallelDims:
         """The degrees `section` names (an attribute per field: a job's `parallel` section),
         those `given` in their place."""
-        return cls(**{f.name: getattr(section, f.name) for f in fields(cls)} | given)
+        return cls(**{f.name: getattr(section, f.name, f.default) for f in fields(cls)}
+                   | given)
+
+    @property
+    def epd(self) -> int:
+        """The data-parallel ranks of one experts' group (its context-parallel ranks are the
+        rest of it)."""
+        return self.ep // self.cp if self.ep > 1 else 1
 
     @property
     def edp(self) -> int:
-        """Expert-data-parallel degree: the replicas of each expert shard."""
-        return self.dp // self.ep
+        """Expert-data-parallel degree: the data-parallel replicas of each expert shard."""
+        return self.dp // self.epd
 
     @property
     def stages(self) -> int:
@@ -88,15 +110,26 @@ class ParallelDims:
     def world_size(self) -> int:
         return prod(self.degree(dim) for dim in MESH_DIMS)
 
+    def inner(self, dim: str) -> tuple[str, ...]:
+        """The mesh dimensions (MESH_DIMS) a dimension is made of, outermost first."""
+        if dim == "dp":
+            return ("edp", "epd")
+        if dim == "ep":
+            return ("epd", "cp") if self.ep > 1 else ("epd",)
+        if dim == "dpcp":
+            return ("edp", "epd", "cp")
+        if dim == "eshard":  # without expert parallelism experts shard as the dense weights
+            return ("edp",) if self.ep > 1 else ("edp", "epd", "cp")
+        if dim not in MESH_DIMS:
+            raise ValueError(f"{dim!r} is not a dimension; use one of {MESH_DIMS + FLATTENED}")
+        return (dim,)
+
     def degree(self, dim: str) -> int:
         """How many ranks one dimension (of MESH_DIMS or FLATTENED) spans."""
-        if dim in FLATTENED:
-            return prod(self.degree(d) for d in FLATTENED[dim])
-        if dim == "edp":
-            return self.edp
-        if dim not in MESH_DIMS:
-            raise ValueError(f"{dim!r} is not a dimension; use one of {MESH_DIMS}")
-        return getattr(self, dim)
+        inner = self.inner(dim)
+        if len(inner) > 1:
+            return prod(self.degree(d) for d in inner)
+        return getattr(self, inner[0])
 
     def size(self, purpose: str) -> int:
         """How many ranks a purpose spans."""
@@ -109,17 +142,18 @@ class ParallelDims:
         out, rest = {}, rank
         for dim in reversed(MESH_DIMS):
             rest, out[dim] = divmod(rest, self.degree(dim))
-        for name, inner in FLATTENED.items():
+        for name in FLATTENED:
             out[name] = 0
-            for dim in inner:
+            for dim in self.inner(name):
                 out[name] = out[name] * self.degree(dim) + out[dim]
         return out
 
     def key(self) -> str:
         """The degrees as one string: per-rank state (checkpoints' RNG, memory snapshots)
         restores only where it matches. Checkpoints hold it, so a layout's key stays what it
-        was (a new dimension would add itself only where it is not 1)."""
-        return f"dp{self.dp}.tp{self.tp}.pp{self.pp}.ep{self.ep}.vs{self.virtual_stages}"
+        was: a dimension added later names itself only where it is not 1."""
+        key = f"dp{self.dp}.tp{self.tp}.pp{self.pp}.ep{self.ep}.vs{self.virtual_stages}"
+        return key + (f".cp{self.cp}" if self.cp > 1 else "")
 
     def build_mesh(self, device_type: str) -> LayoutMesh:
         """This world's mesh; the default process group must already exist."""

@@ -46,8 +46,9 @@ class LayoutMesh:
         shape = tuple(dims.degree(dim) for dim in MESH_DIMS)
         with _unbound_if_unsplittable():
             mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-            for name, inner in FLATTENED.items():
-                mesh[inner]._flatten(name)
+            for name in FLATTENED:  # one made of a single dimension is that one (`_dim`)
+                if len(inner := dims.inner(name)) > 1:
+                    mesh[inner]._flatten(name)
         _BUILT.append(weakref.ref(mesh))
         return cls(dims, mesh)
 
@@ -88,7 +89,7 @@ class LayoutMesh:
         our own on a shared group can then interleave differently on different ranks (a
         mismatch, or a hang). So what the layers exchange in their forward gets a group of
         its own."""
-        dims = [d for dim in spans(purpose) for d in FLATTENED.get(dim, (dim,))]
+        dims = [d for dim in spans(purpose) for d in self.dims.inner(dim)]
         size = prod(self.dims.degree(d) for d in dims)
         if size == 1:
             return None
@@ -101,7 +102,8 @@ class LayoutMesh:
 
     def _dim(self, dim: str) -> DeviceMesh:
         if dim not in self._sliced:
-            self._sliced[dim] = self.device_mesh[dim]
+            inner = self.dims.inner(dim)
+            self._sliced[dim] = self.device_mesh[dim if len(inner) > 1 else inner[0]]
         return self._sliced[dim]
 
 
