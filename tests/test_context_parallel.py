@@ -104,3 +104,156 @@ def test_context_parallel_layouts_train_like_one_process(run_ranks, name):
     for key, value in one["state"].items():
         assert relative_error(merged[key], value) <= 1e-5, key
     assert one["losses"][-1] < one["losses"][0]
+
+
+@pytest.mark.parametrize("method", ["alltoall", "ring"])
+def test_context_parallel_trains_compiled_like_eager(run_ranks, tmp_path, method):
+    """Blocks compiled by AOT autograd around the exchanges: the all-to-all's functional
+    collectives trace; the ring's sends run as they are (a graph break)."""
+    from test_compile import LAYOUT_BACKEND, _train, assert_matches, compile_events, compiled
+    from test_parallel_matrix import base_job, reference
+
+    raw = compiled(base_job(cp=2, cp_method=method), tmp_path, LAYOUT_BACKEND)
+    ranks = run_ranks(_train, 2, raw, timeout=300)
+    assert_matches(ranks, reference(run_ranks, 4), rel=1e-4)
+    assert all(r["graphs"] >= 2 for r in ranks)  # the blocks' pieces and the loss
+    assert compile_events(tmp_path)[0]["step"] == 1
+
+
+# --- checkpoints: the state does not depend on cp --------------------------------------------
+
+
+def _train_reading(rank: int, world_size: int, raw: dict) -> dict:
+    """Train; the samples each step read, kept by one rank of each data-parallel replica."""
+    from optimus.config import resolve_layout, validate_job
+    from optimus.train import train
+
+    job = validate_job(raw, world=world_size)
+    result = train(job, keep_sample_ids=True, quiet=rank != 0)
+    coords = resolve_layout(job, world_size).coords(rank)
+    return {"losses": result.losses, "steps": [m.step for m in result.metrics],
+            "samples": result.sample_ids if coords["dp"] == rank == 0 or
+            (coords["tp"] == coords["pp"] == coords["cp"] == 0) else None}
+
+
+def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4(run_ranks, tmp_path):
+    import shutil
+
+    from test_checkpoint_resume import STEPS, _keep_only, job
+
+    from optimus.data.audit import audit_run
+
+    saved = tmp_path / "saved"
+    original = run_ranks(_train_reading, 2, job(saved, parallel={"cp": 2}), timeout=240)
+    assert original[1]["samples"] is None  # the cp ranks of a replica read the same samples
+    assert original[0]["losses"] == original[1]["losses"]
+    _keep_only(saved / "checkpoints", 4)
+    for name, world, parallel in (("cp1", 1, {}),
+                                  ("cp4-ring", 4, {"cp": 4, "cp_method": "ring"})):
+        run_dir = tmp_path / name
+        shutil.copytree(saved / "checkpoints", run_dir / "checkpoints")
+        shutil.copytree(saved / "secrets", run_dir / "secrets")
+        resumed = run_ranks(_train_reading, world, job(run_dir, parallel=parallel),
+                            timeout=240)
+        for result in resumed:
+            assert result["steps"] == list(range(5, STEPS + 1))
+            assert result["losses"] == pytest.approx(original[0]["losses"][4:], rel=1e-5)
+        assert resumed[0]["samples"] == original[0]["samples"][4:]  # the very next samples
+        audit = audit_run(run_dir)
+        assert audit.ok, audit.problems
+        assert (audit.steps, audit.end) == (STEPS - 4, STEPS * 8)
+    audit = audit_run(saved)  # every sample once, as without cp
+    assert audit.ok and (audit.steps, audit.end) == (STEPS, STEPS * 8), audit.problems
+
+
+# --- the config check: what cannot work is refused, one line each -----------------------------
+
+
+@pytest.mark.parametrize("parallel, data, world, message", [
+    ({"cp": 4}, {"seq_len": 36}, 4,
+     "data.seq_len: 36 does not split into 2 x cp chunks, a head and a tail one a rank "
+     r"\(cp=4: 8\) — fix: use a multiple of 8, or cp among \[2, 3, 6, 9, 18\]"),
+    ({"cp": 4, "cp_split": "contiguous"}, {"seq_len": 30}, 4,
+     r"data.seq_len: 30 does not split into cp runs \(cp=4: 4\)"),
+    ({"cp": 2, "tp": 4, "cp_method": "ring"}, {"seq_len": 36}, 8,
+     r"data.seq_len: each rank's slice of 18 positions \(seq_len / cp\) does not split over "
+     r"tp=4 \(sequence parallel\) — fix: use a multiple of 16"),
+    ({"cp": 8}, {}, 8, r"parallel.cp: all-to-all attention gives each rank n_heads / \(tp x cp\)"
+     r" query heads, and 4 \(n_heads / tp\) do not split over cp=8 — fix: use cp among "
+     r"\[1, 2, 4\], or parallel.cp_method: ring"),
+    ({"cp": 2, "dp": 2}, {}, 8, r"parallel.dp: dp x tp x pp x cp = 2 x 1 x 1 x 2 = 4 but the "
+     "world has 8 ranks — fix: set parallel.dp to 4"),
+])
+def test_the_check_refuses_what_context_parallelism_cannot_run(parallel, data, world, message):
+    from test_parallel_matrix import base_job
+
+    from optimus.config import ConfigError, check_job, validate_job
+
+    raw = base_job(**parallel)
+    raw["data"].update(data)
+    raw["model"]["max_seq_len"] = 64
+    with pytest.raises(ConfigError, match=message) as refused:
+        check_job(validate_job(raw), world=world)
+    assert len(str(refused.value).splitlines()) == 1  # one problem, one line
+
+
+def test_the_check_refuses_experts_that_split_a_context_group():
+    from test_moe import moe_job
+
+    from optimus.config import ConfigError, check_job, validate_job
+
+    raw = moe_job()
+    raw["parallel"].update(cp=4, ep=2)
+    raw["data"]["seq_len"] = 32
+    with pytest.raises(ConfigError, match="parallel.ep: ep=2 is not a multiple of cp=4"):
+        check_job(validate_job(raw), world=4)
+    raw["parallel"].update(cp=2, ep=4)  # dp 2 lends 2 ranks: ep / cp = 2 divides dp = 2
+    assert check_job(validate_job(raw), world=4).coords(3)["ep"] == 3
+    raw["parallel"].update(cp=2, ep=4, dp=3)
+    with pytest.raises(ConfigError, match=r"ep=4 takes ep / cp = 2 data-parallel ranks, which "
+                       r"does not divide dp=3 — fix: use ep among 2, 6"):
+        check_job(validate_job(raw), world=6)
+
+
+# --- what reads a checkpoint trained with cp ---------------------------------------------------
+
+
+def _train_state(rank: int, world_size: int, raw: dict) -> dict:
+    from optimus.config import validate_job
+    from optimus.train import train
+
+    return train(validate_job(raw, world=world_size), keep_state=True, quiet=True).state
+
+
+def _evaluate(rank: int, world_size: int, path: str, overrides: list) -> float:
+    from pathlib import Path
+
+    from optimus.evaluate import evaluate_checkpoint
+
+    return evaluate_checkpoint(Path(path), data=None, batches=2, overrides=overrides)[0].loss
+
+
+def test_a_cp_checkpoint_exports_to_hugging_face_and_evaluates_on_any_cp(run_ranks, tmp_path):
+    from test_checkpoint_resume import job
+
+    from optimus.checkpoint import latest_committed
+    from optimus.config import validate_job
+    from optimus.hf import export_hf, load_hf
+    from optimus.models import build_model
+
+    raw = job(tmp_path, parallel={"cp": 2, "cp_method": "ring"}, optim={"steps": 4})
+    states = run_ranks(_train_state, 2, raw, timeout=240)
+    trained = {**states[0], **states[1]}
+    step = latest_committed(tmp_path / "checkpoints")
+    export_hf(step, tmp_path / "hf")
+    cfg = validate_job(raw).model
+    model = build_model(cfg, seed=0)  # other weights, until the export fills them
+    load_hf(tmp_path / "hf", cfg, [model])
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, trained[name]), name
+    (whole,) = run_ranks(_evaluate, 1, str(step), ["parallel.cp=1"], timeout=120)
+    for cp, method in ((2, "alltoall"), (4, "ring")):
+        for loss in run_ranks(_evaluate, cp, str(step),
+                              [f"parallel.cp={cp}", f"parallel.cp_method={method}"],
+                              timeout=120):
+            assert loss == pytest.approx(whole, rel=2e-5)

@@ -94,6 +94,8 @@ LAYOUTS = {
     # stages 0, 2 on one rank and 1, 3 on the other: each sends to the other in both directions
     "PP2v2-interleaved": (2, {"pp": 2, "virtual_stages": 2, "schedule": "interleaved_1f1b"}),
     "PP2v2-zero-bubble": (2, {"pp": 2, "virtual_stages": 2, "schedule": "zbv_zero_bubble"}),
+    # each cp rank's loss is its slice's; the tokens are counted once a replica
+    "CP2xPP2": (4, {"cp": 2, "pp": 2}),
 }
 
 

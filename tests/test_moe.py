@@ -292,6 +292,10 @@ LAYOUTS = {
     "PP2-selective-recompute": (2, {"pp": 2, "activation_checkpoint": "selective"}, "aux_loss",
                                 "sequence"),
     "TP2": (2, {"tp": 2}, "bias", "global"),
+    # Context parallel: each rank routes its slice of every sequence; experts borrow the cp
+    # ranks (ep 2 on cp 2); the sequence-scoped counts sum over the cp ranks' slices.
+    "CP2xEP2": (2, {"cp": 2, "ep": 2}, "aux_loss", "global"),
+    "CP2-ring-sequence": (2, {"cp": 2, "cp_method": "ring"}, "aux_loss", "sequence"),
 }
 EP = pytest.mark.expert_parallel
 

@@ -45,6 +45,8 @@ LAYOUTS = {
     "dense-PP2": (2, "dense", {"pp": 2, "schedule": "1f1b"}),
     "moe-EP2xDP2": (4, "moe", {"ep": 2}),  # experts over ep, FSDP2 over dp and edp
     "moe-TP2xPP2": (4, "moe", {"tp": 2, "pp": 2, "schedule": "1f1b"}),
+    "dense-CP2-ring": (2, "dense", {"cp": 2, "cp_method": "ring"}),  # FSDP2 over cp
+    "moe-CP2xEP2": (2, "moe", {"cp": 2, "ep": 2}),  # all-to-all attention, experts over cp
 }
 
 
