@@ -134,10 +134,11 @@ def config() -> None:
 
 
 def least_world(cfg) -> int:
-    """The fewest ranks the job's layout runs on: dp x tp x pp, where dp: -1 (whatever the
-    world leaves) takes the least that holds ep, whose ranks experts borrow from dp."""
+    """The fewest ranks the job's layout runs on: dp x cp x tp x pp, where dp: -1 (whatever
+    the world leaves) takes the least that holds ep, whose ranks experts borrow from dp and
+    cp (ep / cp of them from dp)."""
     p = cfg.parallel
-    return (p.dp if p.dp > 0 else p.ep) * p.tp * p.pp
+    return (p.dp if p.dp > 0 else max(1, p.ep // p.cp)) * p.cp * p.tp * p.pp
 
 
 world_option = click.option(
