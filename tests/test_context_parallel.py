@@ -44,7 +44,10 @@ def _attention(rank: int, world: int, method: str, balanced: bool, hq: int, hkv:
     want.backward(dout)
     where = SequenceSlice(rank, world, balanced)
     group = dist.new_group(list(range(world)))
-    attend = {"alltoall": AllToAllAttention, "ring": RingAttention}[method](group, where)
+    if method == "alltoall":
+        attend = AllToAllAttention(group, where)
+    else:  # "ring": the CPU's fused kernel a chunk pair; "ring-math": explicit math
+        attend = RingAttention(group, where, kernel="math" if method == "ring-math" else None)
 
     def mine(t):  # [b, h, s, d] -> this rank's positions
         return where.take(t.transpose(1, 2)).transpose(1, 2).contiguous()
@@ -53,14 +56,16 @@ def _attention(rank: int, world: int, method: str, balanced: bool, hq: int, hkv:
     out = attend(*local)
     out.backward(mine(dout))
     errors = [float((out - mine(want)).abs().max())]
-    errors += [float((a.grad - mine(w.grad)).abs().max()) for a, w in zip(local, whole)]
+    errors += [float((a.grad - mine(w.grad)).abs().max())
+               for a, w in zip(local, whole, strict=True)]
     return errors
 
 
 @pytest.mark.parametrize("method, world, balanced, hq, hkv", [
     ("alltoall", 2, True, 4, 4), ("alltoall", 2, False, 4, 2), ("alltoall", 4, True, 4, 2),
     ("alltoall", 4, True, 8, 4), ("ring", 2, True, 4, 2), ("ring", 4, True, 4, 4),
-    ("ring", 4, False, 3, 1), ("ring", 3, True, 6, 2)])
+    ("ring", 4, False, 3, 1), ("ring", 3, True, 6, 2), ("ring-math", 2, True, 4, 2),
+    ("ring-math", 4, False, 4, 4), ("ring-math", 3, True, 6, 2)])
 def test_attention_across_ranks_equals_one_process(run_ranks, method, world, balanced, hq, hkv):
     """Outputs and the gradients of q, k, v, with grouped-query heads (repeated for the
     all-to-all where they do not split), head counts that do not split (the ring), and an odd

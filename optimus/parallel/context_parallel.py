@@ -18,22 +18,20 @@ Attention across the group, `parallel.cp_method`:
   all-to-all gives the positions back. Needs the (tensor-parallel-local) query heads to divide
   by cp; key/value heads that do not are repeated to the query heads first. Moves
   2 x (q + k + v + out) / cp of the local activations' bytes a layer, forward.
-- `ring`: the key/value block of each rank goes once around the group (cp - 1 shifts, each
-  a send to the next rank and a receive from the previous, `_RingPass`); each rank attends its
-  queries to every block with the causal mask of the blocks' true positions and merges the
-  partial results by their log-sum-exp (online softmax). Any head count; the score matrix of
-  one block at a time per rank. Written over torch.distributed's point-to-point ops, so any
-  backend (gloo in CI) runs it, and autograd differentiates it: each shift's backward is the
-  opposite shift. torch's own `context_parallel` (torch.distributed.tensor.experimental) is not
-  used: in torch 2.13 it patches SDPA globally for the CUDA flash/efficient kernels only, and
-  needs its buffers sharded by a context manager around each step, which the pipeline
-  schedule's forward cannot take.
+- `ring` (optimus/parallel/ring_attention.py): the key/value block of each rank goes once
+  around the group; each rank attends its queries to every block chunk by chunk (a chunk
+  sees an earlier chunk whole, its own causally, a later one not at all) and merges the
+  partial results by their log-sum-exp (online softmax). Any head count. Written over
+  torch.distributed's point-to-point ops, so any backend (gloo in CI) runs it. torch's own
+  `context_parallel` (torch.distributed.tensor.experimental) is not used: in torch 2.13 it
+  patches SDPA globally for the CUDA flash/efficient kernels only, and needs its buffers
+  sharded by a context manager around each step, which the pipeline schedule's forward
+  cannot take.
 Both are exact: the result equals one process's attention (to float rounding).
 """
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 
 import torch
@@ -43,8 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from optimus.models.gpt import Attention
-
-MASKED = -1e30  # a masked score: finite, so a row a block hides entirely stays free of NaN
+from optimus.parallel.ring_attention import RingAttention
 
 
 class SequenceSlice:
@@ -67,6 +64,15 @@ class SequenceSlice:
             raise ValueError(f"a sequence of {length} positions does not split over cp = "
                              f"{self.size}")
         return [(rank * part, (rank + 1) * part)]
+
+    @property
+    def pieces(self) -> int:
+        """Equal chunks a rank holds of every sequence: 2 balanced, 1 contiguous."""
+        return 2 if self.balanced else 1
+
+    def chunks(self, rank: int) -> list[int]:
+        """Which of the sequence's `pieces` x size equal chunks `rank` holds, in its order."""
+        return [rank, 2 * self.size - 1 - rank] if self.balanced else [rank]
 
     def positions(self, local: int, device: torch.device, rank: int | None = None
                   ) -> torch.Tensor:
@@ -141,61 +147,3 @@ class AllToAllAttention:
         """The true positions of the gathered sequence, rank after rank."""
         return torch.cat([self.where.positions(local, device, rank=r)
                           for r in range(self.where.size)])
-
-
-class RingAttention:
-    """Causal attention of this rank's queries to every rank's keys and values, the blocks
-    passed around the group and merged by online softmax."""
-
-    def __init__(self, group: dist.ProcessGroup, where: SequenceSlice):
-        self.group, self.where = group, where
-        ranks = dist.get_process_group_ranks(group)
-        me = where.rank
-        self.to, self.frm = ranks[(me + 1) % where.size], ranks[(me - 1) % where.size]
-
-    @torch.compiler.disable  # point-to-point sends: compiled code calls it as it is
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cp, local, dtype = self.where.size, q.shape[2], q.dtype
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head per query head
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        qf = q.float() * scale
-        mine = self.where.positions(local, q.device)
-        kv = torch.stack((k, v))
-        outs, lses = [], []
-        for step in range(cp):
-            if step:
-                kv = _RingPass.apply(kv, self.group, self.to, self.frm)
-            owner = (self.where.rank - step) % cp
-            theirs = self.where.positions(local, q.device, rank=owner)
-            scores = qf @ kv[0].float().transpose(-2, -1)
-            scores = scores.masked_fill(mine[:, None] < theirs[None, :], MASKED)
-            lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-            outs.append(torch.exp(scores - lse) @ kv[1].float())
-            lses.append(lse)
-        lse = torch.stack(lses)
-        weights = torch.exp(lse - torch.logsumexp(lse, dim=0, keepdim=True))
-        return (weights * torch.stack(outs)).sum(0).to(dtype)
-
-
-class _RingPass(torch.autograd.Function):
-    """Send a tensor to the next rank of the ring and take the previous rank's; backward
-    sends the gradient the other way."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group, to: int, frm: int) -> torch.Tensor:
-        ctx.group, ctx.to, ctx.frm = group, to, frm
-        return _shift(x, to, frm, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _shift(grad, ctx.frm, ctx.to, ctx.group), None, None, None
-
-
-def _shift(x: torch.Tensor, to: int, frm: int, group) -> torch.Tensor:
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    ops = [dist.P2POp(dist.isend, x, to, group), dist.P2POp(dist.irecv, out, frm, group)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return out
