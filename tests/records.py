@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from optimus.contract.records import VERSION, ExitRecord
+from optimus.contract.records import VERSION, ExitRecord, Plan
 
 
 def run_plan(generation: int, nodes: list[str], ranks_per_node: int = 1, **more) -> dict:
@@ -14,6 +14,13 @@ def run_plan(generation: int, nodes: list[str], ranks_per_node: int = 1, **more)
             "ranks_per_node": ranks_per_node, "world_size": len(nodes) * ranks_per_node,
             "master_addr": nodes[0] if nodes else "", "master_port": 0,
             "job_file": "/jobs/x.yaml", "log_dir": "/runs/x/logs", **more}
+
+
+def as_record(plan: dict) -> Plan:
+    """`plan` (a run plan's fields that matter to a test) as the typed record an agent reads,
+    the fields it launches from filled in where the test gives none."""
+    return Plan.parse({**run_plan(plan["generation"], plan["nodes"],
+                                 plan.get("ranks_per_node", 1)), **plan})
 
 
 def exit_record(node: str, rank: int, generation: int = 0, **more) -> ExitRecord:

@@ -173,6 +173,18 @@ def test_a_record_with_a_missing_or_mistyped_field_is_refused_in_one_line_naming
         "exit record: field 'by_agent' should be a valid boolean (got 0)")
 
 
+def test_a_plan_field_left_out_reads_as_its_default_and_is_not_written_back():
+    """The defaults an agent acts on are the record's, not each reader's own."""
+    written = run_plan(0, ["n0"])
+    plan = Plan.parse(written)
+    assert (plan.save, plan.grace_s, plan.heartbeat_timeout_s, plan.startup_timeout_s,
+            plan.overrides, plan.node_faults, plan.straggler_window, plan.buddies) == (
+        True, 3.0, 30.0, 300.0, [], [], 20, {})
+    assert plan.record() == written
+    assert _refused(Plan, {**written, "save": None}).what == (
+        "field 'save' should be a valid boolean (got None)")
+
+
 def _refused(kind, value) -> RecordError:
     try:
         kind.parse(value)
@@ -185,11 +197,12 @@ def test_the_store_reads_a_bad_plan_or_exit_record_as_none_and_notes_it_once(red
     store = Store(redis_server.url, "j")
     plan = run_plan(2, ["n0"])
     store.r.set(store.k("plan"), json.dumps({**plan, "ranks_per_node": "1"}))
-    assert store.plan() is None and store.plan() is None
+    assert store.plan() is None and store.plan_record() is None
     assert store.records.take() == [
         "plan: field 'ranks_per_node' should be a valid integer (got '1')"]
     store.set_plan(plan)
     assert store.plan() == plan and store.records.take() == []
+    assert store.plan_record() == Plan.parse(plan)  # what an agent follows
     good = exit_record("n0", 0, generation=2)
     entries = [json.dumps(good.record()), json.dumps({**good.record(), "code": "1"}),
                json.dumps({k: v for k, v in good.record().items() if k != "tail"}), "[]"]

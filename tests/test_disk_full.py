@@ -38,6 +38,7 @@ from controller.control.journal import read_journal
 from controller.control.settings import settings_for
 from controller.store.store import Store
 from optimus.config import validate_job
+from optimus.contract.records import Plan
 
 
 class Disk:
@@ -179,16 +180,16 @@ def closing(agent):
     finally:
         agent.spawner.close()
         agent.snapshots.close()
-        agent.sock.close()
+        agent.ranks.close()
 
 
 def test_the_agent_supervises_on_while_its_ranks_control_file_cannot_be_written(
         disk, redis_server, tmp_path, monkeypatch):
     agent, store = _agent(redis_server, tmp_path, disk.root, monkeypatch)
     with closing(agent):
-        control = agent.control_path
+        control = agent.files.control_path
         folder = control.parent
-        files = {Path(agent.socket_path).name, control.name, agent.chaos_path.name}
+        files = {Path(agent.ranks.socket_path).name, control.name, agent.files.chaos_path.name}
         agent._tick()  # registers
         assert json.loads(control.read_text()) == {}
         plan = run_plan(0, ["n1"], issued=1.0)
@@ -198,7 +199,7 @@ def test_the_agent_supervises_on_while_its_ranks_control_file_cannot_be_written(
             store.set_plan(plan)
             for _ in range(3):
                 agent._tick()
-            assert agent.latest_plan == plan  # the tick went on past the write
+            assert agent.latest_plan == Plan.parse(plan)  # the tick went on past the write
             assert json.loads(control.read_text()) == {}  # the last word, whole
             assert leftovers(folder, files) == []
             (failing,) = disk_events(store)
@@ -218,10 +219,10 @@ def test_a_control_file_is_never_written_through_a_fixed_temporary_name(
         redis_server, tmp_path, short_dir, monkeypatch):
     agent, store = _agent(redis_server, tmp_path, short_dir, monkeypatch)
     with closing(agent):
-        agent.control_path.with_suffix(".tmp").mkdir()
+        agent.files.control_path.with_suffix(".tmp").mkdir()
         store.set_control({"checkpoint": 3})
         agent._tick()
-        assert json.loads(agent.control_path.read_text()) == {"checkpoint": 3}
+        assert json.loads(agent.files.control_path.read_text()) == {"checkpoint": 3}
         assert disk_events(store) == []
 
 
@@ -229,20 +230,20 @@ def test_a_chaos_file_the_disk_refuses_is_said_once_and_the_agent_goes_on(
         disk, redis_server, tmp_path, monkeypatch):
     agent, store = _agent(redis_server, tmp_path, disk.root, monkeypatch)
     with closing(agent):
-        chaos = agent.chaos_path
-        files = {Path(agent.socket_path).name, agent.control_path.name, chaos.name}
+        chaos = agent.files.chaos_path
+        files = {Path(agent.ranks.socket_path).name, agent.files.control_path.name, chaos.name}
         fault = {"id": 1, "kind": "stall_rank", "rank": 0, "generation": 0, "seconds": 1.0}
         disk.fill()
         try:
-            agent._write_chaos([fault])  # raised OSError before (and left "<name>.chaos-tmp")
-            agent._write_chaos([fault, {**fault, "id": 2}])
+            agent.files.set_faults([fault])  # raised OSError before (and left "<name>.chaos-tmp")
+            agent.files.set_faults([fault, {**fault, "id": 2}])
             assert json.loads(chaos.read_text()) == {"faults": []}  # the last file, whole
             assert leftovers(chaos.parent, files) == []
             (failing,) = disk_events(store)
             assert failing["ok"] == "0" and failing["path"] == str(chaos)
         finally:
             disk.free()
-        agent._write_chaos([fault])
+        agent.files.set_faults([fault])
         assert json.loads(chaos.read_text()) == {"faults": [fault]}
         assert [e["ok"] for e in disk_events(store)] == ["0", "1"]
 
@@ -264,11 +265,11 @@ def test_ranks_told_not_to_save_are_killed_while_the_disk_refuses_that_word(
         stdout=subprocess.PIPE, start_new_session=True)
     assert rank.stdout.readline() == b"ready\n"
     with closing(agent):
-        agent.procs[0] = RankProcess(rank=0, local_rank=0, popen=rank, log_path=tmp_path / "l",
-                                     started=0.0)
+        agent.ranks.procs[0] = RankProcess(rank=0, local_rank=0, popen=rank,
+                                           log_path=tmp_path / "l", started=0.0)
         disk.fill()
         try:
-            agent._stop(30.0, "bad tile", save=False)
+            agent.ranks.stop(30.0, save=False)  # a bad tile
             assert rank.wait(timeout=30) == -signal.SIGKILL
         finally:
             disk.free()

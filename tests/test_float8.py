@@ -254,40 +254,6 @@ def test_optimus_run_loads_torch_for_the_float8_check_only_when_float8_is_asked(
     assert "tensorwise cannot run here: torchao is not installed" in out and "Traceback" not in out
 
 
-class _Store:
-    def __init__(self):
-        self.requests, self.events = [], []
-
-    def request(self, action, actor, host, reason=""):
-        self.requests.append((action, actor, reason))
-
-    def event(self, actor, kind, message, **fields):
-        self.events.append((kind, message))
-
-
-def test_an_agent_that_cannot_run_the_job_asks_to_stop_it(monkeypatch):
-    """The agent's reaction to a job its node cannot run (the decision is
-    `check_float8_here`'s, tested above): no launch, and its refusal with the reason in its own
-    record, not in the operators' `requests` (tests/test_trust_secrets.py: the controller
-    stops the job under the shipped ACL)."""
-    from types import SimpleNamespace
-
-    import controller.node.agent as agent
-    import controller.node.checks as checks
-
-    why = "job.yaml: training.float8: tensorwise cannot run here: ..."
-    monkeypatch.setattr(checks, "job_problem_here", lambda job_file, overrides: why)
-    node = SimpleNamespace(node="node0", host="h", store=_Store(), checked_for=3)
-    node._event = lambda kind, message, **f: agent.Agent._event(node, kind, message, **f)
-    assert agent.Agent._can_run(node, {"generation": 3, "job_file": "job.yaml"}) is False
-    assert node.store.requests == []
-    assert node.refusal == {"generation": 3, "host": "h", "reason": why}
-    assert node.store.events == [("refused", f"node0 refuses generation 3: {why}")]
-    monkeypatch.setattr(checks, "job_problem_here", lambda job_file, overrides: None)
-    assert agent.Agent._can_run(node, {"generation": 4, "job_file": "job.yaml"}) is True
-    assert node.refusal is None
-
-
 def _train_job(rank: int, world_size: int, raw: dict) -> dict:
     import json
     from pathlib import Path

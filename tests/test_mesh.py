@@ -13,6 +13,7 @@ import socket
 import threading
 
 import pytest
+from records import run_plan
 
 from controller.common.probe import NO_ANSWER, NO_ROUTE, REFUSED, probe
 from controller.common.ring import ring
@@ -22,6 +23,7 @@ from controller.control.view import JobView, Settings
 from controller.node import mesh
 from controller.node.checks import Checks
 from controller.node.mesh import EVERY_S, MeshCheck
+from optimus.contract.records import Plan
 
 # A ring of four plan nodes and a spare: n2 probes n1 and n3 (and n0 before a launch).
 NODES = ["n0", "n1", "n2", "n3"]
@@ -31,6 +33,11 @@ ADDRS = {n: f"10.0.0.{i + 1}:4100" for i, n in enumerate([*NODES, "s"])}
 def _plan(gen: int = 3, nodes=NODES, spares=("s",), addrs=ADDRS) -> dict:
     return {"generation": gen, "action": "run", "nodes": list(nodes),
             "peers": ring(list(nodes), list(spares), addrs)}
+
+
+def _record(gen: int = 3, nodes=NODES, spares=("s",), addrs=ADDRS) -> Plan:
+    """`_plan` as an agent reads it: the typed record of a run plan."""
+    return Plan.parse(run_plan(gen, list(nodes), peers=ring(list(nodes), list(spares), addrs)))
 
 
 class Scripted:
@@ -54,26 +61,26 @@ def _host(name: str) -> str:
 def test_before_a_launch_a_node_probes_its_neighbours_and_node_0():
     connect = Scripted()
     check = MeshCheck("n2", connect)
-    assert check.before_launch(_plan()) is True
+    assert check.before_launch(_record()) is True
     assert sorted(connect.calls) == sorted(_host(n) for n in ("n1", "n3", "n0"))
     assert check.report() is None
 
 
 def test_one_lost_syn_is_not_a_cut_two_in_a_row_refuse_the_launch():
     connect = Scripted(n3=[NO_ANSWER, None])  # answers the second time
-    assert MeshCheck("n2", connect).before_launch(_plan()) is True
+    assert MeshCheck("n2", connect).before_launch(_record()) is True
     assert connect.calls.count(_host("n3")) == 2
     check = MeshCheck("n2", Scripted(n3=[NO_ANSWER, NO_ROUTE], n0=[NO_ROUTE]))
-    assert check.before_launch(_plan()) is False
+    assert check.before_launch(_record()) is False
     assert check.blocked == ["n0", "n3"]
     assert check.report() == {"generation": 3, "unreachable": ["n0", "n3"], "refused": True}
 
 
 def test_a_refusal_is_an_answer_and_a_spare_out_of_reach_does_not_hold_a_launch():
-    assert MeshCheck("n2", Scripted(n1=[REFUSED])).before_launch(_plan()) is True
+    assert MeshCheck("n2", Scripted(n1=[REFUSED])).before_launch(_record()) is True
     check = MeshCheck("n3", Scripted(s=[NO_ANSWER]))  # n3's neighbours: n2 and the spare
-    assert check.before_launch(_plan()) is True
-    check.poll(_plan())
+    assert check.before_launch(_record()) is True
+    check.poll(_record())
     assert check.report() == {"generation": 3, "unreachable": ["s"], "refused": False}
 
 
@@ -84,15 +91,15 @@ def test_a_launch_waits_for_slow_probes_and_is_woken_when_they_end():
         release.wait(5)
         return None
     check = MeshCheck("n2", slow, on_done=woken.set)
-    assert check.before_launch(_plan()) is None  # waited QUICK_S in line, no longer
-    assert check.before_launch(_plan()) is None and not woken.is_set()
+    assert check.before_launch(_record()) is None  # waited QUICK_S in line, no longer
+    assert check.before_launch(_record()) is None and not woken.is_set()
     release.set()
     assert woken.wait(5)
     for _ in range(100):  # the last probe's future settles right after its callback
-        if check.before_launch(_plan()) is not None:
+        if check.before_launch(_record()) is not None:
             break
         threading.Event().wait(0.01)
-    assert check.before_launch(_plan()) is True
+    assert check.before_launch(_record()) is True
     check.close()
 
 
@@ -105,11 +112,11 @@ def test_while_a_generation_runs_two_failures_in_a_row_report_a_neighbour_and_an
 
     def turn(seconds: float) -> dict | None:
         clock[0] += seconds
-        check.poll(_plan())
+        check.poll(_record())
         for st in check.peers.values():  # the probes end before the next tick
             if st.future is not None:
                 st.future.result(5)
-        check.poll(_plan())  # collected (and no new probe: not due yet)
+        check.poll(_record())  # collected (and no new probe: not due yet)
         return check.report()
     assert turn(0) is None  # one failure
     assert sorted(check.peers) == ["n1", "n3"]  # neighbours only: node 0 only before a launch
@@ -118,18 +125,18 @@ def test_while_a_generation_runs_two_failures_in_a_row_report_a_neighbour_and_an
     assert turn(EVERY_S) == {"generation": 3, "unreachable": ["n3"], "refused": False}
     assert turn(EVERY_S) is None  # it answered
     assert connect.calls.count(_host("n3")) == 3
-    check.poll({**_plan(), "action": "stop"})
+    check.poll(_record().model_copy(update={"action": "stop"}))
     assert check.peers == {} and check.report() is None
     check.close()
 
 
 def test_a_launch_refused_stays_reported_for_its_generation_and_a_new_one_starts_afresh():
     check = MeshCheck("n2", Scripted(n1=[NO_ANSWER]))
-    assert check.before_launch(_plan(gen=3)) is False
-    check.poll(_plan(gen=3))
+    assert check.before_launch(_record(gen=3)) is False
+    check.poll(_record(gen=3))
     assert check.report()["unreachable"] == ["n1"] and check.report()["refused"]
     check.connect = Scripted()
-    assert check.before_launch(_plan(gen=4)) is True and check.report() is None
+    assert check.before_launch(_record(gen=4)) is True and check.report() is None
     check.close()
 
 
@@ -138,9 +145,9 @@ def test_a_peer_without_a_snapshot_server_is_not_probed_and_said_once(caplog):
     connect = Scripted()
     check = MeshCheck("n2", connect)
     with caplog.at_level(logging.INFO, logger="optimus.agent"):
-        assert check.before_launch(_plan(addrs=addrs)) is True
-        check.poll(_plan(addrs=addrs))
-        check.poll(_plan(addrs=addrs))
+        assert check.before_launch(_record(addrs=addrs)) is True
+        check.poll(_record(addrs=addrs))
+        check.poll(_record(addrs=addrs))
     assert _host("n3") not in connect.calls
     said = [r.getMessage() for r in caplog.records if "not probed" in r.getMessage()]
     assert said == ["mesh check: n3 is not probed from n2: it has no snapshot server (no job "
@@ -155,7 +162,7 @@ def test_real_sockets_a_listener_answers_and_a_closed_port_is_no_cut():
         closed.bind(("127.0.0.1", 0))  # bound, not listening: refused
         addrs = {"n0": f"127.0.0.1:{server.getsockname()[1]}",
                  "n1": f"127.0.0.1:{closed.getsockname()[1]}", "n2": "127.0.0.1:1"}
-        plan = _plan(nodes=["n0", "n1", "n2"], spares=(), addrs=addrs)
+        plan = _record(nodes=["n0", "n1", "n2"], spares=(), addrs=addrs)
         assert probe("127.0.0.1", closed.getsockname()[1]) == REFUSED
         check = MeshCheck("n2", probe)
         assert check.before_launch(plan) is True
@@ -164,44 +171,47 @@ def test_real_sockets_a_listener_answers_and_a_closed_port_is_no_cut():
 
 # --- the agent's refusal, and what the controller makes of it --------------------------------
 
-class _Agent(Checks):
-    def __init__(self, connect):
-        self.node, self.host, self.refusal, self.events = "n2", "host-n2", None, []
-        self.mesh_check = MeshCheck("n2", connect)
+class _Voice:
+    def __init__(self):
+        self.events: list[tuple] = []
 
-    def _event(self, kind: str, message: str, **fields) -> None:
+    def event(self, kind: str, message: str, **fields) -> None:
         self.events.append((kind, message, fields))
 
 
+def _checks(connect) -> Checks:
+    """Node n2's checks, their events heard (`checks.voice.events`)."""
+    return Checks(None, "n2", "host-n2", None, MeshCheck("n2", connect), _Voice(), {})
+
+
 def test_an_agent_refuses_a_generation_on_its_mesh_check_once_with_cause_network():
-    agent = _Agent(Scripted(n1=[NO_ANSWER]))
-    assert agent._meshed(_plan()) is False and agent._meshed(_plan()) is False
+    agent = _checks(Scripted(n1=[NO_ANSWER]))
+    assert agent.meshed(_record()) is False and agent.meshed(_record()) is False
     why = ("cannot reach n1 (10.0.0.2:4100) on the ranks' network (no answer from its snapshot "
            "server, twice in a row)")
     assert agent.refusal == {"generation": 3, "host": "host-n2", "reason": why,
                              "cause": "network"}
-    assert agent.events == [("mesh", f"n2 refuses generation 3: {why}",
-                             {"generation": 3, "refused": True, "peers": "n1"})]
-    agent.mesh_check.close()
+    assert agent.voice.events == [("mesh", f"n2 refuses generation 3: {why}",
+                                   {"generation": 3, "refused": True, "peers": "n1"})]
+    agent.mesh.close()
 
 
 def test_an_agent_says_when_a_neighbour_goes_out_of_reach_and_when_it_answers_again(
         monkeypatch):
     clock = [100.0]
     monkeypatch.setattr(mesh.time, "monotonic", lambda: clock[0])
-    agent = _Agent(Scripted(n3=[NO_ROUTE, NO_ROUTE, None]))
-    agent.latest_plan = _plan()
+    agent = _checks(Scripted(n3=[NO_ROUTE, NO_ROUTE, None]))
     for _ in range(4):  # a tick every EVERY_S: fail, fail, answer (each probe collected)
-        agent._check_mesh()
+        agent.check_mesh(_record())
         for st in agent.mesh.peers.values():
             if st.future is not None:
                 st.future.result(5)
         clock[0] += EVERY_S
-    assert [(k, m) for k, m, _ in agent.events] == [
+    assert [(k, m) for k, m, _ in agent.voice.events] == [
         ("mesh", "n2 cannot reach n3 (10.0.0.4:4100) on the ranks' network (mesh check: no "
                  "answer from its snapshot server, twice in a row)"),
         ("mesh", "n2 reaches n3 (10.0.0.4:4100) again on the ranks' network (mesh check)")]
-    agent.mesh_check.close()
+    agent.mesh.close()
 
 
 class _Store:

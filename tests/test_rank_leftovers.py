@@ -3,7 +3,7 @@
 A rank runs in a session of its own, and starts processes there: DCP's checkpoint writer in
 `checkpoint.async_mode: process` (a spawned interpreter that lives as long as the run), data
 workers. When the rank dies of a signal (a crash, the OOM killer, `kill_rank`), those outlive
-it unless the agent ends its process group (controller/node/lifecycle.py `_reap`): before,
+it unless the agent ends its process group (controller/node/lifecycle.py `Ranks.reap`): before,
 every rank a restart benchmark killed left its writer running, ~270 MB each, ten minutes on.
 """
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from records import as_record
 from test_snapshot_push import SECRET, keeper  # noqa: F401 (keeper: a fixture)
 from test_snapshot_push import _take as take
 
@@ -112,13 +113,14 @@ def _take(own, step: int, ranks: list[int]):
 def _push_named(k: SnapshotKeeper, plan: dict) -> None:
     """The agent's poll starts the push of the named point; it ends (and nothing after it is
     started: a test of what one push does)."""
-    k.poll(plan, 2)
+    record = as_record(plan)  # as the agent reads it
+    k.poll(record, 2)
     assert k._pushing == k.align  # not its newest
     deadline = time.monotonic() + 60
     while not k._push.done():
         assert time.monotonic() < deadline, "the push did not end"
         time.sleep(0.005)
-    assert k._push_ended(plan) and k.failed == {} and k.align in k.replicated
+    assert k._push_ended(record) and k.failed == {} and k.align in k.replicated
 
 
 def _pushed(pusher: SnapshotKeeper, buddy: SnapshotKeeper, *steps: int) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from cluster import wait_for
+from records import as_record
 from test_snapshot_push import _take as take_point
 
 from controller.node.snapshots import SnapshotKeeper, job_secret, pull, push
@@ -144,7 +145,7 @@ def test_without_a_secret_no_server_starts_and_the_node_keeps_its_snapshots(
     source = _take(a.own, 1, [0, 1])
     report = None
     for _ in range(20):
-        report = a.poll(plan, 0) or report
+        report = a.poll(as_record(plan), 0) or report
         time.sleep(0.01)
     assert report["addr"] == "" and report["own"] == {source.name: [0, 1]}
     assert a.replicated == {} and a.failed == {}  # nothing was sent, nothing failed
@@ -153,7 +154,7 @@ def test_without_a_secret_no_server_starts_and_the_node_keeps_its_snapshots(
               "holders": {"a": {"node": "b", "addr": b.address}}}
     plan = {**plan, "generation": 1, "memory": memory}
     deadline = time.monotonic() + 5
-    while a.resume_dir(plan)[0] == "waiting":
+    while a.resume_dir(as_record(plan))[0] == "waiting":
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert "OPTIMUS_SNAPSHOT_SECRET" in a.fetch_error()  # the agent's event says why

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from records import as_record
 
 from controller.node.snapshots import KEEP, UNNAMED_KEEP, SnapshotKeeper, pull, push
 from optimus.checkpoint import snapshot_files
@@ -149,8 +150,8 @@ def test_the_agents_tick_replicates_each_newest_point_while_the_buddy_retains(ke
     """The path the agents take: A's poll pushes its newest complete point of the running
     generation to B; B's poll runs retention meanwhile."""
     a, b = keeper("a"), keeper("b")
-    plan = {"generation": 0, "nodes": ["a", "b"], "ranks_per_node": 2,
-            "buddies": {"a": {"node": "b", "addr": b.address}}}
+    plan = as_record({"generation": 0, "nodes": ["a", "b"], "ranks_per_node": 2,
+                      "buddies": {"a": {"node": "b", "addr": b.address}}})
     with _retaining(b):
         for step in range(1, ROUNDS + 1):
             source = _take(a.own, step, [0, 1])
@@ -183,18 +184,18 @@ def test_a_plans_pull_that_ends_tells_the_agent_at_once_whether_it_got_the_point
     plan = {"generation": 1, "nodes": ["x", "c"], "ranks_per_node": 2,
             "memory": {"step": 3, "generation": 0,
                        "holders": {"c": {"node": "b", "addr": b.address}}}}
-    first = c.resume_dir(plan)
+    first = c.resume_dir(as_record(plan))
     assert ended.wait(30)
     assert first[0] in ("waiting", "ready")  # (a pull may end before it is asked about)
-    assert c.resume_dir(plan) == ("ready", c.held / source.name)
+    assert c.resume_dir(as_record(plan)) == ("ready", c.held / source.name)
     _assert_identical(source, c.held / source.name, [2, 3])
     ended.clear()  # a holder gone: the pull fails, and says so as soon
     gone = {**plan, "generation": 2, "memory": {**plan["memory"], "holders": {
         "c": {"node": "b", "addr": f"127.0.0.1:{unclaimed_port('127.0.0.1')}"}}}}
     c.held.joinpath(source.name).rename(c.held / "elsewhere")
-    assert c.resume_dir(gone)[0] in ("waiting", "ready")
+    assert c.resume_dir(as_record(gone))[0] in ("waiting", "ready")
     assert ended.wait(30)
-    assert c.resume_dir(gone)[0] == "ready" and c.fetch_error()
+    assert c.resume_dir(as_record(gone))[0] == "ready" and c.fetch_error()
 
 
 def test_a_shard_that_fails_its_checksum_is_refused_with_the_reason(keeper):
@@ -226,8 +227,8 @@ def test_a_poll_reads_each_marker_at_most_once_and_between_ticks_only_unsent_poi
         return a.poll(plan, 0, [], full=full)
 
     a, b = keeper("a"), keeper("b")
-    plan = {"generation": 0, "nodes": ["a", "b"], "ranks_per_node": 2,
-            "buddies": {"a": {"node": "b", "addr": b.address}}}
+    plan = as_record({"generation": 0, "nodes": ["a", "b"], "ranks_per_node": 2,
+                      "buddies": {"a": {"node": "b", "addr": b.address}}})
     for step in (1, 2, 3):
         _take(a.own, step, [0, 1], size=1024)
         _take(a.held, step, [2, 3], size=1024)

@@ -144,7 +144,7 @@ def test_an_agent_follows_a_new_plan_at_once_not_at_its_next_tick(redis_server, 
     controller.wait(0)
     agent = Agent(Store(redis_server.url, "j"), "n0", interval_s=LONG_S,
                   socket_dir=str(socket_dir), snapshot_root=tmp_path / "snap")
-    agent.end_seen = None  # as an agent that saw the job run: it leaves on the end at once
+    agent.ranks.end_seen = None  # as an agent that saw the job run: it leaves at the end
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + LONG_S / 2

@@ -31,11 +31,15 @@ class Ring:
 
     @classmethod
     def of(cls, plan: Mapping | None) -> Ring:
-        entries = (plan or {}).get(PEERS)
+        """The ring of a plan as the controller reads it (its fields as written)."""
+        return cls.build((plan or {}).get("nodes") or [], (plan or {}).get(PEERS))
+
+    @classmethod
+    def build(cls, nodes: list[str], entries: object) -> Ring:
+        """The ring of `entries` (a plan's `peers`), whose node 0 is the first of `nodes`."""
         entries = [e for e in entries if isinstance(e, list) and len(e) == 2
                    and all(isinstance(x, str) for x in e)] if isinstance(entries, list) else []
         members = tuple(e[0] for e in entries)
-        nodes = (plan or {}).get("nodes") or []
         return cls(members, {n: a for n, a in entries}, {n: i for i, n in enumerate(members)},
                    nodes[0] if nodes and nodes[0] in members else None)
 

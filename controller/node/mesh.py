@@ -40,6 +40,7 @@ from controller.common.probe import (
     probe,
 )
 from controller.common.ring import REPORT_PEERS, Ring
+from optimus.contract.records import Plan
 
 log = logging.getLogger("optimus.agent")
 
@@ -79,10 +80,10 @@ class MeshCheck:
 
     # --- before a launch -----------------------------------------------------------------------
 
-    def before_launch(self, plan: dict) -> bool | None:
+    def before_launch(self, plan: Plan) -> bool | None:
         """Whether to launch `plan`'s generation: True, False (a node of the plan is out of
         reach: `blocked`), or None while the probes run (`on_done` says when they end)."""
-        self._renew(plan["generation"])
+        self._renew(plan.generation)
         if not self.launch:
             self.launch = {peer: self._submit(self._twice, addr)
                            for peer, addr in self._targets(plan, launch=True).items()}
@@ -97,7 +98,7 @@ class MeshCheck:
             for peer, st in self.peers.items():  # what the running probes go on from
                 if peer in self.launch:
                     st.fails = FAILS_NEEDED if peer in self.found else 0
-            in_plan = set(plan["nodes"])
+            in_plan = set(plan.nodes)
             self.blocked = [p for p in self.found if p in in_plan]
             self.refused = bool(self.blocked)
         return not self.refused
@@ -109,13 +110,13 @@ class MeshCheck:
 
     # --- while a generation runs ---------------------------------------------------------------
 
-    def poll(self, plan: dict | None) -> None:
+    def poll(self, plan: Plan | None) -> None:
         """Each agent tick: while a run plan puts this node in its ring, collect the probes of
         its neighbours that finished and start those due (never on the tick itself)."""
-        if not plan or plan.get("action") != "run":
+        if plan is None or plan.action != "run":
             self._renew(None)
             return
-        self._renew(plan["generation"])
+        self._renew(plan.generation)
         targets = self._targets(plan, launch=False)
         for gone in set(self.peers) - set(targets):
             del self.peers[gone]  # the ring changed (a spare came or went)
@@ -165,11 +166,11 @@ class MeshCheck:
             self.generation, self.peers, self.launch, self.found = generation, {}, {}, None
             self.blocked, self.refused, self.addrs = [], False, {}
 
-    def _targets(self, plan: dict, launch: bool) -> dict[str, tuple[str, int]]:
+    def _targets(self, plan: Plan, launch: bool) -> dict[str, tuple[str, int]]:
         """The peers to probe (fabric.Ring.peers) that have a snapshot server: -> (host, port)."""
-        key = (plan["generation"], plan.get("issued"))
+        key = (plan.generation, plan.issued)
         if self._ring[0] != key:  # indexed once per plan, not per tick (10,000 nodes: ms)
-            self._ring = (key, Ring.of(plan))
+            self._ring = (key, Ring.build(plan.nodes, plan.peers))
         out = {}
         for peer, raw in self._ring[1].peers(self.node, launch).items():
             addr = parse_address(raw)

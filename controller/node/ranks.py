@@ -22,6 +22,7 @@ from optimus.contract.phases import (
     PAUSED,
     STARTUP,
 )
+from optimus.contract.records import Plan
 
 TAIL_LINES = 20
 # A rank's state for the ranks-by-state count (the exporter's), from its heartbeat's phase.
@@ -44,7 +45,7 @@ class RankProcess:
     steps_seen: int = 0  # steps this process has reported a compute time for
     left: int | None = None  # the generation it left, to wait in process for the next
     grace_s: float = 0.0  # of the stop sent to it
-    spared: bool = False  # its stop's grace was extended once (lifecycle.py `_escalate`)
+    spared: bool = False  # its stop's grace was extended once (lifecycle.py `Ranks.escalate`)
 
     @property
     def ready(self) -> bool:
@@ -74,12 +75,11 @@ def sample_compute(p: RankProcess, beat: dict) -> None:
         p.compute.append(float(compute))
 
 
-def deadline(live: list[RankProcess], beats: dict[int, dict], plan: dict | None) -> float | None:
+def deadline(live: list[RankProcess], beats: dict[int, dict], plan: Plan | None) -> float | None:
     """When this node's earliest rank heartbeat falls overdue (None: no rank to watch)."""
-    if not plan:
+    if plan is None:
         return None
-    timeout = plan.get("heartbeat_timeout_s", 30.0)
-    startup = plan.get("startup_timeout_s", 300.0)
+    timeout, startup = plan.heartbeat_timeout_s, plan.startup_timeout_s
     deadlines = []
     for p in live:
         if p.stop_sent is not None:

@@ -69,6 +69,7 @@ from optimus.checkpoint.snapshot_files import (
     remove_point,
     void,
 )
+from optimus.contract.records import Plan
 
 log = logging.getLogger("optimus.agent")
 
@@ -172,7 +173,7 @@ class SnapshotKeeper:
 
     # --- the agent's tick ----------------------------------------------------------------------
 
-    def poll(self, plan: dict | None, generation: int | None, lineage: list | None = None,
+    def poll(self, plan: Plan | None, generation: int | None, lineage: list | None = None,
              *, full: bool = True) -> dict | None:
         """Every 50 ms: push the newest complete point of the running generation to the buddy
         when it is not there yet. With `full` (the agent's tick), and at once when a push has
@@ -180,12 +181,12 @@ class SnapshotKeeper:
         snapshot_files.void) and return the report when it changed since the last. A poll reads
         each shard marker at most once; one that is not full, only those of unsent points."""
         running = (plan is not None and generation is not None
-                   and plan.get("generation") == generation and self.node in plan.get("nodes", []))
+                   and plan.generation == generation and self.node in plan.nodes)
         full = (running and self._push_ended(plan)) or full
         own = held = None
         if full:
-            keep = {self.align, self.keep, _resume_point(plan) if plan and
-                    plan.get("generation") == generation else None} - {None}
+            keep = {self.align, self.keep, _resume_point(plan) if plan is not None and
+                    plan.generation == generation else None} - {None}
             with self.lock:
                 own, held = _scan(self.own), _scan(self.held)
                 confirmed = set(self.replicated)
@@ -227,11 +228,12 @@ class SnapshotKeeper:
                 "replicated": {p: b for p, b in self.replicated.items()
                                if (self.own / p).is_dir()}}
 
-    def _push_ended(self, plan: dict) -> bool:
+    def _push_ended(self, plan: Plan) -> bool:
         """Whether the running push has ended (its outcome is then noted)."""
         if self._push is None or not self._push.done():
             return False
-        point, buddy = self._pushing, plan["buddies"].get(self.node, {}).get("node")
+        holder = plan.buddies.get(self.node)
+        point, buddy = self._pushing, holder and holder.node
         try:
             self._push.result()
             self.replicated[point] = buddy
@@ -242,12 +244,12 @@ class SnapshotKeeper:
         self._push = self._pushing = None
         return True
 
-    def _replicate(self, plan: dict, scanned: list[Point] | None) -> None:
+    def _replicate(self, plan: Plan, scanned: list[Point] | None) -> None:
         """Push the point the controller named (`align`) if it is here whole and has not
         gone, else the newest complete point of the plan's generation unless it went already;
         `scanned`: this poll's own points with their shards, else markers are read here."""
-        buddy = plan.get("buddies", {}).get(self.node)
-        if self._push is not None or not buddy or self.off:
+        buddy = plan.buddies.get(self.node)
+        if self._push is not None or buddy is None or self.off:
             return
         mine = set(_node_ranks(plan, self.node))
         found = scanned if scanned is not None else [(*p, None) for p in points(self.own)]
@@ -257,16 +259,16 @@ class SnapshotKeeper:
 
         def start(path: Path) -> None:
             self._pushing = path.name
-            self._push = self._pool.submit(push, buddy["addr"], self.secret, path, sorted(mine),
+            self._push = self._pool.submit(push, buddy.addr, self.secret, path, sorted(mine),
                                            self._client_tls)
         gone = set(self.replicated) | set(self.failed)
         for _, gen, path, shards in found:
             if path.name == self.align and path.name not in gone:
-                if gen == plan["generation"] and whole(path, shards):
+                if gen == plan.generation and whole(path, shards):
                     return start(path)
                 break
         for _, gen, path, shards in reversed(found):
-            if gen != plan["generation"]:
+            if gen != plan.generation:
                 continue
             if path.name in gone:
                 return  # the newest complete point went already (only complete ones go)
@@ -275,21 +277,21 @@ class SnapshotKeeper:
 
     # --- a generation's start ------------------------------------------------------------------
 
-    def resume_dir(self, plan: dict) -> tuple[str, Path | None]:
+    def resume_dir(self, plan: Plan) -> tuple[str, Path | None]:
         """Where this node's ranks load the plan's memory point from: ("ready", folder),
         ("waiting", None) while a pull from the holder runs, ("none", None) when the plan names
         none. A pull that failed leaves ("ready", the empty folder): the ranks then find their
         shards missing and all resume from disk, saying so."""
-        memory = plan.get("memory")
-        if not memory:
+        memory = plan.memory
+        if memory is None:
             return "none", None
-        name = point_name(memory["step"], memory["generation"])
+        name = point_name(memory.step, memory.generation)
         mine = set(_node_ranks(plan, self.node))
         for folder in (self.own / name, self.held / name):
             if mine <= set(complete_shards(folder)):
                 return "ready", folder
-        holder = memory.get("holders", {}).get(self.node)
-        key = (plan["generation"], name)
+        holder = memory.holders.get(self.node)
+        key = (plan.generation, name)
         if holder is None:
             return "ready", self.held / name
         if self._fetch_key != key:
@@ -299,7 +301,7 @@ class SnapshotKeeper:
                 self._fetch.set_exception(ValueError(f"this node fetches no snapshots: "
                                                      f"{self.off}"))
             else:
-                self._fetch = self._pool.submit(pull, holder["addr"], self.secret,
+                self._fetch = self._pool.submit(pull, holder.addr, self.secret,
                                                 self.held / name, sorted(mine), self.lock,
                                                 self._client_tls)
             self._fetch.add_done_callback(lambda _: self.on_pulled and self.on_pulled())
@@ -320,15 +322,15 @@ class SnapshotKeeper:
         return None if exc is None else str(exc)
 
 
-def _node_ranks(plan: dict, node: str) -> range:
-    rpn = plan["ranks_per_node"]
-    i = plan["nodes"].index(node)
+def _node_ranks(plan: Plan, node: str) -> range:
+    rpn = plan.ranks_per_node
+    i = plan.nodes.index(node)
     return range(i * rpn, (i + 1) * rpn)
 
 
-def _resume_point(plan: dict) -> str | None:
-    memory = plan.get("memory")
-    return point_name(memory["step"], memory["generation"]) if memory else None
+def _resume_point(plan: Plan) -> str | None:
+    memory = plan.memory
+    return point_name(memory.step, memory.generation) if memory is not None else None
 
 
 def _scan(folder: Path) -> list[Point]:

@@ -117,10 +117,10 @@ class Store(OwnRecords, Mirror, Summaries, Reports, Fence):
         self._alone_until = 0.0  # monotonic time until which events wait for no replica
         self.names = Refused()  # node names read here and dropped: the controller says them
         self.records = decode.Notes()  # records read here and refused, each in one line
-        # The last plan text checked and whether it passed; the exit records read last, by id
-        # (None: refused). A plan is checked once, not at every tick that reads it; an exit
-        # record (a stream entry never changes) once while it is read.
-        self._plan_checked: tuple[str, bool] | None = None
+        # The last plan text checked and its record (None: refused); the exit records read
+        # last, by id (None: refused). A plan is checked once, not at every tick that reads it;
+        # an exit record (a stream entry never changes) once while it is read.
+        self._plan_checked: tuple[str, Plan | None] | None = None
         self._exits_checked: dict[str, dict | None] = {}
         self._rows: dict[str, dict[str, Any]] = {}  # node -> its row's fields (own.py)
 
@@ -205,12 +205,22 @@ class Store(OwnRecords, Mirror, Summaries, Reports, Fence):
     def plan(self) -> dict | None:
         """The plan's fields as written (checked: a plan that is no `Plan` reads as none, and
         is noted in `records`)."""
-        raw = self.call(lambda: self.r.get(self.k("plan")))
-        if not raw:
-            return None
+        raw = self._plan_text()
+        return json.loads(raw) if raw and self._checked_plan(raw) is not None else None
+
+    def plan_record(self) -> Plan | None:
+        """The plan as its typed record (what an agent follows), checked as `plan` is."""
+        raw = self._plan_text()
+        return self._checked_plan(raw) if raw else None
+
+    def _plan_text(self) -> str | None:
+        return self.call(lambda: self.r.get(self.k("plan")))
+
+    def _checked_plan(self, raw: str) -> Plan | None:
+        """`raw` as a `Plan`, checked once per text, not at every tick that reads it."""
         if self._plan_checked is None or self._plan_checked[0] != raw:
-            self._plan_checked = (raw, decode.checked(Plan, raw, self.records) is not None)
-        return json.loads(raw) if self._plan_checked[1] else None
+            self._plan_checked = (raw, decode.checked(Plan, raw, self.records))
+        return self._plan_checked[1]
 
     def set_plan(self, plan: Plan | dict, *, batch: Batch | None = None) -> None:
         """The plan (a dict passes through the type: a RecordError names what is wrong with

@@ -104,7 +104,8 @@ RUN_FIELDS = ("ranks_per_node", "world_size", "master_addr", "master_port", "job
 
 
 class Plan(_Record):
-    """The current generation, as the controller plans it (`plan` in Redis)."""
+    """The current generation, as the controller plans it (`plan` in Redis). A field with a
+    default reads as it where the writer left it out (`record()` writes only those given)."""
 
     KIND: ClassVar[str] = "plan"
     generation: int
@@ -115,26 +116,26 @@ class Plan(_Record):
     master_addr: str | None = None
     master_port: int | None = Field(None, ge=0, lt=65_536)  # 0: node 0's agent picks one
     resume_step: int | None = None  # None: from scratch
-    grace_s: float | None = None  # before SIGKILL, once told to stop
-    heartbeat_timeout_s: float | None = None
-    startup_timeout_s: float | None = None
+    grace_s: float = 3.0  # before SIGKILL, once told to stop
+    heartbeat_timeout_s: float = 30.0
+    startup_timeout_s: float = 300.0
     job_file: str | None = None
-    overrides: list[str] | None = None
+    overrides: list[str] = []
     layout: str | None = None  # a shrunk generation's re-planned layout
     log_dir: str | None = None
-    node_faults: list[NodeFault] | None = None
-    straggler_window: int | None = Field(None, ge=1)
+    node_faults: list[NodeFault] = []
+    straggler_window: int = Field(20, ge=1)
     restart: Literal["in_process", "process"] | None = None
     reason: str | None = None
     issued: float | None = None
     exits_from: str | None = None  # the `exits` id before this generation
-    buddies: dict[str, Holder] | None = None  # node -> who holds its snapshot copy
+    buddies: dict[str, Holder] = {}  # node -> who holds its snapshot copy
     peers: list[list[str]] | None = None  # the mesh check's ring: [node, snapshot address]
     memory: Memory | None = None
     skips: list[list[int]] | None = None  # every rewind's [first, last] skipped steps
     lineage: list[list[int]] | None = None  # [generation, resume step] pairs (-1: scratch)
     failed_saves: int | None = Field(None, ge=0)
-    save: bool | None = None  # False: the ranks it stops save nothing
+    save: bool = True  # False: the ranks it stops save nothing
     culprit: Culprit | None = None  # whom a failure's stop names
 
     @model_validator(mode="after")
