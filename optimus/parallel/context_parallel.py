@@ -16,8 +16,8 @@ Attention across the group, `parallel.cp_method`:
 - `alltoall` (DeepSpeed-Ulysses' exchange): one all-to-all gives each rank every position of
   cp-th of the heads; the device's own causal attention kernel runs on whole sequences; one
   all-to-all gives the positions back. Needs the (tensor-parallel-local) query heads to divide
-  by cp; key/value heads that do not are repeated to the query heads first. Moves
-  2 x (q + k + v + out) / cp of the local activations' bytes a layer, forward.
+  by cp; key/value heads that do not are repeated to the query heads first. Each rank sends
+  (cp - 1) / cp of its q, k, v and attention output a layer forward, as much in backward.
 - `ring` (optimus/parallel/ring_attention.py): the key/value block of each rank goes once
   around the group; each rank attends its queries to every block chunk by chunk (a chunk
   sees an earlier chunk whole, its own causally, a later one not at all) and merges the

@@ -43,8 +43,8 @@ class RingAttention:
 
     @torch.compiler.disable  # point-to-point sends: compiled code calls it as it is
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head per query head
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        """q [b, heads, s, head_dim]; k, v [b, kv_heads, s, head_dim], sent around as they
+        are (grouped-query heads are repeated for the queries only a chunk pair at a time)."""
         low = q.dtype in (torch.bfloat16, torch.float16)
         kernel = self.kernel or ("flash" if q.device.type == "cpu" and low else "math")
         return _Ring.apply(q, k, v, self, kernel)
@@ -98,13 +98,13 @@ class _Ring(torch.autograd.Function):
             if step:
                 kv, dkv = ring.shift(kv), ring.shift(dkv)
             for i, j, causal in ring.pairs((rank - step) % cp):
-                qs, ks, vs = (_piece(t, n, chunk) for t, n in ((q, i), (kv[0], j), (kv[1], j)))
+                qs, ks, vs = _pieces(q, kv, i, j, chunk)
                 rows, keys = slice(i * chunk, (i + 1) * chunk), slice(j * chunk, (j + 1) * chunk)
                 g = _pair_backward(_piece(dout, i, chunk), qs, ks, vs, _piece(out, i, chunk),
                                    lse[:, :, rows].contiguous(), causal, scale, kernel)
                 dq[:, :, rows] += g[0].float()
-                dkv[0, :, :, keys] += g[1].float()
-                dkv[1, :, :, keys] += g[2].float()
+                dkv[0, :, :, keys] += _fold(g[1], kv.shape[2])
+                dkv[1, :, :, keys] += _fold(g[2], kv.shape[2])
         if cp > 1:
             dkv = ring.shift(dkv)  # each block's gradient to the rank that owns it
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
@@ -117,13 +117,27 @@ def _ring_forward(ring: RingAttention, kernel: str, q, kv, out, lse, chunk: int,
         if step:
             kv = ring.shift(kv)
         for i, j, causal in ring.pairs((rank - step) % cp):
-            qs, ks, vs = (_piece(t, n, chunk) for t, n in ((q, i), (kv[0], j), (kv[1], j)))
+            qs, ks, vs = _pieces(q, kv, i, j, chunk)
             o, m = _pair_forward(qs, ks, vs, causal, scale, kernel)
             rows = slice(i * chunk, (i + 1) * chunk)
             both = torch.logaddexp(lse[:, :, rows], m)
             out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - both)[..., None]
                                + o.float() * torch.exp(m - both)[..., None])
             lse[:, :, rows] = both
+
+
+def _pieces(q, kv, i: int, j: int, chunk: int):
+    """Query chunk i and key/value chunk j, the kv heads repeated for the query heads."""
+    ks, vs = (_piece(t, j, chunk) for t in (kv[0], kv[1]))
+    if ks.shape[1] != q.shape[1]:
+        ks, vs = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (ks, vs))
+    return _piece(q, i, chunk), ks, vs
+
+
+def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """A repeated kv head's gradient: the sum over the query heads it served (float32)."""
+    b, heads, n, d = grad.shape
+    return grad.float().view(b, kv_heads, heads // kv_heads, n, d).sum(2)
 
 
 def _piece(t: torch.Tensor, n: int, chunk: int) -> torch.Tensor:
