@@ -141,7 +141,7 @@ def train_step(parts: StepParts, step: int, microbatches: list[dict], *, lr: flo
         faults.in_optimizer(step)
         parts.optimizer.step(found_inf=held)
         parts.optimizer.zero_grad(set_to_none=True)
-        if job.training.float8 == "tensorwise" and mesh.size("shard") > 1:
+        if job.training.float8 == "tensorwise" and mesh.size("shard") * mesh.size("replicas") > 1:
             precompute_float8_scales(model.parts)  # float8 all-gather's scales
     with beat.phase("grad_sync"):  # the experts' load, all ranks; their balance
         experts = expert_step(model.moe, job.model, mesh, parts.device, held)

@@ -19,6 +19,9 @@ from optimus.runtime.dims import MESH_DIMS, PURPOSES
         ({"dp": 2, "cp": 2, "ep": 3}, "ep=3 is not a multiple of cp=2: .* among \\[2, 4\\] or 1"),
         ({"dp": 3, "cp": 2, "ep": 4}, "ep=4 does not divide dp=3 \\(ep / cp = 2\\)"),
         ({"cp": 0}, "cp must be a positive integer, got 0"),
+        ({"dp": 4, "replicas": 3}, "replicas=3 does not divide dp=4: .* among \\[1, 2, 4\\]"),
+        ({"dp": 4, "replicas": 2, "ep": 4},
+         "ep=4 does not divide a replica's dp \\(dp / replicas\\)=2: .* among \\[1, 2\\]"),
         ({"virtual_stages": 0}, "virtual_stages must be a positive integer, got 0"),
     ],
 )
@@ -30,12 +33,13 @@ def test_parallel_dims_validation(dims, message):
 def test_coords_sizes_and_key():
     dims = ParallelDims(dp=4, tp=2, pp=2, ep=2, virtual_stages=3)
     assert (dims.edp, dims.world_size, dims.stages) == (2, 16, 6)
-    # rank = (((pp * edp + edp_i) * epd + epd_i) * cp + cp_i) * tp + tp_i
-    assert dims.coords(13) == {"pp": 1, "edp": 1, "epd": 0, "cp": 0, "tp": 1,
-                               "dp": 2, "ep": 0, "dpcp": 2, "eshard": 1}
+    # rank = ((((pp * rep + rep_i) * edp + edp_i) * epd + epd_i) * cp + cp_i) * tp + tp_i
+    assert dims.coords(13) == {"pp": 1, "rep": 0, "edp": 1, "epd": 0, "cp": 0, "tp": 1,
+                               "dp": 2, "ep": 0, "fsdp": 2, "eshard": 1}
     assert {purpose: dims.size(purpose) for purpose in PURPOSES} == {
         "batch": 4, "tokens": 4, "loss": 8, "world": 16, "pipeline": 2, "tensor": 2,
-        "context": 1, "sequence": 2, "stage": 8, "shard": 4, "experts": 2, "expert_shard": 2}
+        "context": 1, "sequence": 2, "stage": 8, "shard": 4, "replicas": 1, "experts": 2,
+        "expert_shard": 2}
     assert dims.key() == "dp4.tp2.pp2.ep2.vs3"  # checkpoints hold it: it stays as it was
     with pytest.raises(ValueError, match="'replica' is not a purpose"):
         dims.size("replica")
@@ -45,11 +49,12 @@ def test_context_parallel_coords_sizes_and_key():
     """cp ranks are neighbours inside tp; experts borrow them whole (ep = epd x cp)."""
     dims = ParallelDims(dp=2, cp=2, tp=2, ep=2)
     assert (dims.world_size, dims.epd, dims.edp) == (8, 1, 2)
-    assert dims.coords(6) == {"pp": 0, "edp": 1, "epd": 0, "cp": 1, "tp": 0,
-                              "dp": 1, "ep": 1, "dpcp": 3, "eshard": 1}
+    assert dims.coords(6) == {"pp": 0, "rep": 0, "edp": 1, "epd": 0, "cp": 1, "tp": 0,
+                              "dp": 1, "ep": 1, "fsdp": 3, "eshard": 1}
     assert {purpose: dims.size(purpose) for purpose in PURPOSES} == {
         "batch": 2, "tokens": 2, "loss": 4, "world": 8, "pipeline": 1, "tensor": 2,
-        "context": 2, "sequence": 4, "stage": 8, "shard": 4, "experts": 2, "expert_shard": 2}
+        "context": 2, "sequence": 4, "stage": 8, "shard": 4, "replicas": 1, "experts": 2,
+        "expert_shard": 2}
     assert dims.key() == "dp2.tp2.pp1.ep2.vs1.cp2"
     # Without expert parallelism the experts shard as the dense weights, over dp x cp.
     assert ParallelDims(dp=2, cp=2).size("expert_shard") == 4
@@ -159,3 +164,49 @@ def test_mesh_8_ranks_dp_cp_tp_ep(run_ranks):
     assert six["shard"][0] == [0, 2, 4, 6] and six["expert_shard"][0] == [2, 6]
     assert sorted(six["sequence"][3]) == [4, 5, 6, 7]
     assert six["loss"][1] == 0 + 2 + 4 + 6 and six["batch"][0] == [2, 6]
+
+
+def test_replicas_split_dp_outermost_and_shard_inside_each():
+    """HSDP: dp = replicas x shard; a replica's ranks are contiguous, experts borrow from them."""
+    dims = ParallelDims(dp=4, replicas=2, ep=2, tp=2)
+    assert (dims.shard_dp, dims.edp, dims.key()) == (2, 1, "dp4.tp2.pp1.ep2.vs1.r2")
+    assert dims.coords(6) == {"pp": 0, "rep": 1, "edp": 0, "epd": 1, "cp": 0, "tp": 0,
+                              "dp": 3, "ep": 1, "fsdp": 1, "eshard": 0}
+    assert {p: dims.size(p) for p in ("batch", "shard", "replicas", "experts", "expert_shard",
+                                      "loss")} == {"batch": 4, "shard": 2, "replicas": 2,
+                                                   "experts": 2, "expert_shard": 1, "loss": 4}
+
+
+def _hsdp_mesh(rank, world_size, dims):
+    mesh = dims.build_mesh("cpu")
+    both = mesh.mesh_of("replicas", "shard")
+    return both.mesh_dim_names, both.mesh.tolist(), _gathered(mesh.group("replicas"), rank)
+
+
+def test_mesh_4_ranks_replicas_of_a_shard(run_ranks):
+    dims = ParallelDims(dp=4, replicas=2)
+    results = run_ranks(_mesh_groups, 4, dims)
+    _check_mesh(dims, results)
+    assert results[1]["shard"][0] == [0, 1] and results[1]["replicas"][0] == [1, 3]
+    names, grid, replicas = run_ranks(_hsdp_mesh, 4, dims)[2]
+    assert names == ("rep", "fsdp") and grid == [[0, 1], [2, 3]] and replicas == [0, 2]
+
+
+def _placements(rank, world_size, raw):
+    from optimus.config import resolve_layout, validate_job
+    from optimus.parallel.plan import build_parallel_model
+
+    job = validate_job(raw, world=world_size)
+    mesh = resolve_layout(job, world_size).build_mesh("cpu")
+    model = build_parallel_model(job, mesh, torch.device("cpu"))
+    weight = model.state_view().layers["0"].attention.wq.weight
+    return [str(p) for p in weight.placements], tuple(weight.to_local().shape)
+
+
+def test_hsdp_replicates_across_replicas_and_shards_inside_each(run_ranks):
+    from test_parallel_matrix import base_job
+
+    raw = base_job(replicas=2)
+    raw["data"]["batch_size"] = 16
+    for placements, local in run_ranks(_placements, 4, raw):
+        assert placements == ["R", "S(0)"] and local == (32, 64)

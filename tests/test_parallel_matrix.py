@@ -58,6 +58,10 @@ LAYOUTS = {
     # 2 kv heads on 4 ranks: each kv head replicated on 2 ranks (see the test below for why
     # the norm-wise tolerance is the right one here too).
     "TP4-kv-replicated-stable": (4, {"tp": 4, "stable": True}),
+    # HSDP: 2 replicas, each sharding the model over its 2 (context-parallel) ranks, or
+    # holding it whole
+    "HSDP2xCP2": (4, {"replicas": 2, "cp": 2}),
+    "HSDP2x1-TP2": (4, {"replicas": 2, "tp": 2}),
 }
 
 _reference: dict[tuple[int, bool], dict] = {}

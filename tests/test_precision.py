@@ -47,6 +47,7 @@ LAYOUTS = {
     "moe-TP2xPP2": (4, "moe", {"tp": 2, "pp": 2, "schedule": "1f1b"}),
     "dense-CP2-ring": (2, "dense", {"cp": 2, "cp_method": "ring"}),  # FSDP2 over cp
     "moe-CP2xEP2": (2, "moe", {"cp": 2, "ep": 2}),  # all-to-all attention, experts over cp
+    "dense-HSDP2x2": (4, "dense", {"replicas": 2}),  # fp32 all-reduce across the replicas
 }
 
 

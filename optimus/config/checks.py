@@ -220,15 +220,20 @@ def _layout_problems(job: JobConfig, dp: int) -> list[tuple[str, str, str]]:
         problem = schedule_problem(p.schedule, pp, virtual_stages, d.microbatches)
         if problem:
             out.append(("parallel.schedule", *problem))
+    if dp % p.replicas:
+        out.append(("parallel.replicas", f"{p.replicas} does not divide dp={dp}: each replica "
+                    "holds dp / replicas ranks", f"use replicas among {_divisors(dp)}"))
+    shard = max(1, dp // p.replicas)  # a replica's data-parallel ranks, experts borrow from
+    of = f"dp={dp}" if p.replicas == 1 else f"a replica's dp (dp / replicas)={shard}"
     if p.cp > 1:
         out += context_problems(job)
-    elif dp % ep:
-        out.append(("parallel.ep", f"ep={ep} does not divide dp={dp}; experts borrow "
-                    "their ranks from dp", f"use ep among {_divisors(dp)}"))
-    if p.cp > 1 and ep > 1 and not ep % p.cp and dp % (ep // p.cp):
+    elif shard % ep:
+        out.append(("parallel.ep", f"ep={ep} does not divide {of}; experts borrow "
+                    "their ranks from dp", f"use ep among {_divisors(shard)}"))
+    if p.cp > 1 and ep > 1 and not ep % p.cp and shard % (ep // p.cp):
         out.append(("parallel.ep", f"ep={ep} takes ep / cp = {ep // p.cp} data-parallel "
-                    f"ranks, which does not divide dp={dp}", "use ep among "
-                    + ", ".join(str(n * p.cp) for n in range(1, dp + 1) if dp % n == 0)))
+                    f"ranks, which does not divide {of}", "use ep among "
+                    + ", ".join(str(n * p.cp) for n in range(1, shard + 1) if shard % n == 0)))
     per_step = d.microbatches * dp
     if d.batch_size % per_step:
         nearest = max(per_step, round(d.batch_size / per_step) * per_step)

@@ -97,6 +97,10 @@ class ParallelConfig(Section):
     ep: PositiveInt = Field(1, description="expert parallel; borrows its ranks from dp")
     virtual_stages: PositiveInt = Field(1, description="model chunks per pipeline rank")
     cp: PositiveInt = Field(1, description="context parallel: each sequence split over cp ranks")
+    replicas: PositiveInt = Field(
+        1, description="HSDP: dp is replicas x shard; each replica shards the model over its "
+                       "dp / replicas ranks (FSDP2), the gradients are all-reduced across "
+                       "replicas")
     cp_method: Literal["alltoall", "ring"] = Field(
         "alltoall", description="how attention spans the context-parallel group: alltoall "
                                 "trades sequence for heads and back around the device's own "

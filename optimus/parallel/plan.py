@@ -189,6 +189,14 @@ class ParallelModel:
         return total
 
 
+def _fsdp_mesh(mesh: LayoutMesh, purpose: str):
+    """What FSDP2 shards a purpose's weights over: its mesh, or with several replicas the
+    (replicas, purpose) mesh, HSDP: sharded inside a replica, replicated across them."""
+    if mesh.size("replicas") == 1:
+        return mesh.mesh(purpose)
+    return mesh.mesh_of("replicas", purpose)
+
+
 def _local(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
@@ -210,8 +218,9 @@ def build_parallel_model(job: JobConfig, mesh: LayoutMesh,
     else:
         num_stages, ids = 1, [0]
         parts = [build_model(job.model, seed=job.seed, device="meta")]
-    sharded, tensor, experts, context = (mesh.size(s) > 1 for s in
-                                         ("shard", "tensor", "experts", "context"))
+    sharded, tensor, experts, context, replicated = (
+        mesh.size(s) > 1 for s in ("shard", "tensor", "experts", "context", "replicas"))
+    wrapped = sharded or replicated  # FSDP2 wraps the model: sharded, or HSDP's replicas
     experts_group = mesh.own_group("experts") if experts else None
     where = context_group = None
     if context:
@@ -219,14 +228,14 @@ def build_parallel_model(job: JobConfig, mesh: LayoutMesh,
         context_group = mesh.own_group("context")
     # bf16 is FSDP2's mixed-precision policy under data parallelism, autocast without it.
     dtype = compute_dtype(job.training.mixed_precision, device)
-    policy = precision_policy(dtype) if sharded else None
-    autocast = autocast_dtype(dtype, mesh.size("shard"))
+    policy = precision_policy(dtype) if wrapped else None
+    autocast = autocast_dtype(dtype, mesh.size("shard") * mesh.size("replicas"))
     recipe, float8_skipped = job.training.float8, []
-    keep_gathered = p.param_gather == "step" and sharded
+    keep_gathered = p.param_gather == "step" and wrapped
     for part in parts:
         if recipe != "off":  # first: TP and FSDP2 then wrap the Float8Linear layers
             float8_skipped += apply_float8(
-                part, recipe, fsdp_float8_all_gather=recipe == "tensorwise" and sharded,
+                part, recipe, fsdp_float8_all_gather=recipe == "tensorwise" and wrapped,
                 min_dim=job.training.float8_min_dim)
         if job.training.float8_experts != "off":  # their `matmul`: EP and FSDP2 keep it
             apply_float8_experts(part, job.training.float8_experts)
@@ -239,9 +248,9 @@ def build_parallel_model(job: JobConfig, mesh: LayoutMesh,
         apply_activation_checkpointing(part, p.activation_checkpoint, p.ac_every)
         if job.training.compile:
             apply_compile(part, job.training.compile_backend)
-        if sharded:
-            apply_data_parallel(part, mesh.mesh("shard"),
-                                mesh.mesh("expert_shard") if experts else None,
+        if wrapped:  # under HSDP each mesh is (replicas, its shard)
+            apply_data_parallel(part, _fsdp_mesh(mesh, "shard"),
+                                _fsdp_mesh(mesh, "expert_shard") if experts else None,
                                 policy, keep_gathered=keep_gathered)
         # Only now, sharded, is the model allocated: each rank holds its shards, never the
         # whole model (init_weights gives every shard its part of the one-process values).

@@ -64,6 +64,16 @@ class LayoutMesh:
                              "take its `own_group`")
         return self._dim(dims[0])
 
+    def mesh_of(self, *purposes: str) -> DeviceMesh:
+        """The mesh of several one-dimension purposes, one mesh dimension each, in the order
+        given (HSDP's (replicas, shard))."""
+        names = []
+        for purpose in purposes:
+            (dim,) = spans(purpose)
+            inner = self.dims.inner(dim)
+            names.append(dim if len(inner) > 1 else inner[0])
+        return self.device_mesh[tuple(names)]
+
     def group(self, purpose: str) -> dist.ProcessGroup:
         return self.mesh(purpose).get_group()
 
