@@ -198,7 +198,9 @@ def config_check(job: Path, overrides: tuple[str, ...], world: int | None, machi
     per_rank = d.batch_size // (layout.dp * d.microbatches)
     ranks = f"{world} rank" + ("s" if world > 1 else "")
     click.echo(f"ok: {job} on {ranks}{which}: dp={layout.dp} tp={layout.tp} pp={layout.pp} "
-               f"ep={layout.ep} virtual_stages={layout.virtual_stages}; {d.microbatches} "
+               f"ep={layout.ep} virtual_stages={layout.virtual_stages} cp={layout.cp}"
+               + (f" ({cfg.parallel.cp_method}, {cfg.parallel.cp_split})" if layout.cp > 1
+                  else "") + f"; {d.microbatches} "
                f"microbatch(es) of {per_rank} sequence(s) per dp replica per step")
     if d.sources:  # the shares as weights ask; the run's start-up event has the realised ones
         total = sum(s.weight for s in d.sources)

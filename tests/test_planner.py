@@ -57,7 +57,7 @@ LAYOUTS = {
 
 def _raw(model: dict, parallel: dict, microbatch: int, microbatches: int,
          optim: dict | None = None) -> dict:
-    dp = WORLD // (parallel.get("tp", 1) * parallel.get("pp", 1))
+    dp = WORLD // (parallel.get("tp", 1) * parallel.get("pp", 1) * parallel.get("cp", 1))
     return {"name": "memory", "model": model,
             "optim": {"steps": 1, "warmup_steps": 0, **(optim or {})},
             "data": {"seq_len": SEQ, "batch_size": microbatch * microbatches * dp,
@@ -104,13 +104,14 @@ def _measure(rank: int, world: int, layouts: list[tuple]) -> list[int]:
 
 
 def _plan(model: dict, parallel: dict, microbatch: int, microbatches: int) -> PlanLayout:
-    tp, pp = parallel.get("tp", 1), parallel.get("pp", 1)
-    dims = ParallelDims(dp=WORLD // (tp * pp), tp=tp, pp=pp, ep=parallel.get("ep", 1),
-                        virtual_stages=parallel.get("virtual_stages", 1))
+    tp, pp, cp = parallel.get("tp", 1), parallel.get("pp", 1), parallel.get("cp", 1)
+    dims = ParallelDims(dp=WORLD // (tp * pp * cp), tp=tp, pp=pp, ep=parallel.get("ep", 1),
+                        virtual_stages=parallel.get("virtual_stages", 1), cp=cp)
     return PlanLayout(dims, schedule=parallel.get("schedule", "1f1b"), microbatches=microbatches,
                       microbatch_size=microbatch, seq_len=SEQ,
                       recompute=parallel.get("activation_checkpoint", "none"),
-                      param_gather=parallel.get("param_gather", "microbatch"), precision="fp32")
+                      param_gather=parallel.get("param_gather", "microbatch"), precision="fp32",
+                      cp_method=parallel.get("cp_method", "alltoall"))
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,19 @@
 Each rank holds its queries, keys and values for its chunks of every sequence
 (`SequenceSlice`: a head and a tail chunk when balanced). Forward, the key/value block of each
 rank goes once around the ring (cp - 1 shifts: send to the next rank, receive from the
-previous). Every query chunk attends to every key chunk that is not later than it: an earlier
-chunk whole, its own chunk causally; a later one is skipped, not masked. The partial results
-merge by their log-sum-exp (online softmax) in float32. Backward (`_Ring.backward`, written
-out rather than left to autograd, which would keep every block's scores) sends the blocks
-around again with their gradient accumulators: each rank adds its queries' share to the
-block in hand, the accumulator travels on, and one last shift brings every block's gradient
-home. A chunk pair's forward and backward use the global output and log-sum-exp, as flash
+previous), each shift started before the block in hand is worked on, so that it travels
+while the rank computes. Every query chunk attends to every key chunk that is not later than
+it: an earlier chunk whole, its own chunk causally; a later one is skipped, not masked. The
+partial results merge by their log-sum-exp (online softmax) in float32. Backward
+(`_Ring.backward`, written out rather than left to autograd, which would keep every block's
+scores) sends the blocks around again with their gradient accumulators: each rank adds its
+queries' share to the block in hand, the accumulator travels on, and one last shift brings
+every block's gradient home; the next block travels while one is worked on, the accumulator
+once its share is in. A chunk pair's forward and backward use the global output and
+log-sum-exp, as flash attention's backward does, so nothing of size sequence x sequence is
+ever held.
+
+A chunk pair's forward and backward use the global output and log-sum-exp, as flash
 attention's backward does, so nothing of size sequence x sequence is ever held.
 
 A chunk pair's attention (`_pair_forward`, `_pair_backward`) is explicit float32 math: the
@@ -56,16 +62,30 @@ class RingAttention:
         return [(i, j, a == b) for i, a in enumerate(mine) for j, b in enumerate(theirs)
                 if b <= a]
 
-    def shift(self, x: torch.Tensor, back: bool = False) -> torch.Tensor:
-        """`x` sent to the next rank, the previous rank's received (`back`: the other way)."""
-        to, frm = (self.frm, self.to) if back else (self.to, self.frm)
+    def shift(self, x: torch.Tensor, tag: int) -> _Shift:
+        """Start sending `x` to the next rank and receiving the previous rank's (`.wait()`
+        gives it): the caller computes meanwhile. Blocks and gradient accumulators in flight
+        together travel under their own tags."""
         x = x.contiguous()
         out = torch.empty_like(x)
-        ops = [dist.P2POp(dist.isend, x, to, self.group),
-               dist.P2POp(dist.irecv, out, frm, self.group)]
-        for work in dist.batch_isend_irecv(ops):
+        ops = [dist.P2POp(dist.isend, x, self.to, self.group, tag=tag),
+               dist.P2POp(dist.irecv, out, self.frm, self.group, tag=tag)]
+        return _Shift(out, dist.batch_isend_irecv(ops))
+
+
+class _Shift:
+    """A shift in flight: the tensor arriving, and the sends and receives to wait for."""
+
+    def __init__(self, out: torch.Tensor, works: list):
+        self.out, self.works = out, works
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
             work.wait()
-        return out
+        return self.out
+
+
+BLOCK, GRADIENT = 1, 2  # the tags of a key/value block and of its gradient accumulator
 
 
 class _Ring(torch.autograd.Function):
@@ -94,9 +114,12 @@ class _Ring(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack((k, v))
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        coming = None
         for step in range(cp):
-            if step:
-                kv, dkv = ring.shift(kv), ring.shift(dkv)
+            if step:  # the accumulator moves on once this rank's share is in it
+                kv, dkv = coming.wait(), ring.shift(dkv, GRADIENT).wait()
+            if step < cp - 1:  # the next block travels while this one is worked on
+                coming = ring.shift(kv, BLOCK)
             for i, j, causal in ring.pairs((rank - step) % cp):
                 qs, ks, vs = _pieces(q, kv, i, j, chunk)
                 rows, keys = slice(i * chunk, (i + 1) * chunk), slice(j * chunk, (j + 1) * chunk)
@@ -105,17 +128,21 @@ class _Ring(torch.autograd.Function):
                 dq[:, :, rows] += g[0].float()
                 dkv[0, :, :, keys] += _fold(g[1], kv.shape[2])
                 dkv[1, :, :, keys] += _fold(g[2], kv.shape[2])
-        if cp > 1:
-            dkv = ring.shift(dkv)  # each block's gradient to the rank that owns it
+        if cp > 1:  # each block's gradient to the rank that owns it
+            dkv = ring.shift(dkv, GRADIENT).wait()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
 def _ring_forward(ring: RingAttention, kernel: str, q, kv, out, lse, chunk: int, scale: float,
                   cp: int, rank: int) -> None:
-    """Fill `out` and `lse` (float32) with this rank's queries' attention to every block."""
+    """Fill `out` and `lse` (float32) with this rank's queries' attention to every block,
+    the next block on its way while one is worked on."""
+    coming = None
     for step in range(cp):
         if step:
-            kv = ring.shift(kv)
+            kv = coming.wait()
+        if step < cp - 1:
+            coming = ring.shift(kv, BLOCK)
         for i, j, causal in ring.pairs((rank - step) % cp):
             qs, ks, vs = _pieces(q, kv, i, j, chunk)
             o, m = _pair_forward(qs, ks, vs, causal, scale, kernel)

@@ -29,7 +29,8 @@ def job_layout(job: JobConfig, layout: ParallelDims, precision: str) -> PlanLayo
                       microbatch_size=max(1, per_replica),
                       seq_len=d.seq_len, recompute=p.activation_checkpoint,
                       ac_every=p.ac_every, precision=precision, param_gather=p.param_gather,
-                      z_loss=job.optim.z_loss > 0)
+                      z_loss=job.optim.z_loss > 0, cp_method=p.cp_method,
+                      cp_split=p.cp_split)
 
 
 def job_precision(job: JobConfig, machine_precision: str = "bf16") -> str:

@@ -8,9 +8,10 @@ on real gloo ranks (tests/test_planner.py):
 
 - state: parameters, gradients and AdamW's two moments in fp32 (in bf16 mixed precision the
   master weights and optimizer state stay fp32, data_parallel.py). FSDP2 shards all of it over
-  dp; experts shard over ep, then over edp = dp / ep, i.e. over dp too. Tensor parallel splits
-  attention, the dense feed-forward, the embedding and the head; norms, routers, experts and
-  shared experts stay whole on every tp rank (tensor_parallel.py).
+  dp x cp (context parallel ranks join the shard group); experts shard over ep, then over
+  edp = dp / ep, i.e. over dp too. Tensor parallel splits attention, the dense feed-forward,
+  the embedding and the head; norms, routers, experts and shared experts stay whole on every
+  tp rank (tensor_parallel.py).
 - gradients accumulate unsharded, in the compute dtype, while several microbatches (or a
   pipeline) run before the one reduce-scatter; with one microbatch each block's gradient is
   reduce-scattered at once and only the fp32 shard stays.
@@ -20,14 +21,15 @@ on real gloo ranks (tests/test_planner.py):
   `parallel.param_gather: step` through the whole step (data_parallel.py): the rank's whole
   share of the model in the compute dtype; at dp 1 in bf16 the whole model is one unit kept
   in bf16.
-- activations: per token per layer (the `_layer_activation` table below), times the tokens of a
-  microbatch, times the microbatches each stage holds at the rank's worst moment under its
-  schedule (schedules.py, from torch's own action lists); the last stage adds the
-  vocab-parallel loss's logits, the first the embedding's output. The loss is float32 in
-  either precision (`LOSS`: the logits are upcast, so in bf16 it holds twice the bytes of the
-  compute dtype's logits). `model.qk_norm` adds its norms' inputs and outputs to a block that
-  does not recompute; `optim.z_loss` adds a float32 [tokens, vocab / tp] to the loss's
-  logits, measured where the loss is the step's peak.
+- activations: per token per layer (the `_layer_activation` table below), times the rank's
+  tokens of a microbatch (its seq_len / cp positions of each sequence under context parallel,
+  whose attention adds its own terms: context.py), times the microbatches each stage holds
+  at the rank's worst moment under its schedule (schedules.py, from torch's own action
+  lists); the last stage adds the vocab-parallel loss's logits, the first the embedding's
+  output. The loss is float32 in either precision (`LOSS`: the logits are upcast, so in bf16
+  it holds twice the bytes of the compute dtype's logits). `model.qk_norm` adds its norms'
+  inputs and outputs to a block that does not recompute; `optim.z_loss` adds a float32
+  [tokens, vocab / tp] to the loss's logits, measured where the loss is the step's peak.
 - backward: while a block runs backward its recomputed activations (full, selective, op) and
   the gradients of its activations exist besides.
 - slack: `SLACK` of the rest, for what no formula here follows (communication buffers,
@@ -47,6 +49,7 @@ from typing import NamedTuple
 
 from optimus.config.schedule_rules import SPLIT_BACKWARD, stage_ids, stage_layers, stage_style
 from optimus.models.counts import is_moe_layer
+from optimus.planner import context
 from optimus.planner.schedules import in_flight
 from optimus.runtime.dims import ParallelDims
 
@@ -79,6 +82,8 @@ class PlanLayout:
     precision: str = "bf16"  # fp32, or bf16 compute with fp32 master weights
     param_gather: str = "microbatch"  # or "step": FSDP2 parameters kept gathered a whole step
     z_loss: bool = False  # optim.z_loss > 0: the loss keeps more of the logits (module text)
+    cp_method: str = "alltoall"  # or "ring": attention across the cp ranks (context.py)
+    cp_split: str = "balanced"  # or "contiguous": the runs of positions a cp rank holds
 
     @property
     def keeps_gathered(self) -> bool:
@@ -91,6 +96,16 @@ class PlanLayout:
     def devices(self) -> int:
         return self.dims.world_size
 
+    @property
+    def shard(self) -> int:
+        """Ranks FSDP2 shards the weights over: data and context parallel ones (dims.py)."""
+        return self.dims.size("shard")
+
+    @property
+    def rank_tokens(self) -> float:
+        """Tokens of one microbatch on one rank: its share of the positions under cp."""
+        return self.microbatch_size * self.seq_len / self.dims.cp
+
     def fields(self) -> dict:
         """Every field, the degrees among them, by the names `optimus plan -o json` prints."""
         out = {k: v for k, v in asdict(self.dims).items() if k != "virtual_stages"}
@@ -102,6 +117,8 @@ class PlanLayout:
         out = f"tp{d.tp}.pp{d.pp}.dp{d.dp}"
         if d.ep > 1:
             out += f".ep{d.ep}"
+        if d.cp > 1:
+            out += f".cp{d.cp}.{self.cp_method}"
         if d.pp > 1:
             v = d.virtual_stages
             out += f".{self.schedule}" + (f".v{v}" if v > 1 else "")
@@ -233,12 +250,13 @@ def _block_mode(lay: PlanLayout, layer: int) -> str:
     return lay.recompute
 
 
-def _layer_bytes(cfg, layer: int, mode: str, tp: int, c: int) -> float:
+def _layer_bytes(cfg, lay: PlanLayout, layer: int, mode: str) -> float:
     """Bytes per token one layer keeps: its elements at the compute dtype's size, plus, in
     bf16 without recompute, what stays in fp32 there (measured: the float copies RMSNorm and
     RoPE save, about 4 d-wide tensors, and an MoE layer's fp32 combine of its top_k
-    outputs)."""
-    out = _layer_activation(cfg, layer, mode, tp) * c
+    outputs), plus what attention across context-parallel ranks keeps (context.py)."""
+    tp, c = lay.dims.tp, COMPUTE[lay.precision]
+    out = _layer_activation(cfg, layer, mode, tp) * c + context.saved_bytes(cfg, lay, mode, c)
     if c < 4 and mode == "none":
         out += 8 * cfg.dim / tp
         if is_moe_layer(cfg, layer):
@@ -270,7 +288,7 @@ def rank_memory(cfg, lay: PlanLayout, pp_rank: int = 0) -> Memory:
     """Peak bytes of one rank at pipeline position `pp_rank` (every dp/tp rank alike)."""
     cfg = shape_of(cfg)
     c = COMPUTE[lay.precision]
-    tp, dp = lay.dims.tp, lay.dims.dp
+    tp, shard = lay.dims.tp, lay.shard
     stages = _stages(cfg, lay, pp_rank)
     # Parameters per rank before FSDP: (outside experts, experts), and per block for transients.
     dense = experts = root = 0.0
@@ -286,27 +304,27 @@ def rank_memory(cfg, lay: PlanLayout, pp_rank: int = 0) -> Memory:
             root += cfg.vocab_size * cfg.dim / tp + cfg.dim
     dense += root
     local = dense + experts
-    sharded = local / dp  # experts over ep x edp = dp ranks, the rest over dp
+    sharded = local / shard  # over the shard group, dp x cp (experts too)
     params = MASTER * sharded
     optimizer = OPTIM * sharded
     accumulate = lay.microbatches > 1 or lay.dims.pp > 1
-    if dp > 1 and accumulate:  # unsharded, in compute, until the step's one reduce-scatter
+    if shard > 1 and accumulate:  # unsharded, in compute, until the step's one reduce-scatter
         grads = c * local + (GRAD * sharded if c != GRAD else 0)
     else:
         grads = GRAD * sharded
     # Parameters gathered for compute.
-    if dp > 1:
+    if shard > 1:
         if lay.keeps_gathered:
             gathered = c * local  # never resharded between forward and backward
         else:
             big = sorted(blocks, reverse=True)[:2]
-            gathered = c * (root + sum(big)) - c * (root + sum(big)) / dp
+            gathered = c * (root + sum(big)) - c * (root + sum(big)) / shard
             if not accumulate:  # a block's unsharded gradient before its reduce-scatter
                 gathered += c * (big[0] if big else 0)
     else:
         gathered = c * local if c != MASTER else 0.0
     # Activations: each stage's per microbatch, times the microbatches held at the peak.
-    tokens = lay.microbatch_size * lay.seq_len
+    tokens = lay.rank_tokens
     held = in_flight(lay.schedule, lay.dims.pp, lay.dims.virtual_stages,
                      lay.microbatches)[pp_rank] if lay.dims.pp > 1 else {0: 1.0}
     ids = _stage_ids(lay, pp_rank)
@@ -314,7 +332,7 @@ def rank_memory(cfg, lay: PlanLayout, pp_rank: int = 0) -> Memory:
     layers = []  # this rank's layers in the order its forward runs them
     for sid, st in zip(ids, stages, strict=True):
         layers += list(st.layers)
-        per_mb = sum(_layer_bytes(cfg, i, _block_mode(lay, i), tp, c) for i in st.layers)
+        per_mb = sum(_layer_bytes(cfg, lay, i, _block_mode(lay, i)) for i in st.layers)
         if st.first:
             per_mb += cfg.dim / tp * c  # the embedding's output
         acts += held.get(sid, 0.0) * per_mb * tokens
@@ -330,38 +348,39 @@ def rank_memory(cfg, lay: PlanLayout, pp_rank: int = 0) -> Memory:
                       ) * tokens
             if lay.z_loss:  # float32 whatever the compute dtype (module text)
                 logits += Z_LOSS * cfg.vocab_size / tp * tokens
-    backward = (_recompute_extra(cfg, lay, layers, c) + 4 * cfg.dim / tp * c) * tokens
+    backward = (_recompute_extra(cfg, lay, layers) + 4 * cfg.dim / tp * c
+                + context.transient_bytes(cfg, lay, c)) * tokens
     if any(is_moe_layer(cfg, i) for i in layers):
         # an MoE layer's backward: the padded expert inputs' and hidden states' gradients
         backward += 2 * cfg.moe.top_k * (cfg.dim + cfg.moe.expert_ffn_dim) / tp * tokens * c
     if lay.dims.pp == 1 and not accumulate:
         # One microbatch: gradients appear as the backward frees activations, so the peak is
         # below the sum of both. Walk the backward block by block.
-        grads, acts = _one_pass_peak(cfg, lay, stages[0], grads, acts, tokens, c)
+        grads, acts = _one_pass_peak(cfg, lay, stages[0], grads, acts, tokens)
     subtotal = params + grads + optimizer + acts + logits + gathered + backward
     return Memory(params, grads, optimizer, acts, logits, gathered, backward,
                   SLACK * subtotal, pp_rank)
 
 
-def _recompute_extra(cfg, lay: PlanLayout, layers: list[int], c: int) -> float:
+def _recompute_extra(cfg, lay: PlanLayout, layers: list[int]) -> float:
     """Bytes per token that a recomputing block adds in backward, at the worst block.
 
     Backward runs from the top: when block i recomputes (what it did not keep: `none` minus
     what `mode` kept), the blocks above it have already freed theirs."""
     worst, above = 0.0, 0.0
     for i in reversed(layers):
-        kept = _layer_bytes(cfg, i, _block_mode(lay, i), lay.dims.tp, c)
-        worst = max(worst, _layer_bytes(cfg, i, "none", lay.dims.tp, c) - kept - above)
+        kept = _layer_bytes(cfg, lay, i, _block_mode(lay, i))
+        worst = max(worst, _layer_bytes(cfg, lay, i, "none") - kept - above)
         above += kept
     return worst
 
 
-def _one_pass_peak(cfg, lay, stage, grads, acts, tokens, c) -> tuple[float, float]:
+def _one_pass_peak(cfg, lay, stage, grads, acts, tokens) -> tuple[float, float]:
     """(gradients, activations) at the worst moment of a single forward-backward: backward
     runs from the last block, freeing its activations as its gradients are made."""
-    per_layer = [_layer_bytes(cfg, i, _block_mode(lay, i), lay.dims.tp, c) * tokens
+    per_layer = [_layer_bytes(cfg, lay, i, _block_mode(lay, i)) * tokens
                  for i in stage.layers]
-    grad_layer = [sum(_layer_params(cfg, i, lay.dims.tp, lay.dims.ep)) / lay.dims.dp * GRAD
+    grad_layer = [sum(_layer_params(cfg, i, lay.dims.tp, lay.dims.ep)) / lay.shard * GRAD
                   for i in stage.layers]
     head = grads - sum(grad_layer)  # embedding, head and final norm
     best = (grads, acts, -1.0)

@@ -51,6 +51,8 @@ def overrides(lay: PlanLayout) -> tuple[str, ...]:
     out = [f"parallel.{name}={value}" for name, value in asdict(lay.dims).items()]
     out += [f"parallel.activation_checkpoint={lay.recompute}",
             f"parallel.param_gather={lay.param_gather}", f"data.microbatches={lay.microbatches}"]
+    if lay.dims.cp > 1:  # with cp 1 the method is not used; left as written
+        out.append(f"parallel.cp_method={lay.cp_method}")
     if lay.dims.pp > 1:  # with one stage the job's schedule is not used; left as written
         out.append(f"parallel.schedule={lay.schedule}")
     return tuple(out)

@@ -31,7 +31,7 @@ def table(candidates: list[Candidate], title: str) -> Table:
         t, m = c.time, c.memory
         state = m.parameters + m.gradients + m.optimizer
         acts = m.activations + m.logits
-        comm = t.tp_comm + t.pp_comm + t.ep_comm + t.dp_exposed
+        comm = t.tp_comm + t.pp_comm + t.ep_comm + t.dp_exposed + t.cp_comm
         out.add_row(str(i), c.layout.label(), f"{t.tokens_per_s_per_device:,.0f}",
                     f"{t.tflops_per_device:.3g}", f"{t.mfu:.1%}", f"{t.total:.2f}",
                     f"{t.bubble / t.total:.1%}", f"{comm / t.total:.1%}",
@@ -49,6 +49,10 @@ def explain(c: Candidate, capacity_gib: float, console: Console, room: str = "")
     console.print(_terms(c.memory.terms(), c.memory.total, "GiB", lambda v: f"{v / GIB:.2f}"))
     console.print(_terms(c.time.terms(), c.time.total, "s", lambda v: f"{v:.4f}"))
     t = c.time
+    if c.layout.dims.cp > 1:
+        console.print(f"context parallel cp {c.layout.dims.cp} ({c.layout.cp_method}): "
+                      f"{t.cp_comm + t.cp_hidden:.4f} s of exchange a step, {t.cp_hidden:.4f} "
+                      "of it under attention")
     console.print(f"{t.tokens_per_s_per_device:,.1f} tokens/s per device, "
                   f"{t.tflops_per_device:.1f} TFLOP/s per device (recompute counted), "
                   f"MFU {t.mfu:.1%}")

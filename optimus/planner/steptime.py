@@ -29,6 +29,16 @@ Assumptions, all of them here:
   block) with the compute of the unit before: the first gather of each pass and the last
   reduce-scatter show whole, and a unit whose traffic exceeds its compute shows the excess
   (`fsdp_exposed`).
+- attention: `flops_per_token` counts its scores and weighted sum over the whole sequence,
+  12 x layers x heads x head_dim x seq_len per token, the full T x T square. Causal attention
+  needs half of it, but the attention kernels run well below the matmuls' rate, and the
+  square priced at `sustained` lands on torchtitan's published long-sequence runs (Llama 3.1
+  8B with cp 4 at 131,072 and cp 8 at 262,144 tokens on 8 H100: tests/test_planner_context.py),
+  where half of it would be 1.7-1.8x too fast. Under context parallel each rank computes
+  seq_len / cp positions' share, against the whole sequence.
+- context parallel: the exchange of `context.exchange`, per layer per microbatch: all-to-all
+  shows whole; the ring's k, v shifts show only what exceeds the attention of the block they
+  run under (`cp_comm`; `cp_hidden` is what hides).
 - expert parallel: four all-to-alls per MoE layer per microbatch (dispatch and combine,
   forward and backward) of top_k copies of each token, intra-node while tp x ep fits a node.
 - ring collectives: a device sends (n - 1) / n of the buffer; latency per step of the ring.
@@ -36,11 +46,12 @@ Assumptions, all of them here:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 from optimus.config.schedule_rules import stage_ids, stage_layers, stage_style
 from optimus.models.counts import flops_per_token, is_moe_layer, matmul_param_count
+from optimus.planner import context
 from optimus.planner.machines import Machine
 from optimus.planner.memory import COMPUTE, GRAD, PlanLayout, _layer_activation, shape_of
 from optimus.planner.schedules import bubble
@@ -59,6 +70,8 @@ class StepTime:
     bubble: float
     dp_exposed: float
     recompute_s: float = 0.0  # op-level recompute: memory-bound element-wise work
+    cp_comm: float = 0.0  # context parallel's exchange that attention does not hide
+    cp_hidden: float = 0.0  # the ring's exchange under attention (not in the total)
     tokens_per_s_per_device: float = 0.0
     tflops_per_device: float = 0.0  # model FLOPs with recompute, as seed 001 counts them
     mfu: float = 0.0  # model FLOPs without recompute, against the peak
@@ -66,11 +79,12 @@ class StepTime:
     @property
     def total(self) -> float:
         return (self.compute + self.tp_comm + self.pp_comm + self.ep_comm + self.bubble
-                + self.dp_exposed + self.recompute_s)
+                + self.dp_exposed + self.recompute_s + self.cp_comm)
 
     def terms(self) -> dict[str, float]:
         return {k: v for k, v in asdict(self).items()
-                if k not in ("tokens_per_s_per_device", "tflops_per_device", "mfu")}
+                if k not in ("cp_hidden", "tokens_per_s_per_device", "tflops_per_device",
+                             "mfu")}
 
 
 def _ring(n: int, size: float, gbps: float, latency_us: float) -> float:
@@ -169,7 +183,7 @@ def step_time(cfg, lay: PlanLayout, machine: Machine, global_batch: int) -> Step
     c = COMPUTE[lay.precision]
     dims = lay.dims
     node = machine.devices_per_node
-    tokens_mb = lay.microbatch_size * lay.seq_len  # one microbatch of one replica
+    tokens_mb = lay.rank_tokens  # one microbatch of one rank (seq_len / cp of a sequence)
     m = lay.microbatches
     model_flops = flops_per_token(cfg, lay.seq_len)
     hw_flops = model_flops + recompute_flops(cfg, lay)
@@ -202,11 +216,14 @@ def step_time(cfg, lay: PlanLayout, machine: Machine, global_batch: int) -> Step
         routed = tokens_mb / dims.tp * cfg.moe.top_k * cfg.dim * c
         ep_comm = m * moe_layers * 4 * (dims.ep - 1) / dims.ep * routed / (ep_link * 1e9)
 
-    pipeline_bubble = ((compute + recompute_s + tp_comm + ep_comm)
+    exposed, hidden = context.exchange(cfg, lay, machine, c, rate, selective_share(cfg, lay))
+    cp_comm, cp_hidden = m * layers_here * exposed, m * layers_here * hidden
+
+    pipeline_bubble = ((compute + recompute_s + tp_comm + ep_comm + cp_comm)
                        * bubble(lay.schedule, dims.pp, dims.virtual_stages, m))
 
     dp_exposed = 0.0
-    if dims.dp > 1:
+    if lay.shard > 1:
         experts = sum(3 * cfg.dim * cfg.moe.expert_ffn_dim * cfg.moe.experts
                       for i in range(cfg.n_layers) if is_moe_layer(cfg, i))
         # this rank's parameters, unsharded: experts split over ep, the rest over tp
@@ -217,17 +234,17 @@ def step_time(cfg, lay: PlanLayout, machine: Machine, global_batch: int) -> Step
         # whose stages hold the units gathered from a backward to the next forward
         units = (max(len(r) for r in stage_layers(cfg.n_layers, dims.stages))
                  * dims.virtual_stages) if dims.pp > 1 else cfg.n_layers
-        gather = _ring(dims.dp, params * c / units, dp_link, machine.latency_us)
-        reduce = _ring(dims.dp, params * GRAD / units, dp_link, machine.latency_us)
+        gather = _ring(lay.shard, params * c / units, dp_link, machine.latency_us)
+        reduce = _ring(lay.shard, params * GRAD / units, dp_link, machine.latency_us)
         forward = 1 / (3 + selective_share(cfg, lay))  # of each microbatch's compute
         dp_exposed = fsdp_exposed(compute / m * forward / units,
                                   compute / m * (1 - forward) / units, units, gather, reduce,
                                   _passes(lay))
 
     result = StepTime(compute, tp_comm, pp_comm, ep_comm, pipeline_bubble, dp_exposed,
-                      recompute_s)
+                      recompute_s, cp_comm, cp_hidden)
     tokens = global_batch * lay.seq_len
     per_device = tokens / result.total / lay.devices
-    return StepTime(compute, tp_comm, pp_comm, ep_comm, pipeline_bubble, dp_exposed,
-                    recompute_s, per_device, per_device * hw_flops / 1e12,
-                    per_device * model_flops / (machine.peak_tflops * 1e12))
+    return replace(result, tokens_per_s_per_device=per_device,
+                   tflops_per_device=per_device * hw_flops / 1e12,
+                   mfu=per_device * model_flops / (machine.peak_tflops * 1e12))
