@@ -25,11 +25,11 @@ a healthy node is a false alarm: it is printed, and a failure is undone (the job
 the same plan, the node included again) so that the measurement goes on.
 
 How. A private redis-server on loopback per size (no persistence, `start_redis`). Every node
-registers (`Store.register_node`); the job record and plan of generation 0 are written as the
+registers (`OwnRecords.register_node`); the job record and plan of generation 0 are written as the
 controller writes them (every key of `_plan_next`'s plan: the node list, and a reason naming
 the first nodes). Then worker processes, each owning a slice of the nodes, tick every node once per
 interval, the nodes' ticks spread evenly over the interval. A node's tick is the traffic of
-`Store.agent_tick(node, status, beats, deadline, reset_ranks=False, summary=NodeSummary(...))`:
+`OwnRecords.agent_tick(node, status, beats, deadline, reset_ranks=False, summary=NodeSummary(...))`:
 the status the agent's `_tick` sends (generation, state, live ranks, host, pids), the read of
 the plan's stamp (agents read the plan itself only when it changes), 12 rank heartbeats shaped
 as `optimus/supervision/heartbeat.py` sends them plus `received` (each rank
@@ -37,12 +37,12 @@ beats at its own phase, so a relayed beat is 0-1 interval old), the deadline min
 heartbeat_timeout_s, and the summary the agent's `_summary` makes.
 
 Batched: each worker sends its due nodes' ticks (up to 64 nodes) as one pipeline on one raw
-socket, parsing the replies with hiredis, instead of one redis-py pipeline per node: a
-`Store.agent_tick` costs 0.2-0.6 ms of client CPU, and 10,923 of them a second do not fit beside
-Redis and the controller on two cores. Redis gets the same commands, each node's in its order
-(only fewer round trips: its syscall work, hence its CPU, is a slight underestimate of 10,923
-separate agents). At start-up the commands are checked byte for byte against those of
-`Store.agent_tick` for the same inputs, so a change there stops the benchmark instead of
+socket, parsing the replies with hiredis, instead of one redis-py pipeline per node: an
+`OwnRecords.agent_tick` costs 0.2-0.6 ms of client CPU, and 10,923 of them a second do not fit
+beside Redis and the controller on two cores. Redis gets the same commands, each node's in its
+order (only fewer round trips: its syscall work, hence its CPU, is a slight underestimate of
+10,923 separate agents). At start-up the commands are checked byte for byte against those of
+`OwnRecords.agent_tick` for the same inputs, so a change there stops the benchmark instead of
 measuring other traffic. The simulated agents are in bench/controller_scale_fleet.py, the
 figures' report in bench/controller_scale_report.py.
 
@@ -148,7 +148,7 @@ class Size:
         self.hang_rule = any(f.name == "hang_timeout_s" for f in dataclasses.fields(Settings))
         names = [node_name(i) for i in range(nodes)]
         for i, node in enumerate(names):
-            store.register_node(node, {"host": f"host{i}", "health": "ok", "devices": RPN})
+            store.own.register_node(node, {"host": f"host{i}", "health": "ok", "devices": RPN})
         # Generation 0 as the controller plans it (decide._plan_next) and records it.
         now = time.time()
         reason = f"generation 0 on {decide_names(names)} from scratch"
@@ -282,7 +282,7 @@ class Size:
         c[STOP] = -1
         # The victim beats again (within an interval) before the controller looks again; no
         # longer: a pause past the hang threshold looks like a stall to the next tick.
-        while (self.store.sweep([victim]).agent_beats.get(victim) or 0) < resumed:
+        while (self.store.summaries.sweep([victim]).agent_beats.get(victim) or 0) < resumed:
             time.sleep(0.05)
             self.ctl.relay.run(self.store.plan())  # its beat reaches `agents` through the relay
         self.restore()

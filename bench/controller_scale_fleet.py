@@ -1,6 +1,6 @@
 """The simulated fleet of bench/controller_scale.py: its settings (ranks per node, heartbeat
 and hang timings, the phases of a step), the commands of one node's tick (`tick_commands`, held
-byte for byte to `Store.agent_tick` by `check_commands`) and `Agents`, the agents of a slice of
+byte for byte to `OwnRecords.agent_tick` by `check_commands`) and `Agents`, the agents of a slice of
 the nodes in one worker process (`simulate`), each node ticking once per heartbeat interval.
 """
 
@@ -46,7 +46,7 @@ def node_name(i: int) -> str:
 
 def tick_commands(p: str, node: str, status: tuple, beats: list[str], deadline: float,
                   summary: NodeSummary, now: float) -> list[tuple]:
-    """The commands of `Store.agent_tick` for one node (reset_ranks False, a deadline, a
+    """The commands of `OwnRecords.agent_tick` for one node (reset_ranks False, a deadline, a
     summary), all under the node's own keys but the plan's stamp, its command list and the
     control word; `check_commands` holds them to agent_tick's own. The row's record token is
     INFO_TOKEN: the controller reads each node's record once, as after a registration."""
@@ -92,7 +92,7 @@ def beat_json(head: str, t: float, step: int, phase: str, since: float, compute_
 
 
 def check_commands(url: str, plan: dict) -> None:
-    """Fail unless the simulator sends, byte for byte, what `Store.agent_tick` sends."""
+    """Fail unless the simulator sends, byte for byte, what `OwnRecords.agent_tick` sends."""
     p, node, now = prefix(JOB), node_name(7), 1.7e9 + 0.123456
     beats = [beat_json(beat_head(7 * RPN + lr, lr), now - 0.3 - lr / 100, FIRST_STEP + 3,
                        "backward", now - 0.5, 0.85, 0.15, 99) for lr in range(RPN)]
@@ -111,11 +111,11 @@ def check_commands(url: str, plan: dict) -> None:
             return [None, None, 1, None, None]
 
     store = Store(url, JOB)
-    store.r = mock.Mock(pipeline=lambda transaction=True: Deferred())
-    store._rows = {node: {"info": INFO_TOKEN}}  # as the simulator's rows carry it
+    store.own.r = mock.Mock(pipeline=lambda transaction=True: Deferred())
+    store.own._rows = {node: {"info": INFO_TOKEN}}  # as the simulator's rows carry it
     with mock.patch.object(own_module, "time", mock.Mock(time=lambda: now,
                                                          monotonic=lambda: now)):
-        store.agent_tick(node, status, {lr: json.loads(b) for lr, b in enumerate(beats)},
+        store.own.agent_tick(node, status, {lr: json.loads(b) for lr, b in enumerate(beats)},
                          now - 0.3 - 0.11 + TIMEOUT_S, False, summary)
     theirs = [hiredis.pack_command(tuple(args)) for args, _ in recorded.command_stack]
     ours = [hiredis.pack_command(c) for c in tick_commands(
@@ -124,7 +124,7 @@ def check_commands(url: str, plan: dict) -> None:
     if theirs != ours:
         diff = next((i for i, (a, b) in enumerate(zip(theirs, ours, strict=False)) if a != b),
                     "count")
-        raise SystemExit(f"Store.agent_tick no longer sends what this simulator sends (first "
+        raise SystemExit(f"OwnRecords.agent_tick no longer sends what this simulator sends (first "
                          f"difference: command {diff}); update tick_commands()")
     if tuple(json.loads(beats[0])) != BEAT_FIELDS:
         raise SystemExit("beat_json() lost a heartbeat field")

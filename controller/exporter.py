@@ -117,7 +117,7 @@ class JobCollector(Collector):
         yield _gauge("optimus_target_steps", "optim.steps of the job", self.job.optim.steps)
 
         running = plan.get("action") == "run"
-        step = store.furthest_step() if running else None
+        step = store.summaries.furthest_step() if running else None
         if step is not None:
             yield _gauge("optimus_step", "The furthest step any rank has reached", step)
         yield from self._training(plan if running else {}, unreadable)
@@ -196,7 +196,7 @@ class JobCollector(Collector):
     def _memory(self) -> Iterator:
         """The largest peak memory of any rank, each over its last logged step: how near the
         fullest rank is to its device's capacity. One series each, whatever the ranks."""
-        peak = self.store.peak_memory()
+        peak = self.store.summaries.peak_memory()
         if peak is None:
             return
         yield _gauge("optimus_memory_peak_allocated_bytes", "The largest peak memory held by "
@@ -245,7 +245,7 @@ class JobCollector(Collector):
             family.add_metric([name], float(count))
         yield family
 
-        ages = sorted(max(now - t, 0.0) for t in store.oldest_beats().values())
+        ages = sorted(max(now - t, 0.0) for t in store.summaries.oldest_beats().values())
         timeout = self.job.supervision.heartbeat_timeout_s
         yield _gauge("optimus_heartbeat_overdue_nodes", "Nodes whose oldest rank heartbeat is "
                      "older than heartbeat_timeout_s", sum(a > timeout for a in ages))
@@ -260,7 +260,7 @@ class JobCollector(Collector):
             "its oldest rank heartbeat", buckets=buckets, sum_value=sum(ages))
 
         excluded = store.excluded()
-        unhealthy = set(store.sweep([]).unhealthy)
+        unhealthy = set(store.summaries.sweep([]).unhealthy)
         in_plan = set(plan_nodes)
         counts = dict.fromkeys(NODE_STATES, 0)
         for node in set(beats) | set(excluded) | in_plan:

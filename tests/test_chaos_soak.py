@@ -57,7 +57,7 @@ def _agent(procs: Processes, url: str, node: str, name: str | None = None,
 def _usable_point(store: Store, plan: dict) -> int | None:
     """The step of the newest usable memory point of the plan's own generation, now."""
     alive = {n for n, t in store.agent_beats().items() if time.time() - t < 3.0}
-    point, _ = memory_point(plan, store.snapshots(), alive, None)
+    point, _ = memory_point(plan, store.reports.snapshots(), alive, None)
     return point["step"] if point and point["generation"] == plan["generation"] else None
 
 
@@ -76,7 +76,7 @@ def _recovered(store: Store, generation: int, timeout: float = 180) -> dict:
 
 
 def _step(store: Store) -> int:
-    return store.furthest_step() or 0
+    return store.summaries.furthest_step() or 0
 
 
 def _chaos(url: str, *args: str) -> str:
@@ -144,7 +144,7 @@ def test_seven_faults_in_a_row_each_recovered_from_the_right_state(tmp_path, red
     wait_for(lambda: store.plan()["buddies"]["node1"]["node"] == "node0", 60,
              "node0 to become node1's buddy")
     wait_for(lambda: any(1 in ranks for name, ranks in
-                         store.snapshots().get("node0", {}).get("held", {}).items()
+                         store.reports.snapshots().get("node0", {}).get("held", {}).items()
                          if name.endswith(".gen_0004")), 60, "a copy of node1's on node0")
 
     _command(store, "node1", "kill_node")  # 5: its copy is on the rejoined node0
@@ -253,7 +253,7 @@ def test_a_node_back_under_its_own_name_keeps_the_proof_of_what_it_held(tmp_path
     # under a CPU hog: node1's pushes ran ahead of node0's, and node1 dropped its own copy of
     # the one point both had confirmed; tests/test_snapshot_align.py has that case alone).
     reports = {n: {k: r.get(k) for k in ("incarnation", "own", "held", "replicated")}
-               for n, r in store.snapshots().items()}
+               for n, r in store.reports.snapshots().items()}
     assert "from the memory snapshot of step" in generation, (
         f"{generation}\nreports: {json.dumps(reports, sort_keys=True)}\n"
         f"controller: {procs.log('controller')[-4000:]}\n"

@@ -26,12 +26,19 @@ class _Spawner:
         return False
 
 
-class _Store:
+class _Own:
+    """The node's own records, as the checks write them: each record published."""
+
     def __init__(self):
         self.health: list[dict] = []
 
     def set_health(self, node: str, info: dict) -> None:
         self.health.append(dict(info))
+
+
+class _Store:
+    def __init__(self):
+        self.own = _Own()
 
 
 class _Voice:
@@ -102,7 +109,7 @@ def test_a_generations_end_is_checked_once_and_the_next_plan_stands_on_that_chec
     assert node.count == 1 and node.part.ran_since_ok is False
     node.now += FRESH_S / 2
     assert node.part.healthy_for(4) and node.count == 1  # the plan launches on it
-    assert node.store.health[-1]["health"] == "ok" and node.store.health[-1]["ran_since_ok"]
+    assert node.store.own.health[-1]["health"] == "ok" and node.store.own.health[-1]["ran_since_ok"]
 
 
 def test_a_plan_checks_for_itself_when_the_check_ahead_is_stale_or_ranks_ran_since(node):
@@ -120,12 +127,12 @@ def test_a_failed_check_ahead_is_neither_kept_nor_said_and_the_plans_own_check_r
     _generation_ran(node, 3)
     node.answer = "bad"
     node.check_ahead()
-    assert node.count == 1 and node.part.ahead is None and node.store.health == []
+    assert node.count == 1 and node.part.ahead is None and node.store.own.health == []
     assert node.events == []  # said by the plan's check, as before
     node.check_ahead()
     assert node.count == 1  # not every tick: again after AGAIN_S
     assert not node.part.healthy_for(4) and node.count == 2
-    assert node.store.health[-1]["health"] == "bad"
+    assert node.store.own.health[-1]["health"] == "bad"
     assert node.events and "fails its health check before generation 4" in node.events[-1][1]
 
 
@@ -170,20 +177,21 @@ def test_a_spare_gone_bad_is_said_at_once_and_again_only_when_it_changes(node):
     said, as a check on demand is, so that the controller excludes it before a plan names it;
     the same result again is not said again; a pass after a repair is."""
     node.check_ahead()
-    assert node.count == 1 and node.store.health == [] and node.events == []  # ok: unchanged
+    assert node.count == 1 and node.store.own.health == [] and node.events == []  # ok: unchanged
     node.commands.take({"kind": "bad_tile", "tile": 0})
     node.now += AGAIN_S
     node.check_ahead()
     assert node.count == 2 and node.part.ahead is None
-    assert node.store.health[-1]["health"] == "bad" and not node.store.health[-1]["ran_since_ok"]
+    published = node.store.own.health[-1]
+    assert published["health"] == "bad" and not published["ran_since_ok"]
     assert node.events[-1] == ("health", "health check while idle: n0 bad tile n0/0: wrong")
     node.now += AGAIN_S
     node.check_ahead()
-    assert node.count == 3 and len(node.store.health) == 1  # still bad: not said again
+    assert node.count == 3 and len(node.store.own.health) == 1  # still bad: not said again
     node.part.corrupt_tiles.clear()  # repaired
     node.now += AGAIN_S
     node.check_ahead()
-    assert node.store.health[-1]["health"] == "ok" and node.part.ahead is not None
+    assert node.store.own.health[-1]["health"] == "ok" and node.part.ahead is not None
     assert node.events[-1] == ("health", "health check while idle: n0 ok")
 
 
@@ -193,7 +201,7 @@ def test_a_node_whose_ranks_ran_leaves_a_failed_check_ahead_to_the_plan(node):
     _generation_ran(node, 3)
     node.commands.take({"kind": "bad_tile", "tile": 0})
     node.check_ahead()
-    assert node.count == 1 and node.store.health == []
+    assert node.count == 1 and node.store.own.health == []
     assert [kind for kind, _ in node.events] == ["chaos"]
 
 
@@ -206,11 +214,11 @@ def test_a_pass_after_the_ranks_left_moves_ok_at_but_not_where_a_window_opens(no
     node.part.info = {**node.part.info, "ok_at": 900.0, "window_from": 900.0}
     _generation_ran(node, 3)
     node.check_ahead()
-    published = node.store.health[-1]
+    published = node.store.own.health[-1]
     assert (published["ok_at"], published["window_from"]) == (node.now, 900.0)
     node.now += FRESH_S / 2
     assert node.part.healthy_for(4) and node.count == 1  # the plan launches on it
-    assert node.store.health[-1]["window_from"] == node.now - FRESH_S / 2
+    assert node.store.own.health[-1]["window_from"] == node.now - FRESH_S / 2
 
 
 class _Requests:

@@ -222,7 +222,7 @@ def test_the_controller_says_a_refused_plan_in_one_event_and_plans_anew(redis_se
     settings = settings_for(config, str(tmp_path / "job.yaml"), [], 2, 1)
     store = Store(redis_server.url, "j")
     for name in ("n0", "n1"):
-        store.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
+        store.own.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
     bad = {k: v for k, v in run_plan(0, ["n0", "n1"]).items() if k != "job_file"}
     store.r.set(store.k("plan"), json.dumps(bad))
     ctl = Controller(store, config, settings, ident="c")

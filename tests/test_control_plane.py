@@ -197,7 +197,7 @@ def test_standby_controller_takes_over_and_the_ranks_never_notice(redis_server, 
               redis_server.url, "--lease", str(lease), "--exit-when-done"]
     procs.start("c1", *common, "--id", "c1")
     store = Store(redis_server.url, "e2e")
-    wait_for(lambda: store.leader() == "c1", 30, "c1 to lead")
+    wait_for(lambda: store.fence.leader() == "c1", 30, "c1 to lead")
     procs.start("c2", *common, "--id", "c2")
     _agents(procs, redis_server.url)
     wait_for(lambda: _rank0_step(store) >= 5, 120, "rank 0 to reach step 5")
@@ -205,7 +205,7 @@ def test_standby_controller_takes_over_and_the_ranks_never_notice(redis_server, 
     procs.procs["c1"].kill()  # SIGKILL, mid-run
     # How soon is the machine's to say (within a lease and a tick when quiet: 9.4 s once under
     # a CPU hog); what was decided is asserted below: c2 leads and nothing restarted.
-    wait_for(lambda: store.leader() == "c2", 3 * lease, "c2 to take over")
+    wait_for(lambda: store.fence.leader() == "c2", 3 * lease, "c2 to take over")
     step_at_takeover = _rank0_step(store)
     # Neither a controller nor an agent imports torch (a standby's start, a failover and every
     # agent's restart pay for no import of seconds); the ranks are other processes.

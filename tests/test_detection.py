@@ -150,7 +150,7 @@ def test_chaos_stall_rank_is_a_slow_step_and_chaos_hang_rank_a_hang_with_its_ran
         # advance (the step it fires in), ~10 s of steps ahead at the rate this machine steps
         # now, so that the command (a Python process starting, the agent's next tick) arrives
         # first on a fast machine and a loaded one alike.
-        at = store.furthest_step() + _steps_in(store, 10.0)
+        at = store.summaries.furthest_step() + _steps_in(store, 10.0)
         said = chaos(redis_server.url, "stall-rank", "--rank", "1", "--seconds", "2",
                      "--at-step", str(at))
         assert said.strip() == (f"stall-rank sent to the agent of {culprit} (rank 1); it fires "
@@ -192,8 +192,9 @@ def test_chaos_stall_rank_is_a_slow_step_and_chaos_hang_rank_a_hang_with_its_ran
 
 def _steps_in(store: Store, seconds: float) -> int:
     """How many steps the job takes in `seconds` at its current rate (25 at least)."""
-    step, started = store.furthest_step(), time.monotonic()
-    later = wait_for(lambda: (s := store.furthest_step()) >= step + 5 and s, 60, "five steps")
+    step, started = store.summaries.furthest_step(), time.monotonic()
+    later = wait_for(lambda: (s := store.summaries.furthest_step()) >= step + 5 and s, 60,
+                     "five steps")
     rate = (later - step) / (time.monotonic() - started)
     return max(25, math.ceil(rate * seconds))
 

@@ -118,7 +118,7 @@ def _controller(redis_server, tmp_path, run_dir: Path) -> tuple[Controller, Stor
     settings = settings_for(config, str(tmp_path / "job.yaml"), [], 2, 1)
     store = Store(redis_server.url, "j")
     for name in ("n0", "n1"):
-        store.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
+        store.own.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
     return Controller(store, config, settings, ident="c"), store
 
 

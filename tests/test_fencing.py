@@ -82,7 +82,7 @@ def _leading(url: str, tmp_path, ident: str = "a", **store_kw) -> tuple[Store, C
     config, settings = _job(tmp_path)
     store = Store(url, "j", **store_kw)
     for name in ("n0", "n1"):
-        store.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
+        store.own.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
     ctl = Controller(store, config, settings, ident=ident)
     wait_for(lambda: ctl.tick() and (store.plan() or {}).get("action") == "run", 20,
              "generation 0 planned")
@@ -139,7 +139,7 @@ def test_a_controller_that_lost_its_lease_applies_nothing_and_stands_down(redis_
     for moved in ("taken", "expired"):
         d, obs = _next_generation(ctl)
         store.r.delete(store.k("leader"))  # b's, from the last round
-        assert store.hold_lease("a", 5.0)
+        assert store.fence.hold_lease("a", 5.0)
         before = _state(store)
         if moved == "taken":
             store.r.set(store.k("leader"), "b", px=5000)
@@ -205,7 +205,8 @@ def test_a_decision_carried_across_a_cut_is_refused_once_the_lease_moved(redis_s
         d, obs = _next_generation(ctl)
 
         def move_lease():
-            wait_for(lambda: other.hold_lease("b", 30), 5, "a's lease to expire and b to take it")
+            wait_for(lambda: other.fence.hold_lease("b", 30), 5,
+                     "a's lease to expire and b to take it")
             link.up.set()
 
         def cut(pipe):  # queued after the lease was read as a's, before EXEC is sent
@@ -221,7 +222,7 @@ def test_a_decision_carried_across_a_cut_is_refused_once_the_lease_moved(redis_s
             return commit(batch, holder)
         monkeypatch.setattr(store, "commit", cut_first)
 
-        assert store.hold_lease("a", 2.0)  # b may take it 2 s after this, not before
+        assert store.fence.hold_lease("a", 2.0)  # b may take it 2 s after this, not before
         before, execs = _state(other), _execs(redis_server.port)
         started = time.monotonic()
         assert ctl.apply(d, obs) is False
@@ -230,7 +231,7 @@ def test_a_decision_carried_across_a_cut_is_refused_once_the_lease_moved(redis_s
         wait_for(lambda: _execs(redis_server.port) - execs == 1, 5, "the held EXEC to arrive")
         time.sleep(0.2)
         assert _state(other) == before  # that EXEC ran nothing: the lease was b's by then
-        assert other.leader() == "b" and ctl.leading is False
+        assert other.fence.leader() == "b" and ctl.leading is False
     finally:
         link.close()
 
@@ -246,7 +247,7 @@ def test_a_new_leader_adopts_a_plan_in_flight_whose_record_never_landed(redis_se
             "issued": time.time()}
     store.set_plan(plan)
     for name in ("n0", "n1"):
-        store.agent_tick(name, {"state": "running", "generation": 1, "live_ranks": 1}, {},
+        store.own.agent_tick(name, {"state": "running", "generation": 1, "live_ranks": 1}, {},
                          None, False)
     store.r.delete(store.k("leader"))  # the old leader is cut off: its lease ran out
 

@@ -157,6 +157,17 @@ def test_the_count_survives_a_failover_in_the_job_record():
     assert garbled.losses == {"n1": [5.0]}
 
 
+class _Summaries:
+    """The summary rows the observer sweeps: each agent's last beat."""
+
+    def __init__(self, beats):
+        self.beats = beats
+
+    def sweep(self, nodes, ranks_per_node=1):
+        return Sweep(agent_beats={n: self.beats.get(n) for n in nodes}, max_step=None,
+                     min_step=None, nonfinite=[], unhealthy=[])
+
+
 class _Agents:
     """What the observer reads of the nodes' agents (node_info, agent_status, sweep)."""
 
@@ -167,16 +178,13 @@ class _Agents:
                          "ok_at": NOW - 1} for n in names}
         self.status = {n: {"state": "idle", "live_ranks": "0"} for n in names}
         self.beats = {n: NOW - 0.1 for n in names}
+        self.summaries = _Summaries(self.beats)
 
     def node_info(self, nodes):
         return {n: self.info[n] for n in nodes if n in self.info}
 
     def agent_status(self, nodes):
         return {n: self.status[n] for n in nodes if n in self.status}
-
-    def sweep(self, nodes, ranks_per_node=1):
-        return Sweep(agent_beats={n: self.beats.get(n) for n in nodes}, max_step=None,
-                     min_step=None, nonfinite=[], unhealthy=[])
 
 
 def test_an_operators_exclusion_and_a_bad_tiles_are_never_lifted():
@@ -220,19 +228,19 @@ def test_the_agent_publishes_a_pass_once_its_ranks_left_again_if_redis_refused(
     the node passed a check after its return. Quietly, and again at the next tick if Redis
     did not take it."""
     outages = []
-    refusing = type(node.store)()
-    refusing.set_health = lambda n, info, _real=refusing.set_health: (
+    own = node.store.own
+    own.set_health = lambda n, info, _real=own.set_health: (
         _real(n, info) if outages else (_ for _ in ()).throw(StoreUnavailable("cut off")))
-    node.store, node._note_outage = refusing, outages.append
+    node.voice.outage = outages.append
     _generation_ran(node, 3)
-    node._check_ahead()
-    assert node.checks == 1 and refusing.health == [] and len(outages) == 1
-    node._check_ahead()  # the next tick: published now, not checked again
-    assert node.checks == 1 and refusing.health[-1]["health"] == "ok"
-    assert refusing.health[-1]["ok_at"] == node.now  # when it passed, for the controller
+    node.check_ahead()
+    assert node.count == 1 and own.health == [] and len(outages) == 1
+    node.check_ahead()  # the next tick: published now, not checked again
+    assert node.count == 1 and own.health[-1]["health"] == "ok"
+    assert own.health[-1]["ok_at"] == node.now  # when it passed, for the controller
     assert node.events == []  # the record only: every node does this at every generation end
-    node._check_ahead()
-    assert len(refusing.health) == 1
+    node.check_ahead()
+    assert len(own.health) == 1
 
 
 STEPS = 30

@@ -87,7 +87,7 @@ def test_three_hosts_replicate_over_the_data_network_and_recover_rank_0s_node(
     def replicated() -> dict | None:
         """node -> (its snapshot server, a point its buddy confirmed and holds), once every
         node of the plan has one."""
-        reports, found = store.snapshots(), {}
+        reports, found = store.reports.snapshots(), {}
         for node in plan["nodes"]:
             buddy = plan["buddies"][node]["node"]
             mine, theirs = reports.get(node, {}), reports.get(buddy, {})

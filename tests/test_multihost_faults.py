@@ -130,7 +130,7 @@ def test_a_leader_cut_off_mid_decision_is_fenced_and_its_plan_adopted(
                       "the plan of generation 1", interval=0.002)
     h.kill("controller", signal.SIGSTOP)
     h.cut("control", "mgmt")
-    wait_for(lambda: store.leader() == "standby", 30, "the standby to lead")
+    wait_for(lambda: store.fence.leader() == "standby", 30, "the standby to lead")
     wait_for(lambda: store.job_record().get("state") == "RUNNING"
              and mh.rank0_step(store, landed) > 10, 60, "generation 1 running under the standby")
     adopted = store.plan()

@@ -43,7 +43,7 @@ class FakeController:
         self.store.update_job({"state": "RUNNING", "generation": 0, **record})
         self.store.set_plan(run_plan(0, ["node0", "node1"]))
         for name in ("node0", "node1"):
-            self.store.register_node(name, {"host": name, "health": "ok"})
+            self.store.own.register_node(name, {"host": name, "health": "ok"})
         relay(self.store)  # the records a controller would have relayed
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._answer, daemon=True)

@@ -202,13 +202,13 @@ def test_a_silent_node_whose_host_refuses_is_lost_and_the_next_plan_does_not_wai
         servers[name] = socket.socket()
         servers[name].bind(("127.0.0.1", 0))
         servers[name].listen(8)
-        store.register_node(name, {"host": name, "health": "ok",
+        store.own.register_node(name, {"host": name, "health": "ok",
                                    "snapshot_addr": f"127.0.0.1:{servers[name].getsockname()[1]}"})
     ctl = Controller(store, config, settings, ident="c")
     try:
         def running(*nodes, ranks: int = 1):
             for n in nodes:
-                store.agent_tick(n, {"state": "running", "generation": 0, "live_ranks": ranks},
+                store.own.agent_tick(n, {"state": "running", "generation": 0, "live_ranks": ranks},
                                  {}, None, False)
             ctl.tick()
             return store.job_record().get("state")

@@ -79,8 +79,8 @@ def test_isolated_only_when_another_node_runs_on_another_machine():
 def _foreign_node(store: Store, name: str = "node1") -> None:
     """A node registered from another machine (its record as its agent would write it)."""
     agent = Store(store.url, store.job)
-    agent.speak_as(name)
-    agent.register_node(name, {"host": "10.231.0.12", "loopback": "", "machine": "elsewhere/7",
+    agent.own.speak_as(name)
+    agent.own.register_node(name, {"host": "10.231.0.12", "loopback": "", "machine": "elsewhere/7",
                                "health": "ok", "devices": 1, "snapshot_addr": ""})
     relay(store)
 

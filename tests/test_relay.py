@@ -23,7 +23,7 @@ def _store(redis_server) -> Store:
     store = Store(redis_server.url, "j")
     store.set_plan(PLAN)
     for node in ("n0", "n1", "n2"):
-        store.register_node(node, {"host": node, "health": "ok"})
+        store.own.register_node(node, {"host": node, "health": "ok"})
     return store
 
 
@@ -35,17 +35,17 @@ def _forge(store: Store, node: str, name: str, **token) -> None:
     """What node's own user may do beyond what its agent does: any entry in its own keys, and
     the row token that says so."""
     pipe = store.r.pipeline()
-    store._put_row(pipe, node, **token)
+    store.own.put_row(pipe, node, **token)
     pipe.execute()
 
 
 def test_an_exit_is_relayed_only_for_a_rank_the_plan_puts_on_its_node(redis_server):
     store = _store(redis_server)
-    store.report_exit(_exit("n1", 3))  # n1 holds ranks 2 and 3
-    store.report_exit(_exit("n1", 0))  # rank 0 is n0's
-    store.report_exit(_exit("n2", 2))  # n2 runs nothing of generation 2
-    store.report_exit(_exit("n1", 2, generation=3))  # not planned yet
-    store.report_exit(_exit("n1", 0, generation=1))  # an older generation: kept as history
+    store.own.report_exit(_exit("n1", 3))  # n1 holds ranks 2 and 3
+    store.own.report_exit(_exit("n1", 0))  # rank 0 is n0's
+    store.own.report_exit(_exit("n2", 2))  # n2 runs nothing of generation 2
+    store.own.report_exit(_exit("n1", 2, generation=3))  # not planned yet
+    store.own.report_exit(_exit("n1", 0, generation=1))  # an older generation: kept as history
     store.r.xadd(store.k("node:n1:exits"), {"json": json.dumps(_exit("n0", 1).record())})
     store.r.xadd(store.k("node:n1:exits"), {"json": "[1, 2]"})
     # Whole and well typed, or refused with the line that names the field.
@@ -72,19 +72,19 @@ def test_an_exit_is_relayed_only_for_a_rank_the_plan_puts_on_its_node(redis_serv
 
 def test_a_leader_that_takes_over_relays_nothing_twice_and_skips_nothing(redis_server):
     store = _store(redis_server)
-    store.report_exit(_exit("n0", 0))
+    store.own.report_exit(_exit("n0", 0))
     store.event("agent:n0", "note", "first")  # an agent's store speaks for its node...
-    store.speak_as("n0")
+    store.own.speak_as("n0")
     store.event("agent:n0", "note", "mine")  # ...once it is told which
-    assert store.hold_lease("a", 60)
+    assert store.fence.hold_lease("a", 60)
     first = Relay(store, lambda *a, **f: None, holder="a")
     first.run(PLAN)
-    store.report_exit(_exit("n0", 1))
+    store.own.report_exit(_exit("n0", 1))
     store.event("agent:n0", "note", "later")
     store.r.delete(store.k("leader"))  # a's lease ran out (a paused) and b took it over
-    assert store.hold_lease("b", 60)
+    assert store.fence.hold_lease("b", 60)
     Relay(store, lambda *a, **f: None, holder="b").run(PLAN)  # from the stored cursors
-    store.report_exit(_exit("n0", 0, generation=1))
+    store.own.report_exit(_exit("n0", 0, generation=1))
     first.run(PLAN)  # a wakes up mid-tick, caches and all: it writes nothing
     assert first.cursors is None  # and reads the cursors again if it ever leads again
     assert [r["rank"] for _, r in store.exits()] == [0, 1]
@@ -107,15 +107,15 @@ def test_an_event_is_relayed_under_its_nodes_name_whatever_it_says(redis_server)
 def test_a_rendezvous_port_comes_from_the_node_of_rank_0_only(redis_server):
     store = _store(redis_server)
     n1 = Store(redis_server.url, "j")
-    n1.speak_as("n1")
-    n1.set_master_port(2, 4242)
+    n1.own.speak_as("n1")
+    n1.own.set_master_port(2, 4242)
     said = relay(store)
     assert store.master_port(2) is None
     assert said == [("relay_refused", "not relayed from node n1: a rendezvous port for "
                      "generation 2, whose rank 0 the plan puts on another node")]
     n0 = Store(redis_server.url, "j")
-    n0.speak_as("n0")
-    n0.set_master_port(2, 5151)
+    n0.own.speak_as("n0")
+    n0.own.set_master_port(2, 5151)
     relay(store)
     assert store.master_port(2) == 5151
 
@@ -123,10 +123,10 @@ def test_a_rendezvous_port_comes_from_the_node_of_rank_0_only(redis_server):
 def test_stacks_are_relayed_for_the_nodes_own_ranks(redis_server):
     store = _store(redis_server)
     n1 = Store(redis_server.url, "j")
-    n1.speak_as("n1")
-    n1.put_stacks(2, {2: "stack of 2", 0: "a stack for n0's rank", 3: "stack of 3"})
+    n1.own.speak_as("n1")
+    n1.own.put_stacks(2, {2: "stack of 2", 0: "a stack for n0's rank", 3: "stack of 3"})
     said = relay(store)
-    assert store.stacks(2) == {2: "stack of 2", 3: "stack of 3"}
+    assert store.reports.stacks(2) == {2: "stack of 2", 3: "stack of 3"}
     assert [k for k, _ in said] == ["relay_refused"]
 
 
@@ -137,11 +137,12 @@ def test_summaries_and_deadlines_are_relayed_for_the_plans_nodes_only(redis_serv
     now = time.time()
     summary = NodeSummary(max_step=9, min_step=8, outside=1, nonfinite=True, compute_s=0.25)
     for node in ("n0", "n2"):
-        store.agent_tick(node, {"state": "running"}, {}, now - 5, False, summary)
+        store.own.agent_tick(node, {"state": "running"}, {}, now - 5, False, summary)
     relay(store)
     assert store.overdue(now) == {"n0": now - 5}
-    assert store.node_steps() == {"n0": 9.0} and store.compute_scores() == {"n0": 0.25}
-    assert store.sweep(["n0", "n1"]).nonfinite == ["n0"]
+    summaries = store.summaries
+    assert summaries.node_steps() == {"n0": 9.0} and summaries.compute_scores() == {"n0": 0.25}
+    assert store.summaries.sweep(["n0", "n1"]).nonfinite == ["n0"]
     assert set(store.agent_beats()) == {"n0", "n1", "n2"}  # every node's agent beat
 
 
@@ -161,17 +162,17 @@ def test_a_row_the_agent_would_not_write_is_not_relayed(redis_server):
 
 def test_snapshot_reports_and_earlier_incarnations_are_relayed_and_dropped(redis_server):
     store = _store(redis_server)
-    store.set_snapshots("n1", {"incarnation": "a", "own": {}}, first=True)
+    store.own.set_snapshots("n1", {"incarnation": "a", "own": {}}, first=True)
     relay(store)
-    store.set_snapshots("n1", {"incarnation": "b", "own": {}}, first=True)  # a restart
+    store.own.set_snapshots("n1", {"incarnation": "b", "own": {}}, first=True)  # a restart
     store.r.hset(store.k("node:n1:snapshots"), "@../x y", "{}")  # no incarnation name
     relay(store)
-    assert {k: v["incarnation"] for k, v in store.snapshots().items()} == {"n1": "b",
+    assert {k: v["incarnation"] for k, v in store.reports.snapshots().items()} == {"n1": "b",
                                                                           "n1@a": "a"}
-    store.drop_snapshots(["n1@a"])
-    store.set_snapshots("n1", {"incarnation": "b", "own": {"x": [0]}})
+    store.reports.drop_snapshots(["n1@a"])
+    store.own.set_snapshots("n1", {"incarnation": "b", "own": {"x": [0]}})
     relay(store)
-    assert set(store.snapshots()) == {"n1"}  # dropped where the node keeps it too
+    assert set(store.reports.snapshots()) == {"n1"}  # dropped where the node keeps it too
 
 
 def test_a_node_found_once_it_writes_and_a_non_name_never(redis_server):
@@ -188,16 +189,16 @@ def test_a_pass_that_fails_to_write_is_done_again_whole(redis_server, monkeypatc
     from controller.store.store import StoreUnavailable
 
     store = _store(redis_server)
-    store.report_exit(_exit("n0", 1))
+    store.own.report_exit(_exit("n0", 1))
     passes = Relay(store, lambda *a, **f: None)
-    real = store.mirror
+    real = store.mirror.write
 
     def down(w, holder=None):
         raise StoreUnavailable("Redis did not answer")
-    monkeypatch.setattr(store, "mirror", down)
+    monkeypatch.setattr(store.mirror, "write", down)
     with pytest.raises(StoreUnavailable):
         passes.run(PLAN)
-    monkeypatch.setattr(store, "mirror", real)
+    monkeypatch.setattr(store.mirror, "write", real)
     passes.run(PLAN)
     passes.run(PLAN)
     assert [r["rank"] for _, r in store.exits()] == [1]
@@ -228,6 +229,6 @@ def test_a_row_written_before_the_one_relayed_is_not_relayed(redis_server):
     assert store.agent_beats()["n0"] == 990.0
     # the row an agent writes carries its clock, rising with every write
     first = parse_row(store.r.get(store.k("node:n1:row")))["seq"]
-    store.speak_as("n1")
-    store.register_node("n1", {"host": "n1", "health": "ok"})
+    store.own.speak_as("n1")
+    store.own.register_node("n1", {"host": "n1", "health": "ok"})
     assert parse_row(store.r.get(store.k("node:n1:row")))["seq"] > first

@@ -133,24 +133,24 @@ def test_an_agent_removes_void_points_and_keeps_the_new_lines_being_written(tmp_
 def test_a_rejoined_node_keeps_its_earlier_incarnations_report_apart(redis_server):
     store = Store(redis_server.url, "inc")
     first = {**_snap(held={_p(44, 0): [2, 3]}), "incarnation": "100.aa"}
-    store.set_snapshots("n2", first, first=True)
-    store.set_snapshots("n2", {**first, "held": {_p(44, 0): [2, 3], _p(46, 0): [2, 3]}})
+    store.own.set_snapshots("n2", first, first=True)
+    store.own.set_snapshots("n2", {**first, "held": {_p(44, 0): [2, 3], _p(46, 0): [2, 3]}})
     relay(store)  # the controller's: from the node's own keys to the job-wide record
-    assert set(store.snapshots()) == {"n2"}  # the same incarnation: written over
+    assert set(store.reports.snapshots()) == {"n2"}  # the same incarnation: written over
     again = {**_snap(), "incarnation": "200.bb"}
-    store.set_snapshots("n2", again, first=True)
+    store.own.set_snapshots("n2", again, first=True)
     relay(store)
-    reports = store.snapshots()
+    reports = store.reports.snapshots()
     assert reports["n2"] == again
     assert reports["n2@100.aa"]["held"] == {_p(44, 0): [2, 3], _p(46, 0): [2, 3]}
     # An unreadable or hostile earlier record is kept under a fixed name, never its own.
     store.r.hset(store.k("node:n3:snapshots"), "now", json.dumps({"incarnation": "../x y"}))
-    store.set_snapshots("n3", {**_snap(), "incarnation": "300.cc"}, first=True)
+    store.own.set_snapshots("n3", {**_snap(), "incarnation": "300.cc"}, first=True)
     relay(store)
-    assert "n3@earlier" in store.snapshots()
-    store.drop_snapshots(["n2@100.aa", "n3@earlier"])
+    assert "n3@earlier" in store.reports.snapshots()
+    store.reports.drop_snapshots(["n2@100.aa", "n3@earlier"])
     relay(store)
-    assert set(store.snapshots()) == {"n2", "n3"}
+    assert set(store.reports.snapshots()) == {"n2", "n3"}
 
 
 def test_an_earlier_incarnation_proves_replication_but_holds_nothing():
@@ -247,13 +247,14 @@ def test_a_new_plan_removes_the_summary_rows_of_nodes_outside_it(redis_server):
     row = NodeSummary(max_step=25, min_step=25, outside=1, nonfinite=True, compute_s=0.1,
                       paused=0, oldest_beat=1.0, peak_allocated=5, peak_reserved=6)
     for n in ("n0", "n3"):
-        store.agent_tick(n, {"generation": 0}, {0: {"step": 25}}, 1e12, False, row)
+        store.own.agent_tick(n, {"generation": 0}, {0: {"step": 25}}, 1e12, False, row)
     relay(store, {"generation": 0, "nodes": ["n0", "n3"], "ranks_per_node": 1})
-    assert store.node_steps() == {"n0": 25.0, "n3": 25.0}
-    store.keep_rows(["n0", "n4"])
+    assert store.summaries.node_steps() == {"n0": 25.0, "n3": 25.0}
+    store.summaries.keep_rows(["n0", "n4"])
     relay(store, {"generation": 1, "nodes": ["n0", "n4"], "ranks_per_node": 1})
-    assert store.behind(100) == ["n0"] and store.outside_collectives(10) == ["n0"]
-    assert store.node_steps() == {"n0": 25.0} and store.sweep(["n0"]).nonfinite == ["n0"]
+    summaries = store.summaries
+    assert summaries.behind(100) == ["n0"] and summaries.outside_collectives(10) == ["n0"]
+    assert summaries.node_steps() == {"n0": 25.0} and summaries.sweep(["n0"]).nonfinite == ["n0"]
     assert store.rank_beats("n3") == {} and store.rank_beats("n0") == {0: {"step": 25}}
 
 
@@ -261,7 +262,7 @@ def test_every_registration_counts_a_node_back_under_its_own_name_too(redis_serv
     store = Store(redis_server.url, "regs")
     assert store.registrations() == 0
     for name in ("n0", "n1", "n0"):  # the same name again: the agents set is unchanged
-        store.register_node(name, {"health": "ok"})
+        store.own.register_node(name, {"health": "ok"})
         relay(store)  # the controller's, which counts each registration it finds
     assert store.registrations() == 3 and len(store.agent_beats()) == 2
 

@@ -115,10 +115,10 @@ def test_an_operators_chaos_spike_and_rewind_on_a_running_job(redis_server, proc
         procs.start(f"agent{i}", "agent", "--job", "e2e", "--node", f"node{i}",
                     "--redis", redis_server.url, "--interval", "0.25")
     store = Store(redis_server.url, "e2e")
-    wait_for(lambda: (store.furthest_step() or 0) >= 16, 180, "step 16")
+    wait_for(lambda: (store.summaries.furthest_step() or 0) >= 16, 180, "step 16")
     # Paused while the commands go out: what they ask for does not race a fast job.
     _ok("job", "pause", "--yes", "--wait", url=redis_server.url)
-    at = store.furthest_step() + 3
+    at = store.summaries.furthest_step() + 3
     out = _optimus("chaos", "spike", "--at-step", str(at), "--yes", url=redis_server.url)
     assert out.returncode == 0, out.stderr
     assert f"every rank poisons its share of step {at}'s batch" in out.stdout
@@ -127,7 +127,7 @@ def test_an_operators_chaos_spike_and_rewind_on_a_running_job(redis_server, proc
     (auto,) = json.loads(store.job_record()["rewinds"])
     assert (auto["step"], auto["first"], auto["last"], auto["by"]) == (at, at, at, "controller")
 
-    wait_for(lambda: (store.furthest_step() or 0) >= at + 8, 180, f"step {at + 8}")
+    wait_for(lambda: (store.summaries.furthest_step() or 0) >= at + 8, 180, f"step {at + 8}")
     _ok("job", "pause", "--yes", "--wait", url=redis_server.url)
     back = at + 2
     out = _optimus("job", "rewind", "--to", str(back), "--skip-samples", "12", "--reason",

@@ -80,14 +80,14 @@ def test_the_watch_writes_the_named_point_where_an_agents_tick_reads_it(redis_se
                                                                         monkeypatch):
     store = Store(redis_server.url, "j")
     reports = skewed()
-    monkeypatch.setattr(store, "snapshots", lambda: reports)
+    monkeypatch.setattr(store.reports, "snapshots", lambda: reports)
     watch, job = SnapshotWatch(store), {}
     watch.check(PLAN, job)
     assert job == {}  # nothing usable to show
 
     def told(generation: int) -> tuple[str | None, str | None]:
-        tick = store.agent_tick("a", {"generation": generation, "state": "running"}, {}, None,
-                                False)
+        tick = store.own.agent_tick("a", {"generation": generation, "state": "running"}, {},
+                                    None, False)
         return tick.align, tick.keep
     assert told(2) == (_p(6), None)  # push 6; nothing usable to keep yet
     assert told(1) == (None, None)  # another generation's agent is told nothing
@@ -250,13 +250,17 @@ def test_the_watch_reads_every_second_until_a_point_is_named_to_keep(monkeypatch
     monkeypatch.setattr(snapshot_watch.time, "monotonic", lambda: now[0])
     reports, written, reads = skewed(), [], []
 
-    class Store:
+    class Reports:
         def snapshots(self):
             reads.append(now[0])
             return reports
 
         def drop_snapshots(self, keys):
             pass
+
+    class Store:
+        def __init__(self):
+            self.reports = Reports()
 
         def set_snapshot_align(self, generation, push, keep):
             written.append(keep)

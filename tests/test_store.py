@@ -20,15 +20,15 @@ def test_keys_share_one_cluster_slot_tag():
 
 def test_one_leader_at_a_time_and_the_lease_expires(redis_server):
     a, b = Store(redis_server.url, "j"), Store(redis_server.url, "j")
-    assert a.hold_lease("a", 0.5) and not b.hold_lease("b", 0.5)
-    assert a.hold_lease("a", 0.5)  # renewed by its holder
-    assert a.leader() == "a"
+    assert a.fence.hold_lease("a", 0.5) and not b.fence.hold_lease("b", 0.5)
+    assert a.fence.hold_lease("a", 0.5)  # renewed by its holder
+    assert a.fence.leader() == "a"
     time.sleep(0.7)  # a stops renewing
-    assert b.hold_lease("b", 0.5) and not a.hold_lease("a", 0.5)
-    a.release_lease("a")  # not a's to release
-    assert b.leader() == "b"
-    b.release_lease("b")
-    assert a.leader() is None
+    assert b.fence.hold_lease("b", 0.5) and not a.fence.hold_lease("a", 0.5)
+    a.fence.release_lease("a")  # not a's to release
+    assert b.fence.leader() == "b"
+    b.fence.release_lease("b")
+    assert a.fence.leader() is None
 
 
 def test_agent_tick_is_one_round_trip_that_writes_beats_and_reads_plan_and_chaos(redis_server):
@@ -36,19 +36,19 @@ def test_agent_tick_is_one_round_trip_that_writes_beats_and_reads_plan_and_chaos
     s.set_plan(run_plan(3, ["n0"]))
     s.push_command("n0", {"kind": "kill_rank", "rank": 1})
     now = time.time()
-    tick = s.agent_tick("n0", {"generation": 3, "state": "running", "live_ranks": 2},
+    tick = s.own.agent_tick("n0", {"generation": 3, "state": "running", "live_ranks": 2},
                         {0: {"step": 7, "time": now}}, deadline=now - 1, reset_ranks=True)
     assert tick.plan_stamp == "3:run:None"  # generation:action:issued; the plan read apart
     assert tick.commands == [{"kind": "kill_rank", "rank": 1}]
     assert tick.registered is False  # no `nodes` entry yet: the agent must register
-    s.register_node("n0", {"host": "h", "health": "ok"})
-    tick = s.agent_tick("n0", {"state": "running"}, {}, deadline=now + 60, reset_ranks=False)
+    s.own.register_node("n0", {"host": "h", "health": "ok"})
+    tick = s.own.agent_tick("n0", {"state": "running"}, {}, deadline=now + 60, reset_ranks=False)
     assert tick.registered and tick.commands == []
     assert s.rank_beats("n0")[0]["step"] == 7
     relay(s)  # the controller's: the job-wide records come from the nodes' own
     assert s.overdue(now) == {}  # deadline moved on
     assert set(s.nodes()) == {"n0"} and set(s.agent_beats()) == {"n0"}
-    s.agent_tick("n0", {"state": "running"}, {}, deadline=now - 1, reset_ranks=False)
+    s.own.agent_tick("n0", {"state": "running"}, {}, deadline=now - 1, reset_ranks=False)
     assert s.overdue(now) == {}  # not relayed yet
     relay(s)
     assert s.overdue(now) == {"n0": now - 1}
@@ -67,30 +67,30 @@ def test_peak_memory_is_the_largest_of_any_node_and_leaves_with_its_ranks(redis_
     tick = {"status": {"state": "running"}, "rank_beats": {}, "deadline": None,
             "reset_ranks": False}
     for node in ("n0", "n1", "n2"):
-        s.register_node(node, {"host": node, "health": "ok"})
-    s.agent_tick("n0", **tick, summary=_summary(None, None))  # no step logged yet
+        s.own.register_node(node, {"host": node, "health": "ok"})
+    s.own.agent_tick("n0", **tick, summary=_summary(None, None))  # no step logged yet
     relay(s)
-    assert s.peak_memory() is None
-    s.agent_tick("n0", **tick, summary=_summary(3 << 30, 5 << 30))
-    s.agent_tick("n1", **tick, summary=_summary(4 << 30, 4 << 30))
-    s.agent_tick("n2", **tick, summary=_summary(9 << 30, 9 << 30))  # in no plan: not relayed
+    assert s.summaries.peak_memory() is None
+    s.own.agent_tick("n0", **tick, summary=_summary(3 << 30, 5 << 30))
+    s.own.agent_tick("n1", **tick, summary=_summary(4 << 30, 4 << 30))
+    s.own.agent_tick("n2", **tick, summary=_summary(9 << 30, 9 << 30))  # in no plan: not relayed
     relay(s)
-    assert s.peak_memory() == {"allocated_bytes": 4 << 30, "allocated_node": "n1",
+    assert s.summaries.peak_memory() == {"allocated_bytes": 4 << 30, "allocated_node": "n1",
                                "reserved_bytes": 5 << 30, "reserved_node": "n0"}
-    s.agent_tick("n1", **tick, summary=None)  # its ranks are gone
+    s.own.agent_tick("n1", **tick, summary=None)  # its ranks are gone
     relay(s)
-    assert s.peak_memory() == {"allocated_bytes": 3 << 30, "allocated_node": "n0",
+    assert s.summaries.peak_memory() == {"allocated_bytes": 3 << 30, "allocated_node": "n0",
                                "reserved_bytes": 5 << 30, "reserved_node": "n0"}
 
 
 def test_exits_stream_reads_after_a_cursor(redis_server):
     s = Store(redis_server.url, "j")
     s.set_plan(run_plan(0, ["n0"], ranks_per_node=2))
-    s.register_node("n0", {"host": "n0", "health": "ok"})
-    s.report_exit(exit_record("n0", 0, code=0))
+    s.own.register_node("n0", {"host": "n0", "health": "ok"})
+    s.own.report_exit(exit_record("n0", 0, code=0))
     assert s.exits() == [] and relay(s) == []  # the node's own stream, until relayed
     cursor = s.last_exit_id()
-    s.report_exit(exit_record("n0", 1, code=None, signal=9))
+    s.own.report_exit(exit_record("n0", 1, code=None, signal=9))
     relay(s)
     assert [r["rank"] for _, r in s.exits()] == [0, 1]
     assert [r["rank"] for _, r in s.exits(cursor)] == [1]

@@ -47,8 +47,8 @@ def _cli(url: str, *args: str) -> str:
 
 def test_node_list_and_job_status_show_markup_from_redis_as_it_is(redis_server):
     store = _running(redis_server.url)
-    store.register_node("n0", {"host": CLOSING, "health": "failed", "health_detail": LINK})
-    store.register_node("n2", {"host": "h2", "health": "ok"})
+    store.own.register_node("n0", {"host": CLOSING, "health": "failed", "health_detail": LINK})
+    store.own.register_node("n2", {"host": "h2", "health": "ok"})
     relay(store)  # the controller's
     store.exclude("n2", f"{CLOSING} {LINK}", by=f"ana@{CLOSING}")
     listed = _cli(redis_server.url, "node", "list")

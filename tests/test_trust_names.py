@@ -60,7 +60,7 @@ def test_the_agent_refuses_a_node_name_that_is_no_hostname(name):
 def test_the_store_refuses_to_register_a_node_name_that_is_no_hostname(redis_server):
     store = Store(redis_server.url, "j")
     with pytest.raises(ValueError, match="is not a node name"):
-        store.register_node(SCRIPT_LINE, {"host": "h", "health": "ok"})
+        store.own.register_node(SCRIPT_LINE, {"host": "h", "health": "ok"})
     assert store.r.hkeys(store.k("nodes")) == []
 
 
@@ -85,7 +85,7 @@ def test_a_node_named_like_a_script_line_never_reaches_plan_exclusions_or_journa
     config, settings = _job(tmp_path)
     store = Store(redis_server.url, "j")
     for name in ("n0", "n1"):
-        store.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
+        store.own.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
     _forge(store, SCRIPT_LINE, "ok")  # a healthy spare the plan could take
     _forge(store, UNHEALTHY, "failed")  # an unhealthy node the controller would exclude
     ctl = Controller(store, config, settings, ident="c")
@@ -112,7 +112,7 @@ def test_a_failed_exit_under_a_forged_name_blames_nobody_by_that_name(redis_serv
     config, settings = _job(tmp_path)
     store = Store(redis_server.url, "j")
     for name in ("n0", "n1"):
-        store.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
+        store.own.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
     ctl = Controller(store, config, settings, ident="c")
     ctl.tick()
     gen = store.plan()["generation"]
@@ -123,7 +123,7 @@ def test_a_failed_exit_under_a_forged_name_blames_nobody_by_that_name(redis_serv
          "signal": None, "by_agent": False, "time": time.time(), "tail": "",
          "tail_age": None})})
     pipe = store.r.pipeline()
-    store._put_row(pipe, "n1", exits=time.time_ns())  # as report_exit moves its token
+    store.own.put_row(pipe, "n1", exits=time.time_ns())  # as report_exit moves its token
     pipe.execute()
     for _ in range(3):
         ctl.tick()

@@ -36,7 +36,7 @@ def test_unreadable_records_are_skipped_and_the_controller_ticks_on(redis_server
     config, settings = _job(tmp_path)
     store = Store(redis_server.url, "j")
     for name in ("n0", "n1"):
-        store.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
+        store.own.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
     for i, value in enumerate(GARBAGE):  # node records, as an agent's HSET writes them
         store.r.hset(store.k("nodes"), f"bad{i}", value)
         store.r.zadd(store.k("agents"), {f"bad{i}": time.time()})
@@ -60,10 +60,10 @@ def test_unreadable_records_are_skipped_and_the_controller_ticks_on(redis_server
 
 def test_an_agent_skips_commands_that_are_not_objects(redis_server):
     store = Store(redis_server.url, "j")
-    store.register_node("n0", {"host": "n0", "health": "ok", "snapshot_addr": ""})
+    store.own.register_node("n0", {"host": "n0", "health": "ok", "snapshot_addr": ""})
     for value in [*GARBAGE, json.dumps({"kind": "health_check"})]:
         store.r.rpush(store.k("commands:n0"), value)
-    tick = store.agent_tick("n0", {"state": "idle"}, {}, None, False)
+    tick = store.own.agent_tick("n0", {"state": "idle"}, {}, None, False)
     assert tick.commands == [{"kind": "health_check"}]
 
 
@@ -94,7 +94,7 @@ def _planned(redis_server, config, settings) -> tuple[Store, Controller]:
     """Two registered nodes and a controller that has planned generation 0 on them."""
     store = Store(redis_server.url, "j")
     for name in ("n0", "n1"):
-        store.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
+        store.own.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
     ctl = Controller(store, config, settings, ident="c")
     wait_for(lambda: ctl.tick() and (store.plan() or {}).get("action") == "run", 20,
              "generation 0 planned")
@@ -117,7 +117,7 @@ def test_a_planned_node_whose_beat_redis_lost_is_judged_silent_from_then_not_for
     ctl.tick()
     assert store.excluded() == {} and store.job_record()["state"] == "RUNNING"
     time.sleep(1.2)  # past agent_timeout_s with no beat from n1 (n0 beat once more)
-    store.register_node("n0", {"host": "n0", "health": "ok", "snapshot_addr": ""})
+    store.own.register_node("n0", {"host": "n0", "health": "ok", "snapshot_addr": ""})
     ctl.tick()
     excluded = store.excluded()
     assert list(excluded) == ["n1"], excluded
@@ -236,7 +236,7 @@ def test_a_tick_whose_redis_restarted_empty_under_it_decides_nothing(redis_serve
     ctl.tick()
     assert store.job_record() == {} and store.plan() is None  # nothing decided on zero nodes
     for name in ("n0", "n1"):  # the agents re-register within an interval
-        store.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
+        store.own.register_node(name, {"host": name, "health": "ok", "snapshot_addr": ""})
     ctl.tick()
     record = store.job_record()
     assert (record["state"], record["generation"]) == ("RUNNING", "0"), record

@@ -67,10 +67,10 @@ def test_a_set_plan_a_control_word_an_exit_and_a_port_wake_who_reads_them(redis_
     store.set_control({"pause": True})
     assert agents.wait(LONG_S) is True
     node = Store(redis_server.url, "j")
-    node.speak_as("node0")
-    node.report_exit(exit_record("node0", 0))
+    node.own.speak_as("node0")
+    node.own.report_exit(exit_record("node0", 0))
     assert controller.wait(LONG_S) is True
-    node.set_master_port(1, 29500)
+    node.own.set_master_port(1, 29500)
     assert controller.wait(LONG_S) is True
     assert agents.wait(0.2) is False  # a node's writes wake the controller, not the agents
     agents.close()

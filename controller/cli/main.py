@@ -193,7 +193,7 @@ def _wait_for_a_leader(store: Store, timeout_s: float = 60.0) -> None:
     """A standby that raced the leader could act on what the leader is about to reset. If
     no leader shows up (it died first, or found the job COMPLETED and left), try anyway."""
     deadline = time.monotonic() + timeout_s
-    while store.leader() is None and time.monotonic() < deadline:
+    while store.fence.leader() is None and time.monotonic() < deadline:
         time.sleep(0.25)
 
 
@@ -309,7 +309,7 @@ def chaos(fault: str, job_name: str, rank: int | None, node: str | None, tile: i
     in_step = kinds.from_word(fault) in kinds.IN_STEP  # the rank fires them itself
     if at_step is not None and not in_step:
         raise ConfigError(f"--at-step is for hang-rank, stall-rank and nan-rank, not {fault}")
-    now = store.furthest_step() if in_step else None
+    now = store.summaries.furthest_step() if in_step else None
     if at_step is not None and now is not None and at_step <= now:
         raise ConfigError(f"step {at_step} is past: the job is at step {now}; fix: --at-step "
                           f"{now + 2} or later (or leave it out: the next step)")
@@ -339,7 +339,7 @@ def _spike(store: Store, plan: dict, job_name: str, at_step: int | None, sent: d
     """Every node's agent is told; each rank poisons its share of that step's batch, so all
     of them judge the same global loss. A rank already past the step when its agent relays it
     says so and poisons nothing (a step later would poison some ranks' shares only)."""
-    now = store.furthest_step()
+    now = store.summaries.furthest_step()
     if at_step is None:
         raise ConfigError("spike needs --at-step S: the step whose batch is poisoned (every rank "
                           f"must reach it after the command: the job is at step {now})")

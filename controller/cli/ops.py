@@ -275,7 +275,8 @@ def job_checkpoint(job_name, redis, reason, yes, wait, timeout, output) -> None:
     """Every rank saves a checkpoint after its next step."""
     store, record = _store(redis, job_name)
     confirm(yes, f"Checkpoint job {job_name} after its next step?")
-    asked_at = store.furthest_step() or 0  # the step in progress now: the save comes after it
+    # the step in progress now: the save comes after it
+    asked_at = store.summaries.furthest_step() or 0
     event = _send(store, record, "checkpoint", reason=reason)
     waited = None
     if wait:

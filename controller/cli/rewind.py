@@ -47,7 +47,7 @@ def job_rewind(to: int, skip: tuple[int, int] | None, samples: int | None, job_n
         raise ops.Refused("--skip-steps and --skip-samples both name the window to skip: give "
                           "one of them")
     store, record = ops._store(redis, job_name)
-    now = store.furthest_step()
+    now = store.summaries.furthest_step()
     if now is not None and to > now:
         raise ops.Refused(f"rewind refused: step {to} is ahead of the job (at step {now}); fix: "
                           f"--to {now} or earlier")

@@ -22,7 +22,7 @@ def _loads(raw: str | None, default):
 def status(store: Store, record: dict[str, str]) -> dict:
     plan = store.plan() or {}
     running = plan.get("action") == "run"
-    step = store.furthest_step() if running else None
+    step = store.summaries.furthest_step() if running else None
     metrics = None
     if running and plan.get("nodes"):
         beat = store.rank_beats(plan["nodes"][0]).get(0)
@@ -60,14 +60,14 @@ def status(store: Store, record: dict[str, str]) -> dict:
         "stability": (metrics or {}).get("stability"),
         "rewinds": len(rewinds), "last_rewind": rewinds[-1] if rewinds else None,
         "skips": _loads(record.get("skips"), []),
-        "leader": store.leader(),
+        "leader": store.fence.leader(),
     }
 
 
 def peak_memory(store: Store) -> dict | None:
     """The largest peak memory of any running rank (its last logged step), allocated and
     reserved, and the rank with the largest allocated (an operator's next question)."""
-    peak = store.peak_memory()
+    peak = store.summaries.peak_memory()
     if peak is None:
         return None
     beats = store.rank_beats(peak["allocated_node"]).values()
@@ -90,7 +90,7 @@ def nodes(store: Store) -> list[dict]:
     index = {n: i for i, n in enumerate(plan.get("nodes", []))} if running else {}
     names = sorted(set(info) | set(beats) | set(excluded))
     status = store.agent_status(names)
-    steps = store.node_steps()
+    steps = store.summaries.node_steps()
     rpn = plan.get("ranks_per_node", 0)
     now = time.time()
     rows = []

@@ -108,7 +108,7 @@ class Controller:
     def tick(self) -> str | None:
         """One pass: hold the lease, then observe, decide, apply. The job's state, if leading."""
         try:
-            leading = self.store.hold_lease(self.ident, self.lease_s)
+            leading = self.store.fence.hold_lease(self.ident, self.lease_s)
         except StoreUnavailable as e:
             if self.leading:
                 log.warning("lost Redis; acting no more until it answers: %s", e)
@@ -147,7 +147,7 @@ class Controller:
         self.waker.close()
         self.observer.close()
         with contextlib.suppress(StoreUnavailable):
-            self.store.release_lease(self.ident)
+            self.store.fence.release_lease(self.ident)
 
     def observe(self) -> Observed:
         record = self.store.job_record()
@@ -207,7 +207,7 @@ class Controller:
                 obs.plan is None or d.plan["generation"] != obs.plan["generation"])
             if new:
                 d.plan["exits_from"] = self.store.last_exit_id()
-                self.store.keep_rows(d.plan["nodes"], batch=b)
+                self.store.summaries.keep_rows(d.plan["nodes"], batch=b)
             self.store.set_plan(d.plan, batch=b)
         if obs.latest_step != self._latest_shown:  # None (all set aside) deletes it
             d.job["latest_checkpoint"] = obs.latest_step  # for `optimus job status`

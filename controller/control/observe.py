@@ -80,7 +80,7 @@ class Observer:
         if job.state in ACTIVE and plan is not None and plan["action"] == "run":
             return self._observe_running(now, job, plan, excluded, latest, operator)
         latest, skipped, suspect = self.checkpoints.resume_point(job, steps)
-        unhealthy, idle = self._unhealthy(self.store.sweep([]).unhealthy)
+        unhealthy, idle = self._unhealthy(self.store.summaries.sweep([]).unhealthy)
         # Planning, draining, stopping: every node, once per tick (no generation is running,
         # or it is being torn down; at scale this is the rare path).
         info = self.store.nodes()
@@ -118,7 +118,7 @@ class Observer:
                 failed_saves=records.count(st.get("failed_saves")))
         return Observed(now=now, job=job, plan=plan, nodes=nodes, latest_step=latest,
                         skipped=skipped, suspect_steps=suspect, unhealthy=unhealthy,
-                        unhealthy_idle=idle, snapshots=self.store.snapshots(),
+                        unhealthy_idle=idle, snapshots=self.store.reports.snapshots(),
                         distrust=self.checkpoints.distrust,
                         excluded=excluded, **operator)
 
@@ -133,7 +133,7 @@ class Observer:
         if not at:
             return {}
         names = sorted(at)
-        beats = self.store.sweep(names).agent_beats
+        beats = self.store.summaries.sweep(names).agent_beats
         beating = [n for n in names if beats.get(n)
                    and now - self._excused(beats[n]) <= self.s.agent_silence_s]
         info = self.store.node_info(beating)
@@ -191,7 +191,7 @@ class Observer:
         """A running generation: a fixed number of round trips, each O(nodes that matter) but
         the agents' beat times (one ZMSCORE over the plan's nodes)."""
         gen = plan["generation"]
-        sweep = self.store.sweep(plan["nodes"], plan["ranks_per_node"])
+        sweep = self.store.summaries.sweep(plan["nodes"], plan["ranks_per_node"])
         unhealthy, idle = self._unhealthy(sweep.unhealthy)
         self._unhealthy_seen = frozenset(sweep.unhealthy)
         exits = [records.exit_record(r) for _, r in self.store.exits(plan.get("exits_from", "0"))
@@ -209,8 +209,8 @@ class Observer:
                                                self.s.startup_timeout_s))
         if stalled_job and sweep.max_step is not None:
             # Only the plan's members: a lost node's rows may outlive it until the next plan.
-            candidates = [n for n in self.store.behind(sweep.max_step) if n in index] or [
-                n for n in self.store.outside_collectives(limit=HANG_CANDIDATES + 1)
+            candidates = [n for n in self.store.summaries.behind(sweep.max_step) if n in index] or [
+                n for n in self.store.summaries.outside_collectives(limit=HANG_CANDIDATES + 1)
                 if n in index]
             if len(candidates) <= HANG_CANDIDATES:  # more: nobody stands out
                 waiting = len(plan["nodes"]) - len(candidates)
@@ -221,12 +221,12 @@ class Observer:
         suspects = {n: {lr: b for lr, b in beats.items() if b.get("generation") == gen}
                     for n, beats in suspects.items()}
         long_phase = long_phase or in_long_phase(suspects, gen)
-        stacks = self.store.stacks(gen) if job.hang_since is not None else {}
+        stacks = self.store.reports.stacks(gen) if job.hang_since is not None else {}
         resumed = self.checkpoints.report(plan) if job.resumed_gen != gen else None
         compute = None
         if time.monotonic() - self._compute_read >= STRAGGLER_CHECK_S:
             self._compute_read = time.monotonic()
-            compute = self.store.compute_scores()
+            compute = self.store.summaries.compute_scores()
         agent_beats = {n: None if b is None else self._excused(b)
                        for n, b in sweep.agent_beats.items()}
         # A planned node with no beat at all: it beat before the plan named it, so Redis lost

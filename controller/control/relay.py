@@ -93,14 +93,14 @@ class Relay:
 
     def _pass(self, plan: dict | None) -> None:
         if self.cursors is None:
-            self.cursors = {n: cursors(v) for n, v in self.store.relay_cursors().items()}
+            self.cursors = {n: cursors(v) for n, v in self.store.mirror.relay_cursors().items()}
         if time.monotonic() >= self.next_discovery:
             self.next_discovery = time.monotonic() + DISCOVER_S
-            self.known = self.store.discover()
+            self.known = self.store.mirror.discover()
         w = Writes()
         asks: list[tuple[str, str, object]] = []
         in_plan = set((plan or {}).get("nodes", []))
-        for node, text in zip(self.known, self.store.rows(self.known), strict=True):
+        for node, text in zip(self.known, self.store.mirror.rows(self.known), strict=True):
             if text is None or text == self.rows.get(node):
                 continue
             row = parse_row(text)
@@ -117,10 +117,10 @@ class Relay:
                     asks.append(self._ask(token, node, row[token], seen))
                     seen[token] = row[token]
         asks = [a for a in asks if a is not None]
-        for (kind, node, arg), got in zip(asks, self.store.own_reads(asks), strict=True):
+        for (kind, node, arg), got in zip(asks, self.store.mirror.own_reads(asks), strict=True):
             getattr(self, f"_{kind}")(w, node, arg, got, plan)
             w.cursors[node] = json.dumps(self.cursors[node])
-        if not self.store.mirror(w, self.holder):
+        if not self.store.mirror.write(w, self.holder):
             self.forget()  # another controller leads: whatever this pass read is its to relay
 
     def _ask(self, token: str, node: str, value: str, seen: dict) -> tuple | None:

@@ -86,11 +86,11 @@ class SnapshotWatch:
         if time.monotonic() - self.read_at < (CHECK_S if named_keep else FIRST_CHECK_S):
             return
         self.read_at = time.monotonic()
-        reports = self.store.snapshots()
+        reports = self.store.reports.snapshots()
         point, _ = recovery.memory_point(plan, reports, set(plan["nodes"]), None)
         step = point["step"] if point and point["generation"] == plan["generation"] else None
         if step is not None:
-            self.store.drop_snapshots(recovery.outlived(reports, step))
+            self.store.reports.drop_snapshots(recovery.outlived(reports, step))
         if step != self.shown:
             job["memory_snapshot"] = step
             self.shown = step

@@ -208,7 +208,7 @@ class Observed:
     skipped: tuple[str, ...] = ()  # newer committed ones that fail that size check, and why
     suspect_steps: dict[int, str] | None = None  # job.suspect's checkpoints: step -> why
     resumed: dict | None = None  # rank 0's report: {"step", "quarantined": [{step, reason}]}
-    # The running generation's sweep (see Store.sweep):
+    # The running generation's sweep (see Summaries.sweep):
     agent_beats: dict[str, float | None] = field(default_factory=dict)  # plan node -> beat
     # Plan nodes whose agents are silent and whose hosts failed twice to take a connection to
     # them (controller/common/probe.py): node -> why.

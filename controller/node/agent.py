@@ -3,7 +3,7 @@
     optimus agent --job NAME --node NODE        (REDIS_URL, with its password, in the environment)
 
 It registers the node (host, devices, health check), then loops:
-- every `interval` s, one pipelined round trip (`Store.agent_tick`): its own beat and status,
+- every `interval` s, one pipelined round trip (`OwnRecords.agent_tick`): its own beat and status,
   its ranks' latest heartbeats and the node's heartbeat deadline; back come the plan and any
   chaos commands; then the in-memory snapshots' retention and report (snapshots.py);
 - every 50 ms, `waitpid` on its ranks (an exit is reported at once, with its code, signal and
@@ -86,7 +86,7 @@ class Agent:
                  host: str | None = None, socket_dir: str | None = None,
                  snapshot_root: Path | None = None):
         self.store, self.node, self.interval_s = store, node, interval_s
-        store.speak_as(node)  # every write under this node's own keys (controller/store/own.py)
+        store.own.speak_as(node)  # every write under this node's own keys (controller/store/own.py)
         self.host = host or socket.gethostname()
         self.voice = Voice(store, node)
         self.reset_ranks = True  # Redis's heartbeats of this node's ranks are another's
@@ -153,7 +153,7 @@ class Agent:
                 woken = self.waker.wait(POLL_S)  # a new plan, control word or port: tick now
             ranks.flush_exits()
             with contextlib.suppress(StoreUnavailable):
-                self.store.leave(self.node)
+                self.store.own.leave(self.node)
                 self.store.event(f"agent:{self.node}", "agent", f"agent of {self.node} exits: "
                                  "the job ended")
             return 0
@@ -173,7 +173,7 @@ class Agent:
         while True:
             info = self.checks.info
             try:
-                self.store.register_node(self.node, info)
+                self.store.own.register_node(self.node, info)
                 self._refuse_if_isolated()
                 self.store.event(f"agent:{self.node}", "register", f"node {self.node} "
                                  f"registered (host {self.host}, {info['devices']} "
@@ -196,7 +196,7 @@ class Agent:
         if why is None:
             return
         self.store.event(f"agent:{self.node}", "node_refused", why, node=self.node)
-        self.store.leave(self.node)
+        self.store.own.leave(self.node)
         raise ConfigError(f"optimus agent --node {self.node}", why)
 
     def _status(self) -> dict:
@@ -223,7 +223,7 @@ class Agent:
         live = [p for p in ranks.procs.values() if p.running]
         try:
             ranks.flush_exits()
-            tick = self.store.agent_tick(self.node, status, dict(ranks.beats),
+            tick = self.store.own.agent_tick(self.node, status, dict(ranks.beats),
                                          deadline(live, ranks.beats, ranks.plan),
                                          self.reset_ranks, summary(live, ranks.beats))
         except StoreUnavailable as e:
@@ -290,7 +290,7 @@ class Agent:
         if report is None:
             return
         try:
-            self.store.set_snapshots(self.node, report, first=not self._snapshots_stored)
+            self.store.own.set_snapshots(self.node, report, first=not self._snapshots_stored)
             self._snapshots_stored = True
         except StoreUnavailable as e:
             self.snapshots.unreported()

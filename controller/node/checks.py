@@ -109,7 +109,7 @@ class Checks:
         """The node's record as the agent knows it (its last check's result in it); kept for
         the next check ahead's turn if Redis does not take it now."""
         try:
-            self.store.set_health(self.node, self.info)
+            self.store.own.set_health(self.node, self.info)
             self.unpublished = False
         except StoreUnavailable as e:
             self.unpublished = True

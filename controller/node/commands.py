@@ -71,7 +71,7 @@ class Commands:
         why = str(command.get("why", ""))[:2000] or (
             f"node {self.node} advertises a loopback address while other nodes run elsewhere; "
             f"{reach.FIX}")
-        self.store.leave(self.node)
+        self.store.own.leave(self.node)
         raise ConfigError(f"optimus agent --node {self.node}", why)
 
     def _dump_stacks(self, command: dict) -> None:
@@ -91,7 +91,7 @@ class Commands:
         for rank, note in sorted(notes.items()):
             self.voice.event("stacks", f"stack of rank {rank} on {self.node}: {note}", rank=rank)
         with contextlib.suppress(StoreUnavailable):
-            self.store.put_stacks(generation, stacks)
+            self.store.own.put_stacks(generation, stacks)
 
     def _chaos(self, command: dict) -> None:
         kind = command.get("kind")

@@ -175,7 +175,7 @@ class Ranks:
             if not port:  # a plan without it: the others hear it by the controller's relay
                 port = taken
                 try:
-                    self.store.set_master_port(gen, port)
+                    self.store.own.set_master_port(gen, port)
                 except StoreUnavailable as e:
                     self.voice.outage(e)
                     return
@@ -382,7 +382,7 @@ class Ranks:
         if self.unreported:  # the node's state changed: the next turn ticks and says so
             self.poke()
         while self.unreported:
-            self.store.report_exit(self.unreported[0])
+            self.store.own.report_exit(self.unreported[0])
             self.unreported.pop(0)
 
     def drain_heartbeats(self) -> None:

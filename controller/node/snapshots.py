@@ -9,7 +9,7 @@ replacement node makes before its ranks start.
 belongs to the agent, not to a rank: a crashed rank or a restarted generation loses nothing. A
 new agent process is a rebooted node: it empties the folder, since nothing from before is
 vouched for. The controller learns what each node holds from a small report the agent writes
-to Redis when it changes (`Store.set_snapshots`); the bytes never go through Redis.
+to Redis when it changes (`OwnRecords.set_snapshots`); the bytes never go through Redis.
 
 Transport, agent to agent, one TCP connection per transfer (snapshot_link.py: the key, the
 wire format, TLS, and what bounds a stranger's connection): files streamed straight to and from
@@ -214,7 +214,7 @@ class SnapshotKeeper:
         """What the controller plans with: `own` and `held` (point -> the ranks whose shards are
         complete), `taken` (point -> when its earliest shard here was written), `replicated`,
         and the `incarnation` of this agent (a node that comes back under its name is a new
-        one: Store.set_snapshots keeps the old one's report apart)."""
+        one: OwnRecords.set_snapshots keeps the old one's report apart)."""
         own, held, taken = {}, {}, {}
         for found, out in ((own_points, own), (held_points, held)):
             for _, _, path, shards in found:

@@ -1,4 +1,4 @@
-"""The leading controller's side of the nodes' own records (part of `Store`): find the nodes,
+"""The leading controller's side of the nodes' own records (`Store.mirror`): find the nodes,
 read their rows and what changed under `node:<node>:`, and write the job-wide records from them
 in one transaction with the relay's cursors (controller/control/relay.py decides what passes).
 
@@ -10,11 +10,13 @@ sets, `nodes`, `unhealthy`, `registrations`, `exits`, `events`, `snapshots`, `st
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
 
 from controller.store import wake
+from controller.store.fence import Fence
 from controller.store.names import is_node_name, own
 
 EXITS_MAXLEN = 200_000  # > one generation's ranks at 131k ranks
@@ -58,7 +60,11 @@ class Writes:
 
 
 class Mirror:
-    """The relay's reads and writes (mixed into `Store`: uses its `r`, `k`, `call`)."""
+    """The relay's reads and writes, through the Store's client `r`, key naming `k` and
+    retrying `call`; a pass is fenced with the Store's `fence`."""
+
+    def __init__(self, r: redis.Redis, k: Callable[[str], str], call: Callable, fence: Fence):
+        self.r, self.k, self.call, self.fence = r, k, call, fence
 
     def discover(self) -> list[str]:
         """Every node that wrote a row (`node:<node>:row`: every write of an agent does), by
@@ -106,7 +112,7 @@ class Mirror:
         """Node -> how far the relay got (JSON), as the last leader left it."""
         return self.call(lambda: self.r.hgetall(self.k("relayed")))
 
-    def mirror(self, w: Writes, holder: str | None = None) -> bool:
+    def write(self, w: Writes, holder: str | None = None) -> bool:
         """The pass's writes and cursors, all or none (MULTI/EXEC), and only while `holder`
         holds the leader lease (WATCH: a controller that took it over meanwhile fails the
         transaction): a relayed exit or event is never written twice, by a leader that took
@@ -116,7 +122,7 @@ class Mirror:
 
         def write():
             with self.r.pipeline(transaction=True) as pipe:
-                if holder is not None and not self.watched(pipe, holder):  # fence.py
+                if holder is not None and not self.fence.watched(pipe, holder):
                     return False
                 try:
                     self._writes(pipe, w)

@@ -8,7 +8,7 @@ lines, shell words, paths, events, terminal tables and figures; any of those cha
 be read there as something other than part of a name.
 
 Where names enter: the agent's `--node` (and the operator's node arguments) are refused with a
-usage error; `Store.register_node` refuses one; everything the store reads back from Redis
+usage error; `OwnRecords.register_node` refuses one; everything the store reads back from Redis
 passes `Refused.keep`, which drops what an agent's credentials could have written under another
 name and remembers it, for the controller to say once in a `name_refused` event; the
 controller's journal is refused whole (controller/control/journal.py).
@@ -65,3 +65,12 @@ class Refused(Notes):
             return True
         self.note(shown(name))
         return False
+
+    def named(self, pairs) -> dict:
+        """Member -> score of a sorted set's (member, score) pairs, for node names only."""
+        return {n: score for n, score in pairs if self.keep(n)}
+
+    def only(self, members) -> list[str]:
+        """The members of a set or range that are node names, in their order (sets sorted)."""
+        return [n for n in (sorted(members) if isinstance(members, set) else members)
+                if self.keep(n)]

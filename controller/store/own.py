@@ -1,4 +1,4 @@
-"""What an agent writes: its own node's records, every one under `node:<node>:` (part of `Store`).
+"""What an agent writes: its own node's records, every one under `node:<node>:` (`Store.own`).
 
 One agent's credentials reach its own node's keys and nothing else an agent could write
 (docs/security.md: a per-node ACL user, `controller/store/acl.py`): its record (`info`: devices,
@@ -17,8 +17,11 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import redis
 
 from controller.store import decode, wake
 from controller.store.names import check, own
@@ -76,26 +79,42 @@ def row_text(fields: dict[str, Any]) -> str:
 
 
 class OwnRecords:
-    """An agent's writes, under its node's own keys (mixed into `Store`: uses its `r`, `k`,
-    `call`). An agent's store `speak_as` its node first: its events then go to the node's own
-    stream, and the writes that name no node are its node's. Each node's row keeps the latest
-    value of each field, so a write between ticks (an exit, an event, a snapshot report)
-    re-sends the row with its new token."""
+    """An agent's writes, under its node's own keys, through the Store's client `r`, key naming
+    `k` and retrying `call`. An agent's store `speak_as` its node first: its events then go to
+    the node's own stream (`add_events`), and the writes that name no node are its node's. Each
+    node's row keeps the latest value of each field, so a write between ticks (an exit, an
+    event, a snapshot report) re-sends the row with its new token."""
 
-    own_node: str | None = None
+    def __init__(self, r: redis.Redis, k: Callable[[str], str], call: Callable):
+        self.r, self.k, self.call = r, k, call
+        self.node: str | None = None  # the node this store writes for (`speak_as`)
+        self._rows: dict[str, dict[str, Any]] = {}  # node -> its row's fields
 
     def speak_as(self, node: str) -> None:
         """This store writes for `node` only: its events go to the node's own stream."""
-        self.own_node = check(node)
+        self.node = check(node)
 
     def _own(self, name: str, node: str | None = None) -> str:
-        return self.k(own(node or self.own_node, name))
+        return self.k(own(node or self.node, name))
 
-    def _put_row(self, pipe, node: str | None = None, **fields: Any) -> None:
-        node = node or self.own_node
+    def put_row(self, pipe, node: str | None = None, **fields: Any) -> None:
+        """Queue on `pipe` the node's row, `fields` changed (the rest as last written)."""
+        node = node or self.node
         row = self._rows.setdefault(node, {})
         row.update(fields, seq=time.monotonic())
         pipe.set(self._own("row", node), row_text(row))
+
+    def add_events(self, pipe, entries: list[dict[str, str]]) -> bool:
+        """Queue on `pipe` the XADD of each event to the node's own stream, for the controller
+        to relay, and its row with their token. False, nothing queued, when this store writes
+        for no node (its events are the job's: `Store.flush_events`)."""
+        if self.node is None:
+            return False
+        for entry in entries:
+            pipe.xadd(self._own("events"), entry, maxlen=OWN_EVENTS_MAXLEN, approximate=True)
+        if entries:
+            self.put_row(pipe, events=time.time_ns())
+        return True
 
     def register_node(self, node: str, info: dict) -> None:
         """The node's record; the controller finds it within a second (`Mirror.discover`)."""
@@ -107,7 +126,7 @@ class OwnRecords:
         def write():
             pipe = self.r.pipeline()
             pipe.set(self._own("info", node), json.dumps(info))
-            self._put_row(pipe, node, info=time.time_ns(), **row)
+            self.put_row(pipe, node, info=time.time_ns(), **row)
             pipe.execute()
         self.call(write)
 
@@ -136,7 +155,7 @@ class OwnRecords:
             if rank_beats:
                 pipe.hset(self._own("ranks", node),
                           mapping={str(lr): json.dumps(b) for lr, b in rank_beats.items()})
-            self._put_row(pipe, node, **fields)
+            self.put_row(pipe, node, **fields)
             pipe.get(self.k("plan:stamp"))
             pipe.lpop(self.k(f"commands:{node}"), 100)
             pipe.exists(self._own("info", node))
@@ -153,7 +172,7 @@ class OwnRecords:
         def write():
             pipe = self.r.pipeline()
             pipe.hset(self._own("status", node), "state", "gone")
-            self._put_row(pipe, node, beat=None, deadline=None)
+            self.put_row(pipe, node, beat=None, deadline=None)
             pipe.execute()
         self.call(write)
 
@@ -166,7 +185,7 @@ class OwnRecords:
             pipe = self.r.pipeline()
             pipe.xadd(self._own("exits", node), {"json": text},
                       maxlen=OWN_EXITS_MAXLEN, approximate=True)
-            self._put_row(pipe, node, exits=time.time_ns())
+            self.put_row(pipe, node, exits=time.time_ns())
             return pipe.execute()[0]
         entry = self.call(write)
         wake.publish(self, wake.CONTROLLER)  # the controller judges the generation now
@@ -178,7 +197,7 @@ class OwnRecords:
         def write():
             pipe = self.r.pipeline()
             pipe.set(self._own(f"port:{generation}"), int(port), ex=86_400)
-            self._put_row(pipe, port=f"{generation}:{int(port)}")
+            self.put_row(pipe, port=f"{generation}:{int(port)}")
             pipe.execute()
         self.call(write)
         wake.publish(self, wake.CONTROLLER)  # it relays the port to the other nodes
@@ -191,7 +210,7 @@ class OwnRecords:
             pipe = self.r.pipeline()
             pipe.hset(key, mapping={str(r): text for r, text in stacks.items()})
             pipe.expire(key, 86_400)
-            self._put_row(pipe, stacks=f"{generation}:{time.time_ns()}")
+            self.put_row(pipe, stacks=f"{generation}:{time.time_ns()}")
             pipe.execute()
         self.call(write)
 
@@ -213,7 +232,7 @@ class OwnRecords:
                 if old and was != report.get("incarnation"):
                     pipe.hset(key, f"@{was}", old)
             pipe.hset(key, "now", json.dumps(report))
-            self._put_row(pipe, node, snapshots=time.time_ns())
+            self.put_row(pipe, node, snapshots=time.time_ns())
             pipe.execute()
         self.call(write)
 

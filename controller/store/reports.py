@@ -1,16 +1,24 @@
 """What nodes report beside their beats: in-memory snapshots held and hung ranks' stacks
-(part of `Store`), as the leading controller relays them from each node's own keys (own.py).
+(`Store.reports`), as the leading controller relays them from each node's own keys (own.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import redis
+
 from controller.store import decode
-from controller.store.names import is_node_name, own
+from controller.store.names import Refused, is_node_name, own
 
 
 class Reports:
-    """The snapshot and stack records of `Store` (mixed into it: uses its `r`, `k`, `call` and
-    `names`)."""
+    """The snapshot and stack records, through the Store's client `r`, key naming `k` and
+    retrying `call`; a name that is no node name is noted in its `names`."""
+
+    def __init__(self, r: redis.Redis, k: Callable[[str], str], call: Callable,
+                 names: Refused):
+        self.r, self.k, self.call, self.names = r, k, call, names
 
     def stacks(self, generation: int) -> dict[int, str]:
         raw = self.call(lambda: self.r.hgetall(self.k(f"stacks:{generation}")))

@@ -1,5 +1,5 @@
 """The whole Redis schema of a job, in one package (documented in docs/redis-schema.md): the
-`Store` here, with the nodes' summary rows (summaries.py) and reports (reports.py) mixed in.
+`Store` here, and the parts it is made of, each beside it.
 Every node name read back from Redis passes the one rule of names.py: what is no node name (an
 agent's credentials can write any) is dropped where it is read, and noted (`Store.names`); the
 plan and every exit record are the contract's typed records (optimus/contract/records.py),
@@ -14,7 +14,7 @@ Every call has a socket timeout and is retried with tenacity on connection error
 and the controller ride out (ranks never talk to Redis: an outage never stops training). A
 command or credentials Redis refuses (NOPERM, WRONGPASS, NOAUTH) raise `Denied` at once
 (controller/store/connect.py): no retry mends them.
-The agent's per-tick traffic is one pipelined round trip per node (`agent_tick`).
+The agent's per-tick traffic is one pipelined round trip per node (`OwnRecords.agent_tick`).
 
 Clocks: heartbeat deadlines and agent beats are wall-clock times (time.time()) written by
 agents and compared by the controller; hosts are assumed NTP-synchronised (skew well under the
@@ -45,7 +45,7 @@ from controller.store.connect import connect, denial, is_sentinel, safe_url
 from controller.store.fence import Batch, Fence
 from controller.store.mirror import EVENTS_MAXLEN, Mirror
 from controller.store.names import Refused, own
-from controller.store.own import OWN_EVENTS_MAXLEN, OwnRecords, as_text
+from controller.store.own import OwnRecords, as_text
 from controller.store.reports import Reports
 from controller.store.summaries import Summaries
 from optimus.contract.records import VERSION, ExitRecord, Plan
@@ -57,25 +57,6 @@ ALONE_S = 30.0  # how long a primary found without a replica is not waited on ag
 UNSENT_MAX = 10_000  # events kept in a process while Redis is unreachable (the oldest go)
 REQUESTS_MAXLEN = 1_000
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
-
-# Renew the lease only if we still hold it; take it if it is free. 1: held, 0: someone else.
-_LEASE = """
-local holder = redis.call('GET', KEYS[1])
-if holder == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
-end
-if not holder then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 1
-end
-return 0
-"""
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
 
 class StoreUnavailable(Exception):
     """Redis did not answer within the retry budget."""
@@ -91,12 +72,15 @@ def prefix(job: str) -> str:
     return f"optimus:{{{job}}}:"
 
 
-class Store(OwnRecords, Mirror, Summaries, Reports, Fence):
-    """One job's keys. All methods raise `StoreUnavailable` once retries are spent. What an
-    agent writes under its node's own keys (own.py), the leading controller's relay of them
-    (mirror.py), the nodes' summary rows (summaries.py), their snapshot and stack reports
-    (reports.py) and a decision's fenced commit (fence.py) are methods of it too. A write a
-    decision makes takes `batch`: it then lands with the rest of the decision (`commit`)."""
+class Store:
+    """One job's keys. All methods raise `StoreUnavailable` once retries are spent. The Store
+    holds the connection (`r`, `k`, `call`), the job-wide records and the events; its parts
+    each read and write through that connection and own what they keep: `fence` (fence.py: the
+    leader lease, and a decision's writes, now or in its batch), `own` (own.py: what an agent
+    writes under its node's own keys), `mirror` (mirror.py: the leading controller's relay of
+    them), `summaries` (summaries.py: the nodes' summary rows) and `reports` (reports.py: their
+    snapshot and stack reports). A write a decision makes takes `batch`: it then lands with the
+    rest of the decision (`commit`)."""
 
     def __init__(self, url: str, job: str, *, timeout_s: float = 2.0, retry_s: float = 5.0):
         self.url, self.job, self.p = url, job, prefix(job)
@@ -106,8 +90,6 @@ class Store(OwnRecords, Mirror, Summaries, Reports, Fence):
         except ValueError as e:  # a malformed URL
             raise StoreUnavailable(f"REDIS_URL {safe_url(url)!r} is not a Redis URL: "
                                    f"{e}") from None
-        self._lease = self.r.register_script(_LEASE)
-        self._release = self.r.register_script(_RELEASE)
         # Behind Sentinel, an event counts as written once a replica has it too (WAIT): the
         # primary may die before it replicates. A lone server has no replica to wait for.
         self.replicas = 1 if is_sentinel(url) else 0
@@ -122,7 +104,11 @@ class Store(OwnRecords, Mirror, Summaries, Reports, Fence):
         # an exit record (a stream entry never changes) once while it is read.
         self._plan_checked: tuple[str, Plan | None] | None = None
         self._exits_checked: dict[str, dict | None] = {}
-        self._rows: dict[str, dict[str, Any]] = {}  # node -> its row's fields (own.py)
+        self.fence = Fence(self.r, self.k, self.call)
+        self.own = OwnRecords(self.r, self.k, self.call)
+        self.mirror = Mirror(self.r, self.k, self.call, self.fence)
+        self.summaries = Summaries(self.r, self.k, self.call, self.names, self.fence.write)
+        self.reports = Reports(self.r, self.k, self.call, self.names)
 
     def k(self, name: str) -> str:
         return self.p + name
@@ -172,19 +158,6 @@ class Store(OwnRecords, Mirror, Summaries, Reports, Fence):
             return len(keys)
         return self.call(wipe)
 
-    # --- leader lease --------------------------------------------------------------------------
-
-    def hold_lease(self, holder: str, lease_s: float) -> bool:
-        """Take the leader lease or renew it; False while another controller holds it."""
-        return bool(self.call(lambda: self._lease(keys=[self.k("leader")],
-                                                  args=[holder, int(lease_s * 1000)])))
-
-    def release_lease(self, holder: str) -> None:
-        self.call(lambda: self._release(keys=[self.k("leader")], args=[holder]))
-
-    def leader(self) -> str | None:
-        return self.call(lambda: self.r.get(self.k("leader")))
-
     # --- the job record and the plan -----------------------------------------------------------
 
     def job_record(self) -> dict[str, str]:
@@ -200,7 +173,7 @@ class Store(OwnRecords, Mirror, Summaries, Reports, Fence):
                 pipe.hset(self.k("job"), mapping=values)
             if gone:
                 pipe.hdel(self.k("job"), *gone)
-        self._write(queue, batch)
+        self.fence.write(queue, batch)
 
     def plan(self) -> dict | None:
         """The plan's fields as written (checked: a plan that is no `Plan` reads as none, and
@@ -233,7 +206,7 @@ class Store(OwnRecords, Mirror, Summaries, Reports, Fence):
         def queue(pipe):
             pipe.set(self.k("plan"), text)
             pipe.set(self.k("plan:stamp"), stamp)
-        self._write(queue, batch, wake.AGENTS)
+        self.fence.write(queue, batch, wake.AGENTS)
 
     def master_port(self, generation: int) -> int | None:
         raw = self.call(lambda: self.r.get(self.k(f"gen:{generation}:master_port")))
@@ -279,7 +252,7 @@ class Store(OwnRecords, Mirror, Summaries, Reports, Fence):
 
     def set_control(self, control: dict, *, batch: Batch | None = None) -> None:
         text = json.dumps(control, sort_keys=True)
-        self._write(lambda pipe: pipe.set(self.k("control"), text), batch, wake.AGENTS)
+        self.fence.write(lambda pipe: pipe.set(self.k("control"), text), batch, wake.AGENTS)
 
     # --- nodes, agents, heartbeats -------------------------------------------------------------
 
@@ -312,7 +285,7 @@ class Store(OwnRecords, Mirror, Summaries, Reports, Fence):
         return int(raw) if isinstance(raw, str) and raw.isdigit() else 0
 
     def agent_beats(self) -> dict[str, float]:
-        return self._named(self.call(lambda: self.r.zrange(self.k("agents"), 0, -1,
+        return self.names.named(self.call(lambda: self.r.zrange(self.k("agents"), 0, -1,
                                                            withscores=True)))
 
     def agent_status(self, nodes: list[str]) -> dict[str, dict]:
@@ -326,7 +299,7 @@ class Store(OwnRecords, Mirror, Summaries, Reports, Fence):
     def overdue(self, now: float) -> dict[str, float]:
         """Nodes with a rank whose heartbeat deadline has passed, and that deadline:
         O(overdue), not O(nodes)."""
-        return self._named(self.call(lambda: self.r.zrangebyscore(self.k("beats"), "-inf", now,
+        return self.names.named(self.call(lambda: self.r.zrangebyscore(self.k("beats"), "-inf", now,
                                                                   withscores=True)))
 
     def rank_beats_of(self, nodes: list[str]) -> dict[str, dict[int, dict]]:
@@ -377,11 +350,11 @@ class Store(OwnRecords, Mirror, Summaries, Reports, Fence):
         """Keep `node` out of generations: `mode` "exclude" (the default) or "drain"."""
         text = json.dumps({"reason": reason, "by": by, "time": time.time(), "mode": "exclude",
                            **record})
-        self._write(lambda pipe: pipe.hset(self.k("excluded"), node, text), batch)
+        self.fence.write(lambda pipe: pipe.hset(self.k("excluded"), node, text), batch)
 
     def include(self, node: str, *, batch: Batch | None = None) -> bool:
         """Whether `node` was excluded (False when batched: not known before the commit)."""
-        replies = self._write(lambda pipe: pipe.hdel(self.k("excluded"), node), batch)
+        replies = self.fence.write(lambda pipe: pipe.hdel(self.k("excluded"), node), batch)
         return bool(replies and replies[0])
 
     def excluded(self) -> dict[str, dict]:
@@ -425,14 +398,28 @@ class Store(OwnRecords, Mirror, Summaries, Reports, Fence):
                 self.unsent.popleft()
 
     def _add_events(self, pipe, entries: list[dict[str, str]]) -> None:
-        """Queue the XADD of each entry on `pipe`. An agent's go to its node's own stream, for
-        the controller to relay (own.py)."""
-        key, maxlen = ((self._own("events"), OWN_EVENTS_MAXLEN) if self.own_node
-                       else (self.k("events"), EVENTS_MAXLEN))
-        for entry in entries:
-            pipe.xadd(key, entry, maxlen=maxlen, approximate=True)
-        if self.own_node and entries:
-            self._put_row(pipe, events=time.time_ns())
+        """Queue the XADD of each entry on `pipe`: to the job's stream, or, an agent's, to its
+        node's own stream, for the controller to relay (own.py)."""
+        if not self.own.add_events(pipe, entries):
+            for entry in entries:
+                pipe.xadd(self.k("events"), entry, maxlen=EVENTS_MAXLEN, approximate=True)
+
+    def commit(self, batch: Batch, holder: str) -> bool:
+        """A decision's writes and events (`batch`) in one MULTI/EXEC, only while `holder`
+        holds the leader lease (fence.py). False: refused, nothing written. Behind Sentinel a
+        replica's copy of the events is waited for after the EXEC; the wakes are published once
+        it has landed."""
+        if not batch.writes and not batch.events:
+            return True
+        waits = bool(batch.events) and self._waits()
+        events = [lambda pipe: self._add_events(pipe, batch.events)] if batch.events else []
+        if not self.fence.fenced([*batch.writes, *events], holder):
+            return False
+        if waits:
+            self._wait_replica()
+        for channel in sorted(batch.wakes):
+            wake.publish(self, channel)
+        return True
 
     def _waits(self) -> bool:
         """Whether events written now wait for a replica's copy (behind Sentinel)."""
@@ -472,7 +459,7 @@ class Store(OwnRecords, Mirror, Summaries, Reports, Fence):
     def push_command(self, node: str, command: dict, *, batch: Batch | None = None) -> None:
         """A command for one agent (chaos, dump_stacks, health_check), taken in its next tick."""
         text = json.dumps(command)
-        self._write(lambda pipe: pipe.rpush(self.k(f"commands:{node}"), text), batch)
+        self.fence.write(lambda pipe: pipe.rpush(self.k(f"commands:{node}"), text), batch)
 
 
 def _transient(e: BaseException) -> bool:

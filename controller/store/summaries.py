@@ -1,6 +1,6 @@
-"""Each node's ranks in a few numbers, in job-wide sorted sets (part of `Store`).
+"""Each node's ranks in a few numbers, in job-wide sorted sets (`Store.summaries`).
 
-An agent writes its node's row with every tick (`NodeSummary`, in `Store.agent_tick`'s round
+An agent writes its node's row with every tick (`NodeSummary`, in `OwnRecords.agent_tick`'s round
 trip, under its own keys: own.py); the leading controller relays the plan's nodes' rows into
 these sets (controller/control/relay.py) and reads them whole, so that one sweep costs one round
 trip whatever the number of nodes, and the exporter reads the same rows (steps, compute times,
@@ -10,10 +10,13 @@ A member that is no node name (controller/store/names.py) is left out of what is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import redis
+
 from controller.store.fence import Batch
-from controller.store.names import own
+from controller.store.names import Refused, own
 
 PEAK_MEMORY = ("peak_allocated", "peak_reserved")  # sorted sets: node -> bytes
 SUMMARY_SETS = ("steps", "minsteps", "outside", "compute", "paused", "oldest", *PEAK_MEMORY)
@@ -46,16 +49,13 @@ class Sweep:
 
 
 class Summaries:
-    """The summary rows of `Store` (mixed into it: uses its `r`, `k`, `call` and `names`)."""
+    """The summary rows, read through the Store's client `r`, key naming `k` and retrying
+    `call`; a name that is no node name is noted in its `names`. A new plan's pruning is
+    written with `write` (`Fence.write`: now, or with the plan's decision)."""
 
-    def _named(self, pairs) -> dict:
-        """Member -> score of a sorted set's (member, score) pairs, for node names only."""
-        return {n: score for n, score in pairs if self.names.keep(n)}
-
-    def _names(self, members) -> list[str]:
-        """The members of a set or range that are node names, in their order (sets sorted)."""
-        return [n for n in (sorted(members) if isinstance(members, set) else members)
-                if self.names.keep(n)]
+    def __init__(self, r: redis.Redis, k: Callable[[str], str], call: Callable,
+                 names: Refused, write: Callable[..., list | None]):
+        self.r, self.k, self.call, self.names, self.write = r, k, call, names, write
 
     def keep_rows(self, plan_nodes: list[str], *, batch: Batch | None = None) -> None:
         """Remove the summary rows of nodes outside a new plan (a lost agent leaves its rows,
@@ -82,7 +82,7 @@ class Summaries:
                     (pipe.srem if key == "nonfinite" else pipe.zrem)(self.k(key), *members)
             # each node's rank heartbeats once, not once per set it was in
             pipe.delete(*[self.k(own(m, "ranks")) for m in outside])
-        self._write(queue, batch)
+        self.write(queue, batch)
 
     def sweep(self, plan_nodes: list[str], ranks_per_node: int = 1) -> Sweep:
         """The controller's per-tick view of a running generation, in one round trip, whatever
@@ -101,27 +101,27 @@ class Summaries:
             agent_beats=dict(zip(plan_nodes, beats or [], strict=False)),
             max_step=int(top[0][1]) if top else None,
             min_step=int(bottom[0][1]) if bottom else None,
-            nonfinite=self._names(nonfinite), unhealthy=self._names(unhealthy),
+            nonfinite=self.names.only(nonfinite), unhealthy=self.names.only(unhealthy),
             paused_nodes=paused)
 
     def behind(self, below_step: int) -> list[str]:
         """Nodes with a rank at a step below `below_step`."""
-        return self._names(self.call(lambda: self.r.zrangebyscore(self.k("minsteps"), "-inf",
+        return self.names.only(self.call(lambda: self.r.zrangebyscore(self.k("minsteps"), "-inf",
                                                                   f"({below_step}")))
 
     def outside_collectives(self, limit: int) -> list[str]:
         """Up to `limit` nodes with a rank outside the collective phase."""
-        return self._names(self.call(lambda: self.r.zrangebyscore(self.k("outside"), 1, "+inf",
+        return self.names.only(self.call(lambda: self.r.zrangebyscore(self.k("outside"), 1, "+inf",
                                                                   start=0, num=limit)))
 
     def oldest_beats(self) -> dict[str, float]:
         """Node -> the time of its oldest rank heartbeat, for nodes running ranks."""
-        return self._named(self.call(lambda: self.r.zrange(self.k("oldest"), 0, -1,
+        return self.names.named(self.call(lambda: self.r.zrange(self.k("oldest"), 0, -1,
                                                            withscores=True)))
 
     def node_steps(self) -> dict[str, float]:
         """Node -> the furthest step of its ranks, for nodes running ranks."""
-        return self._named(self.call(lambda: self.r.zrange(self.k("steps"), 0, -1,
+        return self.names.named(self.call(lambda: self.r.zrange(self.k("steps"), 0, -1,
                                                            withscores=True)))
 
     def peak_memory(self) -> dict | None:
@@ -145,5 +145,5 @@ class Summaries:
         return int(top[0][1]) if top else None
 
     def compute_scores(self) -> dict[str, float]:
-        return self._named(self.call(lambda: self.r.zrange(self.k("compute"), 0, -1,
+        return self.names.named(self.call(lambda: self.r.zrange(self.k("compute"), 0, -1,
                                                            withscores=True)))

@@ -116,8 +116,9 @@ class Waker:
 
 
 def publish(store, channel: str) -> None:
-    """Wake whoever listens on `channel` of `store`'s job. A hint: never retried, never an
-    error (the listeners poll anyway)."""
+    """Wake whoever listens on `channel` of `store`'s job (`store`: the Store or one of its
+    parts, through their client `r` and key naming `k`). A hint: never retried, never an error
+    (the listeners poll anyway)."""
     try:
         store.r.publish(store.k(channel), b"")
     except (redis.RedisError, OSError) as e:
