@@ -7,8 +7,8 @@ real processes on this host (forks of this one, past their imports, as a warm st
 on the project's own path:
 
     world    the store's rendezvous and the default group (optimus.runtime.dist.init_distributed)
-    groups   the layout's groups (ParallelDims.build_mesh: pp, edp, ep, tp and the flattened
-             dp), counted: the figure per group is groups / count
+    groups   the layout's groups (ParallelDims.build_mesh: its dimensions of more than one
+             rank, and pp, edp and tp), counted: the figure per group is groups / count
     kept     one collective on each of those groups once they exist: what a kept group costs
              the next generation instead
     destroy  destroy_distributed
@@ -43,8 +43,8 @@ from optimus.runtime.launch import launch_env  # noqa: E402
 from optimus.supervision.ports import unclaimed_port  # noqa: E402
 
 GENERATIONS = 2
-# One purpose per dimension of the mesh (pp, edp, ep, tp, and dp flattened): its every group.
-PURPOSES = ("pipeline", "expert_shard", "experts", "tensor", "shard")
+# One purpose per dimension the mesh may hold (LayoutMesh.build): the groups of those it does.
+PURPOSES = ("pipeline", "shard", "experts", "context", "replicas", "tensor")
 PARTS = ("world", "groups", "kept", "destroy")
 
 
@@ -75,7 +75,7 @@ def _rank(rank: int, world: int, ports: list[int], out) -> None:
         before = _groups_made()
         started = time.perf_counter()
         mesh = dims.build_mesh("cpu")
-        groups = [mesh.group(purpose) for purpose in PURPOSES]
+        groups = [mesh.group(purpose) for purpose in PURPOSES if mesh.size(purpose) > 1]
         groups_s = time.perf_counter() - started
         count = _groups_made() - before
         started = time.perf_counter()

@@ -24,10 +24,11 @@ def test_each_generation_makes_the_layouts_groups_again(tmp_path, capsys):
     results = groups.main(["--worlds", "4", "--trials", "1", "--json", str(out)])
     assert json.loads(out.read_text()) == results
     first, again = results["4"]
-    assert first["count"] == again["count"] == 5  # pp, edp, ep, tp and the flattened dp
+    # pp, edp and tp (dp and shard are edp here; experts, context and replicas span one rank)
+    assert first["count"] == again["count"] == 3
     for row in (first, again):
         assert all(row[part] > 0 for part in groups.PARTS), row
-        assert row["per_group"] == pytest.approx(row["groups"] / 5)
+        assert row["per_group"] == pytest.approx(row["groups"] / 3)
         assert row["ratio"] == pytest.approx((row["world"] + row["groups"]) / row["kept"])
     table = capsys.readouterr().out
     assert "| 4 | pp1 dp2 tp2 | new process |" in table

@@ -77,11 +77,14 @@ def test_single_process_mesh_without_env():
         with pytest.raises(ValueError, match="needs 2 ranks .* the process group has 1"):
             ParallelDims(dp=2).build_mesh("cpu")
         mesh = ParallelDims().build_mesh("cpu")
+        # pp, edp and tp only: dimensions of one rank are no groups to make, but those three
+        assert mesh.device_mesh.mesh_dim_names == ("pp", "edp", "tp")
         for purpose in PURPOSES:
-            assert mesh.size(purpose) == 1
-            if len(PURPOSES[purpose]) == 1:
-                assert mesh.mesh(purpose).size() == 1 and mesh.rank(purpose) == 0
+            assert mesh.size(purpose) == 1 and mesh.rank(purpose) == 0
             assert mesh.own_group(purpose) is None
+        assert mesh.mesh("batch").size() == 1 and mesh.mesh("shard").size() == 1
+        with pytest.raises(ValueError, match="'cp' spans one rank here"):
+            mesh.mesh("context")
         value = torch.tensor([3.0])
         dist.all_reduce(value, group=mesh.group("batch"))
         assert mesh.all_reduce("loss", value).item() == 3.0
@@ -111,7 +114,9 @@ def _mesh_groups(rank, world_size, dims):
         total = int(mesh.all_reduce(purpose, torch.tensor([rank])))
         members = local = own = None
         if len(spanned) == 1:
-            members, local = _gathered(mesh.group(purpose), rank), mesh.rank(purpose)
+            members, local = [rank], mesh.rank(purpose)
+            if mesh.size(purpose) > 1:
+                members = _gathered(mesh.group(purpose), rank)
         if purpose in OWN:
             group = mesh.own_group(purpose)
             own = [rank] if group is None else _gathered(group, rank)
@@ -189,7 +194,7 @@ def test_mesh_4_ranks_replicas_of_a_shard(run_ranks):
     _check_mesh(dims, results)
     assert results[1]["shard"][0] == [0, 1] and results[1]["replicas"][0] == [1, 3]
     names, grid, replicas = run_ranks(_hsdp_mesh, 4, dims)[2]
-    assert names == ("rep", "fsdp") and grid == [[0, 1], [2, 3]] and replicas == [0, 2]
+    assert names == ("rep", "edp") and grid == [[0, 1], [2, 3]] and replicas == [0, 2]
 
 
 def _placements(rank, world_size, raw):

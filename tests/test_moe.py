@@ -418,7 +418,8 @@ def test_the_optimizer_state_is_sharded_over_dp_and_experts_over_edp(run_ranks):
     for params in zip(*ranks, strict=True):
         name, numel, _, rows, mesh = params[0]
         expert = ".experts." in name
-        assert mesh == (("edp", "ep") if expert else ("dp",)), name
+        # ep is the mesh's epd here (experts borrow no context-parallel ranks)
+        assert mesh == (("edp", "epd") if expert else ("dp",)), name
         group = 2 * 2 if expert else 4  # ep x edp, or dp: a quarter of the state either way
         block = 2 * numel // rows  # exp_avg and exp_avg_sq of one row
         for _, _, local, _, _ in params:

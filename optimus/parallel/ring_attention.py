@@ -46,9 +46,14 @@ class RingAttention:
         me = where.rank
         self.to, self.frm = ranks[(me + 1) % where.size], ranks[(me - 1) % where.size]
         self.kernel = kernel  # "flash" or "math"; None: as the module says
+        # Point-to-point sends: compiled code calls it as it is. Wrapped here, not decorated,
+        # since the decorator imports dynamo, which the trainer loads only when it compiles.
+        self._attend = torch.compiler.disable(self._attend)
 
-    @torch.compiler.disable  # point-to-point sends: compiled code calls it as it is
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self._attend(q, k, v)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [b, heads, s, head_dim]; k, v [b, kv_heads, s, head_dim], sent around as they
         are (grouped-query heads are repeated for the queries only a chunk pair at a time)."""
         low = q.dtype in (torch.bfloat16, torch.float16)

@@ -32,6 +32,13 @@ class LayoutMesh:
         self.dims = dims
         self.device_mesh = device_mesh
         self._sliced: dict[str, DeviceMesh] = {}
+        names = device_mesh.mesh_dim_names
+        # The mesh's flattened dimensions, by the dimensions of the mesh they are made of (the
+        # first of FLATTENED made of them: `build` flattens it alone).
+        self._flattened: dict[tuple[str, ...], str] = {}
+        for name in FLATTENED:
+            if len(inner := _present(dims, name, names)) > 1:
+                self._flattened.setdefault(inner, name)
 
     @classmethod
     def build(cls, dims: ParallelDims, device_type: str) -> LayoutMesh:
@@ -43,12 +50,19 @@ class LayoutMesh:
                 f"the layout needs {dims.world_size} ranks ({dims.key()}) but the process "
                 f"group has {dist.get_world_size()}"
             )
-        shape = tuple(dims.degree(dim) for dim in MESH_DIMS)
+        # Each dimension is a process group to make, at every generation: those of one rank
+        # are left out (but pp, edp and tp, which a one-process mesh keeps), and a flattened
+        # one is made only of two or more and only once (`_present`).
+        names = tuple(d for d in MESH_DIMS if d in ALWAYS or dims.degree(d) > 1)
+        shape = tuple(dims.degree(dim) for dim in names)
         with _unbound_if_unsplittable():
-            mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-            for name in FLATTENED:  # one made of a single dimension is that one (`_dim`)
-                if len(inner := dims.inner(name)) > 1:
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+            made = set()
+            for name in FLATTENED:
+                inner = _present(dims, name, names)
+                if len(inner) > 1 and inner not in made:
                     mesh[inner]._flatten(name)
+                    made.add(inner)
         _BUILT.append(weakref.ref(mesh))
         return cls(dims, mesh)
 
@@ -67,18 +81,15 @@ class LayoutMesh:
     def mesh_of(self, *purposes: str) -> DeviceMesh:
         """The mesh of several one-dimension purposes, one mesh dimension each, in the order
         given (HSDP's (replicas, shard))."""
-        names = []
-        for purpose in purposes:
-            (dim,) = spans(purpose)
-            inner = self.dims.inner(dim)
-            names.append(dim if len(inner) > 1 else inner[0])
-        return self.device_mesh[tuple(names)]
+        return self.device_mesh[tuple(self._name(spans(p)[0]) for p in purposes)]
 
     def group(self, purpose: str) -> dist.ProcessGroup:
         return self.mesh(purpose).get_group()
 
     def rank(self, purpose: str) -> int:
         """This rank's place among the ranks of a purpose."""
+        if self.size(purpose) == 1:
+            return 0
         return self.mesh(purpose).get_local_rank()
 
     def all_reduce(self, purpose: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -99,11 +110,11 @@ class LayoutMesh:
         our own on a shared group can then interleave differently on different ranks (a
         mismatch, or a hang). So what the layers exchange in their forward gets a group of
         its own."""
-        dims = [d for dim in spans(purpose) for d in self.dims.inner(dim)]
+        names = self.device_mesh.mesh_dim_names
+        dims = [d for dim in spans(purpose) for d in _present(self.dims, dim, names)]
         size = prod(self.dims.degree(d) for d in dims)
         if size == 1:
             return None
-        names = self.device_mesh.mesh_dim_names
         inner = [names.index(d) for d in dims]
         outer = [i for i in range(len(names)) if i not in inner]
         grid = self.device_mesh.mesh.permute(*outer, *inner).reshape(-1, size)
@@ -112,9 +123,25 @@ class LayoutMesh:
 
     def _dim(self, dim: str) -> DeviceMesh:
         if dim not in self._sliced:
-            inner = self.dims.inner(dim)
-            self._sliced[dim] = self.device_mesh[dim if len(inner) > 1 else inner[0]]
+            self._sliced[dim] = self.device_mesh[self._name(dim)]
         return self._sliced[dim]
+
+    def _name(self, dim: str) -> str:
+        """The mesh's name for a dimension: its own, the flattened one made of the same ranks,
+        or the one of its dimensions that is in the mesh."""
+        inner = _present(self.dims, dim, self.device_mesh.mesh_dim_names)
+        if not inner:
+            raise ValueError(f"{dim!r} spans one rank here ({self.dims.key()}): it has no "
+                             "mesh; ask for its rank or size")
+        return inner[0] if len(inner) == 1 else self._flattened[inner]
+
+
+ALWAYS = ("pp", "edp", "tp")  # the mesh's dimensions even where they span one rank
+
+
+def _present(dims: ParallelDims, dim: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The dimensions of the mesh (`names`) a dimension is made of."""
+    return tuple(d for d in dims.inner(dim) if d in names)
 
 
 # The root meshes this process built, by identity (DeviceMesh's own equality calls two
