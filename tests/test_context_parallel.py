@@ -93,22 +93,9 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_context_parallel_layouts_train_like_one_process(run_ranks, name):
-    from test_parallel_matrix import STEPS, _train, base_job, reference, relative_error
+    from test_parallel_matrix import trains_like_one_process
 
-    world, parallel = LAYOUTS[name]
-    raw = base_job(**parallel)
-    one = reference(run_ranks, raw["model"]["n_layers"])
-    ranks = run_ranks(_train, world, raw, timeout=240)
-    merged: dict[str, torch.Tensor] = {}
-    for result in ranks:
-        assert len(result["losses"]) == STEPS
-        assert result["losses"] == pytest.approx(one["losses"], rel=1e-5)
-        assert result["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
-        merged.update(result["state"])
-    assert merged.keys() == one["state"].keys()
-    for key, value in one["state"].items():
-        assert relative_error(merged[key], value) <= 1e-5, key
-    assert one["losses"][-1] < one["losses"][0]
+    trains_like_one_process(run_ranks, *LAYOUTS[name])
 
 
 @pytest.mark.parametrize("method", ["alltoall", "ring"])

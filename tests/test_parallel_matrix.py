@@ -87,6 +87,19 @@ def reference(run_ranks, n_layers: int, stable: bool = False) -> dict:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_one_process(run_ranks, name):
     world, parallel = LAYOUTS[name]
+    ranks = trains_like_one_process(run_ranks, world, parallel)
+    # The peak memory is taken over the whole world, whatever the layout: every rank records the
+    # same, naming one of its ranks (on a CPU, peak RSS so far: the last step's is the most).
+    memory = ranks[0]["memory"]
+    assert all(result["memory"] == memory for result in ranks)
+    last = memory[-1]
+    assert 0 <= last["allocated_rank"] < world
+    assert all(last["allocated_bytes"] >= m["allocated_bytes"] for m in memory)
+
+
+def trains_like_one_process(run_ranks, world: int, parallel: dict) -> list[dict]:
+    """Train the matrix's job on `world` ranks laid out as `parallel`; assert its losses,
+    gradient norms and final weights are one process's within 1e-5; the ranks' results."""
     raw = base_job(**parallel)
     one = reference(run_ranks, raw["model"]["n_layers"], raw["model"]["qk_norm"])
     ranks = run_ranks(_train, world, raw, timeout=240)
@@ -100,13 +113,7 @@ def test_layout_matches_one_process(run_ranks, name):
     for key, value in one["state"].items():
         assert relative_error(merged[key], value) <= 1e-5, key
     assert one["losses"][-1] < one["losses"][0]  # it trained, so agreeing is not trivial
-    # The peak memory is taken over the whole world, whatever the layout: every rank records the
-    # same, naming one of its ranks (on a CPU, peak RSS so far: the last step's is the most).
-    memory = ranks[0]["memory"]
-    assert all(result["memory"] == memory for result in ranks)
-    last = memory[-1]
-    assert 0 <= last["allocated_rank"] < world
-    assert all(last["allocated_bytes"] >= m["allocated_bytes"] for m in memory)
+    return ranks
 
 
 def test_the_stable_layouts_train_with_qk_norm_and_the_z_loss(run_ranks):
