@@ -296,8 +296,7 @@ LAYOUTS = {
     # ranks (ep 2 on cp 2); the sequence-scoped counts sum over the cp ranks' slices.
     "CP2xEP2": (2, {"cp": 2, "ep": 2}, "aux_loss", "global"),
     "CP2-ring-sequence": (2, {"cp": 2, "cp_method": "ring"}, "aux_loss", "sequence"),
-    # HSDP: experts over ep inside each of 2 replicas, all-reduced across them
-    "EP2xHSDP2": (4, {"ep": 2, "replicas": 2}, "aux_loss", "global"),
+    "EP2xHSDP2": (4, {"ep": 2, "replicas": 2}, "aux_loss", "global"),  # ep inside 2 replicas
 }
 EP = pytest.mark.expert_parallel
 
