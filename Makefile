@@ -87,7 +87,7 @@ audit: venv helm
 MUTATE := \
 	controller/control/decide.py:tests/test_decide.py,tests/test_decide_faults.py,tests/test_decide_rules.py,tests/test_decide_limits.py,tests/test_operator_rules.py,tests/test_repeated_faults.py:95 \
 	controller/control/shortage.py:tests/test_decide.py,tests/test_decide_faults.py,tests/test_decide_rules.py,tests/test_decide_limits.py:95 \
-	controller/control/detect.py:tests/test_detect_rules.py,tests/test_decide.py,tests/test_decide_faults.py,tests/test_repeated_faults.py:95 \
+	controller/control/detect.py:tests/test_detect_rules.py,tests/test_decide.py,tests/test_decide_faults.py,tests/test_repeated_faults.py,tests/test_fabric.py,tests/test_decide_limits.py:95 \
 	controller/control/recovery.py:tests/test_recovery_rules.py,tests/test_repeated_faults.py,tests/test_decide.py,tests/test_decide_faults.py,tests/test_decide_rules.py,tests/test_decide_limits.py:95 \
 	optimus/checkpoint/manifest.py:tests/test_checkpoint_manifest.py,tests/test_manifest_rules.py:90 \
 	optimus/data/loader.py:tests/test_loader_rules.py:90 \
