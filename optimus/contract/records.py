@@ -165,3 +165,25 @@ class ExitRecord(_Record):
     tail: str  # the last lines of its own output
     tail_age: float | None  # seconds since it last wrote one (None: no log)
     in_process: bool = False  # it left its generation and waits for the next
+
+
+# --- a quorum of replicas --------------------------------------------------------------------
+
+class Quorum(_Record):
+    """The replicas that train together now (`supervision.on_replica_loss: continue`), as the
+    controller names them: an id that only grows, the member replicas, and the store their
+    cross-replica groups meet at (optimus/parallel/replicas.py). Given to each rank in its
+    quorum file, replaced whole."""
+
+    KIND: ClassVar[str] = "quorum"
+    id: int = Field(ge=1)
+    members: list[int] = Field(min_length=1)  # replica indices, ascending, no repeats
+    store_addr: str = Field(min_length=1, max_length=255)
+    store_port: int = Field(ge=1, lt=65_536)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Quorum:
+        if any(m < 0 for m in self.members) or self.members != sorted(set(self.members)):
+            raise ValueError("field 'members' must hold replica indices (>= 0), ascending, "
+                             "each once")
+        return self

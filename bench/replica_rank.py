@@ -1,0 +1,166 @@
+"""One rank of a replica (tests/test_replicas.py, bench/replicas.py): a small MLP trained through
+optimus/parallel/replicas.py, its replica's world of `--shard` ranks (FSDP2 when more than one),
+the quorum read from `--quorum-file`. Each applied step is a line of `--out`/r<R>p<P>.jsonl:
+the step, the quorum it was applied in, its loss, the time; at the end the rank's local state
+is saved beside it (`r<R>p<P>.pt`).
+
+The data are a function of (step, replica, position): rows of which a random ~3/4 carry loss,
+so replicas count different tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from optimus.parallel.replicas import Replicas, state_tensors
+
+DIM, ROWS = 32, 24
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(DIM, 64), torch.nn.Tanh(),
+                               torch.nn.Linear(64, DIM))
+
+
+def batch(step: int, replica: int, position: int):
+    g = torch.Generator().manual_seed(step * 1000 + replica * 10 + position)
+    x = torch.randn(ROWS, DIM, generator=g)
+    y = torch.randn(ROWS, DIM, generator=g)
+    mask = (torch.rand(ROWS, generator=g) < 0.75).float()
+    return x, y, mask
+
+
+def loss_sum(net, x, y, mask) -> torch.Tensor:
+    return (((net(x) - y) ** 2).mean(-1) * mask).sum()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--replica", type=int, required=True)
+    p.add_argument("--position", type=int, default=0)
+    p.add_argument("--shard", type=int, default=1)
+    p.add_argument("--world-port", type=int, default=0)
+    p.add_argument("--quorum-file", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--step-s", type=float, default=0.0, help="sleep a step (a longer step)")
+    p.add_argument("--timeout-s", type=float, default=3.0)
+    p.add_argument("--after", type=int, default=0,
+                   help="a standby: join only a quorum newer than this id")
+    p.add_argument("--die-healing", action="store_true",
+                   help="exit (status 3) as its heal begins: a rank lost mid-heal")
+    a = p.parse_args()
+
+    net = model()
+    if a.shard > 1:
+        store = dist.TCPStore("127.0.0.1", a.world_port, a.shard, is_master=a.position == 0,
+                              timeout=timedelta(seconds=30), wait_for_workers=False)
+        dist.init_process_group("gloo", store=store, rank=a.position, world_size=a.shard,
+                                timeout=timedelta(seconds=a.timeout_s))
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (a.shard,))
+        fully_shard(net, mesh=mesh)
+        net.set_gradient_divide_factor(1.0)
+        net.set_force_sum_reduction_for_comms(True)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    progress = torch.zeros(1, dtype=torch.int64)  # the last step applied
+
+    def tensors():
+        if a.die_healing and int(progress) == 0:
+            os._exit(3)
+        return state_tensors(get_model_state_dict(net),
+                             get_optimizer_state_dict(net, opt, options=flat),
+                             {"progress": progress})
+
+    out = Path(a.out)
+    name = f"r{a.replica}p{a.position}"
+    log = open(out / f"{name}.jsonl", "a", buffering=1)  # noqa: SIM115 (closed at the end)
+    rep = Replicas(Path(a.quorum_file), replica=a.replica, position=a.position, backend="gloo",
+                   timeout_s=a.timeout_s, wait_s=60.0, state=tensors)
+
+    def event(kind: str, **fields) -> None:
+        log.write(json.dumps({"event": kind, "time": time.time(), **fields}) + "\n")
+
+    logged = missed = 0
+
+    def formed() -> None:  # every quorum formed (or missed) since the last call
+        nonlocal logged, missed
+        for heal in rep.heals[logged:]:
+            event("formed", **heal)
+        for miss in rep.missed[missed:]:
+            event("missed", **miss)
+        logged, missed = len(rep.heals), len(rep.missed)
+
+    event("waiting", pid=os.getpid())  # ready to join: the controller may let it in
+    rep.join(int(progress), after=a.after)
+    step = int(progress) + 1
+    while step <= a.steps:
+        try:
+            inside = rep.before(step, int(progress))
+        except RuntimeError as e:  # the newer quorum did not meet
+            event("failed", step=step, error=str(e)[:200])
+            inside = False
+        if not inside:
+            rep.recover(int(progress))
+            formed()
+            step = int(progress) + 1
+            continue
+        formed()
+        x, y, mask = batch(step, a.replica, a.position)
+        tokens = mask.sum()
+        summed = loss_sum(net, x, y, mask)
+        if a.shard > 1:
+            both = torch.stack([tokens, summed.detach()])
+            dist.all_reduce(both)
+            tokens, replica_loss = both[0], both[1]
+        else:
+            replica_loss = summed.detach()
+        (summed / tokens).backward()
+        grads = [q.grad.to_local() if isinstance(q.grad, DTensor) else q.grad
+                 for q in net.parameters()]
+        if a.step_s:
+            time.sleep(a.step_s)
+        reduced = rep.exchange(grads, tokens, replica_loss)
+        if reduced is None:  # not applied: taken again in the next quorum
+            opt.zero_grad(set_to_none=True)
+            event("failed", step=step)
+            rep.recover(int(progress))
+            formed()
+            step = int(progress) + 1
+            continue
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        progress.fill_(step)
+        event("step", step=step, quorum=rep.quorum.id, members=list(rep.quorum.members),
+              loss=reduced.loss(), tokens=reduced.tokens(), pid=os.getpid())
+        rep.look()
+        rep.after(step, reduced)
+        step += 1
+    torch.save({k: v.clone() for k, v in enumerate(tensors())}, out / f"{name}.pt")
+    event("done", step=int(progress))
+    log.close()
+    sys.stdout.flush()
+    os._exit(0)  # gloo's threads and a peer gone: leave without tearing groups down
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,393 @@
+"""What crosses data-parallel replicas when a lost replica must not stop the others
+(`supervision.on_replica_loss: continue`): the quorum groups, the step's one exchange, the heal.
+
+In that mode each replica trains as its own torch.distributed world: its groups (shard, tensor,
+pipeline, context, experts) hold only its own ranks, so a fault in one replica breaks no group
+of another. What crosses replicas goes through a *quorum group*, one per position inside a
+replica (a rank's rank in its replica's world): the ranks at that position in every replica of
+the current quorum. The controller is the quorum's authority: it names each quorum in a
+`Quorum` record (optimus/contract/records.py: an id that only grows, the member replicas, the
+store their groups meet at) that every rank reads from its quorum file.
+
+Why groups of our own rather than torch's: `dist.new_group` is collective over the whole
+default world, whose lost ranks can no longer take part, and gloo does not implement
+`shrink_group` (torch 2.13: NCCL only). A quorum group is a backend object made directly on a
+prefix of the quorum's store (`optimus/quorum/<id>/<position>/`): made by its members alone,
+with no world-wide rendezvous, and the groups inside each replica are left as they are.
+
+One exchange a step (`QuorumGroup.reduce`): each replica's gradients, computed with its loss
+divided by its own token count, are scaled back by that count, and go in one all-reduce (SUM)
+with the count itself, the replica's loss sum and, in the member's own slot, the newest quorum
+id it has seen. Dividing by the summed count gives the gradient of the loss over the tokens of
+the replicas taking part, whichever they are; the summed slots tell every member the same
+newest id, so all switch to it after the same step (`switch_step`). A step whose exchange
+fails (a peer gone, or silent past the hang bound) is not applied by this replica: it waits
+for the next quorum and takes the step again in it.
+
+Two replicas can disagree about a step only if an exchange completes for one and fails for the
+other, the dead peer's part having reached the first (an all-reduce completes nowhere without
+every member's part). So each new quorum starts by agreeing on its members' steps (`agree`):
+a member behind the others (that case, or a replica rejoining) heals from the lowest-indexed
+member ahead, which sends it its model and optimizer shards (`heal`: one message per dtype,
+each with a checksum the receiver verifies). A step is thus never applied in one replica and
+not in another once a quorum has formed, and a rank outside the current quorum applies none:
+its exchange has no peers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from optimus.contract.records import Quorum, RecordError
+
+_QUORUM_LIMIT = 64 << 10  # bytes of a quorum file: a few ids and an address
+POLL_S = 0.01
+# Our figures after the gradients, before the members' slots: the token count, the loss sum.
+_TOKENS, _LOSS, _SLOTS = 0, 1, 2
+
+
+class QuorumError(RuntimeError):
+    """A quorum file or an exchange this rank cannot go on with (said in one line)."""
+
+
+def read_quorum(path: Path) -> Quorum | None:
+    """The quorum in `path`, or None while there is none. A file that is not a quorum record is
+    an error naming what is wrong (the agent writes it whole: it is never half there)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_QUORUM_LIMIT + 1)
+    except FileNotFoundError:
+        return None
+    if len(data) > _QUORUM_LIMIT:
+        raise QuorumError(f"{path}: over {_QUORUM_LIMIT} bytes, not a quorum record")
+    try:
+        return Quorum.parse(json.loads(data))
+    except (ValueError, RecordError) as e:
+        raise QuorumError(f"{path}: not a quorum record ({str(e)[:200]})") from None
+
+
+def wait_for_quorum(path: Path, *, after: int, replica: int, timeout_s: float,
+                    beat: Callable[[], None] | None = None) -> Quorum:
+    """The first quorum in `path` newer than id `after` that holds `replica`. A newer one that
+    leaves the replica out is skipped (the controller took it out: it waits to be let back in).
+    Raises QuorumError after `timeout_s`."""
+    deadline, seen = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        try:
+            st = os.stat(path)
+            now = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            now = None
+        if now is not None and now != seen:
+            seen = now
+            quorum = read_quorum(path)
+            if quorum is not None and quorum.id > after and replica in quorum.members:
+                return quorum
+        if beat is not None:
+            beat()
+        time.sleep(POLL_S)
+    raise QuorumError(f"no quorum after id {after} holding replica {replica} came within "
+                      f"{timeout_s:g} s")
+
+
+def switch_step(revealed_at: int) -> int:
+    """The step before which every member moves to a newer quorum id revealed by the exchange of
+    step `revealed_at`: two steps on, so that a rank reading a step's figures one step behind
+    (optimus/step.py's Readback) has read it before then, as every member has."""
+    return revealed_at + 2
+
+
+def _group(backend: str, store: dist.Store, rank: int, size: int,
+           timeout: timedelta) -> dist.ProcessGroup:
+    """A process group of `size` made on `store` by its members alone."""
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    if backend == "xccl":
+        return dist.ProcessGroupXCCL(store, rank, size)
+    raise QuorumError(f"no quorum group on backend {backend!r} (gloo, nccl or xccl)")
+
+
+@dataclass
+class Reduced:
+    """One step's exchange, as the members summed it: the figures after the gradients."""
+
+    figures: torch.Tensor  # [tokens, loss sum, each member's newest seen quorum id]
+
+    def tokens(self) -> float:
+        return float(self.figures[_TOKENS])
+
+    def loss(self) -> float:
+        """The step's loss over the tokens of every replica taking part."""
+        return float(self.figures[_LOSS]) / max(self.tokens(), 1.0)
+
+    def newest(self) -> int:
+        """The newest quorum id any member had seen when it sent its part."""
+        return int(self.figures[_SLOTS:].max())
+
+
+class QuorumGroup:
+    """This rank's group of one quorum: the ranks at its position in each member replica."""
+
+    def __init__(self, quorum: Quorum, *, replica: int, position: int, backend: str,
+                 timeout_s: float):
+        if replica not in quorum.members:
+            raise QuorumError(f"replica {replica} is not in quorum {quorum.id} "
+                              f"({quorum.members})")
+        self.quorum, self.replica, self.position = quorum, replica, position
+        self.index = quorum.members.index(replica)
+        self.size = len(quorum.members)
+        self.timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(quorum.store_addr, quorum.store_port, is_master=False,
+                                   timeout=self.timeout, wait_for_workers=False)
+        prefix = dist.PrefixStore(f"optimus/quorum/{quorum.id}/{position}/", self.store)
+        self.group = _group(backend, prefix, self.index, self.size, self.timeout)
+
+    def close(self) -> None:
+        """Let the group go (its peers may be gone: abort, never drain)."""
+        abort = getattr(self.group, "abort", None)
+        if abort is not None:
+            # gloo's may refuse: dropping the group then closes its pairs
+            with contextlib.suppress(RuntimeError):
+                abort()
+        self.group = None
+
+    def _all_reduce(self, buffer: torch.Tensor) -> None:
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.SUM
+        options.timeout = self.timeout
+        self.group.allreduce([buffer], options).wait()
+
+    def reduce(self, grads: Sequence[torch.Tensor], tokens: torch.Tensor,
+               loss_sum: torch.Tensor, seen: int) -> Reduced:
+        """Sum this step over the quorum: `grads` (this replica's local gradient shards, of its
+        loss over its own `tokens`) become, in place, the gradients of the loss over every
+        member's tokens. `loss_sum`: this replica's loss summed over its tokens; `seen`: the
+        newest quorum id this rank has read. Raises what the backend raises when a member is
+        gone or silent past the timeout; the gradients are then not to be used."""
+        dtype = grads[0].dtype if grads else torch.float32
+        device = grads[0].device if grads else tokens.device
+        if any(g.dtype != dtype for g in grads):
+            raise QuorumError("the gradients to reduce are of several dtypes")
+        count = tokens.to(device=device, dtype=dtype).reshape(1)
+        tail = torch.zeros(_SLOTS + self.size, dtype=dtype, device=device)
+        tail[_TOKENS] = count[0]
+        tail[_LOSS] = loss_sum.to(device=device, dtype=dtype)
+        tail[_SLOTS + self.index] = seen
+        buffer = torch.cat([*(g.reshape(-1) for g in grads), tail])
+        n = buffer.numel() - tail.numel()
+        buffer[:n].mul_(count)  # back to this replica's loss sum's gradient
+        self._all_reduce(buffer)
+        total = buffer[n + _TOKENS].clamp(min=1.0)
+        buffer[:n].div_(total)
+        flat = buffer[:n].split([g.numel() for g in grads])
+        torch._foreach_copy_(list(grads), [f.view_as(g) for f, g in zip(flat, grads, strict=True)])
+        return Reduced(buffer[n:].clone())
+
+    def agree(self, step: int) -> list[int]:
+        """Every member's step, by member index (one all-reduce of a slot each)."""
+        steps = torch.zeros(self.size, dtype=torch.int64)
+        steps[self.index] = step + 1  # 0: "no step yet" stays apart from step 0
+        self._all_reduce(steps)
+        return [int(s) - 1 for s in steps.tolist()]
+
+    def heal(self, state: Callable[[], Sequence[torch.Tensor]],
+             steps: list[int]) -> tuple[int, list[int]]:
+        """Bring every member behind the others to the step of the lowest-indexed member ahead:
+        that member sends `state()` (this rank's model and optimizer shards, the progress
+        counters: the same shapes in every replica at this position) to each member behind,
+        which receives them in place and checks them. Returns (the source's index, the
+        indices healed). Only the members concerned take part, and only they call `state`
+        (making an optimizer's state where it has none yet takes a step of it)."""
+        ahead = max(steps)
+        source = steps.index(ahead)
+        behind = [i for i, s in enumerate(steps) if s != ahead]
+        if not behind or (self.index != source and self.index not in behind):
+            return source, behind
+        tensors = list(state())
+        buffers = _by_dtype(tensors)
+        for tag, (_, flat) in enumerate(buffers):
+            if self.index == source:
+                sums = checksum(flat)
+                for peer in behind:
+                    self.group.send([flat], peer, 2 * tag).wait()
+                    self.group.send([sums], peer, 2 * tag + 1).wait()
+            else:
+                sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
+                self.group.recv([flat], source, 2 * tag).wait()
+                self.group.recv([sums], source, 2 * tag + 1).wait()
+                if not torch.equal(checksum(flat).cpu(), sums.cpu()):
+                    raise QuorumError(f"the state healed from replica "
+                                      f"{self.quorum.members[source]} fails its checksum")
+        if self.index in behind:
+            _scatter(tensors, buffers)
+        return source, behind
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.dtype, torch.Tensor]]:
+    """The tensors flattened into one buffer per dtype, in order of first appearance."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t.detach().reshape(-1))
+    return [(dtype, torch.cat(parts)) for dtype, parts in groups.items()]
+
+
+def _scatter(tensors: Sequence[torch.Tensor], buffers) -> None:
+    """Copy the received buffers back into `tensors`, in the order `_by_dtype` took them."""
+    taken = dict.fromkeys((dtype for dtype, _ in buffers), 0)
+    flat = dict(buffers)
+    with torch.no_grad():
+        for t in tensors:
+            start = taken[t.dtype]
+            t.copy_(flat[t.dtype][start:start + t.numel()].view_as(t))
+            taken[t.dtype] = start + t.numel()
+
+
+def checksum(flat: torch.Tensor) -> torch.Tensor:
+    """Two int64 sums over the bytes of `flat`, computed where it lies: its 32-bit words summed,
+    and summed again weighted by their position (mod a prime), which a swap or a flipped bit in
+    transit changes. Not a defence against a forger (the link's own authentication is): a
+    check that what arrived is what was sent."""
+    raw = flat.detach().reshape(-1).view(torch.uint8)
+    pad = (-raw.numel()) % 4
+    if pad:
+        raw = torch.cat([raw, raw.new_zeros(pad)])
+    words = raw.view(torch.int32).to(torch.int64)
+    weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
+    return torch.stack([words.sum(), (words * weights).sum()])
+
+
+class Replicas:
+    """A rank's side of the quorum through training: it joins a quorum, exchanges each step
+    in it, notices newer quorums, switches with the other members, and after a failed exchange
+    waits for the controller's next quorum and heals or is healed.
+
+    `state` gives, in a fixed order, the tensors a heal carries (this rank's model and
+    optimizer shards and progress counters): the same shapes at this position in every
+    replica. `beat` runs while it waits (the rank's heartbeat says it is alive)."""
+
+    def __init__(self, path: Path, *, replica: int, position: int, backend: str,
+                 timeout_s: float, wait_s: float, state: Callable[[], Sequence[torch.Tensor]],
+                 beat: Callable[[], None] | None = None):
+        self.path, self.replica, self.position = Path(path), replica, position
+        self.backend, self.timeout_s, self.wait_s = backend, timeout_s, wait_s
+        self.state, self.beat = state, beat
+        self.group: QuorumGroup | None = None
+        self.seen = 0  # the newest quorum id this rank has read
+        self.read: dict[int, Quorum] = {}  # the quorums it read, by id (the last few)
+        self.pending: tuple[int, int] | None = None  # (id, step before which to switch)
+        self.heals: list[dict] = []  # what each (re)formed quorum healed, for the log
+        self.missed: list[dict] = []  # quorums whose members did not all meet
+        self.tried = 0  # the newest quorum id this rank formed or tried to
+
+    @property
+    def quorum(self) -> Quorum | None:
+        return self.group.quorum if self.group is not None else None
+
+    def join(self, step: int, after: int = 0) -> None:
+        """Wait for a quorum newer than `after` that holds this replica, form its group and
+        agree on the step with its members (healing whoever is behind); a quorum whose members
+        do not all meet within the timeout is given up for the next one. `step`: the last step
+        this rank applied (0 when it has none)."""
+        while True:
+            quorum = wait_for_quorum(self.path, after=after, replica=self.replica,
+                                     timeout_s=self.wait_s, beat=self.beat)
+            try:
+                self._form(quorum, step)
+                return
+            except (RuntimeError, TimeoutError) as e:  # a member missing, or gone meanwhile
+                self.missed.append({"quorum": quorum.id, "error": str(e)[:200]})
+                after = quorum.id
+
+    def _form(self, quorum: Quorum, step: int) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group, self.pending, self.tried = None, None, quorum.id
+        self.seen = max(self.seen, quorum.id)
+        group = QuorumGroup(quorum, replica=self.replica, position=self.position,
+                            backend=self.backend, timeout_s=self.timeout_s)
+        steps = group.agree(step)
+        source, behind = group.heal(self.state, steps)
+        self.group = group
+        self.heals.append({"quorum": quorum.id, "members": list(quorum.members),
+                           "steps": steps, "source": quorum.members[source],
+                           "healed": [quorum.members[i] for i in behind]})
+
+    def exchange(self, grads: Sequence[torch.Tensor], tokens: torch.Tensor,
+                 loss_sum: torch.Tensor) -> Reduced | None:
+        """The step's exchange in the current quorum, or None when it failed (a member gone
+        or silent): the step is then not to be applied; `recover` and take it again."""
+        try:
+            return self.group.reduce(grads, tokens, loss_sum, self.seen)
+        except (RuntimeError, TimeoutError):
+            return None
+
+    def recover(self, step: int) -> None:
+        """After a failed exchange or switch: the next quorum holding this replica, formed and
+        agreed. `step`: the last step this rank applied."""
+        self.join(step, after=self.tried)
+
+    def look(self) -> None:
+        """At a step boundary: read the quorum file (a stat, and a read when it changed) for
+        an id newer than those seen; the next exchange tells the other members of it."""
+        quorum = read_quorum(self.path)
+        if quorum is not None and quorum.id > self.seen:
+            self.seen = quorum.id
+            self.read = {i: q for i, q in self.read.items() if i >= self.quorum.id}
+            self.read[quorum.id] = quorum
+
+    def after(self, step: int, reduced: Reduced) -> None:
+        """After step `step`'s exchange (`reduced`, read when the step's figures are): a newer
+        quorum id any member had seen is switched to before `switch_step(step)`, by all."""
+        newest = reduced.newest()
+        if newest > self.quorum.id and (self.pending is None or self.pending[0] < newest):
+            self.pending = (newest, switch_step(step))
+
+    def before(self, step: int, last: int) -> bool:
+        """Before step `step`: when it is the switch step, form the newer quorum (agreeing on
+        `last`, the last step applied). Returns False when that quorum leaves this replica
+        out: the rank must apply no further update and wait (`recover`)."""
+        if self.pending is None or step < self.pending[1]:
+            return True
+        # The members form the quorum revealed, which this rank has normally read itself by
+        # now; if the file moved past it unread, the newest (members that formed another
+        # fail to meet within the timeout, and meet again in the controller's next).
+        quorum = self.read.get(self.pending[0]) or read_quorum(self.path)
+        if quorum is None or quorum.id < self.pending[0]:
+            raise QuorumError(f"the quorum file went back from id {self.pending[0]}")
+        if self.replica not in quorum.members:
+            self.group.close()
+            self.group, self.pending, self.tried = None, None, quorum.id
+            return False
+        self._form(quorum, last)
+        return True
+
+
+def state_tensors(*state_dicts: dict) -> list[torch.Tensor]:
+    """The tensors a heal carries, from state dicts (torch.distributed.checkpoint's
+    get_model_state_dict / get_optimizer_state_dict: their values are the live tensors, the
+    optimizer's made if it had none yet): by key, a DTensor as its local shard."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for state in state_dicts:
+        for key in sorted(state):
+            value = state[key]
+            if isinstance(value, DTensor):
+                value = value.to_local()
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+    return out

@@ -1,0 +1,272 @@
+"""Replicas that carry on (optimus/parallel/replicas.py), in real processes: each replica its
+own process (or world of processes), the quorum groups made on a TCPStore this test serves, the
+quorum written by this test as the controller writes it, real SIGKILL and SIGSTOP.
+
+What is checked is what the mode promises: survivors keep their processes and apply every step
+exactly once; the step's gradient is that of the loss over the tokens of the replicas taking
+part (against one process computing it from the recorded membership); a replica that rejoins
+is healed from a live peer to the same bits; every replica's samples are trained exactly at
+the steps its replica was a member.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import replica_rank  # noqa: E402
+from replica_run import Run  # noqa: E402
+
+from optimus.contract.records import Quorum  # noqa: E402
+from optimus.parallel.replicas import (  # noqa: E402
+    QuorumError,
+    checksum,
+    read_quorum,
+    switch_step,
+    wait_for_quorum,
+)
+
+
+@pytest.fixture
+def run_of(tmp_path):
+    runs = []
+
+    def make(**kw) -> Run:
+        runs.append(Run(tmp_path, **kw))
+        return runs[-1]
+    yield make
+    for r in runs:
+        r.kill_all()
+
+
+def reference(membership: dict[int, list[int]], shard: int = 1) -> list[torch.Tensor]:
+    """One process: each step's loss over the tokens of the replicas that took part in it."""
+    net = replica_rank.model()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    for step in sorted(membership):
+        total, tokens = 0.0, 0.0
+        for r in membership[step]:
+            for p in range(shard):
+                x, y, mask = replica_rank.batch(step, r, p)
+                total = total + replica_rank.loss_sum(net, x, y, mask)
+                tokens += float(mask.sum())
+        (total / tokens).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach() for p in net.parameters()]
+
+
+def params_of(state: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The model's weights in a saved state (state_tensors: the model's state dict first, by
+    key: 0.bias, 0.weight, 2.bias, 2.weight)."""
+    bias0, weight0, bias2, weight2 = state[:4]
+    return [weight0, bias0, weight2, bias2]
+
+
+def membership(run: Run, replica: int) -> dict[int, list[int]]:
+    """Step -> the replicas that took part in it, as `replica` applied it (each step once)."""
+    rows = run.lines(replica)
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps)), f"replica {replica} applied a step twice: {steps}"
+    return {r["step"]: r["members"] for r in rows}
+
+
+def assert_trained_where_member(run: Run, members: dict[int, list[int]], replicas) -> None:
+    """Every replica's samples of a step were trained exactly when it was a member of that
+    step's quorum: its own processes applied exactly those steps (no more, no fewer)."""
+    for r in replicas:
+        applied = sorted(row["step"] for row in run.lines(r))
+        assert applied == sorted(s for s, m in members.items() if r in m), r
+
+
+def test_a_killed_replica_leaves_the_others_stepping_and_rejoins_healed(run_of):
+    steps = 40
+    run = run_of(steps=steps, step_s=0.05)
+    run.quorum([0, 1, 2])
+    for r in range(3):
+        run.start(r)
+    victim = run.procs[2, 0]
+    run.start(2, after=1)  # a standby for replica 2: started, waiting for a later quorum
+    run.wait(lambda: len(run.lines(2, kind="waiting")) == 2 and run.last_step(2) >= 4)
+    survivors = {r: run.procs[r, 0].pid for r in (0, 1)}
+    victim.kill()  # SIGKILL: the replica's process is gone mid-training
+    victim.wait()
+    killed_at = run.last_step(2)
+    run.quorum([0, 1])  # the controller's decision: replica 2 is out
+    run.wait(lambda: run.last_step(0) >= killed_at + 5)
+    run.quorum([0, 1, 2])  # let back in: it heals from a live peer at the next boundary
+    run.finish(range(3))
+
+    members = membership(run, 0)
+    assert list(members) == list(range(1, steps + 1))  # every step applied, once
+    assert membership(run, 1) == members
+    assert {r["pid"] for r in run.lines(0)} == {survivors[0]}  # the same processes
+    assert {r["pid"] for r in run.lines(1)} == {survivors[1]}
+    out = [s for s, m in members.items() if m == [0, 1]]
+    assert out and out == list(range(out[0], out[-1] + 1))  # one stretch without replica 2
+    assert out[0] <= killed_at + 1 and members[steps] == [0, 1, 2]
+    assert_trained_where_member(run, members, range(3))
+    # The replacement was healed by replica 0 (the lowest member ahead), to the same bits.
+    formed = [f for f in run.lines(2, kind="formed") if f["healed"]]
+    assert formed and formed[-1]["source"] == 0 and formed[-1]["healed"] == [2]
+    first = run.lines(2)[len([s for s in run.lines(2) if s["step"] <= killed_at]):][0]
+    assert formed[-1]["steps"][0] == first["step"] - 1
+    states = [run.state(r) for r in range(3)]
+    for other in states[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(states[0], other, strict=True))
+    # Each step's update is the gradient of the loss over the tokens of its members.
+    for got, want in zip(params_of(states[0]), reference(members), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_hung_replica_is_left_behind_after_the_timeout_and_applies_nothing(run_of):
+    """A replica that goes silent (SIGSTOP: no reset, no exit) holds the others' exchange only
+    until the timeout; once the controller names a quorum without it they step on, and the
+    silent one, woken, has no peers to apply an update with."""
+    steps = 24
+    run = run_of(steps=steps, step_s=0.05, timeout_s=2.0)
+    run.quorum([0, 1, 2])
+    for r in range(3):
+        run.start(r)
+    run.wait(lambda: run.last_step(1) >= 4)
+    run.procs[1, 0].send_signal(signal.SIGSTOP)
+    stopped_at = run.last_step(1)
+    run.quorum([0, 2])  # the controller's decision once its heartbeats went stale
+    run.wait(lambda: any(f["quorum"] == 2 for f in run.lines(0, kind="formed")))
+    run.procs[1, 0].send_signal(signal.SIGCONT)  # it wakes, its peers gone on without it
+    run.finish((0, 2))
+    run.procs[1, 0].kill()
+    members = membership(run, 0)
+    assert list(members) == list(range(1, steps + 1))
+    assert membership(run, 2) == members
+    assert max(r["step"] for r in run.lines(1)) == stopped_at  # nothing applied after
+    assert all(m == [0, 2] for s, m in members.items() if s > stopped_at)
+    assert any(f["step"] == stopped_at + 1 for f in run.lines(0, kind="failed"))
+    states = [run.state(r) for r in (0, 2)]
+    assert all(torch.equal(a, b) for a, b in zip(*states, strict=True))
+    for got, want in zip(params_of(states[0]), reference(members), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_replica_lost_during_its_heal_leaves_a_consistent_quorum(run_of):
+    """The replacement dies as its heal begins: the healer's send fails, the member the heal
+    did not concern fails its next exchange; both meet in the controller's next quorum at the
+    same step and train on, each step applied once."""
+    steps = 30
+    run = run_of(steps=steps, step_s=0.05, timeout_s=2.0)
+    run.quorum([0, 1, 2])
+    for r in range(3):
+        run.start(r)
+    victim = run.procs[2, 0]
+    run.start(2, 1, "--die-healing")
+    run.wait(lambda: len(run.lines(2, kind="waiting")) == 2 and run.last_step(2) >= 3)
+    victim.kill()
+    victim.wait()
+    run.quorum([0, 1])
+    run.wait(lambda: run.last_step(0) >= 8)
+    run.quorum([0, 1, 2])  # the replacement joins, and dies healing
+    run.wait(lambda: run.procs[2, 0].poll() is not None)
+    assert run.procs[2, 0].returncode == 3
+    run.quorum([0, 1])
+    run.finish((0, 1))
+    members = membership(run, 0)
+    assert list(members) == list(range(1, steps + 1))
+    assert membership(run, 1) == members
+    assert {tuple(m) for m in members.values()} == {(0, 1, 2), (0, 1)}  # none applied in 3
+    assert {r["quorum"] for r in run.lines(0)} == {1, 2, 4}
+    states = [run.state(r) for r in (0, 1)]
+    assert all(torch.equal(a, b) for a, b in zip(*states, strict=True))
+    for got, want in zip(params_of(states[0]), reference(members), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_sharded_replicas_heal_each_position_from_its_peer(run_of):
+    """Two replicas of two ranks each (FSDP2 inside a replica): a quorum group per position.
+    Replica 1 is lost whole (its node) and comes back as two standbys, each healed from the
+    rank at its position in replica 0; every position ends with its peer's bits, and the
+    weights are those of one process over the members' data."""
+    steps = 24
+    run = run_of(steps=steps, step_s=0.05, shard=2)
+    run.quorum([0, 1])
+    for r in range(2):
+        run.start(r)
+    victims = [run.procs[1, p] for p in range(2)]
+    run.start(1, after=1)
+    run.wait(lambda: len(run.lines(1, 1, kind="waiting")) == 2 and run.last_step(1) >= 3)
+    for v in victims:
+        v.kill()
+        v.wait()
+    run.quorum([0])
+    run.wait(lambda: run.last_step(0) >= run.last_step(1) + 4)
+    run.quorum([0, 1])
+    run.finish((0, 1))
+    members = membership(run, 0)
+    assert list(members) == list(range(1, steps + 1))
+    assert membership(run, 0) == {s: m for s, m in membership(run, 1).items()} | {
+        s: m for s, m in members.items() if m == [0]}
+    for p in range(2):
+        healed = [f for f in run.lines(1, p, kind="formed") if f["healed"]]
+        assert healed and healed[-1]["healed"] == [1] and healed[-1]["source"] == 0
+        a, b = run.state(0, p), run.state(1, p)
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    want = reference(members, shard=2)
+    got = [torch.cat([run.state(0, p)[i] for p in range(2)]) for i in range(4)]
+    for g, w in zip(params_of(got), want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+# --- the rules, without processes ----------------------------------------------------------
+
+def test_a_quorum_file_is_read_whole_or_refused_in_one_line(tmp_path):
+    path = tmp_path / "quorum.json"
+    assert read_quorum(path) is None
+    path.write_text(json.dumps({"version": 1, "id": 3, "members": [0, 2],
+                                "store_addr": "10.0.0.1", "store_port": 29500}))
+    assert read_quorum(path) == Quorum(id=3, members=[0, 2], store_addr="10.0.0.1",
+                                       store_port=29500)
+    for bad, says in ((dict(members=[2, 0]), "ascending"), (dict(members=[1, 1]), "each once"),
+                      (dict(members=[]), "members"), (dict(id=0), "id"),
+                      (dict(store_port=70000), "store_port"), (dict(extra=1), "extra")):
+        record = {"version": 1, "id": 3, "members": [0, 2], "store_addr": "h",
+                  "store_port": 1, **bad}
+        path.write_text(json.dumps(record))
+        with pytest.raises(QuorumError, match=says):
+            read_quorum(path)
+    path.write_text("x" * (65 << 10))
+    with pytest.raises(QuorumError, match="bytes"):
+        read_quorum(path)
+
+
+def test_waiting_for_a_quorum_skips_those_that_leave_the_replica_out(tmp_path):
+    path = tmp_path / "quorum.json"
+    path.write_text(json.dumps(Quorum(id=2, members=[0, 1], store_addr="h",
+                                      store_port=1).record()))
+    with pytest.raises(QuorumError, match="replica 2"):
+        wait_for_quorum(path, after=0, replica=2, timeout_s=0.05)
+    assert wait_for_quorum(path, after=1, replica=1, timeout_s=0.05).id == 2
+    with pytest.raises(QuorumError, match="after id 2"):
+        wait_for_quorum(path, after=2, replica=1, timeout_s=0.05)
+
+
+def test_the_heal_checksum_sees_a_flipped_bit_and_a_swap():
+    flat = torch.arange(1000, dtype=torch.float32) / 7
+    sums = checksum(flat)
+    assert torch.equal(checksum(flat.clone()), sums)
+    flipped = flat.clone()
+    flipped.view(torch.int32)[500] ^= 1
+    assert not torch.equal(checksum(flipped), sums)
+    swapped = flat.clone()
+    swapped[[3, 4]] = swapped[[4, 3]]
+    assert checksum(swapped)[0] == sums[0] and not torch.equal(checksum(swapped), sums)
+    assert checksum(torch.ones(3, dtype=torch.bfloat16)).shape == (2,)  # padded to words
+
+
+def test_a_switch_comes_two_steps_after_the_step_that_revealed_it():
+    assert switch_step(7) == 9
