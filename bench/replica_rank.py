@@ -29,20 +29,22 @@ from torch.distributed.tensor import DTensor
 
 from optimus.parallel.replicas import Replicas, state_tensors
 
-DIM, ROWS = 32, 24
+WIDTHS, ROWS = (32, 64, 32), 24  # the tests'; bench/replicas.py asks for ~1M parameters
 
 
-def model() -> torch.nn.Module:
+def model(widths=WIDTHS) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(DIM, 64), torch.nn.Tanh(),
-                               torch.nn.Linear(64, DIM))
+    layers = []
+    for i, (n, m) in enumerate(zip(widths, widths[1:], strict=False)):
+        layers += [torch.nn.Linear(n, m)] + ([torch.nn.Tanh()] if i < len(widths) - 2 else [])
+    return torch.nn.Sequential(*layers)
 
 
-def batch(step: int, replica: int, position: int):
+def batch(step: int, replica: int, position: int, widths=WIDTHS, rows: int = ROWS):
     g = torch.Generator().manual_seed(step * 1000 + replica * 10 + position)
-    x = torch.randn(ROWS, DIM, generator=g)
-    y = torch.randn(ROWS, DIM, generator=g)
-    mask = (torch.rand(ROWS, generator=g) < 0.75).float()
+    x = torch.randn(rows, widths[0], generator=g)
+    y = torch.randn(rows, widths[-1], generator=g)
+    mask = (torch.rand(rows, generator=g) < 0.75).float()
     return x, y, mask
 
 
@@ -63,11 +65,19 @@ def main() -> None:
     p.add_argument("--timeout-s", type=float, default=3.0)
     p.add_argument("--after", type=int, default=0,
                    help="a standby: join only a quorum newer than this id")
+    p.add_argument("--widths", default=",".join(map(str, WIDTHS)))
+    p.add_argument("--rows", type=int, default=ROWS)
+    p.add_argument("--plain", type=int, default=0, metavar="N",
+                   help="the reference: N replicas in one world, a plain all-reduce a step")
     p.add_argument("--die-healing", action="store_true",
                    help="exit (status 3) as its heal begins: a rank lost mid-heal")
     a = p.parse_args()
+    widths = tuple(int(w) for w in a.widths.split(","))
+    if a.plain:
+        plain(a, widths)
+        return
 
-    net = model()
+    net = model(widths)
     if a.shard > 1:
         store = dist.TCPStore("127.0.0.1", a.world_port, a.shard, is_master=a.position == 0,
                               timeout=timedelta(seconds=30), wait_for_workers=False)
@@ -125,7 +135,7 @@ def main() -> None:
             step = int(progress) + 1
             continue
         formed()
-        x, y, mask = batch(step, a.replica, a.position)
+        x, y, mask = batch(step, a.replica, a.position, widths, a.rows)
         tokens = mask.sum()
         summed = loss_sum(net, x, y, mask)
         if a.shard > 1:
@@ -160,6 +170,33 @@ def main() -> None:
     log.close()
     sys.stdout.flush()
     os._exit(0)  # gloo's threads and a peer gone: leave without tearing groups down
+
+
+def plain(a, widths) -> None:
+    """The loop without fault tolerance: the replicas one world, the same weighted gradient
+    through one dist.all_reduce a step (what a plain data-parallel loop pays)."""
+    store = dist.TCPStore("127.0.0.1", a.world_port, a.plain, is_master=a.replica == 0,
+                          timeout=timedelta(seconds=60), wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=a.replica, world_size=a.plain)
+    net = model(widths)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    with open(Path(a.out) / f"plain{a.replica}.jsonl", "a", buffering=1) as log:
+        for step in range(1, a.steps + 1):
+            x, y, mask = batch(step, a.replica, 0, widths, a.rows)
+            tokens = mask.sum()
+            summed = loss_sum(net, x, y, mask)
+            (summed / tokens).backward()
+            grads = [q.grad for q in net.parameters()]
+            buffer = torch.cat([*(g.reshape(-1) for g in grads), tokens.reshape(1)])
+            buffer[:-1].mul_(tokens)
+            dist.all_reduce(buffer)
+            buffer[:-1].div_(buffer[-1])
+            flat = buffer[:-1].split([g.numel() for g in grads])
+            torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat, grads, strict=True)])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            log.write(json.dumps({"event": "step", "time": time.time(), "step": step}) + "\n")
+    os._exit(0)
 
 
 if __name__ == "__main__":

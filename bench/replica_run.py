@@ -24,7 +24,8 @@ class Run:
     """The replicas' processes, their quorum file and store, as a controller would hold them."""
 
     def __init__(self, tmp: Path, steps: int, step_s: float = 0.0, timeout_s: float = 3.0,
-                 shard: int = 1):
+                 shard: int = 1, args: tuple[str, ...] = ()):
+        self.args = args  # for every rank (bench/replica_rank.py's options)
         self.tmp, self.steps, self.step_s, self.timeout_s, self.shard = \
             tmp, steps, step_s, timeout_s, shard
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -53,7 +54,7 @@ class Run:
                      "--shard", str(self.shard), "--world-port", str(port),
                      "--quorum-file", str(self.file), "--out", str(self.tmp),
                      "--steps", str(self.steps), "--step-s", str(self.step_s),
-                     "--timeout-s", str(self.timeout_s), "--after", str(after), *flags],
+                     "--timeout-s", str(self.timeout_s), "--after", str(after), *self.args, *flags],
                     cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                     stdout=log, stderr=subprocess.STDOUT)
 

@@ -78,12 +78,18 @@ def membership(run: Run, replica: int) -> dict[int, list[int]]:
     return {r["step"]: r["members"] for r in rows}
 
 
-def assert_trained_where_member(run: Run, members: dict[int, list[int]], replicas) -> None:
+def assert_trained_where_member(run: Run, members: dict[int, list[int]], replicas,
+                                position: int = 0, lost_at: int | None = None) -> None:
     """Every replica's samples of a step were trained exactly when it was a member of that
-    step's quorum: its own processes applied exactly those steps (no more, no fewer)."""
+    step's quorum: its own processes applied those steps, no others. The one exception: the
+    step a killed process was in when it died, if its exchange had completed (its part is in
+    the others' update) but it had not yet logged the step (`lost_at`: its last logged)."""
     for r in replicas:
-        applied = sorted(row["step"] for row in run.lines(r))
-        assert applied == sorted(s for s, m in members.items() if r in m), r
+        applied = {row["step"] for row in run.lines(r, position)}
+        member = {s for s, m in members.items() if r in m}
+        assert applied <= member, (r, sorted(applied - member))
+        assert member - applied <= ({lost_at + 1} if lost_at is not None else set()), \
+            (r, sorted(member - applied))
 
 
 def test_a_killed_replica_leaves_the_others_stepping_and_rejoins_healed(run_of):
@@ -111,13 +117,13 @@ def test_a_killed_replica_leaves_the_others_stepping_and_rejoins_healed(run_of):
     assert {r["pid"] for r in run.lines(1)} == {survivors[1]}
     out = [s for s, m in members.items() if m == [0, 1]]
     assert out and out == list(range(out[0], out[-1] + 1))  # one stretch without replica 2
-    assert out[0] <= killed_at + 1 and members[steps] == [0, 1, 2]
-    assert_trained_where_member(run, members, range(3))
+    assert out[0] in (killed_at + 1, killed_at + 2) and members[steps] == [0, 1, 2]
+    assert_trained_where_member(run, members, range(3), lost_at=killed_at)
     # The replacement was healed by replica 0 (the lowest member ahead), to the same bits.
     formed = [f for f in run.lines(2, kind="formed") if f["healed"]]
     assert formed and formed[-1]["source"] == 0 and formed[-1]["healed"] == [2]
-    first = run.lines(2)[len([s for s in run.lines(2) if s["step"] <= killed_at]):][0]
-    assert formed[-1]["steps"][0] == first["step"] - 1
+    first = [s for s in run.lines(2) if s["step"] > killed_at][0]  # the replacement's first
+    assert formed[-1]["steps"][0] == first["step"] - 1 == formed[-1]["steps"][1]
     states = [run.state(r) for r in range(3)]
     for other in states[1:]:
         assert all(torch.equal(a, b) for a, b in zip(states[0], other, strict=True))
@@ -146,9 +152,13 @@ def test_a_hung_replica_is_left_behind_after_the_timeout_and_applies_nothing(run
     members = membership(run, 0)
     assert list(members) == list(range(1, steps + 1))
     assert membership(run, 2) == members
-    assert max(r["step"] for r in run.lines(1)) == stopped_at  # nothing applied after
-    assert all(m == [0, 2] for s, m in members.items() if s > stopped_at)
-    assert any(f["step"] == stopped_at + 1 for f in run.lines(0, kind="failed"))
+    # It was last a member at the step it was stopped in (its exchange may have completed just
+    # before SIGSTOP), and applied nothing after that.
+    last_in = max(s for s, m in members.items() if 1 in m)
+    assert last_in in (stopped_at, stopped_at + 1)
+    assert max(r["step"] for r in run.lines(1)) <= last_in
+    assert all(m == [0, 2] for s, m in members.items() if s > last_in)
+    assert any(f["step"] == last_in + 1 for f in run.lines(0, kind="failed"))
     states = [run.state(r) for r in (0, 2)]
     assert all(torch.equal(a, b) for a, b in zip(*states, strict=True))
     for got, want in zip(params_of(states[0]), reference(members), strict=True):
@@ -209,8 +219,9 @@ def test_sharded_replicas_heal_each_position_from_its_peer(run_of):
     run.finish((0, 1))
     members = membership(run, 0)
     assert list(members) == list(range(1, steps + 1))
-    assert membership(run, 0) == {s: m for s, m in membership(run, 1).items()} | {
-        s: m for s, m in members.items() if m == [0]}
+    for p in range(2):
+        lost_at = max(r["step"] for r in run.lines(1, p) if r["pid"] == victims[p].pid)
+        assert_trained_where_member(run, members, (0, 1), position=p, lost_at=lost_at)
     for p in range(2):
         healed = [f for f in run.lines(1, p, kind="formed") if f["healed"]]
         assert healed and healed[-1]["healed"] == [1] and healed[-1]["source"] == 0

@@ -317,14 +317,18 @@ class Replicas:
             self.group.close()
         self.group, self.pending, self.tried = None, None, quorum.id
         self.seen = max(self.seen, quorum.id)
+        began = time.perf_counter()
         group = QuorumGroup(quorum, replica=self.replica, position=self.position,
                             backend=self.backend, timeout_s=self.timeout_s)
+        formed = time.perf_counter()
         steps = group.agree(step)
         source, behind = group.heal(self.state, steps)
         self.group = group
         self.heals.append({"quorum": quorum.id, "members": list(quorum.members),
                            "steps": steps, "source": quorum.members[source],
-                           "healed": [quorum.members[i] for i in behind]})
+                           "healed": [quorum.members[i] for i in behind],
+                           "group_s": round(formed - began, 4),  # the members meeting
+                           "heal_s": round(time.perf_counter() - formed, 4)})
 
     def exchange(self, grads: Sequence[torch.Tensor], tokens: torch.Tensor,
                  loss_sum: torch.Tensor) -> Reduced | None:

@@ -1,0 +1,177 @@
+"""Replicas that carry on, rank side: what a lost replica costs the others with
+optimus/parallel/replicas.py, against a plain loop and against torchft 0.2.0, in one run.
+
+N replicas of one rank each (separate processes) train the ~1M-parameter MLP of
+bench/replica_peer.py (widths 256-768-768-256-256, batch 128, AdamW) through
+bench/replica_rank.py. This script plays the controller's part: it serves the store the quorum
+groups meet at and writes the quorum file, at once on each decision (the controller's own
+decision time is not in these figures). Measured:
+
+  overhead   median step with the quorum's exchange over the same loop with a plain gloo
+             all-reduce across the same N processes (bench/replica_rank.py --plain), target
+             <= 1.02;
+  gap        replica N-1 is SIGKILLed after step --kill-at; the quorum without it is written
+             when its exit is seen: the survivors' largest gap between applied steps, in
+             seconds and in median steps (target <= 2), and kill -> their next applied step;
+  rejoin     a standby for the lost replica (a process started with the others, past its
+             imports) is let back in once the survivors have stepped 5 more times: from the
+             quorum naming it to its first applied step, and its heal (group, agreement and
+             the state from the lowest live member, checked).
+
+With --peer (torchft installed: `make torchft-peer`), bench/replica_peer.py runs the same kill
+with torchft in the same run, and the ratios are printed: survivors' gap, per-step overhead and
+rejoin (ours over torchft's: below 1 is better).
+
+    .venv/bin/python bench/replicas.py [--replicas 3] [--steps 60] [--kill-at 20] [--peer]
+                                       [--quick] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from itertools import pairwise
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from replica_run import ROOT, Run, _free_port  # noqa: E402
+
+WIDTHS = "256,768,768,256,256"  # bench/replica_peer.py's MLP: 1,051,904 parameters
+FULL = {"steps": 60, "kill_at": 20, "rows": 128}
+QUICK = {"steps": 24, "kill_at": 8, "rows": 64}
+
+
+def step_times(run: Run, replica: int) -> list[tuple[int, float]]:
+    return [(r["step"], r["time"]) for r in run.lines(replica)]
+
+
+def plain(tmp: Path, replicas: int, steps: int, rows: int) -> float:
+    """The median step of the plain loop (after its first 3 steps)."""
+    port = _free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, str(ROOT / "bench" / "replica_rank.py"), "--replica", str(r),
+         "--plain", str(replicas), "--world-port", str(port), "--quorum-file", "-",
+         "--out", str(tmp), "--steps", str(steps), "--widths", WIDTHS, "--rows", str(rows)],
+        cwd=ROOT) for r in range(replicas)]
+    for p in procs:
+        if p.wait(timeout=600) != 0:
+            raise SystemExit(f"the plain loop's rank exited {p.returncode}")
+    rows_ = [json.loads(x) for x in (tmp / "plain0.jsonl").read_text().splitlines()]
+    times = [r["time"] for r in rows_]
+    return statistics.median(b - a for a, b in pairwise(times[3:]))
+
+
+def ours(tmp: Path, replicas: int, steps: int, kill_at: int, rows: int) -> dict:
+    run = Run(tmp, steps, timeout_s=10.0, args=("--widths", WIDTHS, "--rows", str(rows)))
+    lost = replicas - 1
+    try:
+        run.quorum(list(range(replicas)))
+        for r in range(replicas):
+            run.start(r)
+        victim = run.procs[lost, 0]
+        run.start(lost, 1)  # the standby
+        run.wait(lambda: len(run.lines(lost, kind="waiting")) == 2
+                 and run.last_step(lost) >= kill_at, 600)
+        killed = time.time()
+        victim.kill()
+        victim.wait()
+        run.quorum(list(range(lost)))
+        run.wait(lambda: run.last_step(0) >= run.last_step(lost) + 5, 600)
+        let_in = time.time()
+        run.quorum(list(range(replicas)))
+        run.finish(range(replicas))
+        times = step_times(run, 0)
+        before = [b - a for (_, a), (_, b) in pairwise(times) if b < killed][2:]
+        median = statistics.median(before)
+        after = next(t for _, t in times if t > killed)
+        gap = max(b - a for (_, a), (_, b) in pairwise(times) if b <= let_in)
+        rejoin_gap = max(b - a for (_, a), (_, b) in pairwise(times) if b > let_in)
+        joined = [t for s, t in step_times(run, lost) if t > let_in]
+        heal = [f for f in run.lines(lost, kind="formed") if f["healed"]]
+        return {"median_step_s": median, "gap_s": gap, "gap_steps": gap / median,
+                "rejoin_gap_s": rejoin_gap, "rejoin_gap_steps": rejoin_gap / median,
+                "kill_to_next_step_s": after - killed,
+                "rejoin_s": joined[0] - let_in if joined else None,
+                "heal_s": heal[-1]["heal_s"] if heal else None,
+                "steps_applied": len(times)}
+    finally:
+        run.kill_all()
+
+
+def peer(args, settings: dict, tmp: Path) -> dict | None:
+    out = tmp / "peer.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "replica_peer.py"),
+           "--replicas", str(args.replicas), "--steps", str(settings["steps"]),
+           "--kill-at", str(settings["kill_at"]), "--json", str(out)]
+    if args.quick:
+        cmd.append("--quick")
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0 or not out.exists():
+        print(f"torchft peer: not measured ({(done.stdout + done.stderr).strip()[-300:]})")
+        return None
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--kill-at", type=int)
+    p.add_argument("--quick", action="store_true", help="a check that it runs")
+    p.add_argument("--peer", action="store_true", help="torchft 0.2.0 in the same run")
+    p.add_argument("--json")
+    a = p.parse_args()
+    settings = dict(QUICK if a.quick else FULL)
+    settings.update({k: v for k, v in (("steps", a.steps), ("kill_at", a.kill_at)) if v})
+    with tempfile.TemporaryDirectory() as d:
+        base = Path(d)
+        (base / "plain").mkdir()
+        (base / "ours").mkdir()
+        plain_s = plain(base / "plain", a.replicas, settings["steps"], settings["rows"])
+        figures = ours(base / "ours", a.replicas, settings["steps"], settings["kill_at"],
+                       settings["rows"])
+        figures["overhead"] = figures["median_step_s"] / plain_s
+        figures["plain_step_s"] = plain_s
+        theirs = peer(a, settings, base) if a.peer else None
+    print(f"replicas {a.replicas}, steps {settings['steps']}, kill after step "
+          f"{settings['kill_at']}, MLP {WIDTHS}, batch {settings['rows']}")
+    print(f"  plain loop median step      {plain_s * 1e3:8.1f} ms")
+    print(f"  ours: median step           {figures['median_step_s'] * 1e3:8.1f} ms  "
+          f"(overhead {figures['overhead']:.3f}x, target <= 1.02)")
+    print(f"  ours: survivors' largest gap {figures['gap_s']:7.3f} s = "
+          f"{figures['gap_steps']:.2f} median steps (target <= 2)")
+    print(f"  ours: kill -> next step     {figures['kill_to_next_step_s']:8.3f} s")
+    print(f"  ours: rejoin (standby)      {figures['rejoin_s']:8.3f} s, heal "
+          f"{figures['heal_s']:.3f} s; survivors' largest gap then {figures['rejoin_gap_s']:.3f}"
+          f" s = {figures['rejoin_gap_steps']:.2f} median steps")
+    result = {"settings": {**settings, "replicas": a.replicas, "widths": WIDTHS},
+              "ours": figures, "torchft": theirs}
+    if theirs:
+        ratios = _ratios(figures, theirs)
+        result["ratios"] = ratios
+        for name, value in ratios.items():
+            print(f"  ours / torchft {name:<20} {value:.3f}" if value is not None
+                  else f"  ours / torchft {name:<20} n/a")
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1))
+
+
+def _ratios(ours_: dict, theirs: dict) -> dict:
+    """Ours over torchft's, for each figure both have (below 1: ours is better)."""
+    t = {**theirs.get("kill", {}), **theirs.get("rejoin", {}), **theirs.get("overhead", {})}
+
+    def ratio(mine, key):
+        value = t.get(key)
+        return mine / value if mine is not None and value else None
+    return {"gap_s": ratio(ours_["gap_s"], "gap_s"),
+            "overhead": ratio(ours_["overhead"], "ratio"),
+            "rejoin_s": ratio(ours_["rejoin_s"], "spawn_to_first_commit_s")}
+
+
+if __name__ == "__main__":
+    main()
