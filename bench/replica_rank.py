@@ -105,7 +105,7 @@ def main() -> None:
     name = f"r{a.replica}p{a.position}"
     log = open(out / f"{name}.jsonl", "a", buffering=1)  # noqa: SIM115 (closed at the end)
     rep = Replicas(Path(a.quorum_file), replica=a.replica, position=a.position, backend="gloo",
-                   timeout_s=a.timeout_s, wait_s=60.0, state=tensors)
+                   timeout_s=a.timeout_s, wait_s=600.0, state=tensors)
 
     def event(kind: str, **fields) -> None:
         log.write(json.dumps({"event": kind, "time": time.time(), **fields}) + "\n")
@@ -149,12 +149,13 @@ def main() -> None:
                  for q in net.parameters()]
         if a.step_s:
             time.sleep(a.step_s)
-        reduced = rep.exchange(grads, tokens, replica_loss)
-        if reduced is None:  # not applied: taken again in the next quorum
+        failures = len(rep.failed)
+        reduced = rep.exchange(grads, tokens, replica_loss, int(progress))
+        for failure in rep.failed[failures:]:
+            event("failed", step=step, **failure)
+        formed()
+        if reduced is None:  # healed past it: the others applied this step, and so has it
             opt.zero_grad(set_to_none=True)
-            event("failed", step=step)
-            rep.recover(int(progress))
-            formed()
             step = int(progress) + 1
             continue
         opt.step()

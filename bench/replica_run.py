@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 class Run:
     """The replicas' processes, their quorum file and store, as a controller would hold them."""
 
-    def __init__(self, tmp: Path, steps: int, step_s: float = 0.0, timeout_s: float = 3.0,
+    def __init__(self, tmp: Path, steps: int, step_s: float = 0.0, timeout_s: float = 60.0,
                  shard: int = 1, args: tuple[str, ...] = ()):
         self.args = args  # for every rank (bench/replica_rank.py's options)
         self.tmp, self.steps, self.step_s, self.timeout_s, self.shard = \
@@ -41,8 +41,12 @@ class Run:
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self.file)
 
-    def start(self, replica: int, after: int = 0, *flags: str) -> None:
+    def start(self, replica: int, after: int = 0, *flags: str) -> list[subprocess.Popen]:
+        """The ranks of `replica` (one per position), joining the first quorum after id
+        `after` that holds it (a standby: a later one than those written so far). The newest
+        started for a (replica, position) is `procs[replica, position]`."""
         port = _free_port() if self.shard > 1 else 0
+        started = []
         for position in range(self.shard):
             if (replica, position) in self.procs:  # the one it replaces is kept, as spare
                 self.procs[replica, position, len(self.procs)] = self.procs[replica, position]
@@ -57,6 +61,8 @@ class Run:
                      "--timeout-s", str(self.timeout_s), "--after", str(after), *self.args, *flags],
                     cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                     stdout=log, stderr=subprocess.STDOUT)
+            started.append(self.procs[replica, position])
+        return started
 
     def lines(self, replica: int, position: int = 0, kind: str = "step") -> list[dict]:
         path = self.tmp / f"r{replica}p{position}.jsonl"
@@ -69,7 +75,12 @@ class Run:
         steps = self.lines(replica, position)
         return steps[-1]["step"] if steps else 0
 
-    def wait(self, what, timeout_s: float = 120.0) -> None:
+    def ready(self, replica: int, count: int) -> bool:
+        """Whether `count` processes at each of `replica`'s positions are waiting or past it."""
+        return all(len(self.lines(replica, p, kind="waiting")) >= count
+                   for p in range(self.shard))
+
+    def wait(self, what, timeout_s: float = 600.0) -> None:
         deadline = time.monotonic() + timeout_s
         while not what():
             for key, proc in self.procs.items():
@@ -79,13 +90,13 @@ class Run:
             assert time.monotonic() < deadline, "timed out"
             time.sleep(0.02)
 
-    def finish(self, replicas) -> None:
-        self.wait(lambda: all(self.procs[r, p].poll() is not None
-                              for r in replicas for p in range(self.shard)), 180)
-        for r in replicas:
-            for p in range(self.shard):
-                assert self.procs[r, p].returncode == 0, \
-                    (self.tmp / f"r{r}p{p}.out").read_text()[-3000:]
+    def finish(self, procs: list[subprocess.Popen]) -> None:
+        """Wait for `procs` to end, each with status 0."""
+        self.wait(lambda: all(p.poll() is not None for p in procs))
+        for p in procs:
+            key = next(k for k, v in self.procs.items() if v is p)
+            assert p.returncode == 0, \
+                (self.tmp / f"r{key[0]}p{key[1]}.out").read_text()[-3000:]
 
     def state(self, replica: int, position: int = 0) -> list[torch.Tensor]:
         saved = torch.load(self.tmp / f"r{replica}p{position}.pt", weights_only=True)

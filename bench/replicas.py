@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from replica_run import ROOT, Run, _free_port  # noqa: E402
 
 WIDTHS = "256,768,768,256,256"  # bench/replica_peer.py's MLP: 1,051,904 parameters
-FULL = {"steps": 60, "kill_at": 20, "rows": 128}
-QUICK = {"steps": 24, "kill_at": 8, "rows": 64}
+FULL = {"steps": 60, "kill_at": 20, "rows": 64}  # batch 64, as bench/replica_peer.py's
+QUICK = {"steps": 24, "kill_at": 8, "rows": 32}
 
 
 def step_times(run: Run, replica: int) -> list[tuple[int, float]]:
@@ -67,24 +67,24 @@ def plain(tmp: Path, replicas: int, steps: int, rows: int) -> float:
 
 
 def ours(tmp: Path, replicas: int, steps: int, kill_at: int, rows: int) -> dict:
-    run = Run(tmp, steps, timeout_s=10.0, args=("--widths", WIDTHS, "--rows", str(rows)))
+    run = Run(tmp, steps, args=("--widths", WIDTHS, "--rows", str(rows)))
     lost = replicas - 1
     try:
+        standby = run.start(lost, 1)  # past its imports, waiting for a later quorum
+        run.wait(lambda: run.ready(lost, 1))
         run.quorum(list(range(replicas)))
         for r in range(replicas):
             run.start(r)
         victim = run.procs[lost, 0]
-        run.start(lost, 1)  # the standby
-        run.wait(lambda: len(run.lines(lost, kind="waiting")) == 2
-                 and run.last_step(lost) >= kill_at, 600)
+        run.wait(lambda: run.last_step(lost) >= kill_at)
         killed = time.time()
         victim.kill()
         victim.wait()
         run.quorum(list(range(lost)))
-        run.wait(lambda: run.last_step(0) >= run.last_step(lost) + 5, 600)
+        run.wait(lambda: run.last_step(0) >= run.last_step(lost) + 5)
         let_in = time.time()
         run.quorum(list(range(replicas)))
-        run.finish(range(replicas))
+        run.finish([*(run.procs[r, 0] for r in range(lost)), *standby])
         times = step_times(run, 0)
         before = [b - a for (_, a), (_, b) in pairwise(times) if b < killed][2:]
         median = statistics.median(before)
@@ -107,7 +107,8 @@ def peer(args, settings: dict, tmp: Path) -> dict | None:
     out = tmp / "peer.json"
     cmd = [sys.executable, str(ROOT / "bench" / "replica_peer.py"),
            "--replicas", str(args.replicas), "--steps", str(settings["steps"]),
-           "--kill-at", str(settings["kill_at"]), "--json", str(out)]
+           "--kill-at", str(settings["kill_at"]), "--batch", str(settings["rows"]),
+           "--json", str(out)]
     if args.quick:
         cmd.append("--quick")
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -162,15 +163,20 @@ def main() -> None:
 
 
 def _ratios(ours_: dict, theirs: dict) -> dict:
-    """Ours over torchft's, for each figure both have (below 1: ours is better)."""
-    t = {**theirs.get("kill", {}), **theirs.get("rejoin", {}), **theirs.get("overhead", {})}
+    """Ours over torchft's (bench/replica_peer.py's JSON), for each figure both have (below 1:
+    ours is better). Rejoin: ours from the quorum naming a ready standby, torchft's from the
+    restarted process's spawn (it has no standby)."""
+    ft = theirs.get("torchft", {})
+    kill, rejoin = ft.get("kill", {}), ft.get("rejoin", {})
 
-    def ratio(mine, key):
-        value = t.get(key)
+    def ratio(mine, value):
         return mine / value if mine is not None and value else None
-    return {"gap_s": ratio(ours_["gap_s"], "gap_s"),
-            "overhead": ratio(ours_["overhead"], "ratio"),
-            "rejoin_s": ratio(ours_["rejoin_s"], "spawn_to_first_commit_s")}
+    return {"survivors' gap": ratio(ours_["gap_s"], kill.get("largest_gap_s")),
+            "kill to next step": ratio(ours_["kill_to_next_step_s"],
+                                       kill.get("kill_to_next_commit_s")),
+            "per-step overhead": ratio(ours_["overhead"], theirs.get("overhead_ratio")),
+            "rejoin": ratio(ours_["rejoin_s"], rejoin.get("spawn_to_first_commit_s")),
+            "heal": ratio(ours_["heal_s"], rejoin.get("heal_s"))}
 
 
 if __name__ == "__main__":

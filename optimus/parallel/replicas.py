@@ -52,6 +52,8 @@ from optimus.contract.records import Quorum, RecordError
 
 _QUORUM_LIMIT = 64 << 10  # bytes of a quorum file: a few ids and an address
 POLL_S = 0.01
+WAIT_POLL_S = 0.0005  # how often a waiting exchange looks whether it is done (host groups)
+GIVE_UP_S = 0.05  # and whether the controller has moved on without one of its members
 # Our figures after the gradients, before the members' slots: the token count, the loss sum.
 _TOKENS, _LOSS, _SLOTS = 0, 1, 2
 
@@ -165,19 +167,39 @@ class QuorumGroup:
                 abort()
         self.group = None
 
-    def _all_reduce(self, buffer: torch.Tensor) -> None:
+    def _all_reduce(self, buffer: torch.Tensor,
+                    give_up: Callable[[], str | None] | None = None) -> None:
+        """SUM `buffer` over the group. `give_up`, asked every GIVE_UP_S while the exchange
+        waits on a peer, says why to stop waiting (the controller has named a quorum without
+        one of this group's members): gloo's abort does not wake a waiting operation (torch
+        2.13), so the wait is left instead, and the operation, on a buffer of its own, ends
+        by its timeout behind the rank's back."""
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.SUM
         options.timeout = self.timeout
-        self.group.allreduce([buffer], options).wait()
+        work = self.group.allreduce([buffer], options)
+        if give_up is None or buffer.device.type != "cpu":
+            work.wait()
+            return
+        asked = time.monotonic()
+        while not work.is_completed():
+            time.sleep(WAIT_POLL_S)
+            if time.monotonic() - asked >= GIVE_UP_S:
+                asked = time.monotonic()
+                why = give_up()
+                if why:
+                    raise QuorumError(f"the exchange in quorum {self.quorum.id} let go: {why}")
+        work.wait()  # raises what the operation raised
 
     def reduce(self, grads: Sequence[torch.Tensor], tokens: torch.Tensor,
-               loss_sum: torch.Tensor, seen: int) -> Reduced:
+               loss_sum: torch.Tensor, seen: int,
+               give_up: Callable[[], str | None] | None = None) -> Reduced:
         """Sum this step over the quorum: `grads` (this replica's local gradient shards, of its
         loss over its own `tokens`) become, in place, the gradients of the loss over every
         member's tokens. `loss_sum`: this replica's loss summed over its tokens; `seen`: the
         newest quorum id this rank has read. Raises what the backend raises when a member is
-        gone or silent past the timeout; the gradients are then not to be used."""
+        gone or silent past the timeout, or QuorumError when `give_up` says to stop waiting;
+        the gradients are then as they were."""
         dtype = grads[0].dtype if grads else torch.float32
         device = grads[0].device if grads else tokens.device
         if any(g.dtype != dtype for g in grads):
@@ -190,7 +212,7 @@ class QuorumGroup:
         buffer = torch.cat([*(g.reshape(-1) for g in grads), tail])
         n = buffer.numel() - tail.numel()
         buffer[:n].mul_(count)  # back to this replica's loss sum's gradient
-        self._all_reduce(buffer)
+        self._all_reduce(buffer, give_up)
         total = buffer[n + _TOKENS].clamp(min=1.0)
         buffer[:n].div_(total)
         flat = buffer[:n].split([g.numel() for g in grads])
@@ -291,6 +313,7 @@ class Replicas:
         self.pending: tuple[int, int] | None = None  # (id, step before which to switch)
         self.heals: list[dict] = []  # what each (re)formed quorum healed, for the log
         self.missed: list[dict] = []  # quorums whose members did not all meet
+        self.failed: list[dict] = []  # exchanges that failed, each taken again in the next
         self.tried = 0  # the newest quorum id this rank formed or tried to
 
     @property
@@ -331,13 +354,33 @@ class Replicas:
                            "heal_s": round(time.perf_counter() - formed, 4)})
 
     def exchange(self, grads: Sequence[torch.Tensor], tokens: torch.Tensor,
-                 loss_sum: torch.Tensor) -> Reduced | None:
-        """The step's exchange in the current quorum, or None when it failed (a member gone
-        or silent): the step is then not to be applied; `recover` and take it again."""
+                 loss_sum: torch.Tensor, last: int) -> Reduced | None:
+        """The step's exchange, finished without whoever is lost: when it fails (a member
+        gone or silent) nothing of it is applied, this rank waits for the controller's next
+        quorum and exchanges the same gradients again in it (they are untouched until an
+        exchange succeeds: the step is not computed again). `last`: the last step this rank
+        applied. None when the new quorum healed this rank past `last` (the others had
+        applied this step: its state now holds it, and its own gradients are to be dropped)."""
+        while True:
+            try:
+                return self.group.reduce(grads, tokens, loss_sum, self.seen, self._moved_on)
+            except (RuntimeError, TimeoutError) as e:
+                self.failed.append({"quorum": self.quorum.id, "error": str(e)[:200]})
+            self.recover(last)
+            if self.heals[-1]["steps"][self.group.index] != max(self.heals[-1]["steps"]):
+                return None
+
+    def _moved_on(self) -> str | None:
+        """Why the current quorum's exchange is to be given up: a newer quorum in the file
+        that leaves out one of its members (their part will not come)."""
         try:
-            return self.group.reduce(grads, tokens, loss_sum, self.seen)
-        except (RuntimeError, TimeoutError):
+            quorum = read_quorum(self.path)
+        except QuorumError:
             return None
+        if quorum is None or quorum.id <= self.quorum.id:
+            return None
+        gone = sorted(set(self.quorum.members) - set(quorum.members))
+        return f"quorum {quorum.id} leaves out replica(s) {gone}" if gone else None
 
     def recover(self, step: int) -> None:
         """After a failed exchange or switch: the next quorum holding this replica, formed and
