@@ -10,7 +10,7 @@ BIN    := $(VENV)/bin
 # longest first (tests/conftest.py); 0 runs the suite in this process (docs/benchmarks.md).
 TEST_WORKERS ?= 2
 
-.PHONY: venv promtool redis-sentinel slurm helm demo test test-fast audit mutate lint bench gpu-wheels clean
+.PHONY: venv promtool redis-sentinel slurm helm demo test test-fast audit mutate lint bench torchft-peer gpu-wheels clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -85,7 +85,7 @@ audit: venv helm
 # each entry is MODULE:TESTS (comma-separated):the least share (%) of its non-equivalent mutants
 # the tests must kill. tests/mutate_equivalent.txt lists those left out, each with its reason.
 MUTATE := \
-	controller/control/decide.py:tests/test_decide.py,tests/test_decide_faults.py,tests/test_decide_rules.py,tests/test_decide_limits.py,tests/test_operator_rules.py,tests/test_repeated_faults.py:95 \
+	controller/control/decide.py:tests/test_decide.py,tests/test_decide_faults.py,tests/test_decide_rules.py,tests/test_decide_limits.py,tests/test_operator_rules.py,tests/test_repeated_faults.py,tests/test_decide_grow.py:95 \
 	controller/control/shortage.py:tests/test_decide.py,tests/test_decide_faults.py,tests/test_decide_rules.py,tests/test_decide_limits.py:95 \
 	controller/control/detect.py:tests/test_detect_rules.py,tests/test_decide.py,tests/test_decide_faults.py,tests/test_repeated_faults.py,tests/test_fabric.py,tests/test_decide_limits.py:95 \
 	controller/control/recovery.py:tests/test_recovery_rules.py,tests/test_repeated_faults.py,tests/test_decide.py,tests/test_decide_faults.py,tests/test_decide_rules.py,tests/test_decide_limits.py:95 \
@@ -108,6 +108,21 @@ bench: venv
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/recovery.py
 	$(BIN)/python bench/moe.py
+
+# torchft 0.2.0, the peer bench/replica_peer.py measures (issue 60); Optimus never imports it.
+# --no-deps, since its wheel asks for torch>=2.7 and pip must not swap the CPU build for
+# another; then only what `import torchft` imports that .venv lacks: OpenTelemetry's API, SDK
+# and OTLP/HTTP log exporter with the modules they import (protobuf's among them). Not
+# googleapis-common-protos, which the exporter declares but this import never loads.
+TORCHFT_DEPS := opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \
+	opentelemetry-semantic-conventions==0.66b2 opentelemetry-exporter-otlp-proto-http==1.45.2 \
+	opentelemetry-exporter-otlp-proto-common==1.45.2 opentelemetry-exporter-otlp-common==0.66b2 \
+	opentelemetry-exporter-http-transport==0.66b2 opentelemetry-proto==1.45.2 protobuf==7.36.2
+
+torchft-peer: venv
+	$(BIN)/pip install --quiet --no-deps torchft==0.2.0 $(TORCHFT_DEPS)
+	$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') and not torch.version.cuda else f'torch is now {torch.__version__}')"
+	$(BIN)/python -c "import torchft; from torchft import Manager"
 
 # Wheels for bench/gpu.sh on a device machine (CPython 3.12, manylinux x86-64, no network there):
 # the packages Optimus needs that its image lacks (/work/.library/device/KINDS.md lists what it
