@@ -22,6 +22,12 @@
 #                                                               llama3 at the same shape,
 #                                                               compiled bf16, 10 steps; its
 #                                                               ratio to mfu's Optimus figure
+#   gemm_sweep: bench/gemm_sweep.py                     90 s   the planner's matmul rates:
+#                                                               729 shapes (m, n, k from 128
+#                                                               to 32,768) in bf16 and float8,
+#                                                               attention at the job files'
+#                                                               lengths; rates.json, the table
+#                                                               a machine profile loads
 #   profile: bench/gpu_profile.py, compiled bf16       100 s   where the trainer's step differs
 #                                                               from the plain loop's (profiler)
 #   moe: bench/moe.py --device cuda                     90 s   Mula-7B-A1B's MoE layer (4,096
@@ -50,8 +56,9 @@
 # Output, in DIR (the first argument, else $OUT, else bench/gpu-out): gpu-results.json (every
 # figure: the key figures in "key", mfu.py's JSONs, the peer's, the other parts' logs, versions,
 # each part's exit status and time), gpu.log (all of stdout and stderr), parts.tar (each
-# part's NAME.log, mfu.json, mfu_rest.json, torchtitan.json, tests.log) and
-# profile-traces.tar: four files, within the 8 a device call returns. Without a GPU,
+# part's NAME.log, mfu.json, mfu_rest.json, torchtitan.json, tests.log), profile-traces.tar
+# and rates.json (the GEMM sweep's table: copy it beside machines.yaml and point the profile's
+# `rates:` at it, docs/planner.md): five files, within the 8 a device call returns. Without a GPU,
 # `python bench/planner_memory.py --device cpu` runs the planner part's CPU fallback (the same
 # layouts on a small model, the tracked peak), and `python bench/torchtitan_peer.py --device
 # cpu --tiny` the peer's path.
@@ -84,7 +91,7 @@ DIR=${1:-${OUT:-$REPO/bench/gpu-out}}
 WITH_TESTS=${GPU_TESTS:-0}
 # GPU_PARTS: which parts run (default all, in this order); e.g. GPU_PARTS="checkpoint profile"
 # re-runs two.
-PARTS=" ${GPU_PARTS:-mfu torchtitan profile moe mfu_rest checkpoint planner_memory} "
+PARTS=" ${GPU_PARTS:-mfu torchtitan gemm_sweep profile moe mfu_rest checkpoint planner_memory} "
 DEADLINE=${GPU_DEADLINE_S:-525}  # seconds from the start by which every part has ended
 KEY_MODES=",compiled-bf16-none,compiled-float8-none,"  # the mfu part's; the rest: mfu_rest
 PYTHON=${PYTHON:-python3}
@@ -153,7 +160,7 @@ part() {
 }
 
 install_wheels
-rm -f "$DIR/parts.txt" "$DIR/mfu.json" "$DIR/mfu_rest.json" "$DIR/torchtitan.json"
+rm -f "$DIR/parts.txt" "$DIR/mfu.json" "$DIR/mfu_rest.json" "$DIR/torchtitan.json" "$DIR/rates.json"
 check_gpu
 nvidia-smi | tee "$DIR/nvidia-smi.txt"
 
@@ -192,6 +199,7 @@ part mfu 210 "$PYTHON" bench/mfu.py --device cuda --steps 10 --warmup 3 --modes 
   --out "$DIR/mfu.json"
 part torchtitan 150 "$PYTHON" bench/torchtitan_peer.py --device cuda --steps 10 --warmup 3 \
   --mfu-json "$DIR/mfu.json" --out "$DIR/torchtitan.json"
+part gemm_sweep 90 "$PYTHON" bench/gemm_sweep.py --device cuda --out "$DIR/rates.json"
 part profile 100 "$PYTHON" bench/gpu_profile.py --device cuda --modes compiled-bf16-none \
   --trace "$DIR/traces"
 if [ -d "$DIR/traces" ]; then  # one file back, not two (a device call returns at most 8)
@@ -254,7 +262,8 @@ results = {
     "nvidia_smi": (out / "nvidia-smi.txt").read_text(), "parts": parts,
     "check": json.loads((out / "check.json").read_text()),
     "mfu": mfu, "mfu_rest": read("mfu_rest.json"), "torchtitan": peer,
-    **{f"{n}_log": (out / f"{n}.log").read_text() for n in ("torchtitan", "moe", "checkpoint", "planner_memory", "profile")
+    "rates": read("rates.json"),
+    **{f"{n}_log": (out / f"{n}.log").read_text() for n in ("torchtitan", "moe", "checkpoint", "planner_memory", "profile", "gemm_sweep")
        if (out / f"{n}.log").exists()},
 }
 (out / "gpu-results.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -270,7 +279,7 @@ rm -f "$DIR/parts.txt" "$DIR/nvidia-smi.txt" "$DIR/mfu_modes.txt" "$DIR/skip_par
 # (a device call returns at most 8 files).
 loose=()
 for f in "$DIR"/*.log "$DIR"/*.json; do
-  case ${f##*/} in gpu.log | gpu-results.json) ;; *) [ -e "$f" ] && loose+=("${f##*/}") ;; esac
+  case ${f##*/} in gpu.log | gpu-results.json | rates.json) ;; *) [ -e "$f" ] && loose+=("${f##*/}") ;; esac
 done
 if [ ${#loose[@]} -gt 0 ]; then
   tar -cf "$DIR/parts.tar" -C "$DIR" "${loose[@]}" && (cd "$DIR" && rm -f "${loose[@]}")

@@ -37,6 +37,7 @@ from optimus.planner.search import plan, worst_rank
 from optimus.planner.steptime import step_time
 from optimus.runtime.dims import ParallelDims
 
+PAPER = "megatron-lm-2021"  # the stack the paper's figures were reached with (stacks.yaml)
 # params (B), heads, hidden, layers, tp, pp, GPUs, batch, published TFLOP/s per GPU, % of peak
 SEED_001_TABLE_1 = [
     (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44),
@@ -55,7 +56,8 @@ SEED_001_TABLE_1 = [
 def job_of(heads: int, hidden: int, layers: int, batch: int):
     return validate_job({"name": "seed001", "model": {
         "vocab_size": 51200, "dim": hidden, "n_layers": layers, "n_heads": heads,
-        "max_seq_len": 2048}, "data": {"seq_len": 2048, "batch_size": batch}})
+        "max_seq_len": 2048}, "data": {"seq_len": 2048, "batch_size": batch},
+        "training": {"compile": True}})
 
 
 def paper_layout(job, tp: int, pp: int, gpus: int, machine) -> PlanLayout:
@@ -65,7 +67,7 @@ def paper_layout(job, tp: int, pp: int, gpus: int, machine) -> PlanLayout:
     base = PlanLayout(ParallelDims(dp=dp, tp=tp, pp=pp), microbatches=batch // dp,
                       microbatch_size=1,
                       seq_len=2048, recompute="full", schedule="1f1b",
-                      param_gather="step" if dp > 1 else "microbatch")
+                      param_gather="step" if dp > 1 else "microbatch", compiled=True)
     if pp == 1:
         return base
     layers, m = job.model.n_layers, batch // dp
@@ -73,7 +75,7 @@ def paper_layout(job, tp: int, pp: int, gpus: int, machine) -> PlanLayout:
                        dims=replace(base.dims, virtual_stages=v)) for v in range(2, 9)
                if layers % (pp * v) == 0
                and not schedule_problem("interleaved_1f1b", pp, v, m)] or [base]
-    return max(options, key=lambda lay: step_time(job.model, lay, machine, batch)
+    return max(options, key=lambda lay: step_time(job.model, lay, machine, batch, PAPER)
                .tokens_per_s_per_device)
 
 
@@ -140,7 +142,7 @@ def main() -> None:
     for size, heads, hidden, layers, tp, pp, gpus, batch, published, _ in SEED_001_TABLE_1:
         job = job_of(heads, hidden, layers, batch)
         theirs = paper_layout(job, tp, pp, gpus, a100)
-        predicted = step_time(job.model, theirs, a100, batch)
+        predicted = step_time(job.model, theirs, a100, batch, PAPER)
         memory = worst_rank(shape_of(job.model), theirs).total / 2**30
         started = time.perf_counter()
         fits, _ = plan(job, gpus, a100, "bf16")

@@ -256,14 +256,16 @@ def plan(job: Path, overrides: tuple[str, ...], devices: int, machine: str | Non
         found = search.Candidate(lay, search.worst_rank(shape, lay),
                                  step_time(cfg.model, lay, profile, cfg.data.batch_size))
         if output == "json":
-            click.echo(json.dumps(report.as_dict(found), indent=2))
+            click.echo(json.dumps({**report.as_dict(found), "rates": report.rates_dict(profile),
+                                   "stack": report.stack_lines(lay.compiled)}, indent=2))
         else:
             report.explain(found, capacity, Console(width=None if sys.stdout.isatty() else 160),
-                           room)
+                           room, profile)
         return
     fits, seen = search.plan(cfg, devices, profile, precision, capacity)
     if output == "json":
         click.echo(json.dumps({"devices": devices, "machine": profile.name, "considered": seen,
+                               "rates": report.rates_dict(profile),
                                "fit": len(fits), "capacity_gib": capacity,
                                "headroom_gib": 0.0 if memory_gib else profile.headroom_gib,
                                "layouts": [report.as_dict(c)
@@ -279,6 +281,7 @@ def plan(job: Path, overrides: tuple[str, ...], devices: int, machine: str | Non
                           f"{profile.name}'s {capacity:g} GiB{room}",
                           "plan for more devices, or a smaller data.batch_size or model")
     console = Console(width=None if sys.stdout.isatty() else 160)
+    console.print(report.header(profile), soft_wrap=True)
     console.print(report.table(fits[:top], f"{cfg.name} on {devices} x {profile.name}: "
                                f"{len(fits)} of {seen} layouts fit {capacity:g} GiB{room}"))
 

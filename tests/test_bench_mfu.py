@@ -155,9 +155,10 @@ def test_gpu_sh_keeps_to_its_deadline_and_returns_few_files(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     results = json.loads((out / "gpu-results.json").read_text())
     parts = results["parts"]
-    assert list(parts) == ["mfu", "torchtitan", "profile", "moe", "mfu_rest", "checkpoint",
-                           "planner_memory"]
-    for name in ("torchtitan", "profile"):  # tried on a CUDA machine only: here, no time
+    assert list(parts) == ["mfu", "torchtitan", "gemm_sweep", "profile", "moe", "mfu_rest",
+                           "checkpoint", "planner_memory"]
+    for name in ("torchtitan", "gemm_sweep", "profile"):  # tried on a CUDA machine only: here,
+        # no time
         assert parts[name] == {"exit": None, "seconds": 0, "skipped": True,
                                "why": "no time left"}
     for name in ("mfu", "mfu_rest", "moe", "checkpoint", "planner_memory"):

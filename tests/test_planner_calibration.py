@@ -1,6 +1,7 @@
-"""The planner on today's hardware (issue 32, part 1): calibrated H100 and Max 1550, the
-float32 loss counted in bf16, the allocator headroom, op-level recompute priced, and fix advice
-the planner has checked.
+"""The planner against every run it is checked on (issue 61): the error table, the targets it
+meets and the misses it names; the machines and stacks behind it; and the rest of issue 32's
+calibration work (the float32 loss counted in bf16, the allocator headroom, op-level recompute
+priced, fix advice the planner has checked).
 
 Pure arithmetic but for the loss's measurement (one process, no ranks); a few seconds.
 """
@@ -21,56 +22,153 @@ from optimus.planner.steptime import op_recompute_bytes, selective_share, step_t
 from optimus.runtime.dims import ParallelDims
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.planner_calibration import LLAMA3_8B, RUNS, predict  # noqa: E402
+from bench.planner_calibration import LLAMA3_8B, RUNS, machines, predict  # noqa: E402
 
-# What the calibrated model predicts for every run of bench/planner_calibration.py (its unit:
-# tokens/s or TFLOP/s per device), beside the published figure in RUNS. The first two are the
-# calibration runs; docs/planner-checks.md has the table and why the misses miss.
-PREDICTED = {  # predicted, and its error against the published figure
-    "Llama 3.1 8B, FSDP 8, op recompute": 5757,  # -0.1%
-    "GPT 175B, tp 8 x pp 12 x dp 16": 29.7,  # -0.3%
-    "Llama 3.1 8B, FSDP 128, op recompute": 5686,  # +1.4%
-    "Llama 3 8B, FSDP 64, op recompute": 3077,  # +3.5%
-    "Llama 3 8B, FSDP 64, selective (every 2nd block)": 2940,  # +1.3%
-    "Llama 3 70B, FSDP 64, full recompute": 318,  # -3.9%
-    "Llama 2 13B, FSDP 64, no recompute": 1899,  # -12.2%
-    "Llama 2 13B, FSDP 64, selective (every 2nd block)": 1894,  # -1.1%
-    "Llama 2 13B, FSDP 64, op recompute": 1887,  # -0.9%
-    "Llama 2 70B, FSDP 64, op recompute": 187.2,  # -47.3%
-    "Llama 2 70B, FSDP 64, full recompute": 343.4,  # -2.7%
-    "GPT 175B, tp 8 x pp 12 x dp 16 (PTD)": 150.9,  # +7.0%
-    "GPT 175B, ZeRO-3 on 384, microbatch 4": 204.6,  # +42.1%
+# The error table (docs/planner.md prints it, with sources): what the model predicts for every
+# run of bench/planner_runs.py, in its unit (tokens/s or TFLOP/s per device), and its error
+# against the published (or, for our own runs, measured) figure.
+PREDICTED = {
+    # calibration: one run per machine sets its sustained
+    "Mula-1B, 1 H200, compiled, the plain loop": 69293,  # -0.0%
+    "Llama 3.1 8B, FSDP 8, op recompute": 5759,  # -0.1%
+    "GPT 175B, tp 8 x pp 12 x dp 16": 29.82,  # +0.1%
+    "GPT 1008B, tp 8 x pp 64 on 3072": 163.0,  # +0.0%
+    # our own runs: the element-wise model's check; where Optimus's stack factor comes from
+    "Mula-1B, 1 H200, eager, the plain loop": 57076,  # +10.9%
+    "Mula-1B, 1 H200, compiled, optimus": 56682,  # +1.4%
+    "Mula-1B, 1 H200, eager, optimus": 53309,  # +11.0%
+    # Megatron-core, DGX H100: on h100-ndr, the H200's sustained
+    "Llama 3 70B, tp 4 x pp 4 x cp 2, v 5, 64 H100": 959.2,  # -0.6%
+    "Mixtral 8x7B, ep 8 x pp 4, v 8, 64 H100": 479.3,  # +2.4%
+    # torchtitan, Grand Teton H100 (500 W)
+    "Llama 3.1 8B, FSDP 8, op recompute, compiled": 6444,  # -3.4%
+    "Llama 3.1 8B, FSDP 128, op recompute": 5688,  # +1.5%
+    "Llama 3.1 8B, FSDP 8 x cp 1 at 32,768, full, compiled + float8": 3041,  # -21.8%
+    "Llama 3.1 8B, FSDP 4 x cp 2 at 65,536, full, compiled + float8": 1991,  # -21.6%
+    "Llama 3.1 8B, FSDP 2 x cp 4 at 131,072, full, compiled + float8": 1182,  # +10.4%
+    "Llama 3.1 8B, FSDP 1 x cp 8 at 262,144, full, compiled + float8": 652.9,  # +19.1%
+    # torchtitan, A100 (2024)
+    "Llama 3 8B, FSDP 64, op recompute": 2995,  # +0.7%
+    "Llama 3 8B, FSDP 64, selective (every 2nd block)": 2708,  # -6.7%
+    "Llama 3 70B, FSDP 64, full recompute": 305.8,  # -7.6%
+    "Llama 2 13B, FSDP 64, no recompute": 1843,  # -14.8%
+    "Llama 2 13B, FSDP 64, selective (every 2nd block)": 1773,  # -7.4%
+    "Llama 2 13B, FSDP 64, op recompute": 1832,  # -3.8%
+    "Llama 2 70B, FSDP 64, op recompute": 187.1,  # -47.3%
+    "Llama 2 70B, FSDP 64, full recompute": 328.8,  # -6.8%
+    # seed 001 (Megatron-LM 2021, A100): Table 2, then Table 1
+    "GPT 175B, tp 8 x pp 12 x dp 16 (PTD)": 151.8,  # +7.7%
+    "GPT 175B, ZeRO-3 on 384, microbatch 4": 205.7,  # +42.9%
     "GPT 175B, ZeRO-3 on 768, microbatch 2": 102.7,  # +16.7%
     "GPT 175B, ZeRO-3 on 1536, microbatch 1": 50.47,  # +14.7%
+    "GPT 1.7B, tp 1 x pp 1 on 32": 166.9,  # +21.8%
+    "GPT 3.6B, tp 2 x pp 1 on 64": 157.2,  # +13.9%
+    "GPT 7.5B, tp 4 x pp 1 on 128": 143.5,  # +1.0%
+    "GPT 18.4B, tp 8 x pp 1 on 256": 134.6,  # -0.3%
+    "GPT 39.1B, tp 8 x pp 2 on 512": 146.4,  # +6.1%
+    "GPT 76.1B, tp 8 x pp 4 on 1024": 152.8,  # +9.1%
+    "GPT 145.6B, tp 8 x pp 8 on 1536": 158.1,  # +6.9%
+    "GPT 310.1B, tp 8 x pp 16 on 1920": 164.0,  # +5.8%
+    "GPT 529.6B, tp 8 x pp 35 on 2520": 163.4,  # +0.2%
+}
+# The checks outside the 20% target, and why (docs/planner.md): each needs what the model
+# does not have yet, not a factor fitted to it.
+MISSES = {
+    # FSDP's gathers of 70B parameters at the profile's 25 GB/s per GPU, exposed; torchtitan's
+    # network is not given
+    "Llama 2 70B, FSDP 64, op recompute",
+    # the bandwidth DeepSpeed's ZeRO-3 reached in 2021 over 48 nodes, not the overlap
+    "GPT 175B, ZeRO-3 on 384, microbatch 4",
+    # Megatron-LM 2021 materialised the attention scores: memory-bound work not priced
+    "GPT 1.7B, tp 1 x pp 1 on 32",
+    # float8 matmuls, which the model prices only from a GEMM sweep's float8 rates
+    "Llama 3.1 8B, FSDP 8 x cp 1 at 32,768, full, compiled + float8",
+    "Llama 3.1 8B, FSDP 4 x cp 2 at 65,536, full, compiled + float8",
 }
 
 
-def test_calibrated_runs_land_on_their_figures_and_the_checks_are_pinned():
+def test_the_error_table_is_pinned_and_meets_its_targets():
     assert [r.name for r in RUNS] == list(PREDICTED)
+    errors = {}
     for run in RUNS:
         got, _ = predict(run)
-        assert got == pytest.approx(PREDICTED[run.name], rel=0.005), run.name
-        if run.calibrates:  # the one run per device the factor was set from
-            assert got == pytest.approx(run.published, rel=0.005), run.name
-    # the checks the calibration did not see: within 15% but for the rows
-    # docs/planner-checks.md explains (Llama 2 70B op: FSDP exposed on HDR; ZeRO-3 on 384
-    # and 768 GPUs: the bandwidth DeepSpeed reached in 2021, not the overlap)
-    misses = {r.name for r in RUNS if abs(predict(r)[0] / r.published - 1) > 0.15}
-    assert misses == {"Llama 2 70B, FSDP 64, op recompute",
-                      "GPT 175B, ZeRO-3 on 384, microbatch 4",
-                      "GPT 175B, ZeRO-3 on 768, microbatch 2"}
+        assert got == pytest.approx(PREDICTED[run.name], rel=0.003), run.name
+        errors[run.name] = got / run.published - 1
+    calibration = [r.name for r in RUNS if r.use == "calibrates"]
+    checks = [r.name for r in RUNS if not r.use]
+    # one calibration run per machine, each within 15% (the bisection lands within 0.5%)
+    assert sorted(r.machine for r in RUNS if r.use == "calibrates") == [
+        "a100-hdr", "h100-gt500", "h200", "max1550-supermuc"]
+    assert all(abs(errors[n]) < 0.005 for n in calibration)
+    # every check within 20% but the misses named above
+    assert {n for n in checks if abs(errors[n]) > 0.20} == MISSES
+    # the pair the issue names: the 70B and the 8B on the same die, Megatron's 70B on the
+    # H200's calibration within 1%; and the Mixtral within 3%
+    assert abs(errors["Llama 3 70B, tp 4 x pp 4 x cp 2, v 5, 64 H100"]) < 0.01
+    assert abs(errors["Mixtral 8x7B, ep 8 x pp 4, v 8, 64 H100"]) < 0.03
+    # the element-wise model, checked on two compile speed-ups it was not set from: ours
+    # (the plain loop eager, +10.9%: it under-counts the eager step) and torchtitan's (-3.4%)
+    assert 0.05 < errors["Mula-1B, 1 H200, eager, the plain loop"] < 0.15
+    assert abs(errors["Llama 3.1 8B, FSDP 8, op recompute, compiled"]) < 0.05
 
 
-def test_h100_over_a100_is_no_longer_three_times():
-    """Uncalibrated, the H100 (sustained 0.62) came out 2.9x an A100 on the same layout;
-    published runs show ~1.9x."""
+def test_the_stack_factors_are_inputs_with_sources_not_fits():
+    """Only Optimus's factor differs from the plain loop's, and it is our own measurement;
+    every other stack is assumed equal to it, and says so."""
+    from optimus.planner.stacks import against_ours, stacks
+
+    table = stacks()
+    assert table["optimus"].compiled == 0.818 and table["optimus"].eager == 0.934
+    assert "measured" in table["optimus"].source
+    for name, stack in table.items():
+        assert stack.source
+        if name != "optimus":
+            assert {stack.compiled, stack.eager} <= {1.0, None}, name
+            assert name == "plain" or "assumed" in stack.source
+    assert against_ours("megatron-core", True) == pytest.approx(1 / 0.818)
+    assert {r.stack for r in RUNS} <= set(table)
+
+
+def test_the_machines_of_the_evidence():
+    """The H200 is the H100 SXM's die at the same power: the same sustained, more and faster
+    memory. torchtitan's Grand Teton H100s (500 W, HBM2e) are a machine of their own: on it
+    the H100 is 1.8x an A100 on the same layout (published runs ~1.9x), and the DGX H100 at
+    700 W 1.45x it."""
+    h100, table = get_machine("h100-ndr"), machines()
+    h200, titan = table["h200"], table["h100-gt500"]
+    differs = {k for k, v in h200.model_dump().items() if v != getattr(h100, k)}
+    assert differs == {"name", "description", "memory_gib", "hbm_gbps"}
+    assert titan.hbm_gbps == 2400 and titan.sustained < h100.sustained
     cfg = validate_job({"name": "l8", "model": LLAMA3_8B,
                         "data": {"seq_len": 8192, "batch_size": 16}}).model
     lay = PlanLayout(ParallelDims(dp=8), microbatch_size=2, seq_len=8192, recompute="op")
-    h100, a100 = (step_time(cfg, lay, get_machine(n), 16).tokens_per_s_per_device
-                  for n in ("h100-ndr", "a100-hdr"))
-    assert h100 / a100 == pytest.approx(1.65, abs=0.02)
+    rate = {n: step_time(cfg, lay, table[n], 16, "torchtitan").tokens_per_s_per_device
+            for n in ("h100-ndr", "h100-gt500", "a100-hdr")}
+    assert rate["h100-gt500"] / rate["a100-hdr"] == pytest.approx(1.80, abs=0.02)
+    assert rate["h100-ndr"] / rate["h100-gt500"] == pytest.approx(1.45, abs=0.02)
     assert get_machine("max1550-aurora").sustained == get_machine("max1550-supermuc").sustained
+
+
+def test_element_wise_bytes_follow_the_block_as_it_runs():
+    """Mula-1B's block in bf16 (d 2048, 8 key/value heads of 128, ffn 6144), per token of a
+    rank's microbatch, forward: eager 104 d + 48 kv + 10 f bytes (module text of compute.py),
+    fused 24 d + 4 kv + 6 f; under tp 2 every width halves (sequence parallel)."""
+    from optimus.planner.compute import elementwise_bytes, head_bytes
+
+    cfg = shape_of(validate_job({"name": "m", "model": {
+        "vocab_size": 32768, "dim": 2048, "n_layers": 20, "n_heads": 16, "n_kv_heads": 8,
+        "ffn_dim": 6144, "max_seq_len": 2048}, "data": {"seq_len": 2048, "batch_size": 4}
+    }).model)
+    d, kv, f = 2048, 1024, 6144
+    assert elementwise_bytes(cfg, 0, 1, 2, False) == 104 * d + 48 * kv + 10 * f
+    assert elementwise_bytes(cfg, 0, 1, 2, True) == 24 * d + 4 * kv + 6 * f
+    assert elementwise_bytes(cfg, 0, 2, 2, True) == (24 * d + 4 * kv + 6 * f) / 2
+    # fp32 has no casts: the norms and RoPE move less, the rest twice the bytes
+    assert elementwise_bytes(cfg, 0, 1, 4, False) == 2 * 8 * d + 36 * (d + kv) + 8 * d \
+        + 24 * d + 20 * f
+    # the loss: the float32 softmax over the vocabulary, forward and backward
+    assert head_bytes(cfg, 1, 2, False) == 3 * 20 * d + 28 * 32768
+    assert head_bytes(cfg, 1, 2, True) == 3 * 4 * d + 6 * 32768
 
 
 def test_the_loss_is_float32_in_bf16_as_the_model_counts():

@@ -100,7 +100,8 @@ def test_the_exchange_is_counted_and_the_ring_hides_more_of_it():
     assert alltoall.cp_comm == pytest.approx(2 * 32 * 2 * one_way)
     assert alltoall.cp_hidden == 0
     assert alltoall.total == pytest.approx(alltoall.compute + alltoall.cp_comm
-                                           + alltoall.dp_exposed)
+                                           + alltoall.dp_exposed + alltoall.memory_s
+                                           + alltoall.stack_s)
     # ring: the k, v block (8 heads, 1024 wide each) 7 times forward, 7 times with its
     # float32 gradient backward, each under the attention of the block before; the last
     # shift, the float32 gradients home, shows
@@ -120,25 +121,26 @@ def test_the_exchange_is_counted_and_the_ring_hides_more_of_it():
 
 
 # Llama 3.1 8B, FSDP + CP on 8 H100, one sequence per rank, full recompute (torchtitan
-# docs/performance.md, Table 2; compile and float8 speed up its matmuls, not its attention):
-# (cp, seq_len, published tokens/s per GPU).
-TORCHTITAN_CP = ((4, 131072, 1071), (8, 262144, 548))
+# docs/performance.md, Table 2; compile and float8, which speeds up its matmuls, not its
+# attention): bench/planner_runs.py's rows, on torchtitan's Grand Teton H100s. The error table
+# (tests/test_planner_calibration.py) pins them; here, that the whole square is what lands.
+TORCHTITAN_CP = ((4, 131072), (8, 262144))
 
 
-@pytest.mark.parametrize("cp,seq,published", TORCHTITAN_CP)
-def test_attention_counted_over_the_whole_square_lands_on_published_long_runs(cp, seq,
-                                                                              published):
-    job = _long()
-    cfg = job.model.model_copy(update={"max_seq_len": seq})
-    lay = PlanLayout(ParallelDims(dp=8 // cp, cp=cp), seq_len=seq, recompute="full")
-    t = step_time(cfg, lay, H100, 8 // cp)
-    assert t.tokens_per_s_per_device == pytest.approx(published, rel=0.1)
+@pytest.mark.parametrize("cp,seq", TORCHTITAN_CP)
+def test_attention_counted_over_the_whole_square_lands_on_published_long_runs(cp, seq):
+    from bench.planner_calibration import RUNS, layout_of, model_of, predict
+
+    run = next(r for r in RUNS if r.layout.get("cp") == cp and r.seq == seq)
+    got, t = predict(run)
+    assert got == pytest.approx(run.published, rel=0.2)  # the checks' target
     # counted as causal (half the square, also in the recomputed forward), it would be far
     # too fast: compute is all but the whole step here
+    cfg, lay = model_of(run), layout_of(run)
     full = flops_per_token(cfg, seq) + recompute_flops(cfg, lay)
     causal = full - 12 * cfg.n_layers * cfg.dim * seq / 2 * (1 + 1 / 3)
-    assert t.compute / t.total > 0.99
-    assert t.tokens_per_s_per_device * full / causal > 1.6 * published
+    assert t.compute / t.total > 0.97
+    assert got * full / causal > 1.6 * run.published
 
 
 # --- the search ----------------------------------------------------------------------------------
@@ -162,18 +164,23 @@ def test_the_long_job_plans_context_parallel_and_nothing_without_it_fits(long_pl
     split = [c for c in fits if c.layout.dims.cp == 1]
     assert all(c.layout.dims.tp >= 4 for c in split)
     assert split[0].time.tokens_per_s_per_device < 0.75 * best.time.tokens_per_s_per_device
-    # the figures jobs/llama3-8b-long.yaml and docs/planner.md state: first the ring at cp 16,
-    # its exchange priced under attention; exposed whole, as ring_attention.py runs it today,
-    # it would fall below the fastest all-to-all, the job's own layout
+    # the figures docs/planner.md states: first the ring at cp 16, its exchange priced under
+    # attention; exposed whole, as ring_attention.py runs it today, it would fall below the
+    # all-to-all layouts, the job's own among them
     assert best.layout.label() == "tp1.pp1.dp4.cp16.ring.mb1x16.op"
-    assert best.time.tokens_per_s_per_device == pytest.approx(1315, abs=1)
+    assert best.time.tokens_per_s_per_device == pytest.approx(1828, abs=1)
     exposed = job.data.batch_size * job.data.seq_len / (best.time.total + best.time.cp_hidden)
-    assert exposed / 64 == pytest.approx(1089, abs=1)
-    own = next(c for c in fits if c.layout.cp_method == "alltoall" and c.layout.dims.cp > 1)
-    assert own.layout == job_layout(job, check_job(job, world=64), "bf16")
+    assert exposed / 64 == pytest.approx(1419, abs=1)
+    # the job's own layout: all-to-all at cp 16, within 1% of the fastest all-to-all layout
+    # (which pipelines 2 stages of cp 8 and needs 11 GiB more), in the least memory of them
+    own = next(c for c in fits
+               if c.layout == job_layout(job, check_job(job, world=64), "bf16"))
     assert own.layout.label() == "tp1.pp1.dp4.cp16.alltoall.mb1x16.op"
     assert own.memory.total / GIB == pytest.approx(64.0, abs=0.05)
-    assert own.time.tokens_per_s_per_device == pytest.approx(1258, abs=1)
+    assert own.time.tokens_per_s_per_device == pytest.approx(1721, abs=1)
+    alltoall = [c for c in fits if c.layout.cp_method == "alltoall" and c.layout.dims.cp > 1]
+    assert own.time.tokens_per_s_per_device > 0.99 * alltoall[0].time.tokens_per_s_per_device
+    assert own.memory.total == min(c.memory.total for c in alltoall[:3])
     # cp 1 and tp 1: one whole 131,072-token sequence on a rank; its loss's logits alone are
     # 189 GiB
     whole = [lay for lay in layouts(job, 64, H100, "bf16") if lay.dims.cp == lay.dims.tp == 1]

@@ -30,7 +30,8 @@ def job_layout(job: JobConfig, layout: ParallelDims, precision: str) -> PlanLayo
                       seq_len=d.seq_len, recompute=p.activation_checkpoint,
                       ac_every=p.ac_every, precision=precision, param_gather=p.param_gather,
                       z_loss=job.optim.z_loss > 0, cp_method=p.cp_method,
-                      cp_split=p.cp_split)
+                      cp_split=p.cp_split, compiled=job.training.compile,
+                      float8=job.training.float8 != "off")
 
 
 def job_precision(job: JobConfig, machine_precision: str = "bf16") -> str:

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from optimus.config import ConfigError
+from optimus.planner.rates import Rates, cached_rates
 
 BUILT_IN = Path(__file__).with_name("machines.yaml")
 # The profile `optimus plan` uses without --machine: the one of the job's parallel.device, and
@@ -38,6 +39,21 @@ class Machine(BaseModel):
     hbm_gbps: Positive = 2000.0  # device memory bandwidth, GB/s: memory-bound work
     headroom_gib: Annotated[float, Field(ge=0)] = 0.0  # kept free: allocator, NCCL, context
     precision: Literal["bf16", "fp32"] = "bf16"
+    # a table of measured matmul and attention rates (rates.py; bench/gemm_sweep.py writes
+    # it), relative to the profile file's folder; without one the rates are uncalibrated:
+    # peak x sustained x a shape factor (compute.py)
+    rates: str | None = None
+
+    @property
+    def rate_table(self) -> Rates | None:
+        return cached_rates(self.rates) if self.rates else None
+
+    def rates_note(self) -> str:
+        """Where this profile's matmul rates come from, in one line."""
+        if self.rates:
+            return f"matmul rates {self.rate_table.source}"
+        return (f"matmul rates UNCALIBRATED: no GEMM sweep for this profile (peak x sustained "
+                f"{self.sustained:g} x a shape factor; bench/gemm_sweep.py measures them)")
 
     @property
     def usable_gib(self) -> float:
@@ -68,12 +84,17 @@ def _read(path: Path) -> dict[str, Machine]:
     out = {}
     for name, fields in raw.items():
         try:
-            out[name] = Machine(name=name, **(fields or {}))
-        except (ValidationError, TypeError) as e:
+            fields = dict(fields or {})
+            if isinstance(fields.get("rates"), str):  # relative to the profile file's folder
+                fields["rates"] = str((path.parent / fields["rates"]).resolve())
+            out[name] = Machine(name=name, **fields)
+        except (ValidationError, TypeError, ValueError) as e:
             first = e.errors()[0] if isinstance(e, ValidationError) else {"loc": (), "msg": str(e)}
             where = ".".join(str(x) for x in first["loc"])
             raise ConfigError(str(path), f"profile {name}: {where} {first['msg']}".strip(),
                               "see optimus/planner/machines.yaml for every field") from None
+        if out[name].rates:  # a bad table is refused here, with its profile file
+            cached_rates(out[name].rates)
     return out
 
 

@@ -84,6 +84,8 @@ class PlanLayout:
     z_loss: bool = False  # optim.z_loss > 0: the loss keeps more of the logits (module text)
     cp_method: str = "alltoall"  # or "ring": attention across the cp ranks (context.py)
     cp_split: str = "balanced"  # or "contiguous": the runs of positions a cp rank holds
+    compiled: bool = False  # training.compile: element-wise work fused (planner/compute.py)
+    float8: bool = False  # training.float8: the blocks' dense linears at a table's float8 rates
 
     @property
     def keeps_gathered(self) -> bool:
@@ -250,11 +252,33 @@ def _block_mode(lay: PlanLayout, layer: int) -> str:
     return lay.recompute
 
 
+def _first_moe(cfg) -> int:
+    """The index of the first MoE layer (n_layers for a dense model)."""
+    m = getattr(cfg, "moe", None)
+    return m.dense_layers if m is not None and m.experts else cfg.n_layers
+
+
+@lru_cache(maxsize=256)
+def _per_layer(cfg, lay: PlanLayout) -> tuple[tuple[float, float], ...]:
+    """(bytes kept under the layout's recompute, bytes kept under none) per token, by layer:
+    layers differ only in being MoE and being recomputed, so one of each kind is computed."""
+    kinds: dict[tuple[bool, str], tuple[float, float]] = {}
+    out = []
+    first_moe = _first_moe(cfg)
+    for i in range(cfg.n_layers):
+        key = (i >= first_moe, _block_mode(lay, i))
+        if key not in kinds:
+            kinds[key] = (_layer_bytes(cfg, lay, i, key[1]), _layer_bytes(cfg, lay, i, "none"))
+        out.append(kinds[key])
+    return tuple(out)
+
+
 def _layer_bytes(cfg, lay: PlanLayout, layer: int, mode: str) -> float:
     """Bytes per token one layer keeps: its elements at the compute dtype's size, plus, in
     bf16 without recompute, what stays in fp32 there (measured: the float copies RMSNorm and
     RoPE save, about 4 d-wide tensors, and an MoE layer's fp32 combine of its top_k
-    outputs), plus what attention across context-parallel ranks keeps (context.py)."""
+    outputs), plus what attention across context-parallel ranks keeps (context.py). Layers
+    differ only in being MoE or dense: one of each kind is computed (and kept) per layout."""
     tp, c = lay.dims.tp, COMPUTE[lay.precision]
     out = _layer_activation(cfg, layer, mode, tp) * c + context.saved_bytes(cfg, lay, mode, c)
     if c < 4 and mode == "none":
@@ -293,11 +317,14 @@ def rank_memory(cfg, lay: PlanLayout, pp_rank: int = 0) -> Memory:
     # Parameters per rank before FSDP: (outside experts, experts), and per block for transients.
     dense = experts = root = 0.0
     blocks: list[float] = []
-    for st in stages:
-        for i in st.layers:
-            a, e = _layer_params(cfg, i, tp, lay.dims.ep)
-            dense, experts = dense + a, experts + e
-            blocks.append(a + e)
+    first_moe = _first_moe(cfg)
+    for st in stages:  # layers differ only in being MoE: count each kind
+        moe = max(0, st.layers.stop - max(st.layers.start, first_moe))
+        for count, i in ((len(st.layers) - moe, st.layers.start), (moe, first_moe)):
+            if count:
+                a, e = _layer_params(cfg, i, tp, lay.dims.ep)
+                dense, experts = dense + count * a, experts + count * e
+                blocks += [a + e] * min(count, 2)  # the two largest are all that is asked
         if st.first:
             root += cfg.vocab_size * cfg.dim / tp
         if st.last:
@@ -328,11 +355,12 @@ def rank_memory(cfg, lay: PlanLayout, pp_rank: int = 0) -> Memory:
     held = in_flight(lay.schedule, lay.dims.pp, lay.dims.virtual_stages,
                      lay.microbatches)[pp_rank] if lay.dims.pp > 1 else {0: 1.0}
     ids = _stage_ids(lay, pp_rank)
+    kept = _per_layer(cfg, lay)
     acts = logits = 0.0
     layers = []  # this rank's layers in the order its forward runs them
     for sid, st in zip(ids, stages, strict=True):
         layers += list(st.layers)
-        per_mb = sum(_layer_bytes(cfg, lay, i, _block_mode(lay, i)) for i in st.layers)
+        per_mb = sum(kept[i][0] for i in st.layers)
         if st.first:
             per_mb += cfg.dim / tp * c  # the embedding's output
         acts += held.get(sid, 0.0) * per_mb * tokens
@@ -350,7 +378,7 @@ def rank_memory(cfg, lay: PlanLayout, pp_rank: int = 0) -> Memory:
                 logits += Z_LOSS * cfg.vocab_size / tp * tokens
     backward = (_recompute_extra(cfg, lay, layers) + 4 * cfg.dim / tp * c
                 + context.transient_bytes(cfg, lay, c)) * tokens
-    if any(is_moe_layer(cfg, i) for i in layers):
+    if layers and max(layers) >= first_moe:
         # an MoE layer's backward: the padded expert inputs' and hidden states' gradients
         backward += 2 * cfg.moe.top_k * (cfg.dim + cfg.moe.expert_ffn_dim) / tp * tokens * c
     if lay.dims.pp == 1 and not accumulate:
@@ -368,9 +396,10 @@ def _recompute_extra(cfg, lay: PlanLayout, layers: list[int]) -> float:
     Backward runs from the top: when block i recomputes (what it did not keep: `none` minus
     what `mode` kept), the blocks above it have already freed theirs."""
     worst, above = 0.0, 0.0
+    table = _per_layer(cfg, lay)
     for i in reversed(layers):
-        kept = _layer_bytes(cfg, lay, i, _block_mode(lay, i))
-        worst = max(worst, _layer_bytes(cfg, lay, i, "none") - kept - above)
+        kept, none = table[i]
+        worst = max(worst, none - kept - above)
         above += kept
     return worst
 
@@ -378,8 +407,7 @@ def _recompute_extra(cfg, lay: PlanLayout, layers: list[int]) -> float:
 def _one_pass_peak(cfg, lay, stage, grads, acts, tokens) -> tuple[float, float]:
     """(gradients, activations) at the worst moment of a single forward-backward: backward
     runs from the last block, freeing its activations as its gradients are made."""
-    per_layer = [_layer_bytes(cfg, lay, i, _block_mode(lay, i)) * tokens
-                 for i in stage.layers]
+    per_layer = [_per_layer(cfg, lay)[i][0] * tokens for i in stage.layers]
     grad_layer = [sum(_layer_params(cfg, i, lay.dims.tp, lay.dims.ep)) / lay.shard * GRAD
                   for i in stage.layers]
     head = grads - sum(grad_layer)  # embedding, head and final norm

@@ -5,7 +5,9 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from optimus.planner.machines import Machine
 from optimus.planner.search import Candidate
+from optimus.planner.stacks import OURS, against_ours, get_stack, stacks
 
 GIB = 2**30
 
@@ -40,9 +42,37 @@ def table(candidates: list[Candidate], title: str) -> Table:
     return out
 
 
-def explain(c: Candidate, capacity_gib: float, console: Console, room: str = "") -> None:
+def header(machine: Machine) -> str:
+    """The line `optimus plan` prints above its answer: where the rates come from."""
+    return f"{machine.name}: {machine.rates_note()}"
+
+
+def rates_dict(machine: Machine) -> dict:
+    table = machine.rate_table
+    return {"calibrated": table is not None, "note": machine.rates_note(),
+            **({"device": table.device, "torch": table.torch, "date": table.date,
+                "path": table.path} if table else {})}
+
+
+def stack_lines(compiled: bool) -> list[str]:
+    """Optimus's factor against the plain loop, and every other stack's against ours, each
+    with its source: the inputs behind `stack_s` and behind the published checks."""
+    mode = "compiled" if compiled else "eager"
+    ours = get_stack(OURS)
+    out = [f"stack: {OURS} ({mode}) at {ours.factor(compiled):g} of the plain loop's rate "
+           f"(stack_s is the difference); {ours.source}"]
+    for name, stack in stacks().items():
+        if name == OURS or (stack.compiled if compiled else stack.eager) is None:
+            continue
+        out.append(f"  {name} ({mode}): {against_ours(name, compiled):.3g}x ours; "
+                   f"{stack.source}")
+    return out
+
+
+def explain(c: Candidate, capacity_gib: float, console: Console, room: str = "",
+            machine: Machine | None = None) -> None:
     """Every term of one layout's memory and step time; `room` says what headroom the
-    capacity leaves."""
+    capacity leaves; with `machine`, where its rates come from and the stack factors."""
     fits = "fits" if c.memory.total <= capacity_gib * GIB else "does NOT fit"
     console.print(f"{c.layout.label()}: memory of pipeline rank {c.memory.pp_rank} (the "
                   f"largest), {fits} in {capacity_gib:g} GiB{room}")
@@ -56,6 +86,10 @@ def explain(c: Candidate, capacity_gib: float, console: Console, room: str = "")
     console.print(f"{t.tokens_per_s_per_device:,.1f} tokens/s per device, "
                   f"{t.tflops_per_device:.1f} TFLOP/s per device (recompute counted), "
                   f"MFU {t.mfu:.1%}")
+    if machine is not None:
+        console.print(header(machine), soft_wrap=True)
+        for line in stack_lines(c.layout.compiled):
+            console.print(line, soft_wrap=True)
 
 
 def _terms(terms: dict[str, float], total: float, unit: str, show) -> Table:

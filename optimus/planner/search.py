@@ -97,7 +97,9 @@ def _shapes(job: JobConfig, dims: ParallelDims, method: str, precision: str):
                                  microbatches=m, microbatch_size=size, seq_len=job.data.seq_len,
                                  recompute=recompute, precision=precision,
                                  z_loss=job.optim.z_loss > 0, cp_method=method,
-                                 cp_split=job.parallel.cp_split)
+                                 cp_split=job.parallel.cp_split,
+                                 compiled=job.training.compile,
+                                 float8=job.training.float8 != "off")
                 yield lay
                 if lay.shard > 1 and not lay.keeps_gathered:  # else the same layout
                     yield replace(lay, param_gather="step")
@@ -156,4 +158,5 @@ def parse_layout(text: str, job: JobConfig, precision: str) -> PlanLayout:
     except ValueError as e:
         raise ConfigError("--explain", f"layout {text!r}: {e}") from None
     return PlanLayout(dims, seq_len=job.data.seq_len, precision=precision,
-                      z_loss=job.optim.z_loss > 0, **fields)
+                      z_loss=job.optim.z_loss > 0, compiled=job.training.compile,
+                      float8=job.training.float8 != "off", **fields)

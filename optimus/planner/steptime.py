@@ -1,15 +1,20 @@
 """Step time of a layout on a machine profile: compute, communication, pipeline bubble.
 
 Assumptions, all of them here:
-- compute: the FLOPs of `optimus.models.counts.flops_per_token` (6 per active matmul weight
-  per token, plus attention), plus the forward recomputed under activation checkpointing
-  (full: every block's; selective: the blocks it checkpoints, one in `ac_every`), at the
-  profile's peak times its `sustained` fraction, times a matmul-shape factor:
-  a matmul of M tokens and width K runs at M / (M + 128) x K / (K + 128) of the sustained
-  rate (small microbatches and narrow tensor-parallel shards starve the device). Under a
-  pipeline the step waits for the busiest rank: its stages' blocks (the earlier stages take
-  the extra layers) plus the output projection and loss on the rank holding the last stage
-  (`_busiest_rank_flops`); without one, every rank does the same.
+- compute (compute.py): the matmuls and attention of `optimus.models.counts.flops_per_token`
+  (6 per active matmul weight per token, plus attention), plus the forward recomputed under
+  activation checkpointing (full: every block's; selective: the blocks it checkpoints, one in
+  `ac_every`), at the profile's measured rates by shape where a GEMM sweep made a table for
+  it, and otherwise uncalibrated: peak x `sustained` x a shape factor M/(M + 128) x
+  K/(K + 128) (small microbatches and narrow tensor-parallel shards starve the device). Under
+  a pipeline the step waits for the busiest rank: its stages' blocks (the earlier stages take
+  the extra layers) plus the output projection and loss on the rank holding the last stage;
+  without one, every rank does the same.
+- element-wise work (`memory_s`, compute.py): the bytes the block's norms, RoPE, residual adds,
+  SwiGLU gate, MoE dispatch and combine and the loss's softmax read and write, eager (one
+  kernel an op) or compiled (fused), at the profile's HBM bandwidth.
+- the stack (`stack_s`, stacks.py): what Optimus's step adds to the plain loop's on the same
+  device work, from their measured ratio; a published run of another stack takes its own.
 - op-level recompute redoes no matmul, only the element-wise ops (norms, RoPE, the SwiGLU's
   gate, softmax statistics): memory-bound work, priced as the bytes of what it recomputes
   (what a block keeps without recompute less what `op` keeps, memory.py's table) read and
@@ -32,9 +37,10 @@ Assumptions, all of them here:
 - attention: `flops_per_token` counts its scores and weighted sum over the whole sequence,
   12 x layers x heads x head_dim x seq_len per token, the full T x T square. Causal attention
   needs half of it, but the attention kernels run well below the matmuls' rate, and the
-  square priced at `sustained` lands on torchtitan's published long-sequence runs (Llama 3.1
-  8B with cp 4 at 131,072 and cp 8 at 262,144 tokens on 8 H100: tests/test_planner_context.py),
-  where half of it would be 1.7-1.8x too fast. Under context parallel each rank computes
+  square priced at the matmuls' rate lands within 20% of torchtitan's published
+  long-sequence runs (Llama 3.1 8B with cp 4 at 131,072 and cp 8 at 262,144 tokens on 8 H100:
+  tests/test_planner_context.py), where half of it would be 1.7-1.8x too fast; a GEMM sweep's
+  measured attention rate replaces it. Under context parallel each rank computes
   seq_len / cp positions' share, against the whole sequence.
 - context parallel: the exchange of `context.exchange`, per layer per microbatch: all-to-all
   shows whole; the ring's k, v shifts show only what exceeds the attention of the block they
@@ -49,14 +55,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
-from optimus.config.schedule_rules import stage_ids, stage_layers, stage_style
+from optimus.config.schedule_rules import stage_layers
 from optimus.models.counts import flops_per_token, is_moe_layer, matmul_param_count
 from optimus.planner import context
+from optimus.planner.compute import SHAPE_KNEE, rank_work  # noqa: F401  (SHAPE_KNEE: re-exported)
 from optimus.planner.machines import Machine
 from optimus.planner.memory import COMPUTE, GRAD, PlanLayout, _layer_activation, shape_of
 from optimus.planner.schedules import bubble
-
-SHAPE_KNEE = 128  # tokens or width at which a matmul runs at half its sustained rate
+from optimus.planner.stacks import OURS, get_stack
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,8 @@ class StepTime:
     recompute_s: float = 0.0  # op-level recompute: memory-bound element-wise work
     cp_comm: float = 0.0  # context parallel's exchange that attention does not hide
     cp_hidden: float = 0.0  # the ring's exchange under attention (not in the total)
+    memory_s: float = 0.0  # element-wise work (norms, RoPE, gates, the loss's softmax)
+    stack_s: float = 0.0  # what the stack's step adds to the plain loop's (stacks.yaml)
     tokens_per_s_per_device: float = 0.0
     tflops_per_device: float = 0.0  # model FLOPs with recompute, as seed 001 counts them
     mfu: float = 0.0  # model FLOPs without recompute, against the peak
@@ -79,7 +87,8 @@ class StepTime:
     @property
     def total(self) -> float:
         return (self.compute + self.tp_comm + self.pp_comm + self.ep_comm + self.bubble
-                + self.dp_exposed + self.recompute_s + self.cp_comm)
+                + self.dp_exposed + self.recompute_s + self.cp_comm + self.memory_s
+                + self.stack_s)
 
     def terms(self) -> dict[str, float]:
         return {k: v for k, v in asdict(self).items()
@@ -161,25 +170,10 @@ def _op_redone(cfg, tp: int) -> float:
                for i in range(cfg.n_layers))
 
 
-def _busiest_rank_flops(cfg, lay: PlanLayout) -> float:
-    """FLOPs per token (recompute included) of the pipeline rank with the most work: the
-    rank holding the first stage has the most layers, the one holding the last the head."""
-    head = 6 * cfg.dim * cfg.vocab_size
-    dims = lay.dims
-    total = flops_per_token(cfg, lay.seq_len) + recompute_flops(cfg, lay)
-    if dims.pp == 1:
-        return total
-    per_layer = (total - head) / cfg.n_layers
-    ranges = stage_layers(cfg.n_layers, dims.stages)
-    last = dims.stages - 1
-    style = stage_style(lay.schedule)
-    return max(sum(len(ranges[s]) * per_layer + (head if s == last else 0)
-                   for s in stage_ids(r, dims.pp, dims.virtual_stages, style))
-               for r in {0, dims.pp - 1})
-
-
-def step_time(cfg, lay: PlanLayout, machine: Machine, global_batch: int) -> StepTime:
-    """Predicted step time of `lay` with `global_batch` sequences a step."""
+def step_time(cfg, lay: PlanLayout, machine: Machine, global_batch: int,
+              stack: str = OURS) -> StepTime:
+    """Predicted step time of `lay` with `global_batch` sequences a step, run by `stack`
+    (stacks.yaml: Optimus unless a published run of another is checked)."""
     c = COMPUTE[lay.precision]
     dims = lay.dims
     node = machine.devices_per_node
@@ -187,10 +181,8 @@ def step_time(cfg, lay: PlanLayout, machine: Machine, global_batch: int) -> Step
     m = lay.microbatches
     model_flops = flops_per_token(cfg, lay.seq_len)
     hw_flops = model_flops + recompute_flops(cfg, lay)
-    shape = (tokens_mb / (tokens_mb + SHAPE_KNEE)
-             * (cfg.dim / dims.tp) / (cfg.dim / dims.tp + SHAPE_KNEE))
-    rate = machine.peak_tflops * 1e12 * machine.sustained * shape
-    compute = m * tokens_mb * _busiest_rank_flops(cfg, lay) / dims.tp / rate
+    work = rank_work(cfg, lay, machine)
+    compute, memory_s, rate = m * work.compute, m * work.memory, work.attention_rate
     # the busiest pipeline rank's blocks, at most those of the first stage
     share = (max(len(r) for r in stage_layers(cfg.n_layers, dims.stages))
              * dims.virtual_stages / cfg.n_layers) if dims.pp > 1 else 1.0
@@ -219,7 +211,9 @@ def step_time(cfg, lay: PlanLayout, machine: Machine, global_batch: int) -> Step
     exposed, hidden = context.exchange(cfg, lay, machine, c, rate, selective_share(cfg, lay))
     cp_comm, cp_hidden = m * layers_here * exposed, m * layers_here * hidden
 
-    pipeline_bubble = ((compute + recompute_s + tp_comm + ep_comm + cp_comm)
+    factor = get_stack(stack).factor(lay.compiled)
+    stack_s = (compute + memory_s + recompute_s) * (1 / factor - 1)
+    pipeline_bubble = ((compute + memory_s + recompute_s + stack_s + tp_comm + ep_comm + cp_comm)
                        * bubble(lay.schedule, dims.pp, dims.virtual_stages, m))
 
     dp_exposed = 0.0
@@ -237,12 +231,12 @@ def step_time(cfg, lay: PlanLayout, machine: Machine, global_batch: int) -> Step
         gather = _ring(lay.shard, params * c / units, dp_link, machine.latency_us)
         reduce = _ring(lay.shard, params * GRAD / units, dp_link, machine.latency_us)
         forward = 1 / (3 + selective_share(cfg, lay))  # of each microbatch's compute
-        dp_exposed = fsdp_exposed(compute / m * forward / units,
-                                  compute / m * (1 - forward) / units, units, gather, reduce,
-                                  _passes(lay))
+        busy = (compute + memory_s) / m  # the device's work a microbatch hides traffic under
+        dp_exposed = fsdp_exposed(busy * forward / units, busy * (1 - forward) / units, units,
+                                  gather, reduce, _passes(lay))
 
     result = StepTime(compute, tp_comm, pp_comm, ep_comm, pipeline_bubble, dp_exposed,
-                      recompute_s, cp_comm, cp_hidden)
+                      recompute_s, cp_comm, cp_hidden, memory_s, stack_s)
     tokens = global_batch * lay.seq_len
     per_device = tokens / result.total / lay.devices
     return replace(result, tokens_per_s_per_device=per_device,
