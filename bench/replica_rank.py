@@ -72,6 +72,7 @@ def main() -> None:
     p.add_argument("--die-healing", action="store_true",
                    help="exit (status 3) as its heal begins: a rank lost mid-heal")
     a = p.parse_args()
+    torch.set_num_threads(1)  # several ranks share the machine's cores: one thread each
     widths = tuple(int(w) for w in a.widths.split(","))
     if a.plain:
         plain(a, widths)

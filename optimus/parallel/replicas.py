@@ -40,6 +40,7 @@ import contextlib
 import json
 import os
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -279,11 +280,21 @@ def _scatter(tensors: Sequence[torch.Tensor], buffers) -> None:
 
 
 def checksum(flat: torch.Tensor) -> torch.Tensor:
-    """Two int64 sums over the bytes of `flat`, computed where it lies: its 32-bit words summed,
-    and summed again weighted by their position (mod a prime), which a swap or a flipped bit in
-    transit changes. Not a defence against a forger (the link's own authentication is): a
-    check that what arrived is what was sent."""
+    """Two int64 figures over the bytes of `flat`, which a flipped bit, a swap or a lost piece
+    in transit changes. In host memory: CRC-32 and Adler-32 (zlib's, at memory speed: ~10 ms
+    for 12 MB where the same arithmetic in torch took ~85). On a device, computed there: its
+    32-bit words summed, and summed again weighted by their position (mod a prime). Not a
+    defence against a forger (the link's own authentication is): a check that what arrived is
+    what was sent."""
     raw = flat.detach().reshape(-1).view(torch.uint8)
+    if raw.device.type == "cpu":
+        data = memoryview(raw.contiguous().numpy())
+        return torch.tensor([zlib.crc32(data), zlib.adler32(data)], dtype=torch.int64)
+    return device_checksum(raw)
+
+
+def device_checksum(raw: torch.Tensor) -> torch.Tensor:
+    """`checksum` of bytes `raw` as a device computes it (tested on the host too)."""
     pad = (-raw.numel()) % 4
     if pad:
         raw = torch.cat([raw, raw.new_zeros(pad)])
