@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from bench.ettr_model import KINDS, Costs, Failures, Inputs
 
-REPLICAS_RUN = "bench/replicas.py --peer, 2026-12-02 15:58 (2-core VM)"
+REPLICAS_RUN = "bench/replicas.py --peer, 2026-12-02 16:01 (2-core VM)"
 
 
 def _measured(value: float, source: str):
@@ -44,12 +44,12 @@ def _measured(value: float, source: str):
 @dataclass(frozen=True)
 class ReplicaInputs:
     reform_s: float = _measured(
-        0.071, REPLICAS_RUN + ": SIGKILL to the survivors' next applied step (the exchange "
+        0.075, REPLICAS_RUN + ": SIGKILL to the survivors' next applied step (the exchange "
                               "failing, the next quorum read and formed, the exchange again), "
                               "the quorum written at once")
     heal_bytes_per_s: float = _measured(
-        136e6, REPLICAS_RUN + ": the standby's heal, 12.6 MB of model, optimizer and progress "
-                              "from the lowest live member over gloo on loopback in 0.093 s "
+        140e6, REPLICAS_RUN + ": the standby's heal, 12.6 MB of model, optimizer and progress "
+                              "from the lowest live member over gloo on loopback in 0.090 s "
                               "(agreement and checksums included)")
     standby_start_s: float = _measured(
         0.88, "bench/recovery.py warm-memory-inprocess (REC4 of bench/ettr_model.py): after "

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from optimus.parallel.replicas import Replicas, state_tensors
+from optimus.parallel.replicas import Reduced, Replicas, state_tensors
 
 WIDTHS, ROWS = (32, 64, 32), 24  # the tests'; bench/replicas.py asks for ~1M parameters
 
@@ -67,17 +67,14 @@ def main() -> None:
                    help="a standby: join only a quorum newer than this id")
     p.add_argument("--widths", default=",".join(map(str, WIDTHS)))
     p.add_argument("--rows", type=int, default=ROWS)
-    p.add_argument("--plain", type=int, default=0, metavar="N",
-                   help="the reference: N replicas in one world, a plain all-reduce a step")
+    p.add_argument("--alternate-until", type=int, default=0, metavar="STEP",
+                   help="up to STEP, every other block of 5 steps exchanges by a bare "
+                        "all-reduce on the same group (bench/replicas.py's reference)")
     p.add_argument("--die-healing", action="store_true",
                    help="exit (status 3) as its heal begins: a rank lost mid-heal")
     a = p.parse_args()
     torch.set_num_threads(1)  # several ranks share the machine's cores: one thread each
     widths = tuple(int(w) for w in a.widths.split(","))
-    if a.plain:
-        plain(a, widths)
-        return
-
     net = model(widths)
     if a.shard > 1:
         store = dist.TCPStore("127.0.0.1", a.world_port, a.shard, is_master=a.position == 0,
@@ -136,6 +133,8 @@ def main() -> None:
             step = int(progress) + 1
             continue
         formed()
+        began = time.perf_counter()
+        bare = step <= a.alternate_until and (step - 1) // 5 % 2 == 1
         x, y, mask = batch(step, a.replica, a.position, widths, a.rows)
         tokens = mask.sum()
         summed = loss_sum(net, x, y, mask)
@@ -151,7 +150,10 @@ def main() -> None:
         if a.step_s:
             time.sleep(a.step_s)
         failures = len(rep.failed)
-        reduced = rep.exchange(grads, tokens, replica_loss, int(progress))
+        if bare:
+            reduced = bare_exchange(rep, grads, tokens, replica_loss)
+        else:
+            reduced = rep.exchange(grads, tokens, replica_loss, int(progress))
         for failure in rep.failed[failures:]:
             event("failed", step=step, **failure)
         formed()
@@ -163,7 +165,8 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         progress.fill_(step)
         event("step", step=step, quorum=rep.quorum.id, members=list(rep.quorum.members),
-              loss=reduced.loss(), tokens=reduced.tokens(), pid=os.getpid())
+              loss=reduced.loss(), tokens=reduced.tokens(), pid=os.getpid(),
+              seconds=time.perf_counter() - began, bare=bare)
         rep.look()
         rep.after(step, reduced)
         step += 1
@@ -174,31 +177,17 @@ def main() -> None:
     os._exit(0)  # gloo's threads and a peer gone: leave without tearing groups down
 
 
-def plain(a, widths) -> None:
-    """The loop without fault tolerance: the replicas one world, the same weighted gradient
-    through one dist.all_reduce a step (what a plain data-parallel loop pays)."""
-    store = dist.TCPStore("127.0.0.1", a.world_port, a.plain, is_master=a.replica == 0,
-                          timeout=timedelta(seconds=60), wait_for_workers=False)
-    dist.init_process_group("gloo", store=store, rank=a.replica, world_size=a.plain)
-    net = model(widths)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    with open(Path(a.out) / f"plain{a.replica}.jsonl", "a", buffering=1) as log:
-        for step in range(1, a.steps + 1):
-            x, y, mask = batch(step, a.replica, 0, widths, a.rows)
-            tokens = mask.sum()
-            summed = loss_sum(net, x, y, mask)
-            (summed / tokens).backward()
-            grads = [q.grad for q in net.parameters()]
-            buffer = torch.cat([*(g.reshape(-1) for g in grads), tokens.reshape(1)])
-            buffer[:-1].mul_(tokens)
-            dist.all_reduce(buffer)
-            buffer[:-1].div_(buffer[-1])
-            flat = buffer[:-1].split([g.numel() for g in grads])
-            torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat, grads, strict=True)])
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            log.write(json.dumps({"event": "step", "time": time.time(), "step": step}) + "\n")
-    os._exit(0)
+def bare_exchange(rep: Replicas, grads, tokens, loss) -> Reduced:
+    """What a plain data-parallel loop does on the same group: the weighted gradients and the
+    token count in one all-reduce, waited on; no poll, no quorum bookkeeping."""
+    buffer = torch.cat([*(g.reshape(-1) for g in grads), tokens.reshape(1), loss.reshape(1)])
+    buffer[:-2].mul_(tokens)
+    rep.group.group.allreduce([buffer]).wait()
+    buffer[:-2].div_(buffer[-2])
+    flat = buffer[:-2].split([g.numel() for g in grads])
+    torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat, grads, strict=True)])
+    return Reduced(torch.stack([buffer[-2], buffer[-1],
+                                torch.tensor(float(rep.quorum.id))]))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -53,7 +54,6 @@ from optimus.contract.records import Quorum, RecordError
 
 _QUORUM_LIMIT = 64 << 10  # bytes of a quorum file: a few ids and an address
 POLL_S = 0.01
-WAIT_POLL_S = 0.0005  # how often a waiting exchange looks whether it is done (host groups)
 GIVE_UP_S = 0.05  # and whether the controller has moved on without one of its members
 # Our figures after the gradients, before the members' slots: the token count, the loss sum.
 _TOKENS, _LOSS, _SLOTS = 0, 1, 2
@@ -182,14 +182,14 @@ class QuorumGroup:
         if give_up is None or buffer.device.type != "cpu":
             work.wait()
             return
-        asked = time.monotonic()
-        while not work.is_completed():
-            time.sleep(WAIT_POLL_S)
-            if time.monotonic() - asked >= GIVE_UP_S:
-                asked = time.monotonic()
-                why = give_up()
-                if why:
-                    raise QuorumError(f"the exchange in quorum {self.quorum.id} let go: {why}")
+        # Woken by the operation's end (its future's callback), or every GIVE_UP_S to ask:
+        # no polling, which would take the cores the collective's own threads need.
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _: done.set())
+        while not done.wait(GIVE_UP_S):
+            why = give_up()
+            if why:
+                raise QuorumError(f"the exchange in quorum {self.quorum.id} let go: {why}")
         work.wait()  # raises what the operation raised
 
     def reduce(self, grads: Sequence[torch.Tensor], tokens: torch.Tensor,
@@ -321,6 +321,7 @@ class Replicas:
         self.group: QuorumGroup | None = None
         self.seen = 0  # the newest quorum id this rank has read
         self.read: dict[int, Quorum] = {}  # the quorums it read, by id (the last few)
+        self._stamp: tuple | None = None  # the quorum file as `look` last read it
         self.pending: tuple[int, int] | None = None  # (id, step before which to switch)
         self.heals: list[dict] = []  # what each (re)formed quorum healed, for the log
         self.missed: list[dict] = []  # quorums whose members did not all meet
@@ -401,6 +402,14 @@ class Replicas:
     def look(self) -> None:
         """At a step boundary: read the quorum file (a stat, and a read when it changed) for
         an id newer than those seen; the next exchange tells the other members of it."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if stamp == self._stamp:  # replaced whole by its writer: unchanged, unread
+            return
+        self._stamp = stamp
         quorum = read_quorum(self.path)
         if quorum is not None and quorum.id > self.seen:
             self.seen = quorum.id
