@@ -54,7 +54,7 @@ from optimus.contract.records import Quorum, RecordError
 
 _QUORUM_LIMIT = 64 << 10  # bytes of a quorum file: a few ids and an address
 POLL_S = 0.01
-GIVE_UP_S = 0.05  # and whether the controller has moved on without one of its members
+GIVE_UP_S = 0.05  # how often a waiting exchange asks whether the controller moved on without it
 # Our figures after the gradients, before the members' slots: the token count, the loss sum.
 _TOKENS, _LOSS, _SLOTS = 0, 1, 2
 
