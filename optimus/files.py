@@ -25,6 +25,16 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def file_stamp(path: Path) -> tuple[int, int, int] | None:
+    """What changes when a writer replaces `path` whole (a new inode) or rewrites it: read a
+    file again only when this changed. None when it cannot be looked at."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
 def write_atomic(path: Path, data: bytes, tmp: Path) -> None:
     """Write `data` to `tmp`, fsync it, and rename it over `path`: old or new, never half."""
     with open(tmp, "wb") as f:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
 import time
 import zlib
@@ -51,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from optimus.contract.records import Quorum, RecordError
+from optimus.files import file_stamp
 
 _QUORUM_LIMIT = 64 << 10  # bytes of a quorum file: a few ids and an address
 POLL_S = 0.01
@@ -86,11 +86,7 @@ def wait_for_quorum(path: Path, *, after: int, replica: int, timeout_s: float,
     Raises QuorumError after `timeout_s`."""
     deadline, seen = time.monotonic() + timeout_s, None
     while time.monotonic() < deadline:
-        try:
-            st = os.stat(path)
-            now = (st.st_ino, st.st_mtime_ns, st.st_size)
-        except FileNotFoundError:
-            now = None
+        now = file_stamp(path)
         if now is not None and now != seen:
             seen = now
             quorum = read_quorum(path)
@@ -402,12 +398,8 @@ class Replicas:
     def look(self) -> None:
         """At a step boundary: read the quorum file (a stat, and a read when it changed) for
         an id newer than those seen; the next exchange tells the other members of it."""
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return
-        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if stamp == self._stamp:  # replaced whole by its writer: unchanged, unread
+        stamp = file_stamp(self.path)
+        if stamp is None or stamp == self._stamp:  # none yet, or unchanged: unread
             return
         self._stamp = stamp
         quorum = read_quorum(self.path)

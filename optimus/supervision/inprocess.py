@@ -44,6 +44,7 @@ from pathlib import Path
 
 from optimus.contract.env import NEXT_FILE, PREFIX, SNAPSHOT_RESUME
 from optimus.contract.phases import PEER_FAILURE
+from optimus.files import file_stamp
 
 POLL_S = 0.02
 _NEXT_LIMIT = 1 << 20  # bytes of the agent's word (a launch environment: a few KiB)
@@ -148,11 +149,7 @@ def wait_for_next(exit_code: int, interval_s: float,
             beat.freed()
         path, seen = Path(os.environ[NEXT_FILE]), None
         while True:
-            try:  # read only what changed: the agent replaces the file whole (a new inode)
-                st = os.stat(path)
-                now = (st.st_ino, st.st_mtime_ns, st.st_size)
-            except OSError:
-                now = None
+            now = file_stamp(path)  # read only what changed: the agent replaces it whole
             if now is not None and now != seen:
                 seen = now
                 word = read_word(path, launch.restart_count)
