@@ -93,6 +93,7 @@ class StepParts:
     device: torch.device
     faults: object
     heartbeat: object
+    replicas: object | None = None  # the quorum's exchange (optimus/parallel/replica_mode.py)
     readback: Readback = field(init=False)
 
     def __post_init__(self):
@@ -129,13 +130,19 @@ def train_step(parts: StepParts, step: int, microbatches: list[dict], *, lr: flo
     loss = model.forward_backward(microbatches, parts.device, beat)
     faults.after_backward(step, model.parameters(), loss)
     local_loss = loss  # this rank's own share, and its own gradients': a bad tile's sign
+    limits = None
+    if parts.replicas is not None:  # the step summed over the quorum's replicas
+        limits = before_update()  # first: a heal after a failed exchange carries its figures
+        with beat.phase("grad_sync"):
+            tokens, loss = parts.replicas.exchange(model.parameters(), tokens, loss, step)
     with beat.phase("grad_sync"):
         # A non-finite norm turns the gradients NaN: their update is held back below, and
         # whether this rank's own were the bad ones is told by its figures, taken before.
         norm = clip_grads_(model.parameters(), job.optim.grad_clip, mesh.size("pipeline"))
         if reduce_loss and mesh.size("loss") > 1:  # only last stages hold losses
             loss = mesh.all_reduce("loss", loss.clone())
-    limits = before_update()
+    if limits is None:
+        limits = before_update()
     held = hold_back(loss, norm.total, limits)
     with beat.phase("optim"):
         faults.in_optimizer(step)

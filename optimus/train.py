@@ -46,6 +46,7 @@ from optimus.optim import build_optimizer, lr_at, set_lr
 from optimus.parallel.compile import CompileLog
 from optimus.parallel.float8 import float8_message
 from optimus.parallel.plan import build_parallel_model
+from optimus.parallel.replica_mode import Healed, ReplicaLaunch, ReplicaSteps
 from optimus.runtime import (
     cpu_binding,
     destroy_distributed,
@@ -88,7 +89,12 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
     cpus = cpu_binding(os.environ.get(CPU_BIND), env.local_rank)
     if cpus:  # e.g. Aurora's 12 ranks per node, each on its own 8 cores
         os.sched_setaffinity(0, cpus)
-    layout = resolve_layout(job, env.world_size)
+    # One replica among several (optimus/parallel/replica_mode.py): this world is its replica's.
+    replica = ReplicaLaunch.from_env(job.parallel.replicas)
+    ranks = env.world_size * (replica.replicas if replica else 1)
+    layout = resolve_layout(job, ranks)
+    if replica is not None:
+        layout = resolve_layout(replica.world_job(job), env.world_size)
     device = pick_device(job.parallel.device, env.local_rank)
     backend = pick_backend(device, job.parallel.backend)
     # Supervision: SIGTERM asks every rank to stop after one same step; heartbeats to the agent.
@@ -118,9 +124,11 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             Path(job.resolved_run_dir) / "metrics.jsonl", total_steps=job.optim.steps,
             flops_per_token=flops_per_token(job.model, job.data.seq_len),
             peak_flops_per_device=peak_flops(device_name(device), job.supervision.peak_tflops),
-            world_size=env.world_size,
+            world_size=ranks,
             enabled=env.rank == 0 and not quiet)
         dropped.append(log.close)
+        logs = log.enabled  # under replicas, the lowest member's rank 0 (ReplicaSteps.roles)
+        log.enabled = logs and (replica is None or replica.replica == 0)
         result = TrainResult(losses=[], metrics=log.history)
         compiles = CompileLog(log) if job.training.compile else None
         if job.training.float8 != "off":
@@ -151,9 +159,10 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         if resumed is None and ckpt and job.checkpoint.resume == "auto":
             resumed = ckpt.load_latest(state, job.checkpoint.verify_on_load)
         log_resume(log, ckpt, resumed, not_used)
-        snapshots = Snapshots.for_job(job.checkpoint.memory_every, rank=env.rank,
-                                      generation=env.restart_count,
-                                      layout=key, agree_device=agree_on)
+        # A replica's peers hold its state: no memory snapshot beside the quorum (yet).
+        snapshots = None if replica else Snapshots.for_job(
+            job.checkpoint.memory_every, rank=env.rank, generation=env.restart_count,
+            layout=key, agree_device=agree_on)
         if snapshots is not None:
             dropped.append(snapshots.close)
         if job.model.init_from:  # a Hugging Face start, unless resumed; imported only then:
@@ -167,12 +176,15 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
 
         # Data: each dp replica reads its slice of the global batch, from where it stopped.
         source = build_source(job.data, vocab_size=job.model.vocab_size, seed=job.seed)
+        dp_rank, dp_size = mesh.rank("batch"), mesh.size("batch")
+        if replica is not None:
+            dp_rank, dp_size = replica.batch_slice(dp_rank, dp_size)
 
         def open_loader(index: int):
             return build_loader(source, seq_len=job.data.seq_len,
                                 batch_size=job.data.batch_size,
                                 microbatches=job.data.microbatches,
-                                dp_rank=mesh.rank("batch"), dp_size=mesh.size("batch"),
+                                dp_rank=dp_rank, dp_size=dp_size,
                                 seed=job.seed, start_index=index,
                                 num_workers=job.data.num_workers,
                                 prefetch_factor=job.data.prefetch_factor,
@@ -200,6 +212,17 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
 
         saves = RunCheckpoints(ckpt, log, job, layout, state, progress)
         parts = StepParts(model, optimizer, job, mesh, device, faults, heartbeat)
+        steps = None
+        if replica is not None:  # the first quorum holding this replica, healed if behind
+            sv = job.supervision
+            steps = parts.replicas = ReplicaSteps(
+                replica, position=env.rank, backend=backend, model=model,
+                optimizer=optimizer, progress=progress, watch=watch, commands=commands,
+                timeout_s=sv.hang_floor_s, wait_s=max(sv.startup_timeout_s, sv.hang_timeout_s))
+            dropped.append(steps.close)
+            with heartbeat.phase("sync"):
+                steps.join()
+            steps.report(log)
         between = Boundary(job=job, rank=env.rank, log=log, watch=watch, progress=progress,
                            heartbeat=heartbeat, saves=saves, snapshots=snapshots,
                            commands=commands, result=result, parts=parts, state=state,
@@ -213,7 +236,14 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         if between.act(agreed, progress.step):
             result.stopped_at, first = progress.step, job.optim.steps + 1  # no step to take
 
-        for step in range(first, job.optim.steps + 1):
+        step = first
+        while step <= job.optim.steps:
+            if steps is not None:
+                if steps.before(step, between.settle):  # healed: on from the state's step
+                    step = progress.step + 1
+                    batches.replace(iter(open_loader(progress.data_index)))
+                    continue
+                steps.roles(log, saves, ckpt, logs)
             faults.step_start(step)
             if step in skips:
                 batches.replace(skip_batches(step, skips[step], progress, job, open_loader, log))
@@ -227,20 +257,36 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             if keep_sample_ids:
                 result.sample_ids.append([s for mb in microbatches
                                           for s in mb["sample_ids"].tolist()])
-            out = train_step(parts, step, microbatches, lr=lr,
-                             reduce_loss=between.reduce_loss(step),
-                             before_update=between.before_update)
+            try:
+                out = train_step(parts, step, microbatches, lr=lr,
+                                 reduce_loss=between.reduce_loss(step),
+                                 before_update=between.before_update)
+            except Healed:  # the others applied this step: this rank's state holds it now
+                optimizer.zero_grad(set_to_none=True)
+                step = progress.step + 1
+                batches.replace(iter(open_loader(progress.data_index)))
+                continue
             if log.enabled:
                 out.data = sample_fingerprint(
                     progress.data_index, job.data.batch_size,
                     (mb["sample_ids"] for mb in microbatches),
-                    (mesh.size("batch"), job.data.microbatches))
+                    (dp_size, job.data.microbatches))
             with heartbeat.phase("data"):  # the next step's, while the device runs this one
                 batches.ahead()
+            if steps is not None:
+                steps.look()
             if between.after_step(out):
                 result.stopped_at = step
                 break
+            if steps is not None:
+                steps.agreed()
+                steps.report(log)
+            step += 1
         between.settle()
+        if steps is not None:  # the members hold the same state: checked
+            steps.roles(log, saves, ckpt, logs)
+            steps.report(log)
+            steps.finish(log)
 
         # Leaving, in this order, so that nothing this rank started outlives its turn (a warm
         # rank ends in os._exit, a cold one in the interpreter's finalization: a helper still
@@ -253,6 +299,8 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         #    handlers, the process groups, whose C++ objects are freed at the interpreter's exit.
         with heartbeat.phase("checkpoint"):  # the last step is saved, or this says why
             saves.finish(progress.step, final=first <= progress.step == job.optim.steps)
+            if ckpt is not None and saves.ckpt is None:  # a replica that was not writing
+                ckpt.close()
             if snapshots is not None:
                 snapshots.close()
         log.close()

@@ -40,7 +40,6 @@ import contextlib
 import json
 import threading
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,6 +50,14 @@ import torch.distributed as dist
 
 from optimus.contract.records import Quorum, RecordError
 from optimus.files import file_stamp
+from optimus.parallel.heal import (  # noqa: F401 (checksum, device_checksum: re-exported)
+    by_dtype,
+    checksum,
+    device_checksum,
+    receive_notes,
+    scatter,
+    send_notes,
+)
 
 _QUORUM_LIMIT = 64 << 10  # bytes of a quorum file: a few ids and an address
 POLL_S = 0.01
@@ -118,6 +125,14 @@ def _group(backend: str, store: dist.Store, rank: int, size: int,
     if backend == "xccl":
         return dist.ProcessGroupXCCL(store, rank, size)
     raise QuorumError(f"no quorum group on backend {backend!r} (gloo, nccl or xccl)")
+
+
+@dataclass
+class Notes:
+    """A heal's host-side state: `give` on the member healing, `take` on those healed."""
+
+    give: Callable[[], dict]
+    take: Callable[[dict], None]
 
 
 @dataclass
@@ -223,21 +238,23 @@ class QuorumGroup:
         self._all_reduce(steps)
         return [int(s) - 1 for s in steps.tolist()]
 
-    def heal(self, state: Callable[[], Sequence[torch.Tensor]],
-             steps: list[int]) -> tuple[int, list[int]]:
+    def heal(self, state: Callable[[], Sequence[torch.Tensor]], steps: list[int],
+             notes: Notes | None = None) -> tuple[int, list[int]]:
         """Bring every member behind the others to the step of the lowest-indexed member ahead:
         that member sends `state()` (this rank's model and optimizer shards, the progress
         counters: the same shapes in every replica at this position) to each member behind,
-        which receives them in place and checks them. Returns (the source's index, the
-        indices healed). Only the members concerned take part, and only they call `state`
-        (making an optimizer's state where it has none yet takes a step of it)."""
+        which receives them in place and checks them; then `notes`' host-side state (JSON:
+        progress, the stability rules' history), taken by the receiver. Returns (the
+        source's index, the indices healed). Only the members concerned take part, and only
+        they call `state` (making an optimizer's state where it has none yet takes a step of
+        it)."""
         ahead = max(steps)
         source = steps.index(ahead)
         behind = [i for i, s in enumerate(steps) if s != ahead]
         if not behind or (self.index != source and self.index not in behind):
             return source, behind
         tensors = list(state())
-        buffers = _by_dtype(tensors)
+        buffers = by_dtype(tensors)
         for tag, (_, flat) in enumerate(buffers):
             if self.index == source:
                 sums = checksum(flat)
@@ -252,51 +269,25 @@ class QuorumGroup:
                     raise QuorumError(f"the state healed from replica "
                                       f"{self.quorum.members[source]} fails its checksum")
         if self.index in behind:
-            _scatter(tensors, buffers)
+            scatter(tensors, buffers)
+        if notes is not None:
+            tag = 2 * len(buffers)
+            if self.index == source:
+                told = notes.give()
+                for peer in behind:
+                    send_notes(self.group, told, peer, tag)
+            else:
+                notes.take(receive_notes(self.group, source, tag))
         return source, behind
 
-
-def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.dtype, torch.Tensor]]:
-    """The tensors flattened into one buffer per dtype, in order of first appearance."""
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.dtype, []).append(t.detach().reshape(-1))
-    return [(dtype, torch.cat(parts)) for dtype, parts in groups.items()]
-
-
-def _scatter(tensors: Sequence[torch.Tensor], buffers) -> None:
-    """Copy the received buffers back into `tensors`, in the order `_by_dtype` took them."""
-    taken = dict.fromkeys((dtype for dtype, _ in buffers), 0)
-    flat = dict(buffers)
-    with torch.no_grad():
-        for t in tensors:
-            start = taken[t.dtype]
-            t.copy_(flat[t.dtype][start:start + t.numel()].view_as(t))
-            taken[t.dtype] = start + t.numel()
-
-
-def checksum(flat: torch.Tensor) -> torch.Tensor:
-    """Two int64 figures over the bytes of `flat`, which a flipped bit, a swap or a lost piece
-    in transit changes. In host memory: CRC-32 and Adler-32 (zlib's, at memory speed: ~10 ms
-    for 12 MB where the same arithmetic in torch took ~85). On a device, computed there: its
-    32-bit words summed, and summed again weighted by their position (mod a prime). Not a
-    defence against a forger (the link's own authentication is): a check that what arrived is
-    what was sent."""
-    raw = flat.detach().reshape(-1).view(torch.uint8)
-    if raw.device.type == "cpu":
-        data = memoryview(raw.contiguous().numpy())
-        return torch.tensor([zlib.crc32(data), zlib.adler32(data)], dtype=torch.int64)
-    return device_checksum(raw)
-
-
-def device_checksum(raw: torch.Tensor) -> torch.Tensor:
-    """`checksum` of bytes `raw` as a device computes it (tested on the host too)."""
-    pad = (-raw.numel()) % 4
-    if pad:
-        raw = torch.cat([raw, raw.new_zeros(pad)])
-    words = raw.view(torch.int32).to(torch.int64)
-    weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
-    return torch.stack([words.sum(), (words * weights).sum()])
+    def verify(self, state: Sequence[torch.Tensor]) -> bool:
+        """Whether every member holds the same `state` (its checksum, in a slot each)."""
+        sums = torch.zeros(self.size, 2, dtype=torch.int64)
+        flat = [checksum(buffer) for _, buffer in by_dtype(state)]
+        mine = torch.stack(flat).sum(0) if flat else torch.zeros(2, dtype=torch.int64)
+        sums[self.index] = mine.cpu() % (1 << 40)  # summed over members: no overflow
+        self._all_reduce(sums)
+        return bool((sums == sums[0]).all())
 
 
 class Replicas:
@@ -306,14 +297,15 @@ class Replicas:
 
     `state` gives, in a fixed order, the tensors a heal carries (this rank's model and
     optimizer shards and progress counters): the same shapes at this position in every
-    replica. `beat` runs while it waits (the rank's heartbeat says it is alive)."""
+    replica; `notes`, the host-side state it carries besides. `beat` runs while it waits (the
+    rank's heartbeat says it is alive)."""
 
     def __init__(self, path: Path, *, replica: int, position: int, backend: str,
                  timeout_s: float, wait_s: float, state: Callable[[], Sequence[torch.Tensor]],
-                 beat: Callable[[], None] | None = None):
+                 beat: Callable[[], None] | None = None, notes: Notes | None = None):
         self.path, self.replica, self.position = Path(path), replica, position
         self.backend, self.timeout_s, self.wait_s = backend, timeout_s, wait_s
-        self.state, self.beat = state, beat
+        self.state, self.beat, self.notes = state, beat, notes
         self.group: QuorumGroup | None = None
         self.seen = 0  # the newest quorum id this rank has read
         self.read: dict[int, Quorum] = {}  # the quorums it read, by id (the last few)
@@ -353,7 +345,7 @@ class Replicas:
                             backend=self.backend, timeout_s=self.timeout_s)
         formed = time.perf_counter()
         steps = group.agree(step)
-        source, behind = group.heal(self.state, steps)
+        source, behind = group.heal(self.state, steps, self.notes)
         self.group = group
         self.heals.append({"quorum": quorum.id, "members": list(quorum.members),
                            "steps": steps, "source": quorum.members[source],

@@ -43,6 +43,7 @@ class Agreed:
 
     commands: Command
     checkpoint: int  # the newest checkpoint request any rank has seen (0: none)
+    quorum: int = 0  # the newest quorum id any rank of the world has read (replicas)
 
     @property
     def stop(self) -> bool:
@@ -81,6 +82,9 @@ class Commands:
         self._control_key: tuple | None = None
         self._listening = False
         self._previous = None
+        # The newest quorum id this rank has read (optimus/parallel/replica_mode.py): agreed
+        # with the commands, so every rank of a replica knows it after the same step.
+        self.quorum_seen = 0
 
     def listen(self) -> Commands:
         if threading.current_thread() is threading.main_thread():
@@ -99,7 +103,7 @@ class Commands:
         """The agreement before the first step; requests made before it are not repeated."""
         agreed = self.agree()
         self.checkpoint_done = agreed.checkpoint
-        return Agreed(agreed.commands, agreed.checkpoint)
+        return agreed
 
     def agree(self) -> Agreed:
         """Every rank's requests combined. Collective on the default group (all ranks call it
@@ -110,20 +114,21 @@ class Commands:
         self._read_control()
         requested = self.requested & ~Command.STOP | stop
         if self.world_size == 1:
-            agreed, checkpoint = requested, self.checkpoint_seen
+            agreed, checkpoint, quorum = requested, self.checkpoint_seen, self.quorum_seen
         else:
             flags = [int(bool(requested & c)) for c in Command]
-            word = torch.tensor([*flags, self.checkpoint_seen], dtype=torch.int64,
-                                device=self.device)
+            word = torch.tensor([*flags, self.checkpoint_seen, self.quorum_seen],
+                                dtype=torch.int64, device=self.device)
             dist.all_reduce(word, op=dist.ReduceOp.MAX, group=self.group)
             values = word.tolist()
-            agreed, checkpoint = Command(0), values[-1]
+            agreed, checkpoint, quorum = Command(0), values[-2], values[-1]
             for command, on in zip(Command, values, strict=False):
                 if on:
                     agreed |= command
         if agreed & Command.STOP and agreed & Command.NO_SAVE:
             self.no_save = True
-        return Agreed(agreed, checkpoint)
+        self.quorum_seen = quorum
+        return Agreed(agreed, checkpoint, quorum)
 
     def checkpoint_due(self, agreed: Agreed) -> bool:
         """Whether `agreed` carries a checkpoint request not served yet; marks it served."""

@@ -1,0 +1,223 @@
+"""`optimus train` as one data-parallel replica among several, when a lost replica must not stop
+the others (`supervision.on_replica_loss: continue`; the exchange, the quorum and the heal are
+optimus/parallel/replicas.py's).
+
+The launch says so: `OPTIMUS_QUORUM_FILE` names the quorum file and `OPTIMUS_REPLICA` the
+replica this rank's world is (0 .. parallel.replicas - 1); a standby started for a lost rank is
+told `OPTIMUS_QUORUM_AFTER`, the newest quorum id it must not join (its replica's place in older
+ones is the rank it replaces). The rank's torch.distributed world is its replica's alone. The job is the whole job: `parallel.replicas` replicas of a world each, so
+the layout inside a replica is the job's with one replica (its shard, tensor, context and expert
+degrees), and the data are sliced over every replica's ranks: replica r's rank at batch index b
+reads slice r x (batch ranks a replica) + b of each global batch, as under HSDP.
+
+What changes in a rank's life:
+- each step, between backward and clip, the replica's gradients go to the quorum (one
+  all-reduce per position: `exchange`); the step's loss and token count become the quorum's;
+- before a step, a newer quorum the members agreed on is formed (`before`); a rank left out of
+  it waits to be let back in, and comes back healed;
+- a rank healed past the step it was computing drops that step and takes the next one from the
+  state it was sent (`Healed`): the loop reopens its data where that state stands;
+- the lowest member replica writes the metrics and the checkpoints (`writes`): the others
+  hold the same state;
+- at the end, the members check that they hold the same state bit for bit (`finish`).
+
+Host reads: `exchange` waits for the quorum's all-reduce on the host and reads its five or so
+figures there. On a device that is a sync a step (the price of noticing a peer gone); the
+replica's own work is all queued by then.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from optimus.contract.env import QUORUM_AFTER, QUORUM_FILE, REPLICA
+from optimus.parallel.replicas import Notes, QuorumError, Replicas, state_tensors
+from optimus.runtime.launch import LaunchError
+
+
+class Healed(Exception):  # noqa: N818 (a signal to the loop, not an error)
+    """This rank was healed past the step it was computing: the loop goes on from the state's
+    step (its data reopened there)."""
+
+
+@dataclass(frozen=True)
+class ReplicaLaunch:
+    """What the launch says of replicas: which one this rank's world is, of how many."""
+
+    replica: int
+    replicas: int
+    quorum_file: Path
+    after: int = 0  # the first quorum joined is newer than this id
+
+    @classmethod
+    def from_env(cls, replicas: int, environ=None) -> ReplicaLaunch | None:
+        """None unless the launch names a quorum file; a launch that does, wrongly, is a
+        LaunchError naming the variable and its fix."""
+        environ = os.environ if environ is None else environ
+        path = environ.get(QUORUM_FILE)
+        if not path:
+            return None
+        raw = environ.get(REPLICA, "")
+        if not (raw.isdigit() and len(raw) <= 6):
+            raise LaunchError(f"{REPLICA}={raw!r}: with {QUORUM_FILE} set, name the rank's "
+                              f"replica as a number from 0 to parallel.replicas - 1")
+        if replicas < 2:
+            raise LaunchError(f"{QUORUM_FILE} is set but parallel.replicas is {replicas}: "
+                              "replicas that carry on need at least 2 (set parallel.replicas)")
+        if int(raw) >= replicas:
+            raise LaunchError(f"{REPLICA}={raw} but parallel.replicas is {replicas}: name a "
+                              f"replica from 0 to {replicas - 1}")
+        after = environ.get(QUORUM_AFTER, "0")
+        if not (after.isdigit() and len(after) <= 18):
+            raise LaunchError(f"{QUORUM_AFTER}={after!r}: a quorum id (a whole number)")
+        return cls(int(raw), replicas, Path(path), int(after))
+
+    def world_job(self, job):
+        """The job as one replica's world runs it: its layout with one replica."""
+        return job.model_copy(update={"parallel": job.parallel.model_copy(
+            update={"replicas": 1})})
+
+    def batch_slice(self, batch_rank: int, batch_ranks: int) -> tuple[int, int]:
+        """(this rank's slice of the global batch, the slices): over every replica's ranks."""
+        return self.replica * batch_ranks + batch_rank, self.replicas * batch_ranks
+
+
+class ReplicaSteps:
+    """The rank's side of the quorum through `optimus train`'s loop."""
+
+    def __init__(self, launch: ReplicaLaunch, *, position: int, backend: str, model,
+                 optimizer, progress, watch, commands, timeout_s: float, wait_s: float):
+        self.launch, self.model, self.optimizer = launch, model, optimizer
+        self.progress, self.watch, self.commands = progress, watch, commands
+        self.replicas = Replicas(launch.quorum_file, replica=launch.replica, position=position,
+                                 backend=backend, timeout_s=timeout_s, wait_s=wait_s,
+                                 state=self.state, notes=Notes(self._give, self._take))
+        self.reported = 0  # heals, missed quorums and failed exchanges logged so far
+
+    def state(self) -> list[torch.Tensor]:
+        """What a heal carries: this rank's model and optimizer shards."""
+        view = self.model.state_view()
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        return state_tensors(get_model_state_dict(view),
+                             get_optimizer_state_dict(view, self.optimizer, options=flat))
+
+    def _give(self) -> dict:
+        return {"progress": self.progress.meta(), "stability": self.watch.state_dict()}
+
+    def _take(self, notes: dict) -> None:
+        self.progress.load_state_dict(notes["progress"])
+        self.watch.load_state_dict(notes["stability"])
+
+    @property
+    def members(self) -> list[int]:
+        quorum = self.replicas.quorum
+        return list(quorum.members) if quorum is not None else []
+
+    def writes(self) -> bool:
+        """Whether this replica writes the run's metrics and checkpoints: the lowest member."""
+        return bool(self.members) and self.launch.replica == min(self.members)
+
+    def join(self) -> None:
+        """The first quorum holding this replica, agreed (healed if it is behind)."""
+        self.replicas.join(self.progress.step, after=self.launch.after)
+
+    def before(self, step: int, settle) -> bool:
+        """Before `step`: form the newer quorum due now (the step before read and judged
+        first: a heal carries its figures). A rank left out waits to be let back in. True
+        when this rank was healed to another step (the loop goes on from `progress.step`)."""
+        rep = self.replicas
+        if rep.pending is None or step < rep.pending[1]:
+            return False
+        settle()
+        was = self.progress.step
+        try:
+            inside = rep.before(step, was)
+        except (RuntimeError, TimeoutError):  # the newer quorum did not meet: the next one
+            inside = False
+        if not inside:
+            rep.recover(was)
+        return self.progress.step != was
+
+    def exchange(self, parameters, tokens: torch.Tensor, loss: torch.Tensor, step: int):
+        """Step `step`'s gradients, token count and loss (this rank's share, of the replica's
+        tokens) summed over the quorum: (tokens, loss share) of every member's tokens. Raises
+        Healed when the quorum that took the step again healed this rank past it."""
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for p in parameters if p.grad is not None]
+        reduced = self.replicas.exchange(grads, tokens, loss.detach() * tokens,
+                                         self.progress.step)
+        if reduced is None:
+            raise Healed(step)
+        self.replicas.after(step, reduced)
+        figures = reduced.figures
+        total = figures[0].clamp(min=1.0)
+        return total, figures[1] / total
+
+    def look(self) -> None:
+        """At the step boundary, before the ranks agree: a newer quorum in the file, told to
+        the other ranks of the replica with the commands (all then hold the same newest id)."""
+        self.replicas.look()
+        self.commands.quorum_seen = max(self.commands.quorum_seen, self.replicas.seen)
+
+    def agreed(self) -> None:
+        """After the ranks agreed: the newest quorum id any rank of the replica had read."""
+        self.replicas.seen = max(self.replicas.seen, self.commands.quorum_seen)
+
+    def report(self, log) -> None:
+        """Quorums formed, missed and exchanges failed since the last report, as events."""
+        rep = self.replicas
+        for kind, rows in (("quorum", rep.heals), ("quorum_missed", rep.missed),
+                           ("exchange_failed", rep.failed)):
+            for row in rows[getattr(self, f"_{kind}", 0):]:
+                log.event(kind, _say(kind, row, self.launch.replica), replica=self.launch.replica,
+                          **row)
+            setattr(self, f"_{kind}", len(rows))
+
+    def roles(self, log, saves, ckpt, logs: bool) -> None:
+        """Before a step: the metrics and checkpoints are this replica's to write when it is
+        the lowest member (`logs`: this rank writes the metrics at all); a save in flight
+        lands before its writer hands the role on."""
+        writes = self.writes()
+        log.enabled = logs and writes
+        if saves.ckpt is not None and not writes:
+            saves.ckpt.wait()
+        saves.ckpt = ckpt if writes else None
+
+    def close(self) -> None:
+        if self.replicas.group is not None:
+            self.replicas.group.close()
+
+    def finish(self, log) -> None:
+        """At the end: the members hold the same state, checked (an error if not)."""
+        rep = self.replicas
+        began = time.perf_counter()
+        same = rep.group.verify(self.state())
+        members = self.members
+        if not same:
+            raise QuorumError(f"replicas {members} end at step {self.progress.step} with "
+                              "different states")
+        log.event("replicas", f"replicas {members} end at step {self.progress.step} with the "
+                  f"same state, bit for bit (checked in {time.perf_counter() - began:.2f} s)",
+                  members=members, step=self.progress.step)
+        rep.group.close()
+
+
+def _say(kind: str, row: dict, replica: int) -> str:
+    if kind == "quorum":
+        healed = f"; replica(s) {row['healed']} healed from replica {row['source']} in " \
+                 f"{row['heal_s']:.3f} s" if row["healed"] else ""
+        return f"quorum {row['quorum']} formed with replicas {row['members']}{healed}"
+    if kind == "quorum_missed":
+        return f"quorum {row['quorum']} did not meet: {row['error']}"
+    return f"replica {replica}'s exchange in quorum {row['quorum']} failed: {row['error']}"

@@ -1,0 +1,185 @@
+"""`optimus train` as replicas that carry on (optimus/parallel/replica_mode.py): real rank
+processes, one world per replica, the quorum file and store held here as the controller holds
+them, SIGKILL for a lost replica."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from optimus.contract.env import QUORUM_AFTER, QUORUM_FILE, REPLICA
+from optimus.contract.records import Quorum
+from optimus.parallel.replica_mode import ReplicaLaunch
+from optimus.runtime.launch import LaunchError
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKENS = 2 * 128  # a replica's tokens a step: 2 sequences of 128
+JOB = ["--set", "optim.warmup_steps=2", "--set", "data.batch_size=6",
+       "--set", "data.microbatches=1", "--set", "eval.every=0", "--set", "supervision.log_every=1",
+       "--set", "checkpoint.keep_last=10", "--set", "supervision.hang_floor_s=60"]
+
+
+class Replicas:
+    """Three replicas of tiny-gpt, each a world of one rank, and their quorum file."""
+
+    def __init__(self, tmp: Path, steps: int, replicas: int = 3):
+        self.tmp, self.steps, self.replicas = tmp, steps, replicas
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.file, self.id = tmp / "quorum.json", 0
+        self.procs: list[subprocess.Popen] = []
+
+    def quorum(self, members: list[int]) -> int:
+        self.id += 1
+        record = Quorum(id=self.id, members=members, store_addr="127.0.0.1",
+                        store_port=self.store.port).record()
+        (self.tmp / "q.tmp").write_text(json.dumps(record))
+        os.replace(self.tmp / "q.tmp", self.file)
+        return self.id
+
+    def start(self, replica: int, after: int = 0, *extra: str) -> subprocess.Popen:
+        env = {**os.environ, QUORUM_FILE: str(self.file), REPLICA: str(replica),
+               QUORUM_AFTER: str(after), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        with open(self.tmp / f"r{replica}.{len(self.procs)}.out", "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "optimus", "train", str(ROOT / "jobs" / "tiny-gpt.yaml"),
+                 *JOB, "--set", f"parallel.replicas={self.replicas}",
+                 "--set", f"optim.steps={self.steps}", "--set", f"run_dir={self.tmp / 'run'}",
+                 *extra], env=env, cwd=self.tmp, stdout=out, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def rows(self) -> list[dict]:
+        path = self.tmp / "run" / "metrics.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def steps_logged(self) -> list[int]:
+        return [r["step"] for r in self.rows() if "loss" in r and "event" not in r]
+
+    def events(self, kind: str) -> list[dict]:
+        return [r for r in self.rows() if r.get("event") == kind]
+
+    def wait(self, what, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not what():
+            for i, p in enumerate(self.procs):
+                if p.poll() not in (None, 0, -signal.SIGKILL):
+                    out = next(self.tmp.glob(f"r*.{i}.out")).read_text()[-3000:]
+                    raise AssertionError(f"rank process {i} exited {p.returncode}:\n{out}")
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def replicas(tmp_path):
+    made = []
+
+    def make(**kw) -> Replicas:
+        made.append(Replicas(tmp_path, **kw))
+        return made[-1]
+    yield make
+    for r in made:
+        r.close()
+
+
+def losses(rows: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in rows if "loss" in r and "event" not in r}
+
+
+def test_three_replicas_train_as_one_process(replicas, tmp_path):
+    run = replicas(steps=6)
+    run.quorum([0, 1, 2])
+    procs = [run.start(r) for r in range(3)]
+    run.wait(lambda: all(p.poll() is not None for p in procs))
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    assert run.steps_logged() == [1, 2, 3, 4, 5, 6]  # written once, by the lowest member
+    assert run.events("replicas")[-1]["members"] == [0, 1, 2]
+    # One process reading the whole global batch: the same losses (summation order aside).
+    one = subprocess.run(
+        [sys.executable, "-m", "optimus", "train", str(ROOT / "jobs" / "tiny-gpt.yaml"), *JOB,
+         "--set", "optim.steps=6", "--set", f"run_dir={tmp_path / 'one'}"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+    theirs = losses(json.loads(line) for line in
+                    (tmp_path / "one" / "metrics.jsonl").read_text().splitlines())
+    ours = losses(run.rows())
+    assert ours.keys() == theirs.keys()
+    for step in ours:
+        assert ours[step] == pytest.approx(theirs[step], rel=1e-5, abs=1e-5), step
+
+
+def test_a_lost_replica_leaves_the_others_stepping_and_comes_back_healed(replicas):
+    run = replicas(steps=24)
+    run.quorum([0, 1, 2])
+    survivors = [run.start(0), run.start(1)]
+    doomed = run.start(2)
+    standby = run.start(2, 1)  # a spare for replica 2: only a quorum after id 1 is its
+    run.wait(lambda: len(run.steps_logged()) >= 5)
+    doomed.kill()
+    killed_at = max(run.steps_logged())
+    out = run.quorum([0, 1])  # the controller's word: replica 2 is out
+    run.wait(lambda: max(run.steps_logged()) >= killed_at + 4)
+    back = run.quorum([0, 1, 2])  # the spare is in
+    run.wait(lambda: all(p.poll() is not None for p in [*survivors, standby]))
+    assert [p.returncode for p in [*survivors, standby]] == [0, 0, 0]
+
+    logged = run.steps_logged()
+    assert logged == list(range(1, 25))  # every step once: none lost, none repeated
+    formed = {e["quorum"]: e for e in run.events("quorum")}
+    assert formed[out]["members"] == [0, 1]
+    assert formed[back]["members"] == [0, 1, 2] and formed[back]["healed"] == [2]
+    assert formed[back]["source"] == 0
+    # Each step's tokens are its members': replica 2's share is missing while it was out.
+    tokens = {r["step"]: r["tokens"] for r in run.rows() if "loss" in r and "event" not in r}
+    per_step = {s: tokens[s] - tokens.get(s - 1, 0) for s in tokens}
+    short = sorted(s for s, n in per_step.items() if n == 2 * TOKENS)
+    assert short and all(n in (2 * TOKENS, 3 * TOKENS) for n in per_step.values())
+    assert short == list(range(short[0], short[-1] + 1))  # one stretch: out, then back
+    assert short[0] <= killed_at + 1 and short[-1] >= killed_at + 4
+    ended = run.events("replicas")[-1]
+    assert ended["members"] == [0, 1, 2] and ended["step"] == 24  # bit-equal: checked by them
+    # The last checkpoint loads at full size in one process (no replicas).
+    resumed = subprocess.run(
+        [sys.executable, "-m", "optimus", "train", str(ROOT / "jobs" / "tiny-gpt.yaml"), *JOB,
+         "--set", "optim.steps=25", "--set", f"run_dir={run.tmp / 'run'}"],
+        cwd=run.tmp, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert max(run.steps_logged()) == 25
+    assert any(e.get("step") == 24 for e in run.events("resume"))
+
+
+@pytest.mark.parametrize(("env", "words"), [
+    ({REPLICA: "x"}, "OPTIMUS_REPLICA='x'"),
+    ({REPLICA: "3"}, "name a replica from 0 to 2"),
+    ({REPLICA: "1", QUORUM_AFTER: "-1"}, "OPTIMUS_QUORUM_AFTER='-1'"),
+])
+def test_a_wrong_launch_is_named(env, words):
+    with pytest.raises(LaunchError, match=words):
+        ReplicaLaunch.from_env(3, {QUORUM_FILE: "/q.json", **env})
+
+
+def test_replicas_need_two_and_a_quorum_file():
+    assert ReplicaLaunch.from_env(3, {REPLICA: "1"}) is None  # no quorum file: plain training
+    with pytest.raises(LaunchError, match="need at least 2"):
+        ReplicaLaunch.from_env(1, {QUORUM_FILE: "/q.json", REPLICA: "0"})
+    launch = ReplicaLaunch.from_env(3, {QUORUM_FILE: "/q.json", REPLICA: "2",
+                                        QUORUM_AFTER: "4"})
+    assert (launch.replica, launch.replicas, launch.after) == (2, 3, 4)
+    assert launch.batch_slice(1, 2) == (5, 6)  # replica 2's second rank of two: slice 5 of 6
