@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,10 +29,13 @@ JOB = ["--set", "optim.warmup_steps=2", "--set", "data.batch_size=6",
 
 
 class Replicas:
-    """Three replicas of tiny-gpt, each a world of one rank, and their quorum file."""
+    """Replicas of tiny-gpt, each a world of `shard` ranks, and their quorum file."""
 
-    def __init__(self, tmp: Path, steps: int, replicas: int = 3):
-        self.tmp, self.steps, self.replicas = tmp, steps, replicas
+    def __init__(self, tmp: Path, steps: int, replicas: int = 3, shard: int = 1,
+                 batch: int = 6, extra: tuple[str, ...] = ()):
+        self.tmp, self.steps, self.replicas, self.shard = tmp, steps, replicas, shard
+        self.batch, self.extra = batch, extra
+        self.may_fail: set[int] = set()  # the processes that may end with an error
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.file, self.id = tmp / "quorum.json", 0
         self.procs: list[subprocess.Popen] = []
@@ -44,17 +48,30 @@ class Replicas:
         os.replace(self.tmp / "q.tmp", self.file)
         return self.id
 
-    def start(self, replica: int, after: int = 0, *extra: str) -> subprocess.Popen:
-        env = {**os.environ, QUORUM_FILE: str(self.file), REPLICA: str(replica),
-               QUORUM_AFTER: str(after), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        with open(self.tmp / f"r{replica}.{len(self.procs)}.out", "wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "optimus", "train", str(ROOT / "jobs" / "tiny-gpt.yaml"),
-                 *JOB, "--set", f"parallel.replicas={self.replicas}",
-                 "--set", f"optim.steps={self.steps}", "--set", f"run_dir={self.tmp / 'run'}",
-                 *extra], env=env, cwd=self.tmp, stdout=out, stderr=subprocess.STDOUT)
-        self.procs.append(proc)
-        return proc
+    def start(self, replica: int, after: int = 0) -> subprocess.Popen:
+        """Replica `replica`'s rank (the first of its world's `shard`; all are in `procs`),
+        joining the first quorum after id `after`."""
+        world = {}
+        if self.shard > 1:  # its own world: a rendezvous of its ranks alone
+            world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                     "WORLD_SIZE": str(self.shard), "LOCAL_WORLD_SIZE": str(self.shard)}
+        started = []
+        for position in range(self.shard):
+            env = {**os.environ, QUORUM_FILE: str(self.file), REPLICA: str(replica),
+                   QUORUM_AFTER: str(after), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                   **world, **({"RANK": str(position), "LOCAL_RANK": str(position)}
+                               if world else {})}
+            with open(self.tmp / f"r{replica}.{len(self.procs)}.out", "wb") as out:
+                started.append(subprocess.Popen(
+                    [sys.executable, "-m", "optimus", "train",
+                     str(ROOT / "jobs" / "tiny-gpt.yaml"), *JOB,
+                     "--set", f"parallel.replicas={self.replicas}",
+                     "--set", f"optim.steps={self.steps}",
+                     "--set", f"data.batch_size={self.batch}",
+                     "--set", f"run_dir={self.tmp / 'run'}", *self.extra],
+                    env=env, cwd=self.tmp, stdout=out, stderr=subprocess.STDOUT))
+            self.procs.append(started[-1])
+        return started[0]
 
     def rows(self) -> list[dict]:
         path = self.tmp / "run" / "metrics.jsonl"
@@ -72,7 +89,7 @@ class Replicas:
         deadline = time.monotonic() + timeout_s
         while not what():
             for i, p in enumerate(self.procs):
-                if p.poll() not in (None, 0, -signal.SIGKILL):
+                if p.poll() not in (None, 0, -signal.SIGKILL) and i not in self.may_fail:
                     out = next(self.tmp.glob(f"r*.{i}.out")).read_text()[-3000:]
                     raise AssertionError(f"rank process {i} exited {p.returncode}:\n{out}")
             assert time.monotonic() < deadline, "timed out"
@@ -95,6 +112,12 @@ def replicas(tmp_path):
     yield make
     for r in made:
         r.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def losses(rows: list[dict]) -> dict[int, float]:
@@ -163,6 +186,61 @@ def test_a_lost_replica_leaves_the_others_stepping_and_comes_back_healed(replica
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert max(run.steps_logged()) == 25
     assert any(e.get("step") == 24 for e in run.events("resume"))
+
+
+def test_a_silent_replica_is_let_go_on_the_controllers_word(replicas):
+    """SIGSTOP: no error reaches the others; their exchange waits until the quorum file names
+    a quorum without it, not for the exchange's timeout (60 s here)."""
+    run = replicas(steps=12, extra=("--set", "supervision.hang_floor_s=120"))
+    run.quorum([0, 1, 2])
+    survivors = [run.start(0), run.start(1)]
+    silent = run.start(2)
+    run.wait(lambda: len(run.steps_logged()) >= 4)
+    silent.send_signal(signal.SIGSTOP)
+    stopped_at = max(run.steps_logged())
+    out = run.quorum([0, 1])
+    run.wait(lambda: all(p.poll() is not None for p in survivors))
+    silent.kill()
+    assert [p.returncode for p in survivors] == [0, 0]
+    assert run.steps_logged() == list(range(1, 13))
+    failed = run.events("exchange_failed")
+    assert failed and all("let go: quorum 2 leaves out replica(s) [2]" in e["error"]
+                          for e in failed)
+    assert {e["quorum"] for e in failed} == {1}
+    assert run.events("quorum")[-1]["quorum"] == out
+    assert run.events("replicas")[-1]["members"] == [0, 1]
+    assert stopped_at < 12
+    # Nothing waited out the exchange's timeout (supervision.hang_floor_s: 120 s here), the
+    # let-go group's included: dropping it while its operation waits would block that long.
+    rows = run.rows()
+    last = max(r["time"] for r in rows if r.get("step") == stopped_at and "loss" in r)
+    formed = next(r["time"] for r in rows if r.get("event") == "quorum" and r["quorum"] == out)
+    assert formed - last < 60
+
+
+def test_two_replicas_of_two_ranks_each_heal_a_lost_replica_whole(replicas):
+    """FSDP2 inside each replica: the positions' quorum groups switch after the same step (the
+    replica's ranks agree on the newest quorum id with the commands), and both heal."""
+    run = replicas(steps=16, replicas=2, shard=2, batch=8)
+    run.quorum([0, 1])
+    run.start(0)
+    run.start(1)
+    run.wait(lambda: len(run.steps_logged()) >= 4)
+    run.procs[2].kill()  # replica 1's first rank: its partner's world breaks under it
+    run.may_fail.add(3)
+    killed_at = max(run.steps_logged())
+    alone = run.quorum([0])  # replica 0 carries on alone
+    run.wait(lambda: max(run.steps_logged()) >= killed_at + 3)
+    run.start(1, alone)  # replica 1 again: a new world of two
+    back = run.quorum([0, 1])
+    survivors, returned = run.procs[:2], run.procs[4:]
+    run.wait(lambda: all(p.poll() is not None for p in [*survivors, *returned]))
+    assert [p.returncode for p in [*survivors, *returned]] == [0, 0, 0, 0]
+    assert run.steps_logged() == list(range(1, 17))
+    formed = {e["quorum"]: e for e in run.events("quorum")}
+    assert formed[alone]["members"] == [0]
+    assert formed[back]["healed"] == [1] and formed[back]["source"] == 0
+    assert run.events("replicas")[-1]["members"] == [0, 1]
 
 
 @pytest.mark.parametrize(("env", "words"), [

@@ -5,10 +5,11 @@ optimus/parallel/replicas.py's).
 The launch says so: `OPTIMUS_QUORUM_FILE` names the quorum file and `OPTIMUS_REPLICA` the
 replica this rank's world is (0 .. parallel.replicas - 1); a standby started for a lost rank is
 told `OPTIMUS_QUORUM_AFTER`, the newest quorum id it must not join (its replica's place in older
-ones is the rank it replaces). The rank's torch.distributed world is its replica's alone. The job is the whole job: `parallel.replicas` replicas of a world each, so
-the layout inside a replica is the job's with one replica (its shard, tensor, context and expert
-degrees), and the data are sliced over every replica's ranks: replica r's rank at batch index b
-reads slice r x (batch ranks a replica) + b of each global batch, as under HSDP.
+ones is the rank it replaces). The rank's torch.distributed world is its replica's alone. The
+job is the whole job: `parallel.replicas` replicas of a world each, so the layout inside a
+replica is the job's with one replica (its shard, tensor, context and expert degrees), and the
+data are sliced over every replica's ranks: replica r's rank at batch index b reads slice
+r x (batch ranks a replica) + b of each global batch, as under HSDP.
 
 What changes in a rank's life:
 - each step, between backward and clip, the replica's gradients go to the quorum (one

@@ -66,6 +66,10 @@ GIVE_UP_S = 0.05  # how often a waiting exchange asks whether the controller mov
 _TOKENS, _LOSS, _SLOTS = 0, 1, 2
 
 
+# Groups let go while an operation of theirs still waited on a lost peer, with it (close).
+_LET_GO: list[tuple[dist.ProcessGroup, dist.Work]] = []
+
+
 class QuorumError(RuntimeError):
     """A quorum file or an exchange this rank cannot go on with (said in one line)."""
 
@@ -169,15 +173,20 @@ class QuorumGroup:
                                    timeout=self.timeout, wait_for_workers=False)
         prefix = dist.PrefixStore(f"optimus/quorum/{quorum.id}/{position}/", self.store)
         self.group = _group(backend, prefix, self.index, self.size, self.timeout)
+        self.work: dist.Work | None = None  # the last collective started
 
     def close(self) -> None:
-        """Let the group go (its peers may be gone: abort, never drain)."""
+        """Let the group go (its peers may be gone: abort, never drain). A group whose last
+        operation still waits on a lost peer is kept until that ends: dropping it would
+        block here (its destructor waits out the operation's timeout)."""
         abort = getattr(self.group, "abort", None)
         if abort is not None:
-            # gloo's may refuse: dropping the group then closes its pairs
-            with contextlib.suppress(RuntimeError):
+            with contextlib.suppress(RuntimeError):  # gloo's may refuse
                 abort()
-        self.group = None
+        _LET_GO[:] = [(g, w) for g, w in _LET_GO if not w.is_completed()]
+        if self.work is not None and not self.work.is_completed():
+            _LET_GO.append((self.group, self.work))
+        self.group = self.work = None
 
     def _all_reduce(self, buffer: torch.Tensor,
                     give_up: Callable[[], str | None] | None = None) -> None:
@@ -189,7 +198,7 @@ class QuorumGroup:
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.SUM
         options.timeout = self.timeout
-        work = self.group.allreduce([buffer], options)
+        work = self.work = self.group.allreduce([buffer], options)
         if give_up is None or buffer.device.type != "cpu":
             work.wait()
             return
