@@ -174,6 +174,7 @@ class QuorumGroup:
         prefix = dist.PrefixStore(f"optimus/quorum/{quorum.id}/{position}/", self.store)
         self.group = _group(backend, prefix, self.index, self.size, self.timeout)
         self.work: dist.Work | None = None  # the last collective started
+        self._gone_key = f"optimus/quorum/{quorum.id}/let_go"
 
     def close(self) -> None:
         """Let the group go (its peers may be gone: abort, never drain). A group whose last
@@ -209,8 +210,20 @@ class QuorumGroup:
         while not done.wait(GIVE_UP_S):
             why = give_up()
             if why:
+                self._let_go()
                 raise QuorumError(f"the exchange in quorum {self.quorum.id} let go: {why}")
         work.wait()  # raises what the operation raised
+
+    def _let_go(self) -> None:
+        """Say in the quorum's store that a member let an exchange go: its operation runs on
+        behind its back, and a silent member woken late would complete it with the others'
+        parts. That member reads this before it applies anything (`reduce`)."""
+        with contextlib.suppress(RuntimeError, TimeoutError):  # the store's host may be gone
+            self.store.set(self._gone_key, str(self.replica))
+
+    def let_go(self) -> bool:
+        """Whether a member let an exchange of this quorum go (one store round trip)."""
+        return self.store.check([self._gone_key])
 
     def reduce(self, grads: Sequence[torch.Tensor], tokens: torch.Tensor,
                loss_sum: torch.Tensor, seen: int,
@@ -234,6 +247,12 @@ class QuorumGroup:
         n = buffer.numel() - tail.numel()
         buffer[:n].mul_(count)  # back to this replica's loss sum's gradient
         self._all_reduce(buffer, give_up)
+        # Completed, but perhaps late: with the parts of members that had let it go. Not
+        # applied then (they did not apply it, and the controller has moved on without this
+        # rank): the one decision on whether a step counts is the members'.
+        if self.let_go():
+            raise QuorumError(f"the exchange in quorum {self.quorum.id} completed after a "
+                              "member had let it go")
         total = buffer[n + _TOKENS].clamp(min=1.0)
         buffer[:n].div_(total)
         flat = buffer[:n].split([g.numel() for g in grads])
