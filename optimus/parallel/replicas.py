@@ -62,6 +62,7 @@ from optimus.parallel.heal import (  # noqa: F401 (checksum, device_checksum: re
 _QUORUM_LIMIT = 64 << 10  # bytes of a quorum file: a few ids and an address
 POLL_S = 0.01
 GIVE_UP_S = 0.05  # how often a waiting exchange asks whether the controller moved on without it
+LATE_S = 0.25  # an exchange this long after the last may have completed after a member let go
 # Our figures after the gradients, before the members' slots: the token count, the loss sum.
 _TOKENS, _LOSS, _SLOTS = 0, 1, 2
 
@@ -175,6 +176,7 @@ class QuorumGroup:
         self.group = _group(backend, prefix, self.index, self.size, self.timeout)
         self.work: dist.Work | None = None  # the last collective started
         self._gone_key = f"optimus/quorum/{quorum.id}/let_go"
+        self.last = time.monotonic()  # the group formed, or its last exchange completed
 
     def close(self) -> None:
         """Let the group go (its peers may be gone: abort, never drain). A group whose last
@@ -249,10 +251,16 @@ class QuorumGroup:
         self._all_reduce(buffer, give_up)
         # Completed, but perhaps late: with the parts of members that had let it go. Not
         # applied then (they did not apply it, and the controller has moved on without this
-        # rank): the one decision on whether a step counts is the members'.
-        if self.let_go():
+        # rank). Members let go only of an exchange that waits on a silent member, once the
+        # controller has named a quorum without it: so the store is asked only after a wait
+        # longer than LATE_S since this rank's last exchange, or when its quorum file has
+        # moved on (a stat); every exchange of steps longer than LATE_S asks.
+        now = time.monotonic()
+        late = now - self.last > LATE_S or (give_up is not None and give_up())
+        if late and self.let_go():
             raise QuorumError(f"the exchange in quorum {self.quorum.id} completed after a "
                               "member had let it go")
+        self.last = now
         total = buffer[n + _TOKENS].clamp(min=1.0)
         buffer[:n].div_(total)
         flat = buffer[:n].split([g.numel() for g in grads])
@@ -338,6 +346,7 @@ class Replicas:
         self.seen = 0  # the newest quorum id this rank has read
         self.read: dict[int, Quorum] = {}  # the quorums it read, by id (the last few)
         self._stamp: tuple | None = None  # the quorum file as `look` last read it
+        self._moved: tuple = (None, None)  # (its stamp, the quorum) as `_moved_on` read it
         self.pending: tuple[int, int] | None = None  # (id, step before which to switch)
         self.heals: list[dict] = []  # what each (re)formed quorum healed, for the log
         self.missed: list[dict] = []  # quorums whose members did not all meet
@@ -400,11 +409,16 @@ class Replicas:
 
     def _moved_on(self) -> str | None:
         """Why the current quorum's exchange is to be given up: a newer quorum in the file
-        that leaves out one of its members (their part will not come)."""
-        try:
-            quorum = read_quorum(self.path)
-        except QuorumError:
-            return None
+        that leaves out one of its members (their part will not come). The file is read
+        only when it changed (a stat otherwise: this is asked after every exchange)."""
+        stamp = file_stamp(self.path)
+        if stamp != self._moved[0]:
+            try:
+                quorum = read_quorum(self.path)
+            except QuorumError:
+                quorum = None
+            self._moved = (stamp, quorum)
+        quorum = self._moved[1]
         if quorum is None or quorum.id <= self.quorum.id:
             return None
         gone = sorted(set(self.quorum.members) - set(quorum.members))
