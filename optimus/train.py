@@ -271,6 +271,8 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                     progress.data_index, job.data.batch_size,
                     (mb["sample_ids"] for mb in microbatches),
                     (dp_size, job.data.microbatches))
+                if steps is not None:  # whose slices the step trained (optimus data audit)
+                    out.data.update(steps.fingerprint(dp_rank))
             with heartbeat.phase("data"):  # the next step's, while the device runs this one
                 batches.ahead()
             if steps is not None:

@@ -190,3 +190,49 @@ def test_the_audit_prints_a_mixture_s_shares_as_a_table(sources):
         f"{code:<{width}}     0.3  0.3000  {n[1]:>12}  {n[1] / 24:>14.4f}"]
     assert sum(n) == 24
     assert audit([step(1)]).mixture == []  # one source: no table
+
+
+def replicated(s: int, members: list[int], of: int = 4, reader=(4, 2), slice_=0) -> dict:
+    """A step of replicas that carry on (by default 4 replicas of 1 rank, 2 microbatches)."""
+    line = step(s, reader=reader)
+    line["data"].update({"replicas": members, "of": of, "slice": slice_})
+    return line
+
+
+def test_the_slices_of_replicas_out_of_the_quorum_are_accounted_as_skipped():
+    # B = 8 over dp 4 and 2 microbatches: a sample a rank a microbatch; microbatch m of step s
+    # is [8(s-1) + 4m, 8(s-1) + 4m + 4), and replica r reads its sample r.
+    lines = [replicated(1, [0, 1, 2, 3]), replicated(2, [0, 1, 3]), replicated(3, [0, 3]),
+             replicated(4, [0, 1, 2, 3])]
+    result = audit(lines)
+    assert result.ok, result.problems
+    assert result.absent == [[2, [2]], [3, [1, 2]]]
+    assert result.untrained == [(10, 11), (14, 15), (17, 18), (21, 22), (18, 19), (22, 23)]
+    assert ("2 step(s) trained while replica(s) [1, 2] were out of the quorum (steps 2..3): "
+            "their slices, 6 samples") in " ".join(result.notes)
+    # A fingerprint whose replica fields are not what a rank writes is not read as absences.
+    odd = replicated(1, [0], of="4")
+    assert audit([odd]).absent == [] and audit([odd]).ok
+
+
+def test_a_replica_out_of_the_quorum_skips_exactly_its_slices():
+    # B = 8, dp 4 (2 replicas x 2 ranks), 1 microbatch: replica 1 holds [4, 8) of each step.
+    lines = [replicated(s, [0] if s in (3, 4) else [0, 1], of=2, reader=(4, 1))
+             for s in range(1, 7)]
+    result = audit(lines)
+    assert result.ok, result.problems
+    assert result.absent == [[3, [1]], [4, [1]]]
+    assert result.untrained == [(20, 24), (28, 32)]
+    assert "8 samples, were read by no rank and are skipped" in " ".join(result.notes)
+    # Two microbatches: replica 1's slice of each, [2, 4) and [6, 8) past the step's start.
+    two = audit([replicated(1, [0], of=2, reader=(4, 2))])
+    assert two.untrained == [(2, 4), (6, 8)]
+
+
+def test_a_repeated_step_read_by_another_writer_is_not_a_changed_data_order():
+    first = replicated(2, [0, 1], of=2, reader=(4, 1), slice_=0)
+    again = replicated(2, [1], of=2, reader=(4, 1), slice_=2)
+    again["data"]["ids"] = "other"  # replica 1's writer read its own slice
+    result = audit([replicated(1, [0, 1], of=2, reader=(4, 1)), first, resume(1), again])
+    assert result.ok, result.problems
+    assert result.absent == [[2, [0]]]

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from optimus.contract.env import QUORUM_AFTER, QUORUM_FILE, REPLICA
 from optimus.contract.records import Quorum
+from optimus.data.audit import audit_run
 from optimus.parallel.replica_mode import ReplicaLaunch
 from optimus.runtime.launch import LaunchError
 
@@ -177,6 +178,13 @@ def test_a_lost_replica_leaves_the_others_stepping_and_comes_back_healed(replica
     assert short[0] <= killed_at + 1 and short[-1] >= killed_at + 4
     ended = run.events("replicas")[-1]
     assert ended["members"] == [0, 1, 2] and ended["step"] == 24  # bit-equal: checked by them
+    # Every sample was trained once, or accounted as skipped while replica 2 was out: its
+    # slice of each short step, 2 of the 6 samples (indices 4 and 5 of the step's batch).
+    audit = audit_run(run.tmp / "run")
+    assert audit.ok, audit.lines()
+    assert audit.absent == [[s, [2]] for s in short]
+    assert audit.untrained == [(6 * (s - 1) + 4, 6 * s) for s in short]
+    assert audit.start == 0 and audit.end == 6 * 24 and audit.steps == 24
     # The last checkpoint loads at full size in one process (no replicas).
     resumed = subprocess.run(
         [sys.executable, "-m", "optimus", "train", str(ROOT / "jobs" / "tiny-gpt.yaml"), *JOB,

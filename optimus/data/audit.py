@@ -22,6 +22,10 @@ A rewind's window (a `data_skip` event: the batches of steps it names were not r
 step reads on after them) is a gap the audit accepts, and lists in a note.
 A step whose update the stability rules skipped (`"skipped": true` in its fingerprint) still
 read its samples: they are accounted as read and not trained on, and listed in a note.
+A step trained by replicas that carry on (`supervision.on_replica_loss: continue`) while some
+were out of the quorum names its members and the replica count (`"replicas"`, `"of"`): the
+slices of the absent replicas were read by no rank. They are accounted as skipped, by index
+range (`untrained`), and listed in a note; the step still counts.
 
 For a mixture run (`data.sources`) it also counts how many of those samples each source gave,
 beside the share its weight asks for. The file does not hold the ids themselves (only their
@@ -60,6 +64,10 @@ class Audit:
     skipped: list[int] = field(default_factory=list)  # steps that count whose update was skipped
     # Sample ranges a rewind skipped unread ([start, end), before the step that read on)
     unread: list[tuple[int, int]] = field(default_factory=list)
+    # Steps trained while replicas were out of the quorum: [step, [absent replicas]], and the
+    # sample ranges ([start, end)) their slices held, which no rank read
+    absent: list[list] = field(default_factory=list)
+    untrained: list[tuple[int, int]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     # A mixture run's sources: {"source", "weight", "share" (what the weights ask for),
@@ -207,9 +215,51 @@ def audit(lines: Iterable[dict], seed: int | None = None) -> Audit:
         result.notes.append(f"{len(result.skipped)} step(s) skipped their update (a loss spike: "
                             f"stability.on_spike): their samples were read, not trained on: "
                             f"{shown}{more}")
+    _absent(result, kept)
     if mixtures:
         _shares(result, mixtures, {s: mixture_of.get(s) for s in kept}, kept, seed)
     return result
+
+
+def _absent(result: Audit, kept: dict[int, dict]) -> None:
+    """The samples of replicas out of the quorum at the steps that count: replica r's slices
+    of a step are microbatch m's [m x B/M + r x k x u, m x B/M + (r + 1) x k x u) past its
+    start, for a batch B of M microbatches over dp ranks, k = dp / replicas ranks a replica,
+    u = B / (M x dp) samples a rank's microbatch (optimus/data/loader.py's order)."""
+    for step in sorted(kept):
+        data = kept[step]
+        members, of, reader = data.get("replicas"), data.get("of"), data.get("reader")
+        if not (isinstance(members, list) and type(of) is int and of >= 1
+                and type(data.get("start")) is int and type(data.get("end")) is int
+                and isinstance(reader, list) and len(reader) >= 2
+                and all(type(x) is int and x >= 1 for x in reader[:2])):
+            continue
+        missing = sorted(set(range(of)) - {m for m in members if type(m) is int})
+        if not missing:
+            continue
+        dp, micro_steps = reader[0], reader[1]
+        size = data["end"] - data["start"]
+        per_rank = size // (micro_steps * dp)
+        k = dp // of
+        if per_rank < 1 or k < 1:  # not a layout a loader reads
+            continue
+        result.absent.append([step, missing])
+        result.untrained += [(data["start"] + m * size // micro_steps + r * k * per_rank,
+                              data["start"] + m * size // micro_steps + (r + 1) * k * per_rank)
+                             for r in missing for m in range(micro_steps)]
+    if result.absent:
+        stretches: list[list[int]] = []
+        for step, _ in result.absent:
+            if stretches and stretches[-1][1] == step - 1:
+                stretches[-1][1] = step
+            else:
+                stretches.append([step, step])
+        shown = ", ".join(f"{a}..{b}" if a != b else str(a) for a, b in stretches[:10])
+        out = sorted({r for _, missing in result.absent for r in missing})
+        samples = sum(b - a for a, b in result.untrained)
+        result.notes.append(f"{len(result.absent)} step(s) trained while replica(s) {out} were "
+                            f"out of the quorum (steps {shown}): their slices, {samples:,} "
+                            "samples, were read by no rank and are skipped")
 
 
 def _check(result: Audit, kept: dict[int, dict], seen: dict[int, list[dict]],
@@ -259,7 +309,8 @@ def _check(result: Audit, kept: dict[int, dict], seen: dict[int, list[dict]],
         for earlier in reads:
             if earlier is final:
                 continue
-            same = all(earlier.get(k) == final.get(k) for k in ("start", "end", "reader"))
+            same = all(earlier.get(k) == final.get(k)
+                       for k in ("start", "end", "reader", "slice"))
             if same and earlier.get("ids") != final.get("ids"):
                 result.problems.append(
                     f"step {step} read other samples after a restart than before, over the same "

@@ -165,6 +165,11 @@ class ReplicaSteps:
         total = figures[0].clamp(min=1.0)
         return total, figures[1] / total
 
+    def fingerprint(self, batch_slice: int) -> dict:
+        """What a step's sample fingerprint adds (optimus/data/audit.py): the slice the writer
+        read, and the replicas whose slices were trained, of how many."""
+        return {"slice": batch_slice, "replicas": self.members, "of": self.launch.replicas}
+
     def look(self) -> None:
         """At the step boundary, before the ranks agree: a newer quorum in the file, told to
         the other ranks of the replica with the commands (all then hold the same newest id)."""
