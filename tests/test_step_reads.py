@@ -109,3 +109,35 @@ def test_as_the_profiler_counts_them_nested_reads_included_the_step_reads_no_mor
     plain = step_counts.profiled_reads(step_counts.plain_steps)
     assert ours <= plain, (ours, plain)
     assert plain - ours == pytest.approx(2 / 8)  # steps 16 and 20: the loop's two loss reads
+
+
+def test_a_replicas_step_reads_nothing_more_on_the_host(tmp_path, monkeypatch):
+    """Replicas that carry on (optimus/parallel/replica_mode.py): the quorum's exchange keeps its
+    figures on the device, and the newest quorum id its members saw is read one step late,
+    from host memory: an unlogged step still reads nothing. A quorum of this one replica."""
+    import json
+
+    import torch.distributed as dist
+
+    from optimus.contract.env import QUORUM_FILE, REPLICA
+    from optimus.contract.records import Quorum
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    quorum = tmp_path / "quorum.json"
+    quorum.write_text(json.dumps(Quorum(id=1, members=[0], store_addr="127.0.0.1",
+                                        store_port=store.port).record()))
+    monkeypatch.setenv(QUORUM_FILE, str(quorum))
+    monkeypatch.setenv(REPLICA, "0")
+    job = step_counts.tiny_job(16, 4, batch=8, run_dir=str(tmp_path / "run"),
+                               parallel={"replicas": 2}, world=2)
+    steps = step_counts.optimus_steps(job)
+    assert len(steps) == 16
+    unlogged = step_counts.steady(steps, logged=False)
+    assert unlogged and all(s.host_reads == 0 for s in unlogged), \
+        [(s.step, s.ops[step_counts.HOST_READ], s.waits) for s in unlogged]
+    # The exchange ran in every step counted: its two clamps of the token count (the sum's
+    # divisor, and the loss's) are the only ones beyond what a step without replicas runs.
+    monkeypatch.delenv(QUORUM_FILE)
+    alone = step_counts.steady(step_counts.optimus_steps(step_counts.tiny_job(
+        16, 4, batch=8, run_dir=str(tmp_path / "alone"))), logged=False)
+    assert {s.ops["aten.clamp"] - alone[0].ops["aten.clamp"] for s in unlogged} == {2}

@@ -22,9 +22,10 @@ What changes in a rank's life:
   hold the same state;
 - at the end, the members check that they hold the same state bit for bit (`finish`).
 
-Host reads: `exchange` waits for the quorum's all-reduce on the host and reads its five or so
-figures there. On a device that is a sync a step (the price of noticing a peer gone); the
-replica's own work is all queued by then.
+Host reads: none a step. The quorum's figures (token count, loss, the members' newest seen ids)
+stay on the device for the step's own figures, and reach host memory behind the step, as the
+step's figures do (optimus/step.py's Readback): the newest id is read at the next boundary.
+On gloo the exchange waits for its all-reduce on the host (there the host is the device).
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from optimus.contract.env import QUORUM_AFTER, QUORUM_FILE, REPLICA
-from optimus.parallel.replicas import Notes, QuorumError, Replicas, state_tensors
+from optimus.parallel.replicas import SLOTS, Notes, QuorumError, Replicas, state_tensors
 from optimus.runtime.launch import LaunchError
+from optimus.step import Pending, Readback
 
 
 class Healed(Exception):  # noqa: N818 (a signal to the loop, not an error)
@@ -105,6 +107,8 @@ class ReplicaSteps:
                                  backend=backend, timeout_s=timeout_s, wait_s=wait_s,
                                  state=self.state, notes=Notes(self._give, self._take))
         self.reported = 0  # heals, missed quorums and failed exchanges logged so far
+        self.readback: Readback | None = None  # the exchanges' figures, to host memory
+        self.tails: list[tuple[int, int, Pending]] = []  # (step, quorum id, its figures)
 
     def state(self) -> list[torch.Tensor]:
         """What a heal carries: this rank's model and optimizer shards."""
@@ -160,8 +164,11 @@ class ReplicaSteps:
                                          self.progress.step)
         if reduced is None:
             raise Healed(step)
-        self.replicas.after(step, reduced)
         figures = reduced.figures
+        if self.readback is None:
+            self.readback = Readback(figures.device)
+        # Its members' newest seen ids, read one step late, with no wait (`look`).
+        self.tails.append((step, self.replicas.quorum.id, self.readback.start(figures)))
         total = figures[0].clamp(min=1.0)
         return total, figures[1] / total
 
@@ -173,8 +180,18 @@ class ReplicaSteps:
     def look(self) -> None:
         """At the step boundary, before the ranks agree: a newer quorum in the file, told to
         the other ranks of the replica with the commands (all then hold the same newest id)."""
-        self.replicas.look()
-        self.commands.quorum_seen = max(self.commands.quorum_seen, self.replicas.seen)
+        rep = self.replicas
+        # The exchange before this step's: its figures have long reached host memory. It
+        # revealed the newest id any member had seen; all switch two steps after it, together
+        # (`switch_step`). Figures of an earlier quorum than the one formed since are dropped:
+        # members who joined since did not see them.
+        while len(self.tails) > 1:
+            step, quorum, pending = self.tails.pop(0)
+            values = pending.read()
+            if rep.quorum is not None and quorum == rep.quorum.id:
+                rep.after(step, int(max(values[SLOTS:])))
+        rep.look()
+        self.commands.quorum_seen = max(self.commands.quorum_seen, rep.seen)
 
     def agreed(self) -> None:
         """After the ranks agreed: the newest quorum id any rank of the replica had read."""

@@ -64,7 +64,7 @@ POLL_S = 0.01
 GIVE_UP_S = 0.05  # how often a waiting exchange asks whether the controller moved on without it
 LATE_S = 0.25  # an exchange this long after the last may have completed after a member let go
 # Our figures after the gradients, before the members' slots: the token count, the loss sum.
-_TOKENS, _LOSS, _SLOTS = 0, 1, 2
+_TOKENS, _LOSS, SLOTS = 0, 1, 2
 
 
 # Groups let go while an operation of theirs still waited on a lost peer, with it (close).
@@ -155,7 +155,7 @@ class Reduced:
 
     def newest(self) -> int:
         """The newest quorum id any member had seen when it sent its part."""
-        return int(self.figures[_SLOTS:].max())
+        return int(self.figures[SLOTS:].max())
 
 
 class QuorumGroup:
@@ -241,10 +241,10 @@ class QuorumGroup:
         if any(g.dtype != dtype for g in grads):
             raise QuorumError("the gradients to reduce are of several dtypes")
         count = tokens.to(device=device, dtype=dtype).reshape(1)
-        tail = torch.zeros(_SLOTS + self.size, dtype=dtype, device=device)
+        tail = torch.zeros(SLOTS + self.size, dtype=dtype, device=device)
         tail[_TOKENS] = count[0]
         tail[_LOSS] = loss_sum.to(device=device, dtype=dtype)
-        tail[_SLOTS + self.index] = seen
+        tail[SLOTS + self.index] = seen
         buffer = torch.cat([*(g.reshape(-1) for g in grads), tail])
         n = buffer.numel() - tail.numel()
         buffer[:n].mul_(count)  # back to this replica's loss sum's gradient
@@ -442,10 +442,11 @@ class Replicas:
             self.read = {i: q for i, q in self.read.items() if i >= self.quorum.id}
             self.read[quorum.id] = quorum
 
-    def after(self, step: int, reduced: Reduced) -> None:
-        """After step `step`'s exchange (`reduced`, read when the step's figures are): a newer
-        quorum id any member had seen is switched to before `switch_step(step)`, by all."""
-        newest = reduced.newest()
+    def after(self, step: int, reduced: Reduced | int) -> None:
+        """After step `step`'s exchange (`reduced`, read when the step's figures are, or the
+        newest id it revealed): a newer quorum id any member had seen is switched to before
+        `switch_step(step)`, by all."""
+        newest = reduced if isinstance(reduced, int) else reduced.newest()
         if newest > self.quorum.id and (self.pending is None or self.pending[0] < newest):
             self.pending = (newest, switch_step(step))
 
