@@ -27,7 +27,10 @@ The whole measurement runs once per mode (`--modes`), each `<start>-<recovery>`:
 - and `-inprocess` at the end (`warm-memory-inprocess`): `supervision.restart: in_process`, the
   ranks the fault did not touch wait in process for the next generation
   (optimus/supervision/inprocess.py);
-  without it, `process`: every rank restarts as a new one (how Optimus restarted before).
+  without it, `process`: every rank restarts as a new one (how Optimus restarted before);
+- `replica`: replicas that carry on (bench/recovery_replicas.py): a killed rank's replica
+  leaves the quorum, the others step on, a standby in its place is healed from a peer; on
+  `optimus train` with the quorum written at once (no controller: its decision is not in it).
 Per trial it also records the steps lost (the last step the failed generation logged, minus the
 step the next one resumed from) and where the next generation's state came from. The last lines
 compare every mode's fault-to-next-step medians with the first mode's (the reference:
@@ -226,26 +229,34 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--faults", default="kill_rank,freeze_rank,kill_node")
     parser.add_argument("--modes", default="cold-disk,warm-disk,warm-memory",
-                        help="<warm|standby|cold>-<memory|disk>[-inprocess], comma-separated; "
-                             "the first is the reference of the ratios")
+                        help="<warm|standby|cold>-<memory|disk>[-inprocess], or replica "
+                             "(bench/recovery_replicas.py), comma-separated; the first is the "
+                             "reference of the ratios")
     parser.add_argument("--memory-every", default="auto",
                         help="checkpoint.memory_every for the memory modes")
     args = parser.parse_args()
     faults = args.faults.split(",")
     modes = args.modes.split(",")
     for mode in modes:
+        if mode == "replica":
+            continue
         start, _, recovery = mode.partition("-")
         recovery, _, restart = recovery.partition("-")
         if start not in STARTS or recovery not in ("memory", "disk") or restart not in (
                 "", "inprocess"):
             parser.error(f"mode {mode!r}: write <{'|'.join(STARTS)}>-<memory|disk>"
-                         "[-inprocess], e.g. warm-memory-inprocess")
+                         "[-inprocess], e.g. warm-memory-inprocess, or replica")
     every = args.memory_every if args.memory_every == "auto" else int(args.memory_every)
     print(f"2 nodes x 1 rank + 1 spare on one machine; heartbeat {INTERVAL_S} s, timeout "
           f"{TIMEOUT_S} s, failure grace 1 s, no backoff; {args.trials} trial(s) per fault",
           flush=True)
     medians: dict[str, dict[str, float]] = {}
     for mode in modes:
+        if mode == "replica":  # replicas that carry on: bench/recovery_replicas.py
+            from recovery_replicas import measure_replicas
+
+            medians[mode] = {"kill_rank": measure_replicas(args.trials)["kill_to_next_step_s"]}
+            continue
         start, recovery, *inprocess = mode.split("-")
         os.environ[WARM_ENV] = STARTS[start]  # the agents inherit it
         medians[mode] = measure(mode, args.trials, faults,
@@ -255,6 +266,8 @@ def main() -> None:
     for mode in modes[1:]:
         print(f"\n{mode} / {reference}, fault -> next step medians:")
         for fault in faults:
+            if fault not in medians[mode] or fault not in medians[reference]:
+                continue  # the replica mode measures a killed rank only
             this, ref = medians[mode][fault], medians[reference][fault]
             print(f"  {fault:12s} {this:.2f} s / {ref:.2f} s = {this / ref:.2f}x")
 

@@ -31,6 +31,7 @@ On gloo the exchange waits for its all-reduce on the host (there the host is the
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,7 +135,11 @@ class ReplicaSteps:
         return bool(self.members) and self.launch.replica == min(self.members)
 
     def join(self) -> None:
-        """The first quorum holding this replica, agreed (healed if it is behind)."""
+        """The first quorum holding this replica, agreed (healed if it is behind). The rank's
+        log says when it starts waiting: a standby is then ready to be let in."""
+        print(f"replica {self.launch.replica}: ready at step {self.progress.step}, waiting for "
+              f"a quorum after id {self.launch.after} that holds it", file=sys.stderr,
+              flush=True)
         self.replicas.join(self.progress.step, after=self.launch.after)
 
     def before(self, step: int, settle) -> bool:
