@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from optimus.contract.env import QUORUM_AFTER, QUORUM_FILE, REPLICA
+from optimus.contract.env import CONTROL_FILE, QUORUM_AFTER, QUORUM_FILE, REPLICA
 from optimus.contract.records import Quorum
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +54,8 @@ class Replicas:
                      "WORLD_SIZE": str(self.shard), "LOCAL_WORLD_SIZE": str(self.shard)}
         started = []
         for position in range(self.shard):
-            env = {**os.environ, QUORUM_FILE: str(self.file), REPLICA: str(replica),
+            env = {**os.environ, CONTROL_FILE: str(self.tmp / f"control{replica}.json"),
+                   QUORUM_FILE: str(self.file), REPLICA: str(replica),
                    QUORUM_AFTER: str(after), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                    **world, **({"RANK": str(position), "LOCAL_RANK": str(position)}
                                if world else {})}
@@ -69,6 +70,12 @@ class Replicas:
                     env=env, cwd=self.tmp, stdout=out, stderr=subprocess.STDOUT))
             self.procs.append(started[-1])
         return started[0]
+
+    def control(self, replica: int, **word) -> None:
+        """Replica `replica`'s control word (pause, checkpoint), as its agent writes it."""
+        path = self.tmp / f"control{replica}.json"
+        path.with_suffix(".tmp").write_text(json.dumps(word))
+        os.replace(path.with_suffix(".tmp"), path)
 
     def ready(self, proc: subprocess.Popen) -> bool:
         """Whether rank process `proc` waits for its quorum (its log says so)."""

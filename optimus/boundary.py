@@ -44,6 +44,8 @@ class Boundary:
         self.state, self.held_out, self.compiles = state, held_out, compiles
         self.host_group, self.on_eval = host_group, on_eval
         self.pending: StepOutput | None = None
+        # Replicas: the commands across them, from the ranks' own agreement (replica_mode.py)
+        self.across = self.across_now = None
 
     # Inside a step, once its work is queued: the step before it, and this update's limits.
     def before_update(self) -> Limits:
@@ -94,6 +96,8 @@ class Boundary:
         self.heartbeat.saves_failed(self.saves.failed_in_a_row)  # carried into a next generation
         with self.heartbeat.phase("sync"):
             agreed = self.commands.agree()
+        if self.across is not None:  # replicas: what every member agreed (replica_mode.py)
+            agreed = self.across(agreed, step)
         self.heartbeat.end_step()
         return self.act(agreed, step)
 
@@ -200,4 +204,6 @@ class Boundary:
             with self.heartbeat.phase("paused"):
                 time.sleep(PAUSE_POLL_S)
                 agreed = self.commands.agree()
+                if self.across is not None:  # replicas: every member resumes together
+                    agreed = self.across_now(agreed)
 

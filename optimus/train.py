@@ -229,6 +229,8 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                            held_out=held_out, compiles=compiles, host_group=host,
                            on_eval=lambda step, v: _log_validation(
                                log, heartbeat, step, progress.tokens, v, env.rank))
+        if steps is not None:  # a command acts in every replica after the same step
+            between.across, between.across_now = steps.across, steps.across_now
         # A job paused (or stopped) across a restart stays so: agree before the first step too.
         first = progress.step + 1
         with heartbeat.phase("sync"):

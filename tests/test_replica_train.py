@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,49 @@ def test_a_silent_replica_is_let_go_on_the_controllers_word(replicas):
     last = max(r["time"] for r in rows if r.get("step") == stopped_at and "loss" in r)
     formed = next(r["time"] for r in rows if r.get("event") == "quorum" and r["quorum"] == out)
     assert formed - last < 60
+
+
+def test_a_stop_told_to_one_replica_stops_every_replica_after_the_same_step(replicas):
+    """SIGTERM (an operator's stop) reaches replica 1 only: its word goes to the others with
+    the next exchange, and all stop after the same step; the lowest member saves it."""
+    run = replicas(steps=200, extra=("--set", "checkpoint.interval=100"))
+    run.quorum([0, 1, 2])
+    procs = [run.start(r) for r in range(3)]
+    run.wait(lambda: len(run.steps_logged()) >= 5)
+    procs[1].send_signal(signal.SIGTERM)
+    run.wait(lambda: all(p.poll() is not None for p in procs))
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    stopped = max(run.steps_logged())
+    assert stopped < 200
+    ended = run.events("replicas")[-1]
+    assert ended["members"] == [0, 1, 2] and ended["step"] == stopped  # checked: same state
+    assert [e["step"] for e in run.events("stopped")] == [stopped]  # said once, by the writer
+    assert "SIGTERM" in run.events("stopped")[0]["message"]
+    assert (run.tmp / "run" / "checkpoints" / f"step_{stopped:09d}").is_dir()
+
+
+def test_a_pause_or_checkpoint_told_to_one_replica_is_every_replicas(replicas):
+    """The control word (an agent's pause, checkpoint) reaches replica 2 only: every replica
+    pauses after the same step (none waits in an exchange meanwhile: the pause outlasts the
+    exchange's timeout, 3 s here), resumes, and the lowest member saves the checkpoint."""
+    run = replicas(steps=60, extra=("--set", "supervision.hang_floor_s=3"))
+    run.quorum([0, 1, 2])
+    procs = [run.start(r) for r in range(3)]
+    run.wait(lambda: len(run.steps_logged()) >= 5)
+    run.control(2, pause=True)
+    run.wait(lambda: run.events("paused"))
+    paused = run.events("paused")[0]["step"]
+    time.sleep(5)  # longer than the exchange's timeout: nobody is in one
+    assert max(run.steps_logged()) == paused
+    run.control(2, pause=False, checkpoint=1)
+    run.wait(lambda: all(p.poll() is not None for p in procs))
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    assert len(run.events("paused")) == 1 and len(run.events("resumed")) == 1
+    assert run.steps_logged() == list(range(1, 61))
+    assert run.events("exchange_failed") == []
+    assert run.events("replicas")[-1]["members"] == [0, 1, 2]
+    asked = [e for e in run.events("checkpoint") if "asked" in e["message"]]
+    assert asked, run.events("checkpoint")
 
 
 def test_two_replicas_of_two_ranks_each_heal_a_lost_replica_whole(replicas):

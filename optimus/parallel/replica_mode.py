@@ -48,6 +48,9 @@ from optimus.contract.env import QUORUM_AFTER, QUORUM_FILE, REPLICA
 from optimus.parallel.replicas import SLOTS, Notes, QuorumError, Replicas, state_tensors
 from optimus.runtime.launch import LaunchError
 from optimus.step import Pending, Readback
+from optimus.supervision.commands import Agreed, Command
+
+WORD = ("stop", "pause", "no_save", "checkpoint")  # what a replica tells the others a step
 
 
 class Healed(Exception):  # noqa: N818 (a signal to the loop, not an error)
@@ -109,7 +112,12 @@ class ReplicaSteps:
                                  state=self.state, notes=Notes(self._give, self._take))
         self.reported = 0  # heals, missed quorums and failed exchanges logged so far
         self.readback: Readback | None = None  # the exchanges' figures, to host memory
-        self.tails: list[tuple[int, int, Pending]] = []  # (step, quorum id, its figures)
+        # (step, quorum id, members, its figures), of the exchanges not read yet
+        self.tails: list[tuple[int, int, int, Pending]] = []
+        self.word = [0] * len(WORD)  # this replica's commands, for its next exchange
+        self.told = [0] * len(WORD)  # every member's, as the last exchange read summed them
+        self.told_step = 0  # that exchange's step
+        self.paused_at = -1  # the last boundary all members paused at
 
     def state(self) -> list[torch.Tensor]:
         """What a heal carries: this rank's model and optimizer shards."""
@@ -166,14 +174,15 @@ class ReplicaSteps:
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                  for p in parameters if p.grad is not None]
         reduced = self.replicas.exchange(grads, tokens, loss.detach() * tokens,
-                                         self.progress.step)
+                                         self.progress.step, self.word)
         if reduced is None:
             raise Healed(step)
         figures = reduced.figures
         if self.readback is None:
             self.readback = Readback(figures.device)
         # Its members' newest seen ids, read one step late, with no wait (`look`).
-        self.tails.append((step, self.replicas.quorum.id, self.readback.start(figures)))
+        quorum = self.replicas.quorum
+        self.tails.append((step, quorum.id, len(quorum.members), self.readback.start(figures)))
         total = figures[0].clamp(min=1.0)
         return total, figures[1] / total
 
@@ -191,12 +200,49 @@ class ReplicaSteps:
         # (`switch_step`). Figures of an earlier quorum than the one formed since are dropped:
         # members who joined since did not see them.
         while len(self.tails) > 1:
-            step, quorum, pending = self.tails.pop(0)
+            step, quorum, size, pending = self.tails.pop(0)
             values = pending.read()
             if rep.quorum is not None and quorum == rep.quorum.id:
-                rep.after(step, int(max(values[SLOTS:])))
+                rep.after(step, int(max(values[SLOTS:SLOTS + size])))
+                words = values[SLOTS + size:]
+                self.told = [max(words[i::len(WORD)]) for i in range(len(WORD))]
+                self.told_step = step
         rep.look()
         self.commands.quorum_seen = max(self.commands.quorum_seen, rep.seen)
+
+    def across(self, agreed: Agreed, step: int) -> Agreed:
+        """The commands every member acts on after step `step`: what each member's ranks
+        agreed two boundaries ago, carried by the exchange between and read at this boundary
+        (the same figures in every member: all act after the same step). What this replica's
+        ranks agreed now goes into the next exchange. A pause is a state: words agreed up to
+        the boundary of the last pause, which it has ended since, no longer pause."""
+        self.word = [int(agreed.stop), int(agreed.pause), int(agreed.no_save),
+                     agreed.checkpoint]
+        stop, pause, no_save, checkpoint = (int(x) for x in self.told)
+        if pause and self.told_step - 1 <= self.paused_at:
+            pause = 0
+        if pause:
+            self.paused_at = step
+        return self._agreed(stop, pause, no_save, checkpoint, agreed.quorum)
+
+    def across_now(self, agreed: Agreed) -> Agreed:
+        """While every member is paused after the same step: the members' commands now, in
+        one all-reduce (so all resume, or stop, together)."""
+        self.word = [int(agreed.stop), int(agreed.pause), int(agreed.no_save),
+                     agreed.checkpoint]
+        stop, pause, no_save, checkpoint = self.replicas.group.words(self.word)
+        return self._agreed(stop, pause, no_save, checkpoint, agreed.quorum)
+
+    def _agreed(self, stop: int, pause: int, no_save: int, checkpoint: int,
+                quorum: int) -> Agreed:
+        commands = Command(0)
+        for on, command in ((stop, Command.STOP), (pause, Command.PAUSE),
+                            (no_save, Command.NO_SAVE)):
+            if on:
+                commands |= command
+        if stop and no_save:
+            self.commands.no_save = True
+        return Agreed(commands, max(checkpoint, self.commands.checkpoint_done), quorum)
 
     def agreed(self) -> None:
         """After the ranks agreed: the newest quorum id any rank of the replica had read."""

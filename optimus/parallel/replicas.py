@@ -37,7 +37,6 @@ its exchange has no peers.
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -48,7 +47,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from optimus.contract.records import Quorum, RecordError
+from optimus.contract.records import Quorum
 from optimus.files import file_stamp
 from optimus.parallel.heal import (  # noqa: F401 (checksum, device_checksum: re-exported)
     by_dtype,
@@ -58,9 +57,12 @@ from optimus.parallel.heal import (  # noqa: F401 (checksum, device_checksum: re
     scatter,
     send_notes,
 )
+from optimus.parallel.quorum_file import (  # noqa: F401 (re-exported)
+    QuorumError,
+    read_quorum,
+    wait_for_quorum,
+)
 
-_QUORUM_LIMIT = 64 << 10  # bytes of a quorum file: a few ids and an address
-POLL_S = 0.01
 GIVE_UP_S = 0.05  # how often a waiting exchange asks whether the controller moved on without it
 LATE_S = 0.25  # an exchange this long after the last may have completed after a member let go
 # Our figures after the gradients, before the members' slots: the token count, the loss sum.
@@ -69,46 +71,6 @@ _TOKENS, _LOSS, SLOTS = 0, 1, 2
 
 # Groups let go while an operation of theirs still waited on a lost peer, with it (close).
 _LET_GO: list[tuple[dist.ProcessGroup, dist.Work]] = []
-
-
-class QuorumError(RuntimeError):
-    """A quorum file or an exchange this rank cannot go on with (said in one line)."""
-
-
-def read_quorum(path: Path) -> Quorum | None:
-    """The quorum in `path`, or None while there is none. A file that is not a quorum record is
-    an error naming what is wrong (the agent writes it whole: it is never half there)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(_QUORUM_LIMIT + 1)
-    except FileNotFoundError:
-        return None
-    if len(data) > _QUORUM_LIMIT:
-        raise QuorumError(f"{path}: over {_QUORUM_LIMIT} bytes, not a quorum record")
-    try:
-        return Quorum.parse(json.loads(data))
-    except (ValueError, RecordError) as e:
-        raise QuorumError(f"{path}: not a quorum record ({str(e)[:200]})") from None
-
-
-def wait_for_quorum(path: Path, *, after: int, replica: int, timeout_s: float,
-                    beat: Callable[[], None] | None = None) -> Quorum:
-    """The first quorum in `path` newer than id `after` that holds `replica`. A newer one that
-    leaves the replica out is skipped (the controller took it out: it waits to be let back in).
-    Raises QuorumError after `timeout_s`."""
-    deadline, seen = time.monotonic() + timeout_s, None
-    while time.monotonic() < deadline:
-        now = file_stamp(path)
-        if now is not None and now != seen:
-            seen = now
-            quorum = read_quorum(path)
-            if quorum is not None and quorum.id > after and replica in quorum.members:
-                return quorum
-        if beat is not None:
-            beat()
-        time.sleep(POLL_S)
-    raise QuorumError(f"no quorum after id {after} holding replica {replica} came within "
-                      f"{timeout_s:g} s")
 
 
 def switch_step(revealed_at: int) -> int:
@@ -144,7 +106,8 @@ class Notes:
 class Reduced:
     """One step's exchange, as the members summed it: the figures after the gradients."""
 
-    figures: torch.Tensor  # [tokens, loss sum, each member's newest seen quorum id]
+    figures: torch.Tensor  # [tokens, loss sum, each member's newest seen id, their words]
+    size: int | None = None  # the members (None: no words follow the ids)
 
     def tokens(self) -> float:
         return float(self.figures[_TOKENS])
@@ -155,7 +118,8 @@ class Reduced:
 
     def newest(self) -> int:
         """The newest quorum id any member had seen when it sent its part."""
-        return int(self.figures[SLOTS:].max())
+        end = None if self.size is None else SLOTS + self.size
+        return int(self.figures[SLOTS:end].max())
 
 
 class QuorumGroup:
@@ -229,11 +193,14 @@ class QuorumGroup:
 
     def reduce(self, grads: Sequence[torch.Tensor], tokens: torch.Tensor,
                loss_sum: torch.Tensor, seen: int,
-               give_up: Callable[[], str | None] | None = None) -> Reduced:
+               give_up: Callable[[], str | None] | None = None,
+               word: Sequence[int] = ()) -> Reduced:
         """Sum this step over the quorum: `grads` (this replica's local gradient shards, of its
         loss over its own `tokens`) become, in place, the gradients of the loss over every
         member's tokens. `loss_sum`: this replica's loss summed over its tokens; `seen`: the
-        newest quorum id this rank has read. Raises what the backend raises when a member is
+        newest quorum id this rank has read; `word`: small integers each member tells the others
+        (its replica's commands), in slots of its own after the ids. Raises what the backend
+        raises when a member is
         gone or silent past the timeout, or QuorumError when `give_up` says to stop waiting;
         the gradients are then as they were."""
         dtype = grads[0].dtype if grads else torch.float32
@@ -241,10 +208,13 @@ class QuorumGroup:
         if any(g.dtype != dtype for g in grads):
             raise QuorumError("the gradients to reduce are of several dtypes")
         count = tokens.to(device=device, dtype=dtype).reshape(1)
-        tail = torch.zeros(SLOTS + self.size, dtype=dtype, device=device)
+        tail = torch.zeros(SLOTS + self.size * (1 + len(word)), dtype=dtype, device=device)
         tail[_TOKENS] = count[0]
         tail[_LOSS] = loss_sum.to(device=device, dtype=dtype)
         tail[SLOTS + self.index] = seen
+        if word:
+            at = SLOTS + self.size + self.index * len(word)
+            tail[at:at + len(word)] = torch.tensor(list(word), dtype=dtype)
         buffer = torch.cat([*(g.reshape(-1) for g in grads), tail])
         n = buffer.numel() - tail.numel()
         buffer[:n].mul_(count)  # back to this replica's loss sum's gradient
@@ -265,7 +235,15 @@ class QuorumGroup:
         buffer[:n].div_(total)
         flat = buffer[:n].split([g.numel() for g in grads])
         torch._foreach_copy_(list(grads), [f.view_as(g) for f, g in zip(flat, grads, strict=True)])
-        return Reduced(buffer[n:].clone())
+        return Reduced(buffer[n:].clone(), self.size)
+
+    def words(self, word: Sequence[int]) -> list[int]:
+        """Each field of `word` at its largest over the members (one all-reduce of a slot
+        each: the commands of members paused together, which exchange nothing else)."""
+        slots = torch.zeros(self.size, len(word), dtype=torch.int64)
+        slots[self.index] = torch.tensor(list(word), dtype=torch.int64)
+        self._all_reduce(slots)
+        return [int(x) for x in slots.max(0).values.tolist()]
 
     def agree(self, step: int) -> list[int]:
         """Every member's step, by member index (one all-reduce of a slot each)."""
@@ -391,16 +369,18 @@ class Replicas:
                            "heal_s": round(time.perf_counter() - formed, 4)})
 
     def exchange(self, grads: Sequence[torch.Tensor], tokens: torch.Tensor,
-                 loss_sum: torch.Tensor, last: int) -> Reduced | None:
+                 loss_sum: torch.Tensor, last: int, word: Sequence[int] = ()) -> Reduced | None:
         """The step's exchange, finished without whoever is lost: when it fails (a member
         gone or silent) nothing of it is applied, this rank waits for the controller's next
         quorum and exchanges the same gradients again in it (they are untouched until an
         exchange succeeds: the step is not computed again). `last`: the last step this rank
         applied. None when the new quorum healed this rank past `last` (the others had
-        applied this step: its state now holds it, and its own gradients are to be dropped)."""
+        applied this step: its state now holds it, and its own gradients are to be dropped).
+        `word`: what this rank tells the other members (QuorumGroup.reduce)."""
         while True:
             try:
-                return self.group.reduce(grads, tokens, loss_sum, self.seen, self._moved_on)
+                return self.group.reduce(grads, tokens, loss_sum, self.seen, self._moved_on,
+                                         word)
             except (RuntimeError, TimeoutError) as e:
                 self.failed.append({"quorum": self.quorum.id, "error": str(e)[:200]})
             self.recover(last)

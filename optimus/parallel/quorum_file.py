@@ -1,0 +1,56 @@
+"""The quorum file: the controller's word on which replicas train together now, as each rank
+reads it (a `Quorum` record, optimus/contract/records.py; optimus/parallel/replicas.py acts on
+it)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from optimus.contract.records import Quorum, RecordError
+from optimus.files import file_stamp
+
+_QUORUM_LIMIT = 64 << 10  # bytes of a quorum file: a few ids and an address
+POLL_S = 0.01
+
+
+class QuorumError(RuntimeError):
+    """A quorum file or an exchange this rank cannot go on with (said in one line)."""
+
+
+def read_quorum(path: Path) -> Quorum | None:
+    """The quorum in `path`, or None while there is none. A file that is not a quorum record is
+    an error naming what is wrong (the agent writes it whole: it is never half there)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_QUORUM_LIMIT + 1)
+    except FileNotFoundError:
+        return None
+    if len(data) > _QUORUM_LIMIT:
+        raise QuorumError(f"{path}: over {_QUORUM_LIMIT} bytes, not a quorum record")
+    try:
+        return Quorum.parse(json.loads(data))
+    except (ValueError, RecordError) as e:
+        raise QuorumError(f"{path}: not a quorum record ({str(e)[:200]})") from None
+
+
+def wait_for_quorum(path: Path, *, after: int, replica: int, timeout_s: float,
+                    beat: Callable[[], None] | None = None) -> Quorum:
+    """The first quorum in `path` newer than id `after` that holds `replica`. A newer one that
+    leaves the replica out is skipped (the controller took it out: it waits to be let back in).
+    Raises QuorumError after `timeout_s`."""
+    deadline, seen = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        now = file_stamp(path)
+        if now is not None and now != seen:
+            seen = now
+            quorum = read_quorum(path)
+            if quorum is not None and quorum.id > after and replica in quorum.members:
+                return quorum
+        if beat is not None:
+            beat()
+        time.sleep(POLL_S)
+    raise QuorumError(f"no quorum after id {after} holding replica {replica} came within "
+                      f"{timeout_s:g} s")
