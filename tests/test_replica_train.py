@@ -229,3 +229,30 @@ def test_replicas_need_two_and_a_quorum_file():
                                         QUORUM_AFTER: "4"})
     assert (launch.replica, launch.replicas, launch.after) == (2, 3, 4)
     assert launch.batch_slice(1, 2) == (5, 6)  # replica 2's second rank of two: slice 5 of 6
+
+
+def test_a_heals_notes_are_checked_before_anything_is_taken():
+    from optimus.checkpoint.state import Progress
+    from optimus.parallel.heal import HealError
+    from optimus.parallel.replica_mode import ReplicaSteps
+
+    steps = ReplicaSteps.__new__(ReplicaSteps)  # only the notes' taker: no quorum behind it
+    steps.progress = Progress(6)
+
+    class Watch:
+        taken = None
+
+        def load_state_dict(self, state):
+            self.taken = state
+
+    steps.watch = Watch()
+    for bad in ({}, {"progress": {"step": "3", "tokens": 0, "data_index": 0}, "stability": {}},
+                {"progress": {"step": 3, "tokens": -1, "data_index": 0}, "stability": {}},
+                {"progress": {"step": 3, "tokens": 0, "data_index": 0}, "stability": []}):
+        with pytest.raises(HealError):
+            steps._take(bad)
+        assert steps.progress.step == 0 and steps.watch.taken is None  # nothing taken
+    steps._take({"progress": {"step": 3, "tokens": 768, "data_index": 18},
+                 "stability": {"history": "{}"}})
+    assert (steps.progress.step, steps.progress.tokens, steps.progress.data_index) == (3, 768, 18)
+    assert steps.watch.taken == {"history": "{}"}

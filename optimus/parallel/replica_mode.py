@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from optimus.contract.env import QUORUM_AFTER, QUORUM_FILE, REPLICA
+from optimus.parallel.heal import HealError
 from optimus.parallel.replicas import SLOTS, Notes, QuorumError, Replicas, state_tensors
 from optimus.runtime.launch import LaunchError
 from optimus.step import Pending, Readback
@@ -110,7 +111,6 @@ class ReplicaSteps:
         self.replicas = Replicas(launch.quorum_file, replica=launch.replica, position=position,
                                  backend=backend, timeout_s=timeout_s, wait_s=wait_s,
                                  state=self.state, notes=Notes(self._give, self._take))
-        self.reported = 0  # heals, missed quorums and failed exchanges logged so far
         self.readback: Readback | None = None  # the exchanges' figures, to host memory
         # (step, quorum id, members, its figures), of the exchanges not read yet
         self.tails: list[tuple[int, int, int, Pending]] = []
@@ -130,8 +130,15 @@ class ReplicaSteps:
         return {"progress": self.progress.meta(), "stability": self.watch.state_dict()}
 
     def _take(self, notes: dict) -> None:
-        self.progress.load_state_dict(notes["progress"])
-        self.watch.load_state_dict(notes["stability"])
+        """A heal's notes, checked before anything is taken (a peer's message: the progress
+        must be whole numbers, or the heal fails)."""
+        progress, stability = notes.get("progress"), notes.get("stability")
+        if not (isinstance(progress, dict) and isinstance(stability, dict)
+                and all(type(progress.get(k)) is int and progress[k] >= 0
+                        for k in ("step", "tokens", "data_index"))):
+            raise HealError("a heal's notes do not hold progress and the stability history")
+        self.progress.load_state_dict(progress)
+        self.watch.load_state_dict(stability)  # takes only what it recognises (stability.py)
 
     @property
     def members(self) -> list[int]:
