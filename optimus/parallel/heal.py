@@ -39,15 +39,16 @@ def scatter(tensors: Sequence[torch.Tensor], buffers) -> None:
 
 def checksum(flat: torch.Tensor) -> torch.Tensor:
     """Two int64 figures over the bytes of `flat`, which a flipped bit, a swap or a lost piece
-    in transit changes. In host memory: CRC-32 and Adler-32 (zlib's, at memory speed: ~10 ms
-    for 12 MB where the same arithmetic in torch took ~85). On a device, computed there: its
-    32-bit words summed, and summed again weighted by their position (mod a prime). Not a
-    defence against a forger (the link's own authentication is): a check that what arrived is
-    what was sent."""
+    in transit changes. In host memory: zlib's CRC-32 and the byte count (CRC-32 sees every
+    burst of up to 32 flipped bits and misses other damage 1 time in 2^32, at ~7 ms for 12 MB
+    where the same arithmetic in torch took ~85; Adler-32 beside it cost as much again for
+    nothing a transit check needs). On a device, computed there: its 32-bit words summed, and
+    summed again weighted by their position (mod a prime). Not a defence against a forger (the
+    link's own authentication is): a check that what arrived is what was sent."""
     raw = flat.detach().reshape(-1).view(torch.uint8)
     if raw.device.type == "cpu":
         data = memoryview(raw.contiguous().numpy())
-        return torch.tensor([zlib.crc32(data), zlib.adler32(data)], dtype=torch.int64)
+        return torch.tensor([zlib.crc32(data), raw.numel()], dtype=torch.int64)
     return device_checksum(raw)
 
 

@@ -271,9 +271,11 @@ class QuorumGroup:
         buffers = by_dtype(tensors)
         for tag, (_, flat) in enumerate(buffers):
             if self.index == source:
-                sums = checksum(flat)
+                sends = [self.group.send([flat], peer, 2 * tag) for peer in behind]
+                sums = checksum(flat)  # while the bytes go (zlib lets go of the GIL)
+                for work in sends:
+                    work.wait()
                 for peer in behind:
-                    self.group.send([flat], peer, 2 * tag).wait()
                     self.group.send([sums], peer, 2 * tag + 1).wait()
             else:
                 sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
