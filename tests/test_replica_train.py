@@ -165,15 +165,15 @@ def test_a_stop_told_to_one_replica_stops_every_replica_after_the_same_step(repl
 def test_a_pause_or_checkpoint_told_to_one_replica_is_every_replicas(replicas):
     """The control word (an agent's pause, checkpoint) reaches replica 2 only: every replica
     pauses after the same step (none waits in an exchange meanwhile: the pause outlasts the
-    exchange's timeout, 3 s here), resumes, and the lowest member saves the checkpoint."""
-    run = replicas(steps=60, extra=("--set", "supervision.hang_floor_s=3"))
+    exchange's timeout, 8 s here), resumes, and the lowest member saves the checkpoint."""
+    run = replicas(steps=60, extra=("--set", "supervision.hang_floor_s=8"))
     run.quorum([0, 1, 2])
     procs = [run.start(r) for r in range(3)]
     run.wait(lambda: len(run.steps_logged()) >= 5)
     run.control(2, pause=True)
     run.wait(lambda: run.events("paused"))
     paused = run.events("paused")[0]["step"]
-    time.sleep(5)  # longer than the exchange's timeout: nobody is in one
+    time.sleep(10)  # longer than the exchange's timeout: nobody is in one
     assert max(run.steps_logged()) == paused
     run.control(2, pause=False, checkpoint=1)
     run.wait(lambda: all(p.poll() is not None for p in procs))
