@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+HOST = torch.device("cpu")
 NOTES_LIMIT = 16 << 20  # bytes of a heal's JSON notes: counters and a few windows of figures
 
 
@@ -62,29 +63,34 @@ def device_checksum(raw: torch.Tensor) -> torch.Tensor:
     return torch.stack([words.sum(), (words * weights).sum()])
 
 
-def send_notes(group: dist.ProcessGroup, notes: dict, peer: int, tag: int) -> None:
-    """Send `notes` (JSON) to `peer`: its length, then its bytes and their checksum."""
+def send_notes(group: dist.ProcessGroup, notes: dict, peer: int, tag: int,
+               device: torch.device = HOST) -> None:
+    """Send `notes` (JSON) to `peer`: its length, then its bytes and their checksum; through
+    `device`'s memory (the group's backend may take no other)."""
     data = json.dumps(notes, sort_keys=True).encode()
     if len(data) > NOTES_LIMIT:
         raise HealError(f"a heal's notes are {len(data)} bytes, over {NOTES_LIMIT}")
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(
         0, dtype=torch.uint8)
     head = torch.cat([torch.tensor([len(data)], dtype=torch.int64), checksum(raw)])
-    group.send([head], peer, tag).wait()
+    group.send([head.to(device)], peer, tag).wait()
     if data:
-        group.send([raw], peer, tag + 1).wait()
+        group.send([raw.to(device)], peer, tag + 1).wait()
 
 
-def receive_notes(group: dist.ProcessGroup, source: int, tag: int) -> dict:
+def receive_notes(group: dist.ProcessGroup, source: int, tag: int,
+                  device: torch.device = HOST) -> dict:
     """The notes `send_notes` sent from `source`, their length bounded and checksum checked."""
-    head = torch.zeros(3, dtype=torch.int64)
+    head = torch.zeros(3, dtype=torch.int64, device=device)
     group.recv([head], source, tag).wait()
+    head = head.cpu()
     size = int(head[0])
     if not 0 <= size <= NOTES_LIMIT:
         raise HealError(f"a heal's notes claim {size} bytes, over {NOTES_LIMIT}")
-    raw = torch.zeros(size, dtype=torch.uint8)
+    raw = torch.zeros(size, dtype=torch.uint8, device=device)
     if size:
         group.recv([raw], source, tag + 1).wait()
+    raw = raw.cpu()
     if not torch.equal(checksum(raw), head[1:]):
         raise HealError("a heal's notes fail their checksum")
     try:

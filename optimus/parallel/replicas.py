@@ -122,6 +122,9 @@ class Reduced:
         return int(self.figures[SLOTS:end].max())
 
 
+_DEVICE_OF = {"nccl": "cuda", "xccl": "xpu"}
+
+
 class QuorumGroup:
     """This rank's group of one quorum: the ranks at its position in each member replica."""
 
@@ -138,6 +141,8 @@ class QuorumGroup:
                                    timeout=self.timeout, wait_for_workers=False)
         prefix = dist.PrefixStore(f"optimus/quorum/{quorum.id}/{position}/", self.store)
         self.group = _group(backend, prefix, self.index, self.size, self.timeout)
+        # Where its small messages live: NCCL and XCCL take only their device's tensors.
+        self.device = torch.device(_DEVICE_OF.get(backend, "cpu"))
         self.work: dist.Work | None = None  # the last collective started
         self._gone_key = f"optimus/quorum/{quorum.id}/let_go"
         self.last = time.monotonic()  # the group formed, or its last exchange completed
@@ -240,14 +245,14 @@ class QuorumGroup:
     def words(self, word: Sequence[int]) -> list[int]:
         """Each field of `word` at its largest over the members (one all-reduce of a slot
         each: the commands of members paused together, which exchange nothing else)."""
-        slots = torch.zeros(self.size, len(word), dtype=torch.int64)
+        slots = torch.zeros(self.size, len(word), dtype=torch.int64, device=self.device)
         slots[self.index] = torch.tensor(list(word), dtype=torch.int64)
         self._all_reduce(slots)
         return [int(x) for x in slots.max(0).values.tolist()]
 
     def agree(self, step: int) -> list[int]:
         """Every member's step, by member index (one all-reduce of a slot each)."""
-        steps = torch.zeros(self.size, dtype=torch.int64)
+        steps = torch.zeros(self.size, dtype=torch.int64, device=self.device)
         steps[self.index] = step + 1  # 0: "no step yet" stays apart from step 0
         self._all_reduce(steps)
         return [int(s) - 1 for s in steps.tolist()]
@@ -291,17 +296,17 @@ class QuorumGroup:
             if self.index == source:
                 told = notes.give()
                 for peer in behind:
-                    send_notes(self.group, told, peer, tag)
+                    send_notes(self.group, told, peer, tag, self.device)
             else:
-                notes.take(receive_notes(self.group, source, tag))
+                notes.take(receive_notes(self.group, source, tag, self.device))
         return source, behind
 
     def verify(self, state: Sequence[torch.Tensor]) -> bool:
         """Whether every member holds the same `state` (its checksum, in a slot each)."""
-        sums = torch.zeros(self.size, 2, dtype=torch.int64)
+        sums = torch.zeros(self.size, 2, dtype=torch.int64, device=self.device)
         flat = [checksum(buffer) for _, buffer in by_dtype(state)]
         mine = torch.stack(flat).sum(0) if flat else torch.zeros(2, dtype=torch.int64)
-        sums[self.index] = mine.cpu() % (1 << 40)  # summed over members: no overflow
+        sums[self.index] = mine.to(self.device) % (1 << 40)  # summed over members: no overflow
         self._all_reduce(sums)
         return bool((sums == sums[0]).all())
 
