@@ -23,8 +23,8 @@ from optimus.parallel.experts import expert_step
 from optimus.parallel.float8 import precompute_float8_scales
 from optimus.parallel.grads import clip_grads_
 from optimus.parallel.plan import IGNORE_INDEX, ParallelModel
-from optimus.runtime.memory import ACCELERATORS
 from optimus.runtime.mesh import LayoutMesh
+from optimus.runtime.readback import Pending, Readback
 
 # The step's figures, in this order, in the one tensor the boundary reads (then the experts').
 FIGURES = ("loss", "grad_norm", "tokens", "held", "local_loss", "local_grads_squared")
@@ -37,49 +37,6 @@ class Limits:
 
     loss: float | None = None
     grad_norm: float | None = None
-
-
-class Readback:
-    """A step's figures on their way to host memory: copied into one of two host buffers in
-    turn (the boundary reads one step's while the next step's copy may be in flight), reused
-    from step to step. On an accelerator the buffers are pinned, the copy does not sync and an
-    event marks its end: `read` waits for that event only, by when the device has long finished
-    the step if the next step's work was queued behind it. On a CPU the same copy is a plain
-    one and there is no event to wait for."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.accelerated = device.type in ACCELERATORS
-        self.buffers: list[torch.Tensor] = []
-        self._turn = 0
-
-    def start(self, figures: torch.Tensor) -> Pending:
-        if not self.buffers or self.buffers[0].shape != figures.shape:
-            self.buffers = [torch.empty(figures.shape, dtype=figures.dtype,
-                                        pin_memory=self.accelerated) for _ in range(2)]
-        host = self.buffers[self._turn]
-        self._turn ^= 1
-        host.copy_(figures, non_blocking=self.accelerated)
-        event = None
-        if self.accelerated:
-            event = torch.Event(device=self.device.type)
-            event.record()
-        return Pending(host, event)
-
-
-@dataclass
-class Pending:
-    """One step's figures in (or on their way to) host memory."""
-
-    host: torch.Tensor
-    event: object | None
-
-    def read(self) -> list[float]:
-        """The figures as Python floats: waits for the copy's event, no other sync; `tolist`
-        of host memory is no device read."""
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host.tolist()
 
 
 @dataclass

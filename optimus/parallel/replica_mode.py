@@ -24,7 +24,7 @@ What changes in a rank's life:
 
 Host reads: none a step. The quorum's figures (token count, loss, the members' newest seen ids)
 stay on the device for the step's own figures, and reach host memory behind the step, as the
-step's figures do (optimus/step.py's Readback): the newest id is read at the next boundary.
+step's figures do (optimus/runtime/readback.py): the newest id is read at the next boundary.
 On gloo the exchange waits for its all-reduce on the host (there the host is the device).
 """
 
@@ -48,7 +48,7 @@ from optimus.contract.env import QUORUM_AFTER, QUORUM_FILE, REPLICA
 from optimus.parallel.heal import HealError
 from optimus.parallel.replicas import SLOTS, Notes, QuorumError, Replicas, state_tensors
 from optimus.runtime.launch import LaunchError
-from optimus.step import Pending, Readback
+from optimus.runtime.readback import Pending, Readback
 from optimus.supervision.commands import Agreed, Command
 
 WORD = ("stop", "pause", "no_save", "checkpoint")  # what a replica tells the others a step
