@@ -270,7 +270,11 @@ def test_a_requeued_job_resumes_from_its_checkpoint(slurm, tmp_path):
     assert allocation[0].endswith("start 0; job slurm-requeue found new"), allocation
     assert re.search(r"start 1; job slurm-requeue found (RUNNING|STOPPING)$", allocation[1])
     assert any(e["kind"] == "resubmitted" for e in events)
-    assert not [e for e in events if "excluded" in e["message"]], "a node of the old plan blamed"
+    # Nobody blamed: no failure excluded a node (a restart for a hang that names no culprit,
+    # "nobody excluded", is not a blame; a loaded machine has produced one here).
+    blamed = [e for e in events if e["kind"] == "failure"
+              and str(e.get("excluded", "0")) in ("1", "True", "true")]
+    assert not blamed, f"a node of the old plan blamed: {blamed}"
     journal = json.loads((run / "controller.json").read_text())
     assert journal["job"]["state"] == "COMPLETED" and journal["excluded"] == {}
     loaded = [e["message"] for e in events if e["kind"] == "loaded"]
