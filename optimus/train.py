@@ -220,7 +220,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                 optimizer=optimizer, progress=progress, watch=watch, commands=commands,
                 timeout_s=sv.hang_floor_s, wait_s=max(sv.startup_timeout_s, sv.hang_timeout_s))
             dropped.append(steps.close)
-            with heartbeat.phase("sync"):
+            with heartbeat.phase("standby"):  # the controller lets a relaunched replica in
                 steps.join()
             steps.report(log)
         between = Boundary(job=job, rank=env.rank, log=log, watch=watch, progress=progress,

@@ -26,7 +26,7 @@ from controller.node.folders import UnsafeFolder
 from controller.schedulers import pbs, slurm
 from controller.store.connect import Denied, NothingListens, fail_if_refused, has_secret
 from controller.store.store import Store, StoreUnavailable, redis_url
-from optimus.config import ConfigError, check_job, load_job
+from optimus.config import ConfigError, check_job, check_replica_nodes, load_job
 from optimus.contract import chaos as kinds
 from optimus.contract import env
 
@@ -84,6 +84,7 @@ def run(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node: int, 
 
     config = load_job(job, list(overrides))
     check_job(config, world=nodes * ranks_per_node, source=str(job))
+    check_replica_nodes(config, nodes, source=str(job))
     if config.training.float8_asked:  # torch and torchao: ~1.5 s of CPU, only when asked
         from optimus.parallel.float8 import check_float8_here
 
@@ -132,6 +133,7 @@ def controller(job: Path, overrides: tuple[str, ...], nodes: int, ranks_per_node
     _logging()
     config = load_job(job, list(overrides))
     check_job(config, world=nodes * ranks_per_node, source=str(job))
+    check_replica_nodes(config, nodes, source=str(job))
     store = Store(redis_url(redis), config.name)
     store.ping()
     if standby:

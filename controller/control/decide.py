@@ -32,8 +32,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from controller.control import detect, fabric, forgive, operator, recovery, rewind, watching
-from controller.control.actions import live, restarted, with_action
+from controller.control import (
+    detect,
+    fabric,
+    forgive,
+    operator,
+    recovery,
+    replica_loss,
+    rewind,
+    watching,
+)
+from controller.control.actions import counted, live, restarted, with_action
 from controller.control.detect import COLLATERAL, HARD, Evidence
 from controller.control.shortage import names, resized, shortage
 from controller.control.view import (  # noqa: F401 (re-exported: the rules' vocabulary)
@@ -116,11 +125,12 @@ def decide(obs: Observed, s: Settings) -> Decision:
 
 def _watch(obs: Observed, s: Settings, d: Decision) -> None:
     """RUNNING: complete, fail over, or carry on."""
+    obs = replica_loss.current(obs, s)  # a replica's relaunch ended its earlier ranks
     job, plan = obs.job, obs.plan
     assert plan is not None
-    gen = plan["generation"]
+    gen, carry_on = plan["generation"], s.carry_on and replica_loss.active(plan)
     finished = {e.rank for e in obs.exits if e.ok}
-    if len(finished) >= plan["world_size"]:
+    if (replica_loss.finished(obs) if carry_on else len(finished) >= plan["world_size"]):
         _complete(obs, s, d)
         return
     if (_checkpoints_failed(obs, s, d) or _input_refused(obs, s, d)
@@ -129,9 +139,10 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
     watching.track_progress(obs, s, d)
     recovery.loaded(obs, d)
     operator.pause_transition(obs, d)
-    if _leave(obs, s, d) or _grow(obs, s, d):
+    if _leave(obs, s, d) or _grow(obs, s, d) or carry_on and (
+            replica_loss.ports(obs, d) or replica_loss.rejoin(obs, s, d)):
         return
-    _rebuddy(obs, d)
+    recovery.rebuddy(obs, d)
     for node, why in fabric.spare_cut(obs):  # a spare its ring cannot reach: out, no restart
         d.exclude.append((node, why))
         d.causes[node] = "network"
@@ -199,6 +210,11 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
                 f"{s.max_restarts}); last failure: {reason}", save=not wrong,
                 restarts=restarts)
         return
+    why = replica_loss.leave(obs, s, d, culprit, reason) if carry_on and not wrong else None
+    if carry_on and not wrong and why is None:  # its replica alone restarts
+        d.job.update({"restarts": restarts, "failures": failures, "failure_since": None,
+                      "hang_since": None, "restart_causes": counted(job, cause)})
+        return
     wait = s.backoff(restarts)
     d.plan = with_action(plan, "stop", s.failure_grace_s, reason, obs.now, save=not wrong)
     # Who failed: its agent kills it at the grace; the others may take longer to leave in
@@ -210,7 +226,8 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
     d.note("restarting", f"restart {restarts} of at most {s.max_restarts}: generation "
            f"{gen + 1} after {wait:g} s, from the "
            + ("newest checkpoint committed before the bad tile's last passing health check"
-              if wrong else "latest committed checkpoint"))
+              if wrong else "latest committed checkpoint")
+           + (f" (replicas do not carry on: {why})" if why else ""))
 
 
 def _complete(obs: Observed, s: Settings, d: Decision) -> None:
@@ -326,30 +343,6 @@ def _gains(s: Settings, have: int, to: int) -> bool:
     return not (now and then) or then["tokens_per_s"] > now["tokens_per_s"]
 
 
-def _rebuddy(obs: Observed, d: Decision) -> None:
-    """A spare that registered after the plan (the first spare of a job often does) takes the
-    snapshot copies it would have been given: the same generation, re-issued with new buddies
-    (each node's next point goes there) and the mesh check's ring with the spares as they are
-    (controller/control/fabric.py)."""
-    plan = obs.plan
-    if obs.spares is None:
-        return
-    spares = sorted(set(obs.spares) - set(plan["nodes"]))
-    buddies = recovery.buddies(plan["nodes"], spares, obs.spares)
-    peers = fabric.ring(plan["nodes"], spares, obs.spares)  # the mesh check's ring, spares too
-    if buddies == plan.get("buddies", {}) and peers == plan.get(fabric.PEERS, peers):
-        return
-    before = plan.get("buddies", {})
-    moved = sorted(n for n in plan["nodes"]
-                   if before.get(n, {}).get("node") != buddies.get(n, {}).get("node"))
-    d.plan = {**plan, "buddies": buddies, fabric.PEERS: peers, "issued": obs.now}
-    if moved:
-        d.note("buddies", f"generation {plan['generation']}: the spares changed; snapshot "
-               "copies now go " + "; ".join(
-                   f"{n} -> {buddies[n]['node'] if n in buddies else 'nowhere'}"
-                   for n in moved[:8]), generation=plan["generation"])
-
-
 def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
     """PENDING, WAITING, RESTARTING: drain the last generation, back off, then plan the next."""
     job, plan = obs.job, obs.plan
@@ -403,6 +396,12 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
             d.job["reason"] = reason
             d.note("held", reason, nodes=held)
         return
+    worlds, held = replica_loss.worlds(obs, s, chosen)  # replicas that carry on: a world each
+    if held:
+        if job.reason != held:
+            d.job["reason"] = held
+            d.note("held", held)
+        return
     gen = max(job.generation, plan["generation"] if plan else -1) + 1
     spares = [n for n in chosen if n not in previous]
     resume_step = memory["step"] if memory else obs.latest_step
@@ -428,7 +427,8 @@ def _plan_next(obs: Observed, s: Settings, d: Decision) -> None:
     d.plan = Plan(  # the contract's record: a field of the wrong type fails here, not at agents
         **launch, generation=gen, action="run", nodes=chosen,
         ranks_per_node=s.ranks_per_node, world_size=len(chosen) * s.ranks_per_node,
-        master_addr=obs.nodes[chosen[0]].host, master_port=_offered(obs, chosen[0]),
+        master_addr=obs.nodes[chosen[0]].host, **worlds, master_port=(
+            worlds["replicas"]["ports"][0] if worlds else _offered(obs, chosen[0])),
         resume_step=resume_step, grace_s=s.failure_grace_s,
         buddies=recovery.buddies(chosen, sorted(usable - set(chosen)),
                                  {n: v.snapshot_addr for n, v in obs.nodes.items()}),

@@ -115,7 +115,9 @@ class Observer:
                 silent=name in beats and now - self._excused(beats[name]) > self.s.agent_silence_s,
                 snapshot_addr=node_info.get("snapshot_addr", ""),
                 next_port=records.port(st.get("next_port")),
-                failed_saves=records.count(st.get("failed_saves")))
+                failed_saves=records.count(st.get("failed_saves")),
+                launch=records.count(st.get("replica_launch")),
+                standby=records.count(st.get("standby")) or 0)
         return Observed(now=now, job=job, plan=plan, nodes=nodes, latest_step=latest,
                         skipped=skipped, suspect_steps=suspect, unhealthy=unhealthy,
                         unhealthy_idle=idle, snapshots=self.store.reports.snapshots(),

@@ -92,7 +92,7 @@ def exit_record(r: dict) -> Exit:
                 code=r.get("code"), signal=r.get("signal"), by_agent=bool(r.get("by_agent")),
                 tail=r.get("tail", ""), time=float(r.get("time", 0.0)),
                 tail_age=number(r.get("tail_age")),
-                local_rank=int(r.get("local_rank", -1)))
+                local_rank=int(r.get("local_rank", -1)), launch=int(r.get("launch", 0)))
 
 
 def number(value) -> float | None:

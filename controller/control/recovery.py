@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 
+from controller.control import fabric
 from controller.control.detect import Evidence
 from controller.control.view import Decision, JobView, Observed
 from optimus.checkpoint.snapshot_files import extend_lineage, parse_point, void
@@ -108,6 +109,30 @@ def buddies(chosen: list[str], spares: list[str], addrs: dict[str, str]) -> dict
         if addrs.get(buddy):
             out[node] = {"node": buddy, "addr": addrs[buddy]}
     return out
+
+
+def rebuddy(obs: Observed, d: Decision) -> None:
+    """A spare that registered after the plan (the first spare of a job often does) takes the
+    snapshot copies it would have been given: the same generation, re-issued with new buddies
+    (each node's next point goes there) and the mesh check's ring with the spares as they are
+    (controller/control/fabric.py)."""
+    plan = obs.plan
+    if obs.spares is None:
+        return
+    spares = sorted(set(obs.spares) - set(plan["nodes"]))
+    given = buddies(plan["nodes"], spares, obs.spares)
+    peers = fabric.ring(plan["nodes"], spares, obs.spares)  # the mesh check's ring, spares too
+    if given == plan.get("buddies", {}) and peers == plan.get(fabric.PEERS, peers):
+        return
+    before = plan.get("buddies", {})
+    moved = sorted(n for n in plan["nodes"]
+                   if before.get(n, {}).get("node") != given.get(n, {}).get("node"))
+    d.plan = {**plan, "buddies": given, fabric.PEERS: peers, "issued": obs.now}
+    if moved:
+        d.note("buddies", f"generation {plan['generation']}: the spares changed; snapshot "
+               "copies now go " + "; ".join(
+                   f"{n} -> {given[n]['node'] if n in given else 'nowhere'}"
+                   for n in moved[:8]), generation=plan["generation"])
 
 
 def memory_point(plan: dict | None, reports: dict[str, dict], alive: set[str],

@@ -24,7 +24,8 @@ def node_counts(job: JobConfig, nodes: int, ranks_per_node: int
     (optimus/planner/replan.py: the job's own with a smaller dp, or the planner's best); and
     why each count it may not run on is refused. With `when_no_spare: wait`: `nodes` only."""
     s = job.supervision
-    if s.when_no_spare == "wait":
+    if s.when_no_spare == "wait" or s.on_replica_loss == "continue":  # replicas carry on
+        # instead of shrinking; a job that restarts all the same waits for its nodes
         return (nodes,), {}, {}
     machine = get_machine(default_machine(job.parallel.device))
     lowest = min(s.min_nodes or -(-nodes // 2), nodes)
@@ -75,8 +76,11 @@ def settings_for(job: JobConfig, job_file: str, overrides: list[str], nodes: int
         rewind_skip_after=job.stability.rewind_skip_after,
         rewind_back=job.stability.rewind_back, rewind_budget=job.stability.rewind_budget,
         rewind_budget_steps=job.stability.rewind_budget_steps,
-        batch_size=job.data.batch_size,
+        batch_size=job.data.batch_size, replicas=job.parallel.replicas,
+        on_replica_loss=s.on_replica_loss, min_replicas=s.min_replicas,
         launch={"job_file": str(Path(job_file).resolve()), "overrides": list(overrides),
                 "log_dir": str(Path(job.resolved_run_dir).resolve() / "logs"),
                 "node_faults": faults, "straggler_window": s.straggler_window,
-                "restart": s.restart})
+                # a replica's ranks hold its quorum's groups and threads: a restart of the
+                # whole job (below min_replicas) starts them as new processes
+                "restart": "process" if s.on_replica_loss == "continue" else s.restart})

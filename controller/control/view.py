@@ -72,6 +72,16 @@ class Settings:
     rewind_budget: int = 3
     rewind_budget_steps: int = 1000
     batch_size: int = 1
+    # Replicas that carry on (supervision.on_replica_loss: continue; replica_loss.py): the
+    # data-parallel replicas, each launched as a world of its own, and the fewest that train on.
+    replicas: int = 1
+    on_replica_loss: str = "restart"
+    min_replicas: int = 1
+
+    @property
+    def carry_on(self) -> bool:
+        """Whether a lost replica leaves the quorum instead of restarting the job."""
+        return self.on_replica_loss == "continue" and self.replicas >= 2
 
     @property
     def world_size(self) -> int:
@@ -157,6 +167,10 @@ class NodeView:
     failed_saves: int | None = None  # saves failed in a row, as its ranks last said
     excluded_at: float | None = None  # when it was excluded (read for nodes excluded as lost)
     checked_at: float | None = None  # when it last passed its health check (its agent's ok_at)
+    # Replicas that carry on: the launch of its replica its ranks are of (None: not in that
+    # mode), and how many of them wait to be let into a quorum (phase standby).
+    launch: int | None = None
+    standby: int = 0
 
 
 @dataclass(frozen=True)
@@ -171,6 +185,7 @@ class Exit:
     tail_age: float | None = None  # seconds between the log's last write and the exit
     time: float = 0.0
     local_rank: int = -1
+    launch: int = 0  # its replica's launch (replicas that carry on)
 
     @property
     def ok(self) -> bool:

@@ -70,6 +70,7 @@ from controller.store.connect import Denied
 from controller.store.store import Store, StoreUnavailable
 from controller.store.wake import Waker
 from optimus.config import ConfigError
+from optimus.contract.phases import STANDBY
 from optimus.contract.records import Plan
 
 log = logging.getLogger("optimus.agent")
@@ -209,13 +210,18 @@ class Agent:
                 "pids": [p.popen.pid for p in live], "rank_states": rank_states(live, ranks.beats),
                 "failed_saves": ranks.failed_saves, "refused": self.checks.refusal or "",
                 "waiting_ranks": len(ranks.waiting()), "restarts": ranks.restarts,
-                "next_port": ranks.ports.port, "mesh": self.checks.mesh.report() or ""}
+                "next_port": ranks.ports.port, "mesh": self.checks.mesh.report() or "",
+                # replicas that carry on: the launch its ranks are of, and how many of them
+                # wait to be let into a quorum
+                "replica_launch": -1 if ranks.launched is None else ranks.launched,
+                "standby": sum(ranks.beats.get(p.local_rank, {}).get("phase") == STANDBY
+                               for p in live)}
 
     @staticmethod
     def _told(status: dict) -> tuple:
         """What the controller plans on: a change of it wakes the controller."""
         return tuple(status[k] for k in ("generation", "state", "live_ranks", "waiting_ranks",
-                                         "refused", "mesh"))
+                                         "refused", "mesh", "replica_launch", "standby"))
 
     def _tick(self) -> None:
         ranks = self.ranks
@@ -261,9 +267,10 @@ class Agent:
             wake.publish(self.store, wake.CONTROLLER)
             self.told = told
         if self.latest_plan is not None:
-            launched = ranks.generation
+            launched = (ranks.generation, ranks.launched)
             ranks.follow(self.latest_plan)
-            if ranks.generation != launched:  # Redis's heartbeats are the last generation's
+            if (ranks.generation, ranks.launched) != launched:  # Redis's heartbeats are the
+                # last generation's (or its replica's last launch's)
                 self.reset_ranks = True
             self._keep_standbys()
         self.commands.check_node_faults()

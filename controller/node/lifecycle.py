@@ -23,6 +23,7 @@ from controller.node.commands import signal_group
 from controller.node.ports import PortOffer
 from controller.node.rank_files import RankFiles
 from controller.node.ranks import RankProcess, log_age, sample_compute, tail
+from controller.node.replica_worlds import leads, relaunch_due, replica_of, world
 from controller.node.snapshots import SnapshotKeeper
 from controller.node.spawn import Spawner, rank_environment
 from controller.node.voice import Voice
@@ -62,6 +63,7 @@ class Ranks:
         self.restarts = {"in_process": 0, "process": 0}  # ranks of generations after the first
         self.beats: dict[int, dict] = {}
         self.generation: int | None = None  # the generation launched here, if any
+        self.launched: int | None = None  # its replica's launch count, in replica mode
         self.plan: Plan | None = None  # its plan
         self.waiting_port: Plan | None = None  # a run plan waiting for node 0's master port
         self.ports = PortOffer()  # the rendezvous port offered for the next plan (ports.py)
@@ -104,6 +106,13 @@ class Ranks:
             self.stop(plan.grace_s, save)
         if action == "run" and mine and gen == self.generation:
             self.plan = plan  # the same generation, re-issued: new buddies (a spare arrived)
+            if plan.quorum is not None:
+                self.files.set_quorum(plan.quorum.record())  # a replica left, or came back
+            if relaunch_due(plan, self.node, self.launched):
+                self.relaunch(plan)
+            return
+        if action == "run" and gen == self.generation and not mine and self.live():
+            self.stop(plan.grace_s)  # its replica goes on without this node: a spare took it
         if action == "run" and mine and gen != self.generation and not self.live():
             if self.checked_for != gen:
                 self.checked_for = gen
@@ -119,6 +128,16 @@ class Ranks:
             self.launch(plan)
         elif action == "run" and gen != self.generation and not mine:
             self.dismiss()  # ranks waiting in process here: no next generation for them
+
+    def relaunch(self, plan: Plan) -> None:
+        """This node's replica left the quorum and starts again within the generation: its
+        ranks here are killed (the quorum goes on without them, nothing of theirs is saved)
+        and new ones launched, which the controller lets in, healed, once all wait."""
+        for p in self.procs.values():
+            if p.popen.returncode is None and not p.kill_sent:
+                p.kill_sent = True
+                signal_group(p.popen, signal.SIGKILL)
+        self.launch(plan)  # once its first node's port is in the plan
 
     def live(self) -> bool:
         """Whether a rank of this node's generation still runs (waiting ones do not)."""
@@ -170,7 +189,16 @@ class Ranks:
         gen = plan.generation
         node_rank = plan.nodes.index(self.node)
         port = plan.master_port or 0  # node 0's offered port (ports.py), or none yet
-        if node_rank == 0:
+        replica = replica_of(plan, self.node)
+        if replica is not None:  # its replica's world: the port its first node offered
+            port = plan.replicas.ports[replica]
+            if not port:
+                return  # not offered yet: the controller puts it in the plan
+            if leads(plan, self.node):
+                self.ports.take(port)
+            if not self.files.set_quorum(plan.quorum.record()):
+                return  # the ranks would not find their quorum: next tick
+        elif node_rank == 0:
             taken = self.ports.take(port)
             if not port:  # a plan without it: the others hear it by the controller's relay
                 port = taken
@@ -195,6 +223,7 @@ class Ranks:
         same_job = self.plan is not None and (self.plan.job_file, self.plan.overrides) == (
             plan.job_file, plan.overrides)
         self.generation, self.plan = gen, plan
+        self.launched = None if replica is None else plan.replicas.launches[replica]
         carried = plan.failed_saves
         self.failed_saves = carried if carried is not None and carried > 0 else 0
         self.checks.ranks_started()
@@ -219,6 +248,7 @@ class Ranks:
             command += ["--set", override]
         snapshot_env = self._snapshot_env(plan)
         reused = 0
+        again = f".launch{self.launched}" if self.launched else ""  # a replica relaunched
         for local_rank in range(rpn):
             rank = node_rank * rpn + local_rank
             launch = {**os.environ,
@@ -234,8 +264,10 @@ class Ranks:
                       env.FAILED_SAVES: str(self.failed_saves),
                       env.SKIP_STEPS: skip_steps(plan.skips),
                       **snapshot_env}
-            path = log_dir / f"rank_{rank:05d}.log"
-            launch[env.STACKS_FILE] = str(log_dir / f"rank_{rank:05d}.stacks")
+            if replica is not None:
+                launch.update(world(plan, self.node, local_rank, self.files.quorum_path))
+            path = log_dir / f"rank_{rank:05d}{again}.log"
+            launch[env.STACKS_FILE] = str(log_dir / f"rank_{rank:05d}{again}.stacks")
             if in_process:
                 launch[env.NEXT_FILE] = str(self.files.next_path(local_rank))
             waits = waiting.pop(local_rank, None)
@@ -245,13 +277,16 @@ class Ranks:
                 popen = self.spawner.start(command, launch, path)
             self.procs[local_rank] = RankProcess(
                 rank, local_rank, popen, path, time.time(),
-                stacks_path=log_dir / f"rank_{rank:05d}.stacks",
+                stacks_path=log_dir / f"rank_{rank:05d}{again}.stacks",
                 compute=deque(maxlen=plan.straggler_window))
         if gen > 0:  # a rank of a later generation is a restart, of one kind or the other
             self.restarts["in_process"] += reused
             self.restarts["process"] += rpn - reused
         kept = (f" ({reused} of them in process)" if reused else
                 f" (restart: process: {refused})" if refused else "")
+        if replica is not None:
+            kept += f" (replica {replica}" + (f", launch {self.launched})" if self.launched
+                                              else ")")
         self.voice.event("launch", f"generation {gen}: ranks {node_rank * rpn}-"
                          f"{node_rank * rpn + rpn - 1} started on {self.node}{kept}",
                          in_process=reused, pids=",".join(str(self.procs[lr].popen.pid)
@@ -366,7 +401,8 @@ class Ranks:
                 node=self.node, rank=p.rank, local_rank=p.local_rank, generation=self.generation,
                 pid=p.popen.pid, code=code if code >= 0 else None,
                 signal=-code if code < 0 else None, by_agent=p.stop_sent is not None,
-                time=time.time(), tail=tail(p.log_path), tail_age=log_age(p.log_path)))
+                time=time.time(), tail=tail(p.log_path), tail_age=log_age(p.log_path),
+                launch=self.launched or 0))
             self.beats.pop(p.local_rank, None)
         if self.unreported:
             try:
@@ -404,6 +440,7 @@ class Ranks:
                 self.left(p, beat)
                 continue
             beat["received"] = time.time()
+            beat["rank"] = p.rank  # the job's rank: a replica's rank counts in its own world
             self.beats[local_rank] = beat
             if isinstance(beat.get("failed_saves"), int):  # agreed: every rank says the same
                 self.failed_saves = beat["failed_saves"]
@@ -423,7 +460,7 @@ class Ranks:
             node=self.node, rank=p.rank, local_rank=p.local_rank, generation=self.generation,
             pid=p.popen.pid, code=code, signal=None, by_agent=p.stop_sent is not None,
             time=time.time(), in_process=True, tail=tail(p.log_path),
-            tail_age=log_age(p.log_path)))
+            tail_age=log_age(p.log_path), launch=self.launched or 0))
         p.stop_sent, p.spared = None, False  # a stop it was sent is done: no SIGKILL for it
         if self.ended:
             self.dismiss([p])

@@ -29,6 +29,8 @@ class RankFiles:
         self.voice = voice
         self.control_path = folder / f"agent-{tag}.control"
         self.chaos_path = folder / f"agent-{tag}.chaos"
+        self.quorum_path = folder / f"agent-{tag}.quorum"  # replicas that carry on
+        self.quorum: dict | None = None  # the quorum record written there last
         self._control_writes = Rewritten(self.control_path, "its ranks' control file")
         self._chaos_writes = Rewritten(self.chaos_path, "its ranks' chaos file")
         self.control: dict = {}  # the job's control word, as last relayed
@@ -85,6 +87,26 @@ class RankFiles:
         """One more fault, numbered after the others (a rank fires each id once)."""
         self.set_faults([*self.chaos, {"id": len(self.chaos) + 1, **fault}])
 
+    # --- replicas that carry on ----------------------------------------------------------------
+
+    def set_quorum(self, record: dict) -> bool:
+        """The plan's quorum for this node's ranks (optimus/parallel/quorum_file.py reads it),
+        replaced whole and atomically; False when the disk refused it (said; tried again)."""
+        if record == self.quorum:
+            return True
+        tmp = self.quorum_path.with_suffix(".quorum.tmp")
+        self.next_files |= {tmp}
+        try:
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, self.quorum_path)
+        except OSError as e:
+            self.voice.event("disk", f"agent of {self.voice.node} could not write its ranks' "
+                             f"quorum file ({e}); it tries again every tick", ok=False,
+                             path=str(self.quorum_path))
+            return False
+        self.quorum = record
+        return True
+
     # --- ranks waiting in process --------------------------------------------------------------
 
     def next_path(self, local_rank: int) -> Path:
@@ -100,6 +122,6 @@ class RankFiles:
         os.replace(tmp, path)
 
     def remove(self) -> None:
-        for path in (self.control_path, self.chaos_path, *self.next_files):
+        for path in (self.control_path, self.chaos_path, self.quorum_path, *self.next_files):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)

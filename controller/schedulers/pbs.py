@@ -22,7 +22,7 @@ from pathlib import Path
 import click
 
 from controller.control.journal import read_journal
-from optimus.config import ConfigError, check_job, load_job
+from optimus.config import ConfigError, check_job, check_replica_nodes, load_job
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "deploy" / "pbs" / "optimus.pbs"
@@ -149,6 +149,7 @@ def command(job_file: Path, nodes: int, spares: int, ranks_per_node: int, queue:
     """Fill in deploy/pbs/optimus.pbs for JOB (PBS Pro with PALS: Aurora); print or qsub it."""
     config = load_job(job_file)
     check_job(config, world=nodes * ranks_per_node, source=str(job_file))
+    check_replica_nodes(config, nodes, source=str(job_file))
     job = PbsJob(job_file.resolve(), config.name, nodes, spares, ranks_per_node, queue,
                  walltime, account, filesystems, pmi)
     check(job)

@@ -25,7 +25,13 @@ import click
 
 import optimus.cli as core
 from controller.control.journal import read_journal
-from optimus.config import ConfigError, JobConfig, check_job, load_job
+from optimus.config import (
+    ConfigError,
+    JobConfig,
+    check_job,
+    check_replica_nodes,
+    load_job,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "deploy" / "slurm" / "optimus.sbatch"
@@ -154,6 +160,7 @@ def command(job: Path, overrides: tuple[str, ...], nodes: int, spares: int, rank
         raise _refused(f"no job file {job}", "the path of a job YAML, e.g. jobs/tiny-gpt.yaml")
     config = load_job(job, list(overrides))
     check_job(config, world=nodes * ranks_per_node, source=str(job))
+    check_replica_nodes(config, nodes, source=str(job))
     script, bad = fill(config, job, list(overrides), nodes=nodes, spares=spares,
                        ranks_per_node=ranks_per_node, partition=partition, time=time_,
                        account=account, exclude=exclude, requeue=requeue)

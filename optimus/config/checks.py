@@ -128,6 +128,15 @@ def _job_problems(job: JobConfig) -> list[tuple[str, str, str]]:
         out.append(("supervision.min_nodes", f"{sv.min_nodes} is a floor for shrinking, and "
                     "when_no_spare: wait never shrinks", "drop min_nodes, or when_no_spare: "
                     "shrink"))
+    if sv.on_replica_loss == "continue" and job.parallel.replicas < 2:
+        out.append(("supervision.on_replica_loss", "continue lets the other data-parallel "
+                    f"replicas train on when one is lost, and parallel.replicas is "
+                    f"{job.parallel.replicas}: there is no other", "set parallel.replicas >= 2 "
+                    "(dp = replicas x shard), or on_replica_loss: restart"))
+    elif sv.on_replica_loss == "continue" and sv.min_replicas > job.parallel.replicas:
+        out.append(("supervision.min_replicas", f"{sv.min_replicas} is more than "
+                    f"parallel.replicas={job.parallel.replicas}: every loss would restart",
+                    f"use min_replicas <= {job.parallel.replicas}"))
     for key, template, names in (("run_dir", job.run_dir, {"name"}),
                                  ("checkpoint.dir", job.checkpoint.dir, {"name", "run_dir"})):
         try:
@@ -265,6 +274,17 @@ def check_job(job: JobConfig, world: int | None = None,
     if problems:
         raise ConfigError(source, problems=problems)
     return None if dp is None else ParallelDims.of(job.parallel, dp=dp)
+
+
+def check_replica_nodes(job: JobConfig, nodes: int, source: str = "job") -> None:
+    """Replicas that carry on are launched a world each on nodes of their own: the node count
+    must split into them (ConfigError if not)."""
+    replicas = job.parallel.replicas
+    if job.supervision.on_replica_loss == "continue" and nodes % replicas:
+        raise ConfigError(source, "supervision.on_replica_loss", f"continue runs each of "
+                          f"parallel.replicas={replicas} replicas on nodes of its own, and "
+                          f"{nodes} nodes do not split into {replicas}",
+                          f"use a node count that is a multiple of {replicas}")
 
 
 def resolve_layout(job: JobConfig, world: int, source: str = "job") -> ParallelDims:

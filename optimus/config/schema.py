@@ -293,6 +293,15 @@ class SupervisionConfig(Section):
     min_nodes: PositiveInt | None = Field(
         None, description="the fewest nodes a shrunk job runs on; None: half of --nodes, "
                           "rounded up")
+    on_replica_loss: Literal["restart", "continue"] = Field(
+        "restart", description="a rank lost (dead, hung, its node gone): restart: every rank "
+                               "starts a new generation; continue: only its data-parallel "
+                               "replica (parallel.replicas) leaves, the others train on at a "
+                               "smaller global batch, and it comes back healed from a peer "
+                               "(docs/parallelism.md, \"Replicas that carry on\")")
+    min_replicas: PositiveInt = Field(
+        1, description="with on_replica_loss: continue, the fewest replicas that train on; "
+                       "below it a loss restarts the job as under restart")
 
 
 class NetworkConfig(Section):

@@ -26,13 +26,16 @@ CHECKPOINT, EVAL, PAUSED, DONE = "checkpoint", "eval", "paused", "done"
 GRAD_SYNC, CHECKPOINT_SYNC, SYNC = "grad_sync", "checkpoint_sync", "sync"
 COLLECTIVE_PHASES = (GRAD_SYNC, CHECKPOINT_SYNC, SYNC)
 READY = "ready"  # between generations: left one, waits in process for the next
+# A replica's rank waiting to be let into a quorum (optimus/parallel/replica_mode.py): it holds
+# nobody up, and all of a relaunched replica's ranks in it tell the controller to let it in.
+STANDBY = "standby"
 
 # Each phase of a generation, and whether its time counts as waiting (the rest of a step is
 # compute). A validation is not the step's compute: counted with waiting, it cannot make a
 # step that validates look like a straggler's.
 PHASES = {STARTUP: False, DATA: True, FORWARD: False, BACKWARD: False, GRAD_SYNC: True,
           OPTIM: False, CHECKPOINT: True, CHECKPOINT_SYNC: True, SYNC: True, PAUSED: True,
-          EVAL: True, DONE: False}
+          EVAL: True, DONE: False, STANDBY: True}
 # Phases longer than a training step, with no history of their own: a save (its writing and
 # the agreements around it) and a validation.
 LONG_PHASES = (CHECKPOINT, CHECKPOINT_SYNC, EVAL)

@@ -70,6 +70,28 @@ def _first(e: ValidationError) -> str:
     return f"field {where!r} {said} (got {got[:40] + '...' if len(got) > 40 else got})"
 
 
+# --- a quorum of replicas --------------------------------------------------------------------
+
+class Quorum(_Record):
+    """The replicas that train together now (`supervision.on_replica_loss: continue`), as the
+    controller names them: an id that only grows, the member replicas, and the store their
+    cross-replica groups meet at (optimus/parallel/replicas.py). Given to each rank in its
+    quorum file, replaced whole."""
+
+    KIND: ClassVar[str] = "quorum"
+    id: int = Field(ge=1)
+    members: list[int] = Field(min_length=1)  # replica indices, ascending, no repeats
+    store_addr: str = Field(min_length=1, max_length=255)
+    store_port: int = Field(ge=1, lt=65_536)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Quorum:
+        if any(m < 0 for m in self.members) or self.members != sorted(set(self.members)):
+            raise ValueError("field 'members' must hold replica indices (>= 0), ascending, "
+                             "each once")
+        return self
+
+
 # --- the plan --------------------------------------------------------------------------------
 
 class Holder(_Strict):
@@ -96,6 +118,33 @@ class NodeFault(_Strict):
 class Culprit(_Strict):
     node: str
     rank: int | None  # None: the node's fault, not one rank's
+
+
+class ReplicaWorlds(_Strict):
+    """Under `supervision.on_replica_loss: continue`: each data-parallel replica is a torch
+    world of its own (nodes / replicas consecutive nodes of the plan), launched and relaunched
+    on its own within one generation. Per replica, by index: where its rank 0 listens, how
+    often it was launched in this generation (a count that grows: an agent relaunches its ranks
+    when it does; a port of 0: its first node has not offered one yet, and the relaunch waits
+    for it), and the newest quorum id its ranks of that launch must not join (their
+    replica's place in older ones was the ranks they replace)."""
+
+    addrs: list[str] = Field(min_length=2)
+    ports: list[int] = Field(min_length=2)
+    launches: list[int] = Field(min_length=2)
+    after: list[int] = Field(min_length=2)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> ReplicaWorlds:
+        n = len(self.addrs)
+        if not (len(self.ports) == len(self.launches) == len(self.after) == n):
+            raise ValueError("fields 'addrs', 'ports', 'launches' and 'after' must hold one "
+                             "entry per replica")
+        if any(not 0 <= p < 65_536 for p in self.ports) or any(
+                x < 0 for x in (*self.launches, *self.after)):
+            raise ValueError("ports must be 0-65535 (0: not offered yet), launches and quorum "
+                             "ids >= 0")
+        return self
 
 
 # What an agent needs to launch a generation: a "run" plan without one is refused.
@@ -137,6 +186,8 @@ class Plan(_Record):
     failed_saves: int | None = Field(None, ge=0)
     save: bool = True  # False: the ranks it stops save nothing
     culprit: Culprit | None = None  # whom a failure's stop names
+    replicas: ReplicaWorlds | None = None  # replicas that carry on: each its own world
+    quorum: Quorum | None = None  # ... and the replicas training together now
 
     @model_validator(mode="after")
     def _launchable(self) -> Plan:
@@ -144,7 +195,17 @@ class Plan(_Record):
             for name in RUN_FIELDS:
                 if getattr(self, name) is None:
                     raise ValueError(f"field {name!r} is missing from a run plan")
+        if self.replicas is not None:
+            count = len(self.replicas.launches)
+            if self.quorum is None or len(self.nodes) % count or any(
+                    m >= count for m in self.quorum.members):
+                raise ValueError("field 'replicas' needs a quorum of its replicas and a node "
+                                 "count they divide")
         return self
+
+    def replica_of(self, node_rank: int) -> int:
+        """The replica the plan's node `node_rank` is part of (replicas: consecutive nodes)."""
+        return node_rank // (len(self.nodes) // len(self.replicas.launches))
 
 
 # --- a rank's exit ---------------------------------------------------------------------------
@@ -165,25 +226,6 @@ class ExitRecord(_Record):
     tail: str  # the last lines of its own output
     tail_age: float | None  # seconds since it last wrote one (None: no log)
     in_process: bool = False  # it left its generation and waits for the next
+    launch: int = Field(0, ge=0)  # its replica's launch in the generation (ReplicaWorlds)
 
 
-# --- a quorum of replicas --------------------------------------------------------------------
-
-class Quorum(_Record):
-    """The replicas that train together now (`supervision.on_replica_loss: continue`), as the
-    controller names them: an id that only grows, the member replicas, and the store their
-    cross-replica groups meet at (optimus/parallel/replicas.py). Given to each rank in its
-    quorum file, replaced whole."""
-
-    KIND: ClassVar[str] = "quorum"
-    id: int = Field(ge=1)
-    members: list[int] = Field(min_length=1)  # replica indices, ascending, no repeats
-    store_addr: str = Field(min_length=1, max_length=255)
-    store_port: int = Field(ge=1, lt=65_536)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> Quorum:
-        if any(m < 0 for m in self.members) or self.members != sorted(set(self.members)):
-            raise ValueError("field 'members' must hold replica indices (>= 0), ascending, "
-                             "each once")
-        return self

@@ -1,0 +1,207 @@
+"""Replicas that carry on (`supervision.on_replica_loss: continue`): the controller's rules, pure
+like the rest of decide.py, which calls them.
+
+Each data-parallel replica is a torch world of its own on consecutive nodes of the plan
+(`ReplicaWorlds`: where its rank 0 listens, how often it was launched in this generation). The
+controller is the quorum's authority: the plan names the replicas that train together now
+(`Quorum`: an id that only grows, its members, the store their groups meet at: the lowest
+member's own world store), and the agents hand it to the ranks in a file
+(optimus/parallel/replicas.py does the rest: the exchange, the let-go, the heal).
+
+- `worlds`: a new generation's replicas and its first quorum, every replica a member.
+- `current`: what the rules judge of a running generation: exits of a replica's earlier
+  launch are over (its ranks were killed for the relaunch), and a replica out of the quorum
+  holds nobody up (its heartbeats are no hang's evidence; its standbys are not behind).
+- `leave`: a failure whose culprit is in replica r: r leaves the quorum (a new id without it,
+  which lets the others' exchange go) and is relaunched within the generation, on a spare
+  for a node that is excluded or gone; the other replicas' ranks are not touched. Why not
+  (too few replicas left for `min_replicas`, no spare, no culprit), for the restart that
+  happens instead.
+- `ports`: a relaunched replica whose first node had no fresh port offered yet gets one.
+- `rejoin`: every rank of a relaunched replica waits to be let in (phase standby): a new
+  quorum with it, whose members heal it from a peer at their next step boundary.
+- `finished`: the job is done when the members' ranks all finished (a replica still out
+  waits for nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from controller.control.detect import Evidence
+from controller.control.shortage import names
+from controller.control.view import Decision, Observed, Settings
+
+
+def active(plan: dict | None) -> bool:
+    return bool(plan and plan.get("replicas") and plan.get("quorum"))
+
+
+def _per(plan: dict) -> int:
+    return len(plan["nodes"]) // len(plan["replicas"]["launches"])
+
+
+def _replica(plan: dict, node: str) -> int | None:
+    return plan["nodes"].index(node) // _per(plan) if node in plan["nodes"] else None
+
+
+def _nodes_of(plan: dict, replica: int) -> list[str]:
+    per = _per(plan)
+    return plan["nodes"][replica * per:(replica + 1) * per]
+
+
+def _offered(obs: Observed, node: str, taken: set[int]) -> int:
+    """The port `node`'s agent offers for a replica's store, unless a plan took it already
+    (its status not yet renewed: that store may still listen there); 0 when none."""
+    view = obs.nodes.get(node)
+    port = view.next_port if view is not None else 0
+    return 0 if port in taken else port
+
+
+def _taken(plan: dict | None) -> set[int]:
+    if not plan:
+        return set()
+    return {plan.get("master_port") or 0, *((plan.get("replicas") or {}).get("ports", []))}
+
+
+def _quorum(qid: int, members: list[int], worlds: dict) -> dict:
+    lowest = min(members)
+    return {"version": 1, "id": qid, "members": sorted(members),
+            "store_addr": worlds["addrs"][lowest], "store_port": worlds["ports"][lowest]}
+
+
+def worlds(obs: Observed, s: Settings, chosen: list[str]) -> tuple[dict, str | None]:
+    """A new generation's plan fields (`replicas`, `quorum`), or why it waits: a replica's
+    first node offers no port yet (its agent renews its offer within a tick)."""
+    if not s.carry_on:
+        return {}, None
+    per = len(chosen) // s.replicas
+    firsts = chosen[::per]
+    taken = _taken(obs.plan)
+    ports = [_offered(obs, n, taken) for n in firsts]
+    if not all(ports):
+        waiting = [n for n, p in zip(firsts, ports, strict=True) if not p]
+        return {}, f"waiting for {names(waiting)} to offer its replica's port"
+    qid = ((obs.plan or {}).get("quorum") or {}).get("id", 0) + 1
+    made = {"addrs": [obs.nodes[n].host for n in firsts], "ports": ports,
+            "launches": [0] * s.replicas, "after": [qid - 1] * s.replicas}
+    return {"replicas": made, "quorum": _quorum(qid, list(range(s.replicas)), made)}, None
+
+
+def current(obs: Observed, s: Settings) -> Observed:
+    """The running generation as the rules judge it under replicas that carry on."""
+    plan = obs.plan
+    if not s.carry_on or not active(plan):
+        return obs
+    launches = plan["replicas"]["launches"]
+    members = set(plan["quorum"]["members"])
+
+    def now(node: str, launch: int) -> bool:  # of its replica's current launch
+        r = _replica(plan, node)
+        return r is None or launch == launches[r]
+
+    def judged(node: str) -> bool:  # in the quorum, or its new launch runs
+        r, view = _replica(plan, node), obs.nodes.get(node)
+        return r is None or r in members or (view is not None and view.launch == launches[r])
+
+    return replace(obs, exits=[e for e in obs.exits if now(e.node, e.launch)],
+                   overdue=[o for o in obs.overdue if judged(o.node)],
+                   suspects={n: b for n, b in obs.suspects.items()
+                             if _replica(plan, n) in members})
+
+
+def finished(obs: Observed) -> bool:
+    """Every rank of the quorum's members finished (those of a replica out wait for nothing:
+    the job's end stops them)."""
+    plan = obs.plan
+    rpn, per = plan["ranks_per_node"], _per(plan)
+    wanted = {r * per * rpn + i for r in plan["quorum"]["members"] for i in range(per * rpn)}
+    return wanted <= {e.rank for e in obs.exits if e.ok}
+
+
+def leave(obs: Observed, s: Settings, d: Decision, culprit: Evidence | None,
+          reason: str) -> str | None:
+    """The culprit's replica leaves the quorum and is relaunched (None: done, the plan is
+    `d.plan`); or why the job restarts instead."""
+    plan = obs.plan
+    if not active(plan):
+        return "the generation runs without replicas"
+    r = _replica(plan, culprit.node) if culprit is not None else None
+    if r is None:
+        return "no replica is to blame: no rank or node of the generation was named"
+    quorum, worlds_ = plan["quorum"], plan["replicas"]
+    members = [m for m in quorum["members"] if m != r]
+    if len(members) < s.min_replicas:
+        return (f"replica {r} lost, and replicas {members or 'none'} would be fewer than "
+                f"supervision.min_replicas={s.min_replicas}")
+    gone = {n for n, _ in d.exclude} | set(obs.excluded)
+    nodes = list(plan["nodes"])
+    spares = sorted(n for n, v in obs.nodes.items() if v.alive and v.healthy and not v.silent
+                    and not v.excluded and n not in gone and n not in nodes)
+    per = _per(plan)
+    for i in range(r * per, (r + 1) * per):
+        view = obs.nodes.get(nodes[i])
+        if nodes[i] in gone or view is None or not view.alive:
+            if not spares:
+                return (f"replica {r} lost its node {nodes[i]} and no spare node is free to "
+                        "take its place")
+            nodes[i] = spares.pop(0)
+    first = nodes[r * per]
+    port = _offered(obs, first, _taken(plan))
+    made = {k: list(v) for k, v in worlds_.items()}
+    qid = quorum["id"] + (r in quorum["members"])  # a replica already out: the same quorum
+    made["launches"][r] += 1
+    made["after"][r] = qid
+    made["addrs"][r] = obs.nodes[first].host
+    made["ports"][r] = port  # 0: its first node offers one at its next tick (`ports`)
+    d.plan = {**plan, "nodes": nodes, "replicas": made, "issued": obs.now,
+              "quorum": _quorum(qid, members, made),
+              "reason": f"replica {r} lost: {reason}"}
+    swapped = [n for n in nodes if n not in plan["nodes"]]
+    d.note("replica_lost", f"generation {plan['generation']}: replica {r} leaves the quorum "
+           f"({reason}); quorum {qid} trains on with replicas {members}; replica {r} starts "
+           f"again (launch {made['launches'][r]}"
+           + (f", on spare {names(swapped)}" if swapped else "")
+           + ") and rejoins healed from a peer", generation=plan["generation"], replica=r,
+           quorum=qid, members=members, launch=made["launches"][r], spares=swapped)
+    return None
+
+
+def ports(obs: Observed, d: Decision) -> bool:
+    """A relaunched replica's first node offers a fresh port now: into the plan."""
+    plan = obs.plan
+    made = {k: list(v) for k, v in plan["replicas"].items()}
+    per, taken = _per(plan), _taken(plan)
+    for r, port in enumerate(made["ports"]):
+        if not port:
+            made["ports"][r] = _offered(obs, plan["nodes"][r * per], taken)
+    if made["ports"] == plan["replicas"]["ports"]:
+        return False
+    d.plan = {**plan, "replicas": made, "issued": obs.now}
+    return True
+
+
+def rejoin(obs: Observed, s: Settings, d: Decision) -> bool:
+    """Replicas out of the quorum whose every rank of their current launch waits to be let in:
+    a new quorum with them."""
+    plan = obs.plan
+    quorum, made = plan["quorum"], plan["replicas"]
+    gen, rpn = plan["generation"], plan["ranks_per_node"]
+    ready = []
+    for r in range(len(made["launches"])):
+        if r in quorum["members"] or not made["ports"][r]:
+            continue
+        views = [obs.nodes.get(n) for n in _nodes_of(plan, r)]
+        if all(v is not None and v.alive and v.generation == gen
+               and v.launch == made["launches"][r] and v.standby >= rpn for v in views):
+            ready.append(r)
+    if not ready:
+        return False
+    members = sorted({*quorum["members"], *ready})
+    qid = quorum["id"] + 1
+    d.plan = {**plan, "quorum": _quorum(qid, members, made), "issued": obs.now,
+              "reason": f"replica(s) {ready} rejoin"}
+    d.note("replica_rejoined", f"generation {gen}: replica(s) {ready} wait to be let in; "
+           f"quorum {qid} trains with replicas {members}, and heals them from a peer at its "
+           "next step boundary", generation=gen, replicas=ready, quorum=qid, members=members)
+    return True
