@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -58,6 +60,41 @@ class StepMetrics:
     memory: dict | None = None
 
 
+CATCH_UP_ROWS = 64
+TAIL_BYTES = 1 << 16  # of metrics.jsonl, for its last step: ~100 rows of a dense model
+
+
+def last_logged_step(path: Path | None) -> int:
+    """The last step metrics.jsonl at `path` holds a row of (0: none), read from its tail."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(f.tell() - TAIL_BYTES, 0))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except (OSError, TypeError):
+        return 0
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # the cut first line, or one a lost writer left half written
+        if isinstance(row, dict) and "event" not in row and type(row.get("step")) is int:
+            return row["step"]
+    return 0
+
+
+def _ends_a_line(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return True
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) == b"\n"
+    except OSError:
+        return True
+
+
 def logs_step(step: int, every: int, last: int) -> bool:
     """Whether rank 0 logs `step`'s metrics: every step up to `every` (the loss falls fastest
     at the start, and step 1 shows where it started), then every `every`-th step, and the
@@ -93,6 +130,10 @@ class MetricsLog:
                  peak_flops_per_device: float | None, world_size: int,
                  enabled: bool = True):
         self.enabled = enabled
+        self.path = path
+        # The last rows, written or not: a rank that takes over the writing writes those its
+        # lost writer had not (`catch_up`).
+        self.recent: deque[dict] = deque(maxlen=CATCH_UP_ROWS)
         self.flops_per_token = flops_per_token
         self.peak = peak_flops_per_device
         self.world_size = world_size
@@ -121,10 +162,12 @@ class MetricsLog:
 
     def record(self, m: StepMetrics) -> None:
         self.history.append(m)
+        row = {"time": time.time(), **asdict(m)}
+        self.recent.append(row)
         if not self.enabled:
             return
         if self._file is not None:
-            self._file.write(json.dumps({"time": time.time(), **asdict(m)}) + "\n")
+            self._file.write(json.dumps(row) + "\n")
         mfu = f" mfu {m.mfu:.1%}" if m.mfu is not None else ""
         status = (f"loss {m.loss:.4f} | gnorm {m.grad_norm:.3f} | {m.tokens_per_s:,.0f} tok/s"
                   f" | {m.step_time_s * 1e3:.0f} ms{mfu}")
@@ -135,8 +178,26 @@ class MetricsLog:
 
     def samples(self, step: int, data: dict | None) -> None:
         """A step that is not logged still leaves its samples' fingerprint: one short line."""
-        if self.enabled and self._file is not None and data is not None:
-            self._file.write(json.dumps({"time": time.time(), "step": step, "data": data}) + "\n")
+        if data is None:
+            return
+        row = {"time": time.time(), "step": step, "data": data}
+        self.recent.append(row)
+        if self.enabled and self._file is not None:
+            self._file.write(json.dumps(row) + "\n")
+
+    def catch_up(self) -> list[int]:
+        """This rank takes the writing over from one that was lost (replicas that carry on):
+        the rows it kept of the steps after the file's last, written now; their steps. Each
+        member holds the same step figures (the quorum's), its own slice's fingerprint."""
+        if not self.enabled or self._file is None:
+            return []
+        last = last_logged_step(self.path)
+        rows = [r for r in self.recent if r["step"] > last]
+        if rows and not _ends_a_line(self.path):
+            self._file.write("\n")  # a lost writer's last line, cut short: left alone
+        for row in rows:
+            self._file.write(json.dumps(row) + "\n")
+        return [r["step"] for r in rows]
 
     def event(self, kind: str, message: str, **fields) -> None:
         """Something that is not a step: a resume, a failed save. A JSON line and a log line."""

@@ -36,7 +36,7 @@ from optimus.checkpoint.snapshot import Snapshots, load_agreed, resume_request
 from optimus.checkpoint.state import Progress, layout_key, training_state
 from optimus.checkpoint.trust import Trust, run_key_file
 from optimus.config import JobConfig, resolve_layout
-from optimus.contract.env import CPU_BIND
+from optimus.contract.env import CPU_BIND, MASTER_PORT
 from optimus.data import build_loader, build_source
 from optimus.data.prefetch import DeviceBatches
 from optimus.evaluate import EvalResult, held_out_for
@@ -108,7 +108,9 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         with heartbeat.phase("sync"):  # the rendezvous, the mesh's process groups
             if owns_group:
                 apply_network(job.network)  # the interface the collectives use, first
-                init_distributed(env, backend, device)
+                # a replica's world serves its store where its agent said (the quorum's)
+                init_distributed(env, backend, device, serve_store=replica is not None
+                                 and bool(os.environ.get(MASTER_PORT)))
             laps.lap("rendezvous")
             mesh = layout.build_mesh(device.type)
             host = commands.group = host_group(backend)  # the boundary's: never on the device
@@ -268,7 +270,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                 step = progress.step + 1
                 batches.replace(iter(open_loader(progress.data_index)))
                 continue
-            if log.enabled:
+            if log.enabled or steps is not None:  # a replica may take the writing over
                 out.data = sample_fingerprint(
                     progress.data_index, job.data.batch_size,
                     (mb["sample_ids"] for mb in microbatches),

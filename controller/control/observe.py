@@ -83,41 +83,7 @@ class Observer:
         unhealthy, idle = self._unhealthy(self.store.summaries.sweep([]).unhealthy)
         # Planning, draining, stopping: every node, once per tick (no generation is running,
         # or it is being torn down; at scale this is the rare path).
-        info = self.store.nodes()
-        refused = self._isolated(info)
-        beats = self.store.agent_beats()
-        names = sorted(set(info) | set(beats))
-        status = self.store.agent_status(names)
-        # an agent that refused itself at registration has said so, and left
-        self.isolated = {n: why for n, why in refused.items()
-                         if status.get(n, {}).get("state") != "gone"}
-        # A node whose agent is silent and whose host refused (or no longer answers) a
-        # connection to it is not alive (probe.py): a node of the last plan, whose ranks died
-        # with it, so that the next generation does not wait agent_timeout_s for them; a spare,
-        # so that it is not chosen to replace one.
-        gone = self.prober.unreachable({
-            n: info.get(n, {}).get("snapshot_addr") or self._addresses.get(n) for n in names
-            if n in beats and now - self._excused(beats[n]) > self.s.agent_silence_s})
-        nodes = {}
-        for name in names:
-            st, node_info = status.get(name, {}), info.get(name, {})
-            nodes[name] = NodeView(
-                name=name, host=node_info.get("host", st.get("host", name)),
-                alive=(name in beats and now - self._excused(beats[name])
-                       <= self.s.agent_timeout_s and st.get("state") != "gone"
-                       and name not in gone),
-                healthy=node_info.get("health") == "ok" and name not in refused,
-                health=refused.get(name) or node_info.get("health_detail",
-                                                          node_info.get("health", "unknown")),
-                excluded=excluded.get(name),
-                generation=int(st["generation"]) if st.get("generation") else None,
-                live_ranks=int(st.get("live_ranks", 0)), last_beat=beats.get(name, 0.0),
-                silent=name in beats and now - self._excused(beats[name]) > self.s.agent_silence_s,
-                snapshot_addr=node_info.get("snapshot_addr", ""),
-                next_port=records.port(st.get("next_port")),
-                failed_saves=records.count(st.get("failed_saves")),
-                launch=records.count(st.get("replica_launch")),
-                standby=records.count(st.get("standby")) or 0)
+        nodes = self._node_views(now, excluded)
         return Observed(now=now, job=job, plan=plan, nodes=nodes, latest_step=latest,
                         skipped=skipped, suspect_steps=suspect, unhealthy=unhealthy,
                         unhealthy_idle=idle, snapshots=self.store.reports.snapshots(),
@@ -156,6 +122,46 @@ class Observer:
                 silent=age is None or age > self.s.agent_silence_s,
                 checked_at=records.number(i.get("ok_at")))
         return lost
+
+    def _node_views(self, now: float, excluded: dict) -> dict[str, NodeView]:
+        """Every registered node as its agent shows it: a round trip each for the records,
+        beats and statuses."""
+        info = self.store.nodes()
+        refused = self._isolated(info)
+        beats = self.store.agent_beats()
+        names = sorted(set(info) | set(beats))
+        status = self.store.agent_status(names)
+        # an agent that refused itself at registration has said so, and left
+        self.isolated = {n: why for n, why in refused.items()
+                         if status.get(n, {}).get("state") != "gone"}
+        # A node whose agent is silent and whose host refused (or no longer answers) a
+        # connection to it is not alive (probe.py): a node of the last plan, whose ranks died
+        # with it, so that the next generation does not wait agent_timeout_s for them; a spare,
+        # so that it is not chosen to replace one.
+        gone = self.prober.unreachable({
+            n: info.get(n, {}).get("snapshot_addr") or self._addresses.get(n) for n in names
+            if n in beats and now - self._excused(beats[n]) > self.s.agent_silence_s})
+        nodes = {}
+        for name in names:
+            st, node_info = status.get(name, {}), info.get(name, {})
+            nodes[name] = NodeView(
+                name=name, host=node_info.get("host", st.get("host", name)),
+                alive=(name in beats and now - self._excused(beats[name])
+                       <= self.s.agent_timeout_s and st.get("state") != "gone"
+                       and name not in gone),
+                healthy=node_info.get("health") == "ok" and name not in refused,
+                health=refused.get(name) or node_info.get("health_detail",
+                                                          node_info.get("health", "unknown")),
+                excluded=excluded.get(name),
+                generation=int(st["generation"]) if st.get("generation") else None,
+                live_ranks=int(st.get("live_ranks", 0)), last_beat=beats.get(name, 0.0),
+                silent=name in beats and now - self._excused(beats[name]) > self.s.agent_silence_s,
+                snapshot_addr=node_info.get("snapshot_addr", ""),
+                next_port=records.port(st.get("next_port")),
+                failed_saves=records.count(st.get("failed_saves")),
+                launch=records.count(st.get("replica_launch")),
+                standby=records.count(st.get("standby")) or 0)
+        return nodes
 
     def _refusals(self, job: JobView, plan: dict) -> list:
         """An agent that cannot run this generation (the job's fault, e.g. float8 where it
@@ -246,8 +252,17 @@ class Observer:
         mesh, mesh_refused = self._mesh_reports(plan)
         spare_count = (None if compute is None else
                        len(self._eligible - set(plan["nodes"])))  # for watching.stragglers
-        return Observed(now=now, job=job, plan=plan, nodes={}, exits=exits,
-                        overdue=self._overdue(plan, now, sweep.agent_beats),
+        overdue = self._overdue(plan, now, sweep.agent_beats)
+        # Replicas that carry on: a replica to let go, relaunch or let back in is judged on the
+        # nodes' own views (its nodes' launch and standbys, the spares, the ports offered):
+        # read only then, as between generations.
+        quorum = plan.get("quorum") if self.s.carry_on else None
+        silent = any(now - b > self.s.agent_silence_s for b in agent_beats.values())
+        nodes = self._node_views(now, excluded) if quorum and (
+            len(quorum["members"]) < self.s.replicas or overdue or silent or stalled_job
+            or any(e.failed for e in exits)) else {}
+        return Observed(now=now, job=job, plan=plan, nodes=nodes, exits=exits,
+                        overdue=overdue,
                         latest_step=latest,
                         agent_beats=agent_beats, unreachable=unreachable,
                         addresses=self._owners, mesh=mesh, mesh_refused=mesh_refused,

@@ -140,8 +140,8 @@ def leave(obs: Observed, s: Settings, d: Decision, culprit: Evidence | None,
                     and not v.excluded and n not in gone and n not in nodes)
     per = _per(plan)
     for i in range(r * per, (r + 1) * per):
-        view = obs.nodes.get(nodes[i])
-        if nodes[i] in gone or view is None or not view.alive:
+        view = obs.nodes.get(nodes[i])  # none read: its agent beats (observe.py)
+        if nodes[i] in gone or (view is not None and not view.alive):
             if not spares:
                 return (f"replica {r} lost its node {nodes[i]} and no spare node is free to "
                         "take its place")
@@ -152,7 +152,7 @@ def leave(obs: Observed, s: Settings, d: Decision, culprit: Evidence | None,
     qid = quorum["id"] + (r in quorum["members"])  # a replica already out: the same quorum
     made["launches"][r] += 1
     made["after"][r] = qid
-    made["addrs"][r] = obs.nodes[first].host
+    made["addrs"][r] = obs.nodes[first].host if first in obs.nodes else made["addrs"][r]
     made["ports"][r] = port  # 0: its first node offers one at its next tick (`ports`)
     d.plan = {**plan, "nodes": nodes, "replicas": made, "issued": obs.now,
               "quorum": _quorum(qid, members, made),

@@ -281,10 +281,10 @@ def check_replica_nodes(job: JobConfig, nodes: int, source: str = "job") -> None
     must split into them (ConfigError if not)."""
     replicas = job.parallel.replicas
     if job.supervision.on_replica_loss == "continue" and nodes % replicas:
-        raise ConfigError(source, "supervision.on_replica_loss", f"continue runs each of "
-                          f"parallel.replicas={replicas} replicas on nodes of its own, and "
-                          f"{nodes} nodes do not split into {replicas}",
-                          f"use a node count that is a multiple of {replicas}")
+        raise ConfigError(source, problems=[(
+            "supervision.on_replica_loss", f"continue runs each of parallel.replicas="
+            f"{replicas} replicas on nodes of its own, and {nodes} nodes do not split into "
+            f"{replicas}", f"use a node count that is a multiple of {replicas}")])
 
 
 def resolve_layout(job: JobConfig, world: int, source: str = "job") -> ParallelDims:

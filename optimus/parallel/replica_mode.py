@@ -92,9 +92,11 @@ class ReplicaLaunch:
         return cls(int(raw), replicas, Path(path), int(after))
 
     def world_job(self, job):
-        """The job as one replica's world runs it: its layout with one replica."""
-        return job.model_copy(update={"parallel": job.parallel.model_copy(
-            update={"replicas": 1})})
+        """The job as one replica's world runs it: its layout with one replica (which has no
+        other to carry on without it)."""
+        return job.model_copy(update={
+            "parallel": job.parallel.model_copy(update={"replicas": 1}),
+            "supervision": job.supervision.model_copy(update={"on_replica_loss": "restart"})})
 
     def batch_slice(self, batch_rank: int, batch_ranks: int) -> tuple[int, int]:
         """(this rank's slice of the global batch, the slices): over every replica's ranks."""
@@ -118,6 +120,7 @@ class ReplicaSteps:
         self.told = [0] * len(WORD)  # every member's, as the last exchange read summed them
         self.told_step = 0  # that exchange's step
         self.paused_at = -1  # the last boundary all members paused at
+        self.writer: int | None = None  # the replica that wrote the metrics at the last step
 
     def state(self) -> list[torch.Tensor]:
         """What a heal carries: this rank's model and optimizer shards."""
@@ -270,7 +273,16 @@ class ReplicaSteps:
         the lowest member (`logs`: this rank writes the metrics at all); a save in flight
         lands before its writer hands the role on."""
         writes = self.writes()
+        was, self.writer = self.writer, min(self.members) if self.members else None
         log.enabled = logs and writes
+        if writes and was is not None and was != self.writer and was not in self.members:
+            # its writer was lost: the rows of steps it had not written, from this rank's
+            caught = log.catch_up()
+            if caught:
+                log.event("metrics_caught_up", f"replica {self.launch.replica} writes the "
+                          f"metrics now; replica {was} was lost before writing steps "
+                          f"{caught[0]}-{caught[-1]}, written from this replica's figures",
+                          steps=caught, lost=was)
         if saves.ckpt is not None and not writes:
             saves.ckpt.wait()
         saves.ckpt = ckpt if writes else None

@@ -28,9 +28,13 @@ from optimus.runtime.launch import LaunchEnv
 
 
 def init_distributed(
-    env: LaunchEnv, backend: str, device: torch.device, timeout_s: float = 600
+    env: LaunchEnv, backend: str, device: torch.device, timeout_s: float = 600,
+    serve_store: bool = False,
 ) -> None:
-    """Create the default process group for this rank; a no-op when one already exists."""
+    """Create the default process group for this rank; a no-op when one already exists.
+    `serve_store`: rank 0 serves a TCPStore at master_addr:master_port even in a world of one
+    (a replica's world: its store is where the quorum's groups meet when it is the lowest
+    member, optimus/parallel/replicas.py)."""
     if dist.is_initialized():
         if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise RuntimeError(
@@ -44,7 +48,7 @@ def init_distributed(
         if device.index is None:  # torch 2.11's set_device and device_id refuse a bare "cuda"
             device = torch.device(device.type, module.current_device())
         module.set_device(device)
-    if env.world_size == 1:
+    if env.world_size == 1 and not serve_store:
         store: dist.Store = dist.HashStore()
     else:
         is_master = env.rank == 0 and not env.agent_store

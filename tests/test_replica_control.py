@@ -1,0 +1,96 @@
+"""Replicas that carry on, under the control plane (supervision.on_replica_loss: continue): real
+redis-server, controller, agents and ranks, three replicas of one node each. A rank killed or
+frozen in one replica takes only that replica out: the others keep their processes and step
+on in the same generation, the lost one is relaunched, let back in once it waits and healed
+from a peer; the run ends with every replica's state equal bit for bit, every step logged
+once, and the samples the absent replica did not train accounted for."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from controller.store.store import Store
+from optimus.data.audit import audit_run
+from tests.cluster import metrics, wait_for, write_job
+
+STEPS = 60
+pytestmark = pytest.mark.timeout(400)
+
+
+def _events(store: Store, kind: str) -> list[dict]:
+    return [e for _, e in store.events(count=10_000) if e["kind"] == kind]
+
+
+def _pids(store: Store, node: str) -> list[int]:
+    raw = store.agent_status([node]).get(node, {}).get("pids") or "[]"
+    return json.loads(raw) if raw.startswith("[") else []
+
+
+def _step(store: Store, node: str) -> int:
+    beat = store.rank_beats(node).get(0)
+    return beat["step"] if beat else -1
+
+
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_a_lost_replica_leaves_the_others_stepping_and_rejoins_healed(fault, redis_server,
+                                                                        procs, tmp_path):
+    run = tmp_path / "run"
+    # Paced steps (a sleep, not the machine's speed), so the fault lands mid-run; rank 0 of
+    # each replica's world is every replica's rank (each world is one rank).
+    pace = [{"kind": "slow_rank", "rank": 0, "step": 0, "seconds": 0.25, "generation": 0}]
+    job = write_job(tmp_path / "job.yaml", run, steps=STEPS, faults=pace, batch_size=6,
+                    on_replica_loss="continue", min_replicas=2, flaky_failures=2,
+                    hang_floor_s=60.0)
+    text = job.read_text().replace("parallel:\n  ep: 1", "parallel:\n  ep: 1\n  replicas: 3")
+    job.write_text(text)
+    procs.start("c1", "controller", str(job), "--nodes", "3", "--ranks-per-node", "1",
+                "--redis", redis_server.url, "--exit-when-done")
+    for i in range(3):
+        procs.start(f"agent{i}", "agent", "--job", "e2e", "--node", f"node{i}", "--redis",
+                    redis_server.url, "--interval", "0.25")
+    store = Store(redis_server.url, "e2e")
+    controller = procs.procs["c1"]
+
+    def stepping() -> bool:
+        assert controller.poll() is None, procs.log("c1")[-2000:]
+        return bool(store.plan()) and min(_step(store, f"node{i}") for i in range(3)) >= 5
+
+    wait_for(stepping, 180, "every replica to reach step 5")
+    plan = store.plan()
+    victim = plan["nodes"][0]  # replica 0: the writer, and the host of the quorum's store
+    survivors = {n: _pids(store, n) for n in plan["nodes"][1:]}
+    pid = _pids(store, victim)[0]
+    os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+
+    controller.wait(timeout=300)
+    record = store.job_record()
+    assert record["state"] == "COMPLETED", record
+    assert record["generation"] == "0" and record["restarts"] == "1"  # nobody else restarted
+    for node, pids in survivors.items():  # the survivors' processes are the ones launched
+        launches = [e for e in _events(store, "launch") if e.get("node") == node
+                    or node in e.get("message", "")]
+        assert len(launches) == 1 and launches[0]["pids"] == ",".join(map(str, pids))
+    lost = _events(store, "replica_lost")
+    assert [(e["replica"], e["members"]) for e in lost] == [("0", "[1, 2]")], lost
+    assert [e["replicas"] for e in _events(store, "replica_rejoined")] == ["[0]"]
+    failure = _events(store, "failure")[0]
+    assert failure["node"] == victim and failure["excluded"] == "0"  # kept: flaky_failures 2
+
+    rows = metrics(run)
+    steps = [r["step"] for r in rows if "loss" in r and "event" not in r]
+    assert steps == list(range(1, STEPS + 1))  # every step logged once, by whoever wrote
+    quorums = [r for r in rows if r.get("event") == "quorum"]
+    assert quorums[-1]["members"] == [0, 1, 2] and quorums[-1]["healed"] == [0]
+    assert quorums[-1]["source"] in (1, 2)
+    end = [r for r in rows if r.get("event") == "replicas"]
+    assert end and end[-1]["members"] == [0, 1, 2] and end[-1]["step"] == STEPS
+    audit = audit_run(run)
+    assert audit.ok, audit.lines()
+    assert audit.absent and all(out == [0] for _, out in audit.absent)  # replica 0's slices
+    # the writer was lost: replica 1 wrote the steps it had not, from its own figures
+    caught = [r for r in rows if r.get("event") == "metrics_caught_up"]
+    assert all(r["lost"] == 0 for r in caught)
