@@ -159,6 +159,16 @@ def test_a_replica_whose_every_rank_waits_is_let_back_in():
     assert decide(observed(nodes=old, the_plan=out), S).plan is None
 
 
+def test_a_rejoin_keeps_the_quorum_store_where_the_members_met():
+    out = plan(members=(1, 2), launches=(1, 0, 0), qid=2)
+    out["quorum"].update(store_addr="host-n2", store_port=4002)  # replica 1's, since 0 left
+    nodes = {n: node(n, port=5000 + i) for i, n in enumerate(NODES)}
+    nodes.update(n0=node("n0", launch=1, standby=1), n1=node("n1", launch=1, standby=1))
+    quorum = decide(observed(nodes=nodes, the_plan=out), S).plan["quorum"]
+    assert quorum["members"] == [0, 1, 2]
+    assert (quorum["store_addr"], quorum["store_port"]) == ("host-n2", 4002)  # not replica 0's
+
+
 def test_the_job_completes_when_the_members_finish_without_the_replica_still_out():
     out = plan(members=(0, 2), launches=(0, 1, 0), qid=2)
     done = [Exit(n, r, 0, code=0, time=NOW) for r, n in enumerate(NODES) if r not in (2, 3)]

@@ -4,8 +4,8 @@ like the rest of decide.py, which calls them.
 Each data-parallel replica is a torch world of its own on consecutive nodes of the plan
 (`ReplicaWorlds`: where its rank 0 listens, how often it was launched in this generation). The
 controller is the quorum's authority: the plan names the replicas that train together now
-(`Quorum`: an id that only grows, its members, the store their groups meet at: the lowest
-member's own world store), and the agents hand it to the ranks in a file
+(`Quorum`: an id that only grows, its members, the store their groups meet at: a member's
+own world store, which stays where it is while that member does), and the agents hand it to the ranks in a file
 (optimus/parallel/replicas.py does the rest: the exchange, the let-go, the heal).
 
 - `worlds`: a new generation's replicas and its first quorum, every replica a member.
@@ -64,10 +64,19 @@ def _taken(plan: dict | None) -> set[int]:
     return {plan.get("master_port") or 0, *((plan.get("replicas") or {}).get("ports", []))}
 
 
-def _quorum(qid: int, members: list[int], worlds: dict) -> dict:
-    lowest = min(members)
+def _quorum(qid: int, members: list[int], worlds: dict, before: dict | None = None) -> dict:
+    """A quorum record. Its store is a member's own world store: the one the quorum `before`
+    met at while its replica stays a member (a replica just relaunched may die again while
+    the others connect to it; the others' store has served them all along), else the lowest
+    member's."""
+    host = None
+    if before is not None:
+        at = (before["store_addr"], before["store_port"])
+        host = next((r for r in before["members"] if r in members
+                     and (worlds["addrs"][r], worlds["ports"][r]) == at), None)
+    host = min(members) if host is None else host
     return {"version": 1, "id": qid, "members": sorted(members),
-            "store_addr": worlds["addrs"][lowest], "store_port": worlds["ports"][lowest]}
+            "store_addr": worlds["addrs"][host], "store_port": worlds["ports"][host]}
 
 
 def worlds(obs: Observed, s: Settings, chosen: list[str]) -> tuple[dict, str | None]:
@@ -155,7 +164,7 @@ def leave(obs: Observed, s: Settings, d: Decision, culprit: Evidence | None,
     made["addrs"][r] = obs.nodes[first].host if first in obs.nodes else made["addrs"][r]
     made["ports"][r] = port  # 0: its first node offers one at its next tick (`ports`)
     d.plan = {**plan, "nodes": nodes, "replicas": made, "issued": obs.now,
-              "quorum": _quorum(qid, members, made),
+              "quorum": _quorum(qid, members, made, quorum),
               "reason": f"replica {r} lost: {reason}"}
     swapped = [n for n in nodes if n not in plan["nodes"]]
     d.note("replica_lost", f"generation {plan['generation']}: replica {r} leaves the quorum "
@@ -199,7 +208,7 @@ def rejoin(obs: Observed, s: Settings, d: Decision) -> bool:
         return False
     members = sorted({*quorum["members"], *ready})
     qid = quorum["id"] + 1
-    d.plan = {**plan, "quorum": _quorum(qid, members, made), "issued": obs.now,
+    d.plan = {**plan, "quorum": _quorum(qid, members, made, quorum), "issued": obs.now,
               "reason": f"replica(s) {ready} rejoin"}
     d.note("replica_rejoined", f"generation {gen}: replica(s) {ready} wait to be let in; "
            f"quorum {qid} trains with replicas {members}, and heals them from a peer at its "

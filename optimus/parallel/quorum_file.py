@@ -54,3 +54,30 @@ def wait_for_quorum(path: Path, *, after: int, replica: int, timeout_s: float,
         time.sleep(POLL_S)
     raise QuorumError(f"no quorum after id {after} holding replica {replica} came within "
                       f"{timeout_s:g} s")
+
+
+MEET_POLL_S = 0.02
+
+
+def meet(store, quorum: Quorum, *, position: int, replica: int, path: Path,
+         timeout_s: float) -> None:
+    """Wait on the quorum's store until every member's rank at `position` has come (each sets
+    a key), before the group's own rendezvous, which no newer word can interrupt: a member
+    that died on its way leaves the others here only until the controller names a quorum
+    without it (QuorumError), not for the whole timeout."""
+    here = f"optimus/quorum/{quorum.id}/{position}/here/"
+    store.set(here + str(replica), "1")
+    keys = [here + str(m) for m in quorum.members]
+    deadline, seen = time.monotonic() + timeout_s, None
+    while not store.check(keys):
+        now = file_stamp(path)
+        if now != seen:
+            seen = now
+            newer = read_quorum(path)
+            gone = sorted(set(quorum.members) - set(newer.members)) if newer else []
+            if newer is not None and newer.id > quorum.id and gone:
+                raise QuorumError(f"quorum {quorum.id} did not meet: quorum {newer.id} leaves "
+                                  f"out replica(s) {gone}")
+        if time.monotonic() > deadline:
+            raise QuorumError(f"quorum {quorum.id} did not meet within {timeout_s:g} s")
+        time.sleep(MEET_POLL_S)

@@ -59,12 +59,14 @@ from optimus.parallel.heal import (  # noqa: F401 (checksum, device_checksum: re
 )
 from optimus.parallel.quorum_file import (  # noqa: F401 (re-exported)
     QuorumError,
+    meet,
     read_quorum,
     wait_for_quorum,
 )
 
 GIVE_UP_S = 0.05  # how often a waiting exchange asks whether the controller moved on without it
 LATE_S = 0.25  # an exchange this long after the last may have completed after a member let go
+CONNECT_S = 5.0  # a try to reach a quorum's store; then the quorum file is looked at again
 # Our figures after the gradients, before the members' slots: the token count, the loss sum.
 _TOKENS, _LOSS, SLOTS = 0, 1, 2
 
@@ -125,11 +127,17 @@ class Reduced:
 _DEVICE_OF = {"nccl": "cuda", "xccl": "xpu"}
 
 
+def connect(quorum: Quorum, timeout_s: float) -> dist.TCPStore:
+    """A client of the quorum's store (a member's world store), tried for `timeout_s`."""
+    return dist.TCPStore(quorum.store_addr, quorum.store_port, is_master=False,
+                         wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+
+
 class QuorumGroup:
     """This rank's group of one quorum: the ranks at its position in each member replica."""
 
     def __init__(self, quorum: Quorum, *, replica: int, position: int, backend: str,
-                 timeout_s: float):
+                 timeout_s: float, store: dist.TCPStore | None = None):
         if replica not in quorum.members:
             raise QuorumError(f"replica {replica} is not in quorum {quorum.id} "
                               f"({quorum.members})")
@@ -137,8 +145,7 @@ class QuorumGroup:
         self.index = quorum.members.index(replica)
         self.size = len(quorum.members)
         self.timeout = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(quorum.store_addr, quorum.store_port, is_master=False,
-                                   timeout=self.timeout, wait_for_workers=False)
+        self.store = store or connect(quorum, timeout_s)  # reached already, or now
         prefix = dist.PrefixStore(f"optimus/quorum/{quorum.id}/{position}/", self.store)
         self.group = _group(backend, prefix, self.index, self.size, self.timeout)
         # Where its small messages live: NCCL and XCCL take only their device's tensors.
@@ -363,8 +370,7 @@ class Replicas:
         self.group, self.pending, self.tried = None, None, quorum.id
         self.seen = max(self.seen, quorum.id)
         began = time.perf_counter()
-        group = QuorumGroup(quorum, replica=self.replica, position=self.position,
-                            backend=self.backend, timeout_s=self.timeout_s)
+        group = self._reach(quorum)
         formed = time.perf_counter()
         steps = group.agree(step)
         source, behind = group.heal(self.state, steps, self.notes)
@@ -374,6 +380,24 @@ class Replicas:
                            "healed": [quorum.members[i] for i in behind],
                            "group_s": round(formed - began, 4),  # the members meeting
                            "heal_s": round(time.perf_counter() - formed, 4)})
+
+    def _reach(self, quorum: Quorum) -> QuorumGroup:
+        """The quorum's group, its store tried CONNECT_S at a time: between tries, a newer
+        quorum in the file (its store's host lost meanwhile) ends the wait."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                store = connect(quorum, min(CONNECT_S, self.timeout_s))
+                break
+            except (RuntimeError, TimeoutError):
+                newer = read_quorum(self.path)
+                if time.monotonic() > deadline or (newer is not None and newer.id > quorum.id):
+                    raise
+        store.set_timeout(timedelta(seconds=self.timeout_s))
+        meet(store, quorum, position=self.position, replica=self.replica, path=self.path,
+             timeout_s=max(deadline - time.monotonic(), 1.0))
+        return QuorumGroup(quorum, replica=self.replica, position=self.position,
+                           backend=self.backend, timeout_s=self.timeout_s, store=store)
 
     def exchange(self, grads: Sequence[torch.Tensor], tokens: torch.Tensor,
                  loss_sum: torch.Tensor, last: int, word: Sequence[int] = ()) -> Reduced | None:
