@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import zlib
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 HOST = torch.device("cpu")
+NO_TIMEOUT = timedelta(0)  # Work.wait's "the group's own timeout"
 NOTES_LIMIT = 16 << 20  # bytes of a heal's JSON notes: counters and a few windows of figures
 
 
@@ -64,7 +66,7 @@ def device_checksum(raw: torch.Tensor) -> torch.Tensor:
 
 
 def send_notes(group: dist.ProcessGroup, notes: dict, peer: int, tag: int,
-               device: torch.device = HOST) -> None:
+               device: torch.device = HOST, timeout: timedelta | None = None) -> None:
     """Send `notes` (JSON) to `peer`: its length, then its bytes and their checksum; through
     `device`'s memory (the group's backend may take no other)."""
     data = json.dumps(notes, sort_keys=True).encode()
@@ -73,23 +75,23 @@ def send_notes(group: dist.ProcessGroup, notes: dict, peer: int, tag: int,
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(
         0, dtype=torch.uint8)
     head = torch.cat([torch.tensor([len(data)], dtype=torch.int64), checksum(raw)])
-    group.send([head.to(device)], peer, tag).wait()
+    group.send([head.to(device)], peer, tag).wait(timeout or NO_TIMEOUT)
     if data:
-        group.send([raw.to(device)], peer, tag + 1).wait()
+        group.send([raw.to(device)], peer, tag + 1).wait(timeout or NO_TIMEOUT)
 
 
 def receive_notes(group: dist.ProcessGroup, source: int, tag: int,
-                  device: torch.device = HOST) -> dict:
+                  device: torch.device = HOST, timeout: timedelta | None = None) -> dict:
     """The notes `send_notes` sent from `source`, their length bounded and checksum checked."""
     head = torch.zeros(3, dtype=torch.int64, device=device)
-    group.recv([head], source, tag).wait()
+    group.recv([head], source, tag).wait(timeout or NO_TIMEOUT)
     head = head.cpu()
     size = int(head[0])
     if not 0 <= size <= NOTES_LIMIT:
         raise HealError(f"a heal's notes claim {size} bytes, over {NOTES_LIMIT}")
     raw = torch.zeros(size, dtype=torch.uint8, device=device)
     if size:
-        group.recv([raw], source, tag + 1).wait()
+        group.recv([raw], source, tag + 1).wait(timeout or NO_TIMEOUT)
     raw = raw.cpu()
     if not torch.equal(checksum(raw), head[1:]):
         raise HealError("a heal's notes fail their checksum")

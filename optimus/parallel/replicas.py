@@ -67,6 +67,7 @@ from optimus.parallel.quorum_file import (  # noqa: F401 (re-exported)
 GIVE_UP_S = 0.05  # how often a waiting exchange asks whether the controller moved on without it
 LATE_S = 0.25  # an exchange this long after the last may have completed after a member let go
 CONNECT_S = 5.0  # a try to reach a quorum's store; then the quorum file is looked at again
+FORM = timedelta(seconds=20)  # for a gloo group's rendezvous: a member lost in it is not waited
 # Our figures after the gradients, before the members' slots: the token count, the loss sum.
 _TOKENS, _LOSS, SLOTS = 0, 1, 2
 
@@ -85,8 +86,8 @@ def switch_step(revealed_at: int) -> int:
 def _group(backend: str, store: dist.Store, rank: int, size: int,
            timeout: timedelta) -> dist.ProcessGroup:
     """A process group of `size` made on `store` by its members alone."""
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "gloo":  # its rendezvous bounded by FORM_S; each operation passes `timeout`
+        return dist.ProcessGroupGloo(store, rank, size, min(timeout, FORM))
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -286,13 +287,13 @@ class QuorumGroup:
                 sends = [self.group.send([flat], peer, 2 * tag) for peer in behind]
                 sums = checksum(flat)  # while the bytes go (zlib lets go of the GIL)
                 for work in sends:
-                    work.wait()
+                    work.wait(self.timeout)
                 for peer in behind:
-                    self.group.send([sums], peer, 2 * tag + 1).wait()
+                    self.group.send([sums], peer, 2 * tag + 1).wait(self.timeout)
             else:
                 sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
-                self.group.recv([flat], source, 2 * tag).wait()
-                self.group.recv([sums], source, 2 * tag + 1).wait()
+                self.group.recv([flat], source, 2 * tag).wait(self.timeout)
+                self.group.recv([sums], source, 2 * tag + 1).wait(self.timeout)
                 if not torch.equal(checksum(flat).cpu(), sums.cpu()):
                     raise QuorumError(f"the state healed from replica "
                                       f"{self.quorum.members[source]} fails its checksum")
@@ -303,9 +304,9 @@ class QuorumGroup:
             if self.index == source:
                 told = notes.give()
                 for peer in behind:
-                    send_notes(self.group, told, peer, tag, self.device)
+                    send_notes(self.group, told, peer, tag, self.device, self.timeout)
             else:
-                notes.take(receive_notes(self.group, source, tag, self.device))
+                notes.take(receive_notes(self.group, source, tag, self.device, self.timeout))
         return source, behind
 
     def verify(self, state: Sequence[torch.Tensor]) -> bool:
