@@ -30,7 +30,9 @@ The whole measurement runs once per mode (`--modes`), each `<start>-<recovery>`:
   without it, `process`: every rank restarts as a new one (how Optimus restarted before);
 - `replica`: replicas that carry on (bench/recovery_replicas.py): a killed rank's replica
   leaves the quorum, the others step on, a standby in its place is healed from a peer; on
-  `optimus train` with the quorum written at once (no controller: its decision is not in it).
+  `optimus train` with the quorum written at once (no controller: its decision is not in it);
+  `replica-control`: the same under the whole control plane (bench/recovery_control.py): the
+  controller's decision, the agent's relaunch and the rejoin are in it.
 Per trial it also records the steps lost (the last step the failed generation logged, minus the
 step the next one resumed from) and where the next generation's state came from. The last lines
 compare every mode's fault-to-next-step medians with the first mode's (the reference:
@@ -229,8 +231,9 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--faults", default="kill_rank,freeze_rank,kill_node")
     parser.add_argument("--modes", default="cold-disk,warm-disk,warm-memory",
-                        help="<warm|standby|cold>-<memory|disk>[-inprocess], or replica "
-                             "(bench/recovery_replicas.py), comma-separated; the first is the "
+                        help="<warm|standby|cold>-<memory|disk>[-inprocess], replica "
+                             "(bench/recovery_replicas.py) or replica-control "
+                             "(bench/recovery_control.py), comma-separated; the first is the "
                              "reference of the ratios")
     parser.add_argument("--memory-every", default="auto",
                         help="checkpoint.memory_every for the memory modes")
@@ -238,7 +241,7 @@ def main() -> None:
     faults = args.faults.split(",")
     modes = args.modes.split(",")
     for mode in modes:
-        if mode == "replica":
+        if mode in ("replica", "replica-control"):
             continue
         start, _, recovery = mode.partition("-")
         recovery, _, restart = recovery.partition("-")
@@ -256,6 +259,12 @@ def main() -> None:
             from recovery_replicas import measure_replicas
 
             medians[mode] = {"kill_rank": measure_replicas(args.trials)["kill_to_next_step_s"]}
+            continue
+        if mode == "replica-control":  # ... under the control plane: bench/recovery_control.py
+            from recovery_control import measure_control
+
+            os.environ[WARM_ENV] = STARTS["warm"]
+            medians[mode] = {"kill_rank": measure_control(args.trials, sys.modules[__name__])}
             continue
         start, recovery, *inprocess = mode.split("-")
         os.environ[WARM_ENV] = STARTS[start]  # the agents inherit it

@@ -21,7 +21,7 @@ from controller.control.decide import (
     Settings,
     decide,
 )
-from controller.node.replica_worlds import relaunch_due, world
+from controller.node.replica_worlds import own_rank, relaunch_due, world
 from optimus.config import ConfigError, check_job, check_replica_nodes, load_job
 from optimus.contract import env
 from optimus.contract.records import Plan, RecordError
@@ -196,6 +196,8 @@ def test_the_agent_places_each_rank_in_its_replicas_world():
     assert launch[env.MASTER_ADDR] == "host-n2" and launch[env.MASTER_PORT] == "4002"
     assert launch[env.REPLICA] == "1" and launch[env.QUORUM_FILE] == "/q"
     assert relaunch_due(p, "n3", 0) and not relaunch_due(p, "n0", 0)
+    # an operator's in-step fault names the job's rank 3; the rank knows itself as 1
+    assert own_rank(p, "n3", 3, 0) == 1 and own_rank(None, "n3", 3, 0) == 3
 
 
 @pytest.mark.parametrize(("bad", "said"), [

@@ -5,8 +5,9 @@ Each data-parallel replica is a torch world of its own on consecutive nodes of t
 (`ReplicaWorlds`: where its rank 0 listens, how often it was launched in this generation). The
 controller is the quorum's authority: the plan names the replicas that train together now
 (`Quorum`: an id that only grows, its members, the store their groups meet at: a member's
-own world store, which stays where it is while that member does), and the agents hand it to the ranks in a file
-(optimus/parallel/replicas.py does the rest: the exchange, the let-go, the heal).
+own world store, which stays where it is while that member does), and the agents hand it to
+the ranks in a file (optimus/parallel/replicas.py does the rest: the exchange, the let-go, the
+heal).
 
 - `worlds`: a new generation's replicas and its first quorum, every replica a member.
 - `current`: what the rules judge of a running generation: exits of a replica's earlier

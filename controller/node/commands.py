@@ -110,9 +110,10 @@ class Commands:
                                  step=command["step"])
             return
         if kind in chaos.IN_STEP:  # the rank fires it in a step
-            if any(p.rank == command.get("rank") and p.popen.returncode is None for p in procs):
+            hit = [p for p in procs if p.rank == command.get("rank") and p.popen.returncode is None]
+            if hit:  # as the rank knows itself: in its replica's world, under replicas
                 self.files.add_fault(
-                    kind=kind, rank=command["rank"], generation=generation,
+                    kind=kind, rank=self.ranks.own_rank(hit[0]), generation=generation,
                     seconds=command.get("seconds", 0.0),
                     **({"step": command["step"]} if isinstance(command.get("step"), int)
                        else {}))

@@ -23,7 +23,7 @@ from controller.node.commands import signal_group
 from controller.node.ports import PortOffer
 from controller.node.rank_files import RankFiles
 from controller.node.ranks import RankProcess, log_age, sample_compute, tail
-from controller.node.replica_worlds import leads, relaunch_due, replica_of, world
+from controller.node.replica_worlds import leads, own_rank, relaunch_due, replica_of, world
 from controller.node.snapshots import SnapshotKeeper
 from controller.node.spawn import Spawner, rank_environment
 from controller.node.voice import Voice
@@ -138,6 +138,10 @@ class Ranks:
                 p.kill_sent = True
                 signal_group(p.popen, signal.SIGKILL)
         self.launch(plan)  # once its first node's port is in the plan
+
+    def own_rank(self, p: RankProcess) -> int:
+        """The rank `p` knows itself as (its replica world's, under replicas)."""
+        return own_rank(self.plan, self.node, p.rank, p.local_rank)
 
     def live(self) -> bool:
         """Whether a rank of this node's generation still runs (waiting ones do not)."""

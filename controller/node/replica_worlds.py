@@ -34,11 +34,19 @@ def world(plan: Plan, node: str, local_rank: int, quorum_file: Path) -> dict[str
     node_rank = plan.nodes.index(node)
     replica = node_rank // per
     rpn = plan.ranks_per_node
-    return {env.RANK: str((node_rank % per) * rpn + local_rank),
+    return {env.RANK: str(own_rank(plan, node, node_rank * rpn + local_rank, local_rank)),
             env.WORLD_SIZE: str(per * rpn), env.NODE_RANK: str(node_rank % per),
             env.NUM_NODES: str(per), env.MASTER_ADDR: worlds.addrs[replica],
             env.MASTER_PORT: str(worlds.ports[replica]), env.QUORUM_FILE: str(quorum_file),
             env.REPLICA: str(replica), env.QUORUM_AFTER: str(worlds.after[replica])}
+
+
+def own_rank(plan: Plan | None, node: str, rank: int, local_rank: int) -> int:
+    """The rank a job rank knows itself as: its replica world's under replicas, else `rank`."""
+    if plan is None or replica_of(plan, node) is None:
+        return rank
+    per = len(plan.nodes) // len(plan.replicas.launches)
+    return (plan.nodes.index(node) % per) * plan.ranks_per_node + local_rank
 
 
 def relaunch_due(plan: Plan, node: str, launched: int | None) -> bool:

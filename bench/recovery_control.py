@@ -1,0 +1,119 @@
+"""bench/recovery.py's `replica-control` mode: a lost replica under replicas that carry on, under
+the whole control plane (controller, agents, Redis; docs/replicas.md), where the `replica` mode
+(bench/recovery_replicas.py) names the quorums itself.
+
+Three replicas of the bench's tiny job, one node of one rank each (warm starts); the node is kept
+on a failure (flaky_failures high), so each trial's replica restarts on it. Per trial, once the
+job has logged 13 steps since the last rejoin: the agent of replica 1's node kills its rank
+(`optimus chaos`'s path), and from the run's own record:
+
+- decision: the controller's `replica_lost` event, from the injection (its `chaos` event);
+- the survivors' largest gap: the longest time between two logged steps (the writer's: replica
+  0) from the injection until the replica is back, in median steps of the time before it
+  (target <= 2);
+- fault -> next step: from the injection to the first step logged after it;
+- rejoin: from the decision to the quorum that heals it (the ranks' `quorum` event), the heal's
+  own time in it, and the relaunch in between;
+- steps short: steps trained by two of the three replicas (the audit accounts their samples).
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+TRIAL_STEPS = 13
+
+
+def _job(run_dir: Path, bench_job) -> dict:
+    job = bench_job(run_dir)
+    job["parallel"] = {"replicas": 3}
+    job["data"]["batch_size"] = 6
+    job["checkpoint"]["memory_every"] = 0
+    job["supervision"].update({"on_replica_loss": "continue", "min_replicas": 2,
+                               "flaky_failures": 1000, "restart": "process"})
+    return job
+
+
+def measure_control(trials: int, recovery) -> float:
+    """`trials` kills of replica 1's rank; prints the figures, returns the median fault ->
+    next step (s)."""
+    (REPO / "runs").mkdir(exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-recovery-replica-", dir=REPO / "runs"))
+    run = recovery.Run.__new__(recovery.Run)  # the same parts, on three replica nodes
+    run.run_dir, run.job_file = tmp / "run", tmp / "job.yaml"
+    run.job_file.write_text(yaml.safe_dump(_job(run.run_dir, recovery.bench_job)))
+    (run.run_dir / "control").mkdir(parents=True)
+    run.cluster = recovery.LocalCluster(run.run_dir / "control")
+    run.url = recovery.start_redis(run.cluster)
+    run.store = recovery.Store(run.url, "bench-recovery")
+    run.env = {"REDIS_URL": run.url, "OPTIMUS_SNAPSHOT_SECRET": secrets.token_hex(32)}
+    run.cluster.start("controller", [sys.executable, "-m", "controller", "controller",
+                                     str(run.job_file), "--nodes", "3", "--ranks-per-node", "1"],
+                      env={"REDIS_URL": run.url})
+    for i in range(3):
+        run.start_agent(f"node{i}")
+    print("\nreplica-control starts: 3 replicas x 1 node x 1 rank, no spare", flush=True)
+    try:
+        results = [_trial(run, n) for n in range(trials)]
+    finally:
+        run.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    med = {k: statistics.median(r[k] for r in results) for k in results[0]}
+    print(f"per kill_rank, replica-control, medians (n={trials}): decision "
+          f"{med['decision']:.2f} s; fault -> next step {med['next_step']:.2f} s; survivors' "
+          f"largest gap {med['gap']:.2f} median steps (target <= 2: "
+          f"{'met' if max(r['gap'] for r in results) <= 2 else 'MISSED'}, max "
+          f"{max(r['gap'] for r in results):.2f}); back in the quorum {med['back']:.2f} s after "
+          f"the decision (heal {med['heal']:.3f} s); steps short {med['short']:g}; restarts of "
+          "the whole job 0", flush=True)
+    return med["next_step"]
+
+
+def _trial(run, n: int) -> dict:
+    since = run.store.job_record().get("restarts", "0")
+    run.wait(lambda: len(_steps(run)) >= TRIAL_STEPS * (n + 1), 300, f"{TRIAL_STEPS} steps")
+    victim = run.store.plan()["nodes"][1]  # replica 1: not the writer
+    lost_before = len(run.events("replica_lost"))
+    run.store.push_command(victim, {"kind": "kill_rank", "rank": 1, "time": time.time()})
+    injected = float(run.wait(lambda: [e for e in run.events("chaos") if e["node"] == victim],
+                              30, "the agent to inject")[-1]["time"])
+    lost = run.wait(lambda: run.events("replica_lost")[lost_before:], 60, "the decision")[0]
+    decided = float(lost["time"])
+    healed = run.wait(lambda: [r for r in run.rows() if r.get("event") == "quorum"
+                               and r.get("healed") == [1] and r["time"] > decided], 120,
+                      "replica 1 to be healed")[0]
+    back_step = max(s for _, s in _steps(run))
+    run.wait(lambda: max(s for _, s in _steps(run)) >= back_step + 3, 60, "steps after")
+    rows = [r for r in run.rows() if "loss" in r and "event" not in r]
+    times = [r["time"] for r in rows]
+    before = [b - a for a, b in zip(times, times[1:], strict=False) if b < injected][-10:]
+    usual = statistics.median(before)
+    during = [b - a for a, b in zip(times, times[1:], strict=False)
+              if b > injected and a < healed["time"] + 2 * usual]
+    short = sum(1 for r in rows if (r.get("data") or {}).get("replicas") == [0, 2]
+                and r["time"] > injected)
+    record = run.store.job_record()
+    assert record.get("generation") == "0", record  # nobody else restarted
+    result = {"decision": decided - injected,
+              "next_step": min(t for t in times if t > injected) - injected,
+              "gap": max(during) / usual, "back": healed["time"] - decided,
+              "heal": healed["heal_s"], "short": short}
+    print(f"trial {n + 1} kill_rank: decision {result['decision']:.2f} s, next step "
+          f"{result['next_step']:.2f} s, survivors' largest gap {result['gap']:.2f} median "
+          f"steps ({usual * 1e3:.0f} ms), back {result['back']:.2f} s after the decision (heal "
+          f"{result['heal']:.3f} s), {short} step(s) short; restarts so far {since} -> "
+          f"{record.get('restarts')}", flush=True)
+    return result
+
+
+def _steps(run) -> list[tuple[float, int]]:
+    return run.steps()
