@@ -92,7 +92,9 @@ def test_a_lost_replica_leaves_the_others_stepping_and_comes_back_healed(replica
     short = sorted(s for s, n in per_step.items() if n == 2 * TOKENS)
     assert short and all(n in (2 * TOKENS, 3 * TOKENS) for n in per_step.values())
     assert short == list(range(short[0], short[-1] + 1))  # one stretch: out, then back
-    assert short[0] <= killed_at + 1 and short[-1] >= killed_at + 4
+    # (a step's row is written at the next boundary: at the kill, the step after the last
+    # logged may have been exchanged by all three already)
+    assert short[0] <= killed_at + 2 and short[-1] >= killed_at + 4
     ended = run.events("replicas")[-1]
     assert ended["members"] == [0, 1, 2] and ended["step"] == 24  # bit-equal: checked by them
     # Every sample was trained once, or accounted as skipped while replica 2 was out: its
