@@ -11,7 +11,7 @@ job has logged 13 steps since the last rejoin: the agent of replica 1's node kil
 - the survivors' largest gap: the longest time between two logged steps (the writer's: replica
   0) from the injection until the replica is back, in median steps of the time before it
   (target <= 2);
-- fault -> next step: from the injection to the first step logged after it;
+- fault -> next step: from the injection to the first step the survivors trained without it;
 - rejoin: from the decision to the quorum that heals it (the ranks' `quorum` event), the heal's
   own time in it, and the relaunch in between;
 - steps short: steps trained by two of the three replicas (the audit accounts their samples).
@@ -83,9 +83,10 @@ def _trial(run, n: int) -> dict:
     run.wait(lambda: len(_steps(run)) >= TRIAL_STEPS * (n + 1), 300, f"{TRIAL_STEPS} steps")
     victim = run.store.plan()["nodes"][1]  # replica 1: not the writer
     lost_before = len(run.events("replica_lost"))
+    said = len(run.events("chaos"))
     run.store.push_command(victim, {"kind": "kill_rank", "rank": 1, "time": time.time()})
-    injected = float(run.wait(lambda: [e for e in run.events("chaos") if e["node"] == victim],
-                              30, "the agent to inject")[-1]["time"])
+    injected = float(run.wait(lambda: run.events("chaos")[said:], 30,
+                              "the agent to inject")[0]["time"])
     lost = run.wait(lambda: run.events("replica_lost")[lost_before:], 60, "the decision")[0]
     decided = float(lost["time"])
     healed = run.wait(lambda: [r for r in run.rows() if r.get("event") == "quorum"
@@ -104,12 +105,16 @@ def _trial(run, n: int) -> dict:
     record = run.store.job_record()
     assert record.get("generation") == "0", record  # nobody else restarted
     result = {"decision": decided - injected,
-              "next_step": min(t for t in times if t > injected) - injected,
+              # the first step the survivors trained without it (a row of a step before the
+              # fault may be written after it: rows are one step behind)
+              "next_step": min(r["time"] for r in rows if r["time"] > injected and
+                               (r.get("data") or {}).get("replicas") == [0, 2]) - injected,
               "gap": max(during) / usual, "back": healed["time"] - decided,
               "heal": healed["heal_s"], "short": short}
     print(f"trial {n + 1} kill_rank: decision {result['decision']:.2f} s, next step "
           f"{result['next_step']:.2f} s, survivors' largest gap {result['gap']:.2f} median "
-          f"steps ({usual * 1e3:.0f} ms), back {result['back']:.2f} s after the decision (heal "
+          f"steps ({result['gap'] * usual:.2f} s; a step {usual * 1e3:.0f} ms), back "
+          f"{result['back']:.2f} s after the decision (heal "
           f"{result['heal']:.3f} s), {short} step(s) short; restarts so far {since} -> "
           f"{record.get('restarts')}", flush=True)
     return result
