@@ -165,7 +165,7 @@ def pytest_runtest_logfinish(nodeid, location):
 LONGEST_FIRST = ("test_chaos_soak", "test_compile", "test_readme", "test_control_plane",
                  "test_multihost", "test_multihost_faults",
                  "test_moe", "test_detection", "test_parallel_matrix", "test_checkpoint_resume",
-                 "test_replicas", "test_replica_train",
+                 "test_replicas", "test_replica_train", "test_replica_control",
                  "test_precision", "test_pbs", "test_inprocess", "test_operator",
                  "test_planner", "test_rewind", "test_warm_start", "test_slurm",
                  "test_memory_recovery", "test_clean_exit", "test_health_warm",
