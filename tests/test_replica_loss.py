@@ -178,6 +178,16 @@ def test_the_job_completes_when_the_members_finish_without_the_replica_still_out
     assert d.job["state"] == COMPLETED
 
 
+def test_a_member_let_in_too_late_to_train_is_not_waited_for_at_the_end():
+    done = [Exit(n, r, 0, code=0, time=NOW) for r, n in enumerate(NODES) if r not in (2, 3)]
+    nodes = {n: node(n, port=5000 + i) for i, n in enumerate(NODES)}
+    nodes["n2"] = node("n2", launch=1, standby=1)  # replica 1, let in at the last step
+    nodes["n3"] = node("n3", launch=1, standby=0)  # ... one of its ranks got in: it trains
+    assert decide(observed(done, nodes=nodes), S).job.get("state") != COMPLETED
+    nodes["n3"] = node("n3", launch=1, standby=1)  # none got in
+    assert decide(observed(done, nodes=nodes), S).job["state"] == COMPLETED
+
+
 def test_a_new_generation_names_a_world_per_replica_and_every_replica_in_its_first_quorum():
     nodes = {n: node(n, gen=None, launch=None, port=5000 + i) for i, n in enumerate(NODES)}
     obs = Observed(now=NOW, job=JobView(), plan=None, nodes=nodes)

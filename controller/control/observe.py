@@ -260,7 +260,7 @@ class Observer:
         silent = any(now - b > self.s.agent_silence_s for b in agent_beats.values())
         nodes = self._node_views(now, excluded) if quorum and (
             len(quorum["members"]) < self.s.replicas or overdue or silent or stalled_job
-            or any(e.failed for e in exits)) else {}
+            or any(e.failed or e.ok for e in exits)) else {}  # ok: the end, or a late member
         return Observed(now=now, job=job, plan=plan, nodes=nodes, exits=exits,
                         overdue=overdue,
                         latest_step=latest,

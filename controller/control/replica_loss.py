@@ -121,12 +121,16 @@ def current(obs: Observed, s: Settings) -> Observed:
 
 
 def finished(obs: Observed) -> bool:
-    """Every rank of the quorum's members finished (those of a replica out wait for nothing:
-    the job's end stops them)."""
+    """Every rank of the quorum's members finished: those of a replica out wait for nothing
+    (the job's end stops them), nor do those of a member let in too late to train, all of
+    whose ranks still wait in phase standby (the others ended without meeting it)."""
     plan = obs.plan
     rpn, per = plan["ranks_per_node"], _per(plan)
-    wanted = {r * per * rpn + i for r in plan["quorum"]["members"] for i in range(per * rpn)}
-    return wanted <= {e.rank for e in obs.exits if e.ok}
+    late = {r for r in plan["quorum"]["members"] if all(
+        (v := obs.nodes.get(n)) is not None and v.standby >= rpn for n in _nodes_of(plan, r))}
+    trained = [r for r in plan["quorum"]["members"] if r not in late]
+    wanted = {r * per * rpn + i for r in trained for i in range(per * rpn)}
+    return bool(trained) and wanted <= {e.rank for e in obs.exits if e.ok}
 
 
 def leave(obs: Observed, s: Settings, d: Decision, culprit: Evidence | None,
