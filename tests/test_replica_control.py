@@ -38,17 +38,20 @@ def _step(store: Store, node: str) -> int:
 # kill: the writer's rank SIGKILLed; freeze: SIGSTOPped (its heartbeat falls overdue); again:
 # killed, then its relaunched rank killed once it is let back in (during or right after its
 # heal); failover: killed, then the leading controller killed while the replica is out (a
-# standby controller lets it back in).
-@pytest.mark.parametrize("fault", ["kill", "freeze", "again", "failover"])
+# standby controller lets it back in); spare: killed, its node excluded (flaky_failures 1) with
+# no spare free, so the replica waits out of the quorum until a spare's agent starts.
+@pytest.mark.parametrize("fault", ["kill", "freeze", "again", "failover", "spare"])
 def test_a_lost_replica_leaves_the_others_stepping_and_rejoins_healed(fault, redis_server,
                                                                         procs, tmp_path):
     run = tmp_path / "run"
     # Paced steps (a sleep, not the machine's speed), so the fault lands mid-run; rank 0 of
     # each replica's world is every replica's rank (each world is one rank).
     pace = [{"kind": "slow_rank", "rank": 0, "step": 0, "seconds": 0.25, "generation": 0}]
-    job = write_job(tmp_path / "job.yaml", run, steps=STEPS, faults=pace, batch_size=6,
+    total = STEPS * 2 if fault == "spare" else STEPS  # time for a spare's agent to start
+    job = write_job(tmp_path / "job.yaml", run, steps=total, faults=pace, batch_size=6,
                     on_replica_loss="continue", min_replicas=2,
-                    flaky_failures=3,  # the node is kept: its replica restarts on it
+                    # the node is kept (its replica restarts on it), but for `spare`
+                    flaky_failures=1 if fault == "spare" else 3,
                     hang_floor_s=60.0)
     text = job.read_text().replace("parallel:\n  ep: 1", "parallel:\n  ep: 1\n  replicas: 3")
     job.write_text(text)
@@ -79,6 +82,11 @@ def test_a_lost_replica_leaves_the_others_stepping_and_rejoins_healed(fault, red
         controller.kill()
         controller = procs.procs["c2"]
         wait_for(lambda: store.fence.leader() == "c2", 30, "c2 to take over")
+    if fault == "spare":
+        wait_for(lambda: _events(store, "replica_lost"), 60, "replica 0 to leave")
+        assert list(store.excluded()) == [victim]
+        procs.start("agent3", "agent", "--job", "e2e", "--node", "node3", "--redis",
+                    redis_server.url, "--interval", "0.25")
     if fault == "again":
         wait_for(lambda: _events(store, "replica_rejoined"), 60, "replica 0 to be let in")
         relaunched = _pids(store, victim)
@@ -98,19 +106,22 @@ def test_a_lost_replica_leaves_the_others_stepping_and_rejoins_healed(fault, red
     assert [(e["replica"], e["members"]) for e in lost] == [("0", "[1, 2]")] * twice, lost
     assert [e["replicas"] for e in _events(store, "replica_rejoined")] == ["[0]"] * twice
     failure = _events(store, "failure")[0]
-    assert failure["node"] == victim and failure["excluded"] == "0"
+    assert failure["node"] == victim and failure["excluded"] == ("1" if fault == "spare" else "0")
+    if fault == "spare":  # replica 0 started again on the spare, in node0's slot
+        assert store.plan()["nodes"] == ["node3", "node1", "node2"]
+        assert [e["spares"] for e in _events(store, "replica_spare")] == ['["node3"]']
     if fault == "failover":
         assert [e["controller"] for e in _events(store, "leader")] == ["c1", "c2"]
 
     rows = metrics(run)
     steps = [r["step"] for r in rows if "loss" in r and "event" not in r]
-    assert steps == list(range(1, STEPS + 1))  # every step logged once, by whoever wrote
+    assert steps == list(range(1, total + 1))  # every step logged once, by whoever wrote
     quorums = [r for r in rows if r.get("event") == "quorum"]
     assert quorums[-1]["members"] == [0, 1, 2] and quorums[-1]["healed"] == [0]
     # (a relaunched rank killed before its quorum met leaves a `quorum_missed`, no heal)
     assert quorums[-1]["source"] in (1, 2)
     end = [r for r in rows if r.get("event") == "replicas"]
-    assert end and end[-1]["members"] == [0, 1, 2] and end[-1]["step"] == STEPS
+    assert end and end[-1]["members"] == [0, 1, 2] and end[-1]["step"] == total
     audit = audit_run(run)
     assert audit.ok, audit.lines()
     assert audit.absent and all(out == [0] for _, out in audit.absent)  # replica 0's slices

@@ -120,12 +120,31 @@ def test_below_min_replicas_the_job_restarts_and_says_why():
     assert "replicas do not carry on" in said and "min_replicas=2" in said
 
 
-def test_no_spare_for_an_excluded_node_restarts_the_job():
+def test_with_no_spare_the_replica_waits_out_of_the_quorum_then_starts_on_one():
+    strict = replace(S, flaky_failures=1)
     nodes = {n: node(n, port=5000 + i) for i, n in enumerate(NODES)}
     nodes["spare"] = node("spare", gen=None, launch=None, excluded="operator")
-    d = decide(observed([killed("n3", 3)], nodes=nodes), replace(S, flaky_failures=1))
-    assert d.plan["action"] == "stop"
-    assert "no spare node is free" in dict((k, m) for k, m, _ in d.events)["restarting"]
+    d = decide(observed([killed("n3", 3)], nodes=nodes), strict)
+    p = d.plan
+    Plan.parse(p)
+    assert p["action"] == "run" and p["quorum"]["members"] == [0, 2]
+    assert p["replicas"]["ports"][1] == 0 and p["nodes"][3] == "n3"  # parked on its slot
+    assert "waits out of the quorum for a spare node in place of n3" in d.events[-1][1]
+    # The exclusion lands; the generation goes on (an excluded node of a replica out stops
+    # nothing), and the replica stays out while no spare is free.
+    nodes["n3"] = replace(nodes["n3"], excluded="rank 3 on n3 ended with SIGKILL (9)")
+    waiting = observed(nodes=nodes, the_plan=p, excluded={"n3": "rank 3 ..."})
+    assert decide(waiting, strict).plan is None
+    # A spare registers: it takes n3's place, with its port; the replica starts there.
+    nodes["spare"] = node("spare", gen=None, launch=None, port=6000)
+    d = decide(observed(nodes=nodes, the_plan=p, excluded={"n3": "rank 3 ..."}), strict)
+    assert d.plan["nodes"] == ["n0", "n1", "n2", "spare", "n4", "n5"]
+    assert d.plan["replicas"]["ports"][1] == 5002  # its first node is n2, still there
+    assert [k for k, *_ in d.events] == ["replica_spare"]
+    # n3's rank's exit is over: its slot is the spare's now
+    later = decide(observed([killed("n3", 3)], nodes=nodes, the_plan=d.plan,
+                            excluded={"n3": "rank 3 ..."}), strict)
+    assert later.plan is None and not later.events
 
 
 def test_exits_of_an_earlier_launch_are_over_not_a_new_failure():

@@ -140,7 +140,7 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
     recovery.loaded(obs, d)
     operator.pause_transition(obs, d)
     if _leave(obs, s, d) or _grow(obs, s, d) or carry_on and (
-            replica_loss.ports(obs, d) or replica_loss.rejoin(obs, s, d)):
+            replica_loss.refill(obs, d) or replica_loss.rejoin(obs, s, d)):
         return
     recovery.rebuddy(obs, d)
     for node, why in fabric.spare_cut(obs):  # a spare its ring cannot reach: out, no restart
@@ -295,7 +295,8 @@ def _leave(obs: Observed, s: Settings, d: Decision) -> bool:
     checkpoint and exit, and the next generation runs without them. Not a failure: it uses no
     restart of max_restarts."""
     plan = obs.plan
-    leaving = [n for n in plan["nodes"] if n in obs.excluded and n not in obs.draining]
+    leaving = [n for n in plan["nodes"] if n in obs.excluded and n not in obs.draining
+               and not replica_loss.out(plan, n)]  # a replica out waits for a spare
     if not leaving:
         return False
     gen = plan["generation"]

@@ -15,10 +15,11 @@ heal).
   holds nobody up (its heartbeats are no hang's evidence; its standbys are not behind).
 - `leave`: a failure whose culprit is in replica r: r leaves the quorum (a new id without it,
   which lets the others' exchange go) and is relaunched within the generation, on a spare
-  for a node that is excluded or gone; the other replicas' ranks are not touched. Why not
-  (too few replicas left for `min_replicas`, no spare, no culprit), for the restart that
-  happens instead.
-- `ports`: a relaunched replica whose first node had no fresh port offered yet gets one.
+  for a node that is excluded or gone (none free: it waits out of the quorum for one); the
+  other replicas' ranks are not touched. Why not (too few replicas left for `min_replicas`,
+  no culprit), for the restart that happens instead.
+- `refill`: a replica waiting to start again gets a spare in place of a lost node once one is
+  free, and its first node's fresh port once offered.
 - `rejoin`: every rank of a relaunched replica waits to be let in (phase standby): a new
   quorum with it, whose members heal it from a peer at their next step boundary.
 - `finished`: the job is done when the members' ranks all finished (a replica still out
@@ -106,13 +107,15 @@ def current(obs: Observed, s: Settings) -> Observed:
     launches = plan["replicas"]["launches"]
     members = set(plan["quorum"]["members"])
 
+    # A node no longer in the plan was replaced by a spare: what its ranks did is over.
     def now(node: str, launch: int) -> bool:  # of its replica's current launch
         r = _replica(plan, node)
-        return r is None or launch == launches[r]
+        return r is not None and launch == launches[r]
 
     def judged(node: str) -> bool:  # in the quorum, or its new launch runs
         r, view = _replica(plan, node), obs.nodes.get(node)
-        return r is None or r in members or (view is not None and view.launch == launches[r])
+        return r is not None and (r in members or (view is not None
+                                                    and view.launch == launches[r]))
 
     return replace(obs, exits=[e for e in obs.exits if now(e.node, e.launch)],
                    overdue=[o for o in obs.overdue if judged(o.node)],
@@ -135,64 +138,100 @@ def finished(obs: Observed) -> bool:
 
 def leave(obs: Observed, s: Settings, d: Decision, culprit: Evidence | None,
           reason: str) -> str | None:
-    """The culprit's replica leaves the quorum and is relaunched (None: done, the plan is
-    `d.plan`); or why the job restarts instead."""
+    """The culprit's replica leaves the quorum and is relaunched, on a spare in place of a node
+    excluded or gone, or waits out of the quorum for one (None: done, the plan is `d.plan`);
+    or why the job restarts instead."""
     plan = obs.plan
     if not active(plan):
         return "the generation runs without replicas"
     r = _replica(plan, culprit.node) if culprit is not None else None
     if r is None:
         return "no replica is to blame: no rank or node of the generation was named"
-    quorum, worlds_ = plan["quorum"], plan["replicas"]
+    quorum = plan["quorum"]
     members = [m for m in quorum["members"] if m != r]
     if len(members) < s.min_replicas:
         return (f"replica {r} lost, and replicas {members or 'none'} would be fewer than "
                 f"supervision.min_replicas={s.min_replicas}")
     gone = {n for n, _ in d.exclude} | set(obs.excluded)
-    nodes = list(plan["nodes"])
-    spares = sorted(n for n, v in obs.nodes.items() if v.alive and v.healthy and not v.silent
-                    and not v.excluded and n not in gone and n not in nodes)
-    per = _per(plan)
-    for i in range(r * per, (r + 1) * per):
-        view = obs.nodes.get(nodes[i])  # none read: its agent beats (observe.py)
-        if nodes[i] in gone or (view is not None and not view.alive):
-            if not spares:
-                return (f"replica {r} lost its node {nodes[i]} and no spare node is free to "
-                        "take its place")
-            nodes[i] = spares.pop(0)
-    first = nodes[r * per]
-    port = _offered(obs, first, _taken(plan))
-    made = {k: list(v) for k, v in worlds_.items()}
+    nodes, swapped, missing = _place(obs, plan, r, gone, known=False)
+    made = {k: list(v) for k, v in plan["replicas"].items()}
     qid = quorum["id"] + (r in quorum["members"])  # a replica already out: the same quorum
     made["launches"][r] += 1
     made["after"][r] = qid
-    made["addrs"][r] = obs.nodes[first].host if first in obs.nodes else made["addrs"][r]
-    made["ports"][r] = port  # 0: its first node offers one at its next tick (`ports`)
+    _address(obs, plan, made, r, nodes, missing)
     d.plan = {**plan, "nodes": nodes, "replicas": made, "issued": obs.now,
               "quorum": _quorum(qid, members, made, quorum),
               "reason": f"replica {r} lost: {reason}"}
-    swapped = [n for n in nodes if n not in plan["nodes"]]
+    then = (f"waits out of the quorum for a spare node in place of {names(missing)} (none is "
+            "free)" if missing else f"starts again (launch {made['launches'][r]}"
+            + (f", on spare {names(swapped)}" if swapped else "") + ")")
     d.note("replica_lost", f"generation {plan['generation']}: replica {r} leaves the quorum "
-           f"({reason}); quorum {qid} trains on with replicas {members}; replica {r} starts "
-           f"again (launch {made['launches'][r]}"
-           + (f", on spare {names(swapped)}" if swapped else "")
-           + ") and rejoins healed from a peer", generation=plan["generation"], replica=r,
-           quorum=qid, members=members, launch=made["launches"][r], spares=swapped)
+           f"({reason}); quorum {qid} trains on with replicas {members}; replica {r} {then} "
+           "and rejoins healed from a peer", generation=plan["generation"], replica=r,
+           quorum=qid, members=members, launch=made["launches"][r], spares=swapped,
+           waiting=missing)
     return None
 
 
-def ports(obs: Observed, d: Decision) -> bool:
-    """A relaunched replica's first node offers a fresh port now: into the plan."""
+def _place(obs: Observed, plan: dict, r: int, gone: set[str],
+           known: bool) -> tuple[list[str], list[str], list[str]]:
+    """Replica r's nodes with a spare in place of each one excluded or gone (`known`: a node
+    with no view is gone too; else the views may not have been read): the plan's nodes so
+    placed, the spares taken, the nodes still to replace."""
+    nodes = list(plan["nodes"])
+    spares = sorted(n for n, v in obs.nodes.items() if v.alive and v.healthy and not v.silent
+                    and not v.excluded and n not in gone and n not in nodes)
+    per, swapped, missing = _per(plan), [], []
+    for i in range(r * per, (r + 1) * per):
+        view = obs.nodes.get(nodes[i])
+        if nodes[i] in gone or (view is None and known) or (view is not None and not view.alive):
+            if spares:
+                nodes[i] = spares.pop(0)
+                swapped.append(nodes[i])
+            else:
+                missing.append(nodes[i])
+    return nodes, swapped, missing
+
+
+def _address(obs: Observed, plan: dict, made: dict, r: int, nodes: list[str],
+             missing: list[str]) -> None:
+    """Replica r's rank 0 address and port, from its first node: a port of 0 while it waits
+    for a spare, or for its first node's fresh offer (`refill`)."""
+    first = nodes[r * _per(plan)]
+    made["addrs"][r] = obs.nodes[first].host if first in obs.nodes else made["addrs"][r]
+    made["ports"][r] = 0 if missing else _offered(obs, first, _taken(plan))
+
+
+def refill(obs: Observed, d: Decision) -> bool:
+    """A replica waiting to start again (a port of 0): on a spare now free in place of a lost
+    node, and with its first node's fresh port, once offered."""
     plan = obs.plan
     made = {k: list(v) for k, v in plan["replicas"].items()}
-    per, taken = _per(plan), _taken(plan)
+    nodes, taken = list(plan["nodes"]), set(obs.excluded)
+    spared = []
     for r, port in enumerate(made["ports"]):
-        if not port:
-            made["ports"][r] = _offered(obs, plan["nodes"][r * per], taken)
-    if made["ports"] == plan["replicas"]["ports"]:
+        if port:
+            continue
+        placed, swapped, missing = _place(obs, {**plan, "nodes": nodes}, r, taken, known=True)
+        if missing:
+            continue  # no spare yet
+        nodes = placed
+        spared += swapped
+        _address(obs, {**plan, "nodes": nodes}, made, r, nodes, missing)
+    if made == plan["replicas"] and nodes == plan["nodes"]:
         return False
-    d.plan = {**plan, "replicas": made, "issued": obs.now}
+    d.plan = {**plan, "nodes": nodes, "replicas": made, "issued": obs.now}
+    if spared:
+        d.note("replica_spare", f"generation {plan['generation']}: spare {names(spared)} takes "
+               "the place of a lost node; its replica starts again there",
+               generation=plan["generation"], spares=spared)
     return True
+
+
+def out(plan: dict, node: str) -> bool:
+    """Whether `node`'s replica is out of the quorum (an exclusion of it stops nothing)."""
+    r = _replica(plan, node) if active(plan) else None
+    return r is not None and r not in plan["quorum"]["members"]
 
 
 def rejoin(obs: Observed, s: Settings, d: Decision) -> bool:
