@@ -77,8 +77,16 @@ def test_fault_excludes_the_culprit_and_finishes_on_the_spare(fault, evidence, m
     # Saves in the step (sync): step 10 is committed before the fault at step 15 however
     # loaded the machine (a thread's save of the MoE model outlasted five steps under a CPU
     # hog, and generation 1 rightly started from scratch). Async saves have tests of their own.
+    # A node's fault is the agent's to carry out, at the first tick that sees the step reached
+    # (heartbeats and ticks every 0.25 s): 20-odd unpaced steps late on a loaded machine, which
+    # landed it in step 20's save (the survivor then did not leave that collective in process
+    # within its grace, and restarted as a new process). Paced at 0.1 s a step from step 11,
+    # it lands before step 20.
+    pace = [{"kind": "slow_rank", "rank": r, "step": 0, "seconds": 0.1, "generation": 0}
+            for r in range(2)] if fault["kind"] == "kill_node" else []
+    step = 11 if fault["kind"] == "kill_node" else FAULT_STEP
     job = write_job(tmp_path / "job.yaml", run, steps=STEPS, async_mode="sync",
-                    faults=[{**fault, "step": FAULT_STEP}], **_moe(moe))
+                    faults=[{**fault, "step": step}, *pace], **_moe(moe))
     out = subprocess.run([sys.executable, "-m", "controller", "run", str(job), "--nodes", "2",
                           "--ranks-per-node", "1", "--spares", "1"], cwd=ROOT,
                          capture_output=True, text=True, timeout=240)
