@@ -130,7 +130,10 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             enabled=env.rank == 0 and not quiet)
         dropped.append(log.close)
         logs = log.enabled  # under replicas, the lowest member's rank 0 (ReplicaSteps.roles)
-        log.enabled = logs and (replica is None or replica.replica == 0)
+        # Until its first quorum, replica 0 of a new generation; a replica relaunched within
+        # one (`after`) writes nothing before it is let in: its start (a checkpoint loaded,
+        # then healed past) is no resume of the run, and the run's writer is a member.
+        log.enabled = logs and (replica is None or replica.replica == 0 and replica.after == 0)
         result = TrainResult(losses=[], metrics=log.history)
         compiles = CompileLog(log) if job.training.compile else None
         if job.training.float8 != "off":
@@ -224,6 +227,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             dropped.append(steps.close)
             with heartbeat.phase("standby"):  # the controller lets a relaunched replica in
                 steps.join()
+            steps.roles(log, saves, ckpt, logs)  # its quorum's writer says how it formed
             steps.report(log)
         between = Boundary(job=job, rank=env.rank, log=log, watch=watch, progress=progress,
                            heartbeat=heartbeat, saves=saves, snapshots=snapshots,

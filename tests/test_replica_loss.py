@@ -147,6 +147,29 @@ def test_with_no_spare_the_replica_waits_out_of_the_quorum_then_starts_on_one():
     assert later.plan is None and not later.events
 
 
+def test_a_lost_node_whose_replica_waits_for_a_spare_is_not_lost_again_every_tick():
+    """Its agent silent, n3 is lost once: its replica leaves and waits for a spare. Each tick
+    after finds the same silent agent; that is no new failure (no new launch, no event)."""
+    nodes = {n: node(n, port=5000 + i) for i, n in enumerate(NODES)}
+    nodes["spare"] = node("spare", gen=None, launch=None, excluded="operator")
+    silent = observed(nodes=nodes)
+    silent.agent_beats["n3"] = NOW - 30  # past agent_timeout_s
+    d = decide(silent, S)
+    assert d.plan["quorum"]["members"] == [0, 2] and d.plan["replicas"]["launches"] == [0, 1, 0]
+    assert "n3" in {n for n, _ in d.exclude}
+    nodes["n3"] = replace(nodes["n3"], excluded="node n3 lost", alive=False)
+    still = observed(nodes=nodes, the_plan=d.plan, excluded={"n3": "node n3 lost"})
+    still.agent_beats["n3"] = NOW - 31
+    again = decide(still, S)
+    assert again.plan is None and not again.events and not again.exclude
+    # A member's node lost meanwhile is judged as ever: replica 2 would leave, below
+    # min_replicas (2) with replica 1 out: the job restarts, and says why.
+    still.agent_beats["n5"] = NOW - 30
+    other = decide(still, S)
+    assert other.job["state"] == RESTARTING and "n5" in {n for n, _ in other.exclude}
+    assert any("min_replicas=2" in message for _, message, _ in other.events)
+
+
 def test_exits_of_an_earlier_launch_are_over_not_a_new_failure():
     out = plan(members=(0, 2), launches=(0, 1, 0), qid=2)
     d = decide(observed([killed("n2", 2, launch=0)], the_plan=out), S)

@@ -297,3 +297,31 @@ def test_the_heal_checksum_sees_a_flipped_bit_and_a_swap():
 
 def test_a_switch_comes_two_steps_after_the_step_that_revealed_it():
     assert switch_step(7) == 9
+
+
+def test_a_meeting_gives_up_when_the_controller_names_a_newer_quorum_even_one_with_all(tmp_path):
+    """Quorum 3's replica 0 was relaunched on its way (its new ranks wait for a quorum after
+    4): the controller's quorum 5 holds replica 0 again, so no member is "left out", yet
+    replica 0 will never come to quorum 3's meeting. The others give up on it at once and
+    meet in 5; a meeting that completed is formed, whatever the file says since."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from optimus.parallel.quorum_file import meet
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=5))
+    path = tmp_path / "quorum.json"
+    three = Quorum(id=3, members=[0, 1, 2], store_addr="127.0.0.1", store_port=store.port)
+    path.write_text(json.dumps(three.record()))
+    store.set("optimus/quorum/3/0/here/2", "1")  # replica 2 came; replica 0 never will
+    path.write_text(json.dumps(Quorum(id=5, members=[0, 1, 2], store_addr="127.0.0.1",
+                                      store_port=store.port).record()))
+    started = time.monotonic()
+    with pytest.raises(QuorumError, match="quorum 3 did not meet before the controller named "
+                                          "quorum 5"):
+        meet(store, three, position=0, replica=1, path=path, timeout_s=30)
+    assert time.monotonic() - started < 10  # not the 30 s bound: the newer word ended it
+    store.set("optimus/quorum/3/0/here/0", "1")  # everyone came after all: it is formed
+    meet(store, three, position=0, replica=1, path=path, timeout_s=30)

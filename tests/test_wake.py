@@ -184,3 +184,34 @@ def test_a_flood_of_wakes_makes_a_look_every_min_gap_not_a_busy_loop(redis_serve
         flooding.set()
         thread.join(10)
         waker.close()
+
+
+def test_a_ranks_exit_cuts_the_agents_wait_short_once(redis_server):
+    """The agent waits on its ranks' pidfds beside the channel (controller/node/ranks.py
+    `ExitWatch`): a rank's death ends the wait (True, well inside the interval); a death not
+    yet reaped wakes it once more at most, then waits on the cadence, not in a spin."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from controller.node.ranks import ExitWatch
+
+    waker = wake.Waker(Store(redis_server.url, "j"), wake.AGENTS)
+    watch = ExitWatch()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    rank = SimpleNamespace(popen=SimpleNamespace(pid=child.pid, returncode=None))
+    try:
+        assert len(watch.fds([rank])) == 1
+        assert waker.wait(0.05, watch.fds([rank])) is False  # alive: the interval runs out
+        threading.Timer(0.2, child.kill).start()
+        assert waker.wait(LONG_S, watch.fds([rank])) is True  # its death, not the 30 s
+        child.wait()  # reaped, but the agent has not seen its status yet
+        assert waker.wait(LONG_S, watch.fds([rank])) is True  # once more: it ends at once
+        assert watch.fds([rank]) == []  # then spent: the agent's cadence finds it
+        rank.popen.returncode = -9
+        assert watch.fds([rank]) == []
+    finally:
+        child.kill()
+        child.wait()
+        watch.close()
+        waker.close()

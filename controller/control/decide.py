@@ -146,7 +146,7 @@ def _watch(obs: Observed, s: Settings, d: Decision) -> None:
     for node, why in fabric.spare_cut(obs):  # a spare its ring cannot reach: out, no restart
         d.exclude.append((node, why))
         d.causes[node] = "network"
-    found = detect.evidence(obs, s)
+    found = replica_loss.relevant(obs, s, detect.evidence(obs, s))
     training = job.state == RUNNING and job.desired != "pause"  # no stall or straggler paused
     slow = watching.stragglers(obs, s, d) if obs.compute is not None and training else {}
     if s.straggler_action == "exclude" and watching.replaceable(obs, s, slow):

@@ -112,15 +112,30 @@ def current(obs: Observed, s: Settings) -> Observed:
         r = _replica(plan, node)
         return r is not None and launch == launches[r]
 
-    def judged(node: str) -> bool:  # in the quorum, or its new launch runs
-        r, view = _replica(plan, node), obs.nodes.get(node)
-        return r is not None and (r in members or (view is not None
-                                                    and view.launch == launches[r]))
-
     return replace(obs, exits=[e for e in obs.exits if now(e.node, e.launch)],
-                   overdue=[o for o in obs.overdue if judged(o.node)],
+                   overdue=[o for o in obs.overdue if judged(obs, o.node)],
                    suspects={n: b for n, b in obs.suspects.items()
                              if _replica(plan, n) in members})
+
+
+def judged(obs: Observed, node: str) -> bool:
+    """Whether what befalls `node` is judged: its replica is in the quorum, or its new launch
+    runs there. A replica out of the quorum and not started again (it waits for a spare, or
+    its launch has not begun) has nothing there to lose: its node is not lost again each tick."""
+    plan = obs.plan
+    r, view = _replica(plan, node), obs.nodes.get(node)
+    return r is not None and (r in plan["quorum"]["members"] or (
+        view is not None and view.launch == plan["replicas"]["launches"][r]))
+
+
+def relevant(obs: Observed, s: Settings, found: list) -> list:
+    """Of the evidence `found` (detect.py), what counts under replicas that carry on: none
+    about a node excluded already whose replica is out and not running there (`judged`): it
+    waits for a spare, and is not lost again at every tick."""
+    if not s.carry_on or not active(obs.plan):
+        return found
+    return [e for e in found if e.node not in obs.excluded or _replica(obs.plan, e.node) is None
+            or judged(obs, e.node)]
 
 
 def finished(obs: Observed) -> bool:

@@ -6,9 +6,10 @@ It registers the node (host, devices, health check), then loops:
 - every `interval` s, one pipelined round trip (`OwnRecords.agent_tick`): its own beat and status,
   its ranks' latest heartbeats and the node's heartbeat deadline; back come the plan and any
   chaos commands; then the in-memory snapshots' retention and report (snapshots.py);
-- every 50 ms, `waitpid` on its ranks (an exit is reported at once, with its code, signal and
-  the last lines of its own output), a drain of the ranks' heartbeat datagrams, and the push of
-  a new complete snapshot point to the buddy.
+- every 50 ms, and at once when one of its ranks ends (a pidfd), `waitpid` on its ranks (an
+  exit is reported at once, with its code, signal and the last lines of its own output), a
+  drain of the ranks' heartbeat datagrams, and the push of a new complete snapshot point to the
+  buddy.
 
 Plans are desired state: the agent runs the ranks of a "run" plan that names its node, stops
 (SIGTERM, then SIGKILL after the plan's grace) ranks of a generation that is over or told to
@@ -61,7 +62,7 @@ from controller.node.folders import private_folder
 from controller.node.lifecycle import Ranks
 from controller.node.mesh import MeshCheck
 from controller.node.rank_files import RankFiles
-from controller.node.ranks import deadline, rank_states, summary
+from controller.node.ranks import ExitWatch, deadline, rank_states, summary
 from controller.node.snapshots import SnapshotKeeper, default_root, job_secret, node_folder
 from controller.node.spawn import Spawner, launcher_variables, start_mode
 from controller.node.voice import Voice
@@ -93,7 +94,8 @@ class Agent:
         self.reset_ranks = True  # Redis's heartbeats of this node's ranks are another's
         self.plan_stamp: str | None = None  # of the last plan read
         self.latest_plan: Plan | None = None
-        self.waker = Waker(store, wake.AGENTS, min_gap_s=POLL_S)  # controller/store/wake.py
+        self.waker = Waker(store, wake.AGENTS)  # controller/store/wake.py
+        self.exits = ExitWatch()  # a rank's exit ends the loop's wait
         self.told: tuple | None = None  # the state the controller last heard (`_told`)
         # Private folders under guessable names (folders.py): checked before anything is in them.
         sock_dir = private_folder(Path(socket_dir or tempfile.gettempdir())
@@ -151,7 +153,8 @@ class Agent:
                 # retention and the report run with the tick.
                 if not self.voice.down:
                     self._report_snapshots(full=tick)
-                woken = self.waker.wait(POLL_S)  # a new plan, control word or port: tick now
+                # A new plan, control word or port: tick now; a rank's exit: reap it now.
+                woken = self.waker.wait(POLL_S, self.exits.fds(ranks.procs.values()))
             ranks.flush_exits()
             with contextlib.suppress(StoreUnavailable):
                 self.store.own.leave(self.node)
@@ -160,6 +163,7 @@ class Agent:
             return 0
         finally:
             self.waker.close()
+            self.exits.close()
             self.checks.mesh.close()
             self.spawner.close()
             self.snapshots.close()

@@ -5,6 +5,7 @@ that exited (the tail of its log)."""
 from __future__ import annotations
 
 import os
+import select
 import statistics
 import time
 from collections import Counter, deque
@@ -134,3 +135,47 @@ def tail(path: Path, lines: int = TAIL_LINES) -> str:
     except OSError:
         return ""
     return "\n".join(own_lines(text.splitlines())[-lines:])  # not the checkpoint writer's
+
+
+class ExitWatch:
+    """A pidfd (Linux 5.3+) per rank process not yet reaped, readable once it has ended: the
+    agent's wait ends on it (controller/store/wake.py), so an exit is reaped and reported at
+    once instead of at the loop's next turn (a replica's loss waits on it: docs/replicas.md).
+    A process without one (it had ended already, an older kernel) is found at the next turn,
+    as every exit was before."""
+
+    def __init__(self) -> None:
+        self._fds: dict[int, int] = {}  # pid -> its pidfd, or -1 once spent (or none to be had)
+        self._fired: set[int] = set()  # pidfds found readable once: given to one wait more
+
+    def fds(self, procs) -> list[int]:
+        """The pidfds of `procs` (RankProcess) to wait on. One found readable is given to one
+        more wait (which then ends at once) and dropped after: a rank that ended but is not
+        reaped yet (a warm-forked rank's status comes from the warm process) is looked at on
+        the loop's cadence then, not in a spin."""
+        live = {p.popen.pid for p in procs if p.popen.returncode is None}
+        for pid in set(self._fds) - live:
+            self._close(pid)
+        for pid in live - set(self._fds):
+            try:
+                self._fds[pid] = os.pidfd_open(pid)
+            except (OSError, AttributeError):  # gone already, or no pidfds here
+                self._fds[pid] = -1
+        watched = {fd: pid for pid, fd in self._fds.items() if fd >= 0}
+        for fd in select.select(list(watched), [], [], 0)[0] if watched else ():
+            if fd in self._fired:
+                self._close(watched[fd])
+                self._fds[watched[fd]] = -1
+            else:
+                self._fired.add(fd)
+        return [fd for fd in self._fds.values() if fd >= 0]
+
+    def close(self) -> None:
+        for pid in list(self._fds):
+            self._close(pid)
+
+    def _close(self, pid: int) -> None:
+        fd = self._fds.pop(pid)
+        if fd >= 0:
+            self._fired.discard(fd)
+            os.close(fd)

@@ -10,27 +10,35 @@ A wake carries nothing that is read: it only makes the listener's next poll come
 poll reads what it always reads (the plan stamp, the agents' records). So a lost wake (Redis
 failed over, the channel is not in an older deployment's ACL) costs one interval, never
 correctness, and a forged one (a node's credentials may publish on wake:controller only, never
-on wake:agents: controller/store/acl.py) costs at most one controller tick every MIN_GAP_S.
+on wake:agents: controller/store/acl.py) costs at most one controller tick every MIN_GAP_S, and
+never more than half the controller's time (a woken look waits as long as the last one took).
 Without wakes, a failure's recovery waited one controller tick for the stop, one agent tick to
 see the plan, a controller tick to relay the port and an agent tick to read it: ~0.5 s each on
 the bench's cadence, the larger part of the time after the decision (docs/benchmarks.md).
 
 Pub/sub, not a blocking pop or a faster poll: one PUBLISH reaches every agent, however many,
 and an idle agent costs Redis nothing between wakes.
+
+A wait may also end on the listener's own file descriptors (`wait(fds=...)`): the agent's
+ranks' pidfds, so that a rank's exit is reaped and reported the moment it happens rather than
+at the agent's next turn (a replica's loss waits on it: docs/replicas.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import time
+from collections.abc import Sequence
 
 import redis
 
 log = logging.getLogger("optimus.wake")
 
 AGENTS, CONTROLLER = "wake:agents", "wake:controller"
-MIN_GAP_S = 0.05  # the soonest a wake makes a listener look again after its last look
+MIN_GAP_S = 0.01  # the soonest a wake makes a listener look again after its last look
+FD_GAP_S = 0.002  # the soonest one of the listener's own descriptors does (one left readable)
 SUBSCRIBE_S = 2.0  # the longest a subscription waits for Redis to confirm it
 RETRY_S = 30.0  # a subscription that failed (an outage) is tried again this much later
 DRAIN_MAX = 1000  # wakes read and dropped per look: a flood of them cannot hold a loop
@@ -53,17 +61,29 @@ class Waker:
         something whose answer comes back without one."""
         self._poked = True
 
-    def wait(self, timeout_s: float) -> bool:
-        """Sleep at most `timeout_s`; True if cut short by a wake (or a poke)."""
+    def wait(self, timeout_s: float, fds: Sequence[int] = ()) -> bool:
+        """Sleep at most `timeout_s`; True if cut short by a wake (or a poke), or by one of
+        `fds` becoming readable. A wake makes the next look come no sooner than `min_gap_s`
+        after the last, nor sooner than the last look took (a flood of them costs the
+        listener at most half its time); a descriptor, FD_GAP_S."""
         start = time.monotonic()
         deadline = start + max(timeout_s, 0.0)
-        soonest = min(self._last + self.min_gap_s, deadline)
-        woken = self._poked
+        busy = start - self._last  # the look since the last wait
+        soonest = min(max(self._last + self.min_gap_s, start + busy), deadline)
+        woken, ready = self._poked, False
         self._poked = False
         try:
             sub = self._subscription()
-            while sub is not None and not woken and time.monotonic() < deadline:
-                message = sub.get_message(timeout=max(deadline - time.monotonic(), 0.0))
+            while not woken and not ready and time.monotonic() < deadline:
+                left = max(deadline - time.monotonic(), 0.0)
+                if fds:
+                    ready, heard = _select(sub, fds, left)
+                    if not heard:
+                        continue
+                    left = 0.0
+                elif sub is None:
+                    break
+                message = sub.get_message(timeout=left)
                 woken = message is not None and message.get("type") == "message"
             if woken:  # one look answers every wake that came meanwhile (a flood: DRAIN_MAX)
                 for _ in range(DRAIN_MAX):
@@ -71,11 +91,13 @@ class Waker:
                         break
         except (redis.RedisError, OSError) as e:
             self._drop(e)
-        rest = (soonest if woken else deadline) - time.monotonic()
+        if ready and not woken:
+            soonest = min(self._last + FD_GAP_S, deadline)
+        rest = (soonest if woken or ready else deadline) - time.monotonic()
         if rest > 0:
             time.sleep(rest)
         self._last = time.monotonic()
-        return woken
+        return woken or ready
 
     def close(self) -> None:
         if self._sub is not None:
@@ -113,6 +135,18 @@ class Waker:
         log.warning(message)
         self.close()
         self._refused = True
+
+
+def _select(sub, fds: Sequence[int], timeout: float) -> tuple[bool, bool]:
+    """Wait up to `timeout` for one of `fds` or the subscription's socket: (an fd is readable,
+    the subscription has something). Without a subscription, the fds alone."""
+    conn = None if sub is None else sub.connection
+    sock = None if conn is None else getattr(conn, "_sock", None)  # redis-py has no public fd
+    if conn is not None and (sock is None or conn.can_read(timeout=0)):
+        return bool(select.select(fds, [], [], 0)[0]), True  # buffered already, or no socket
+    watched = [*fds, sock] if sock is not None else list(fds)
+    readable = select.select(watched, [], [], timeout)[0]
+    return any(f in readable for f in fds), sock is not None and sock in readable
 
 
 def publish(store, channel: str) -> None:

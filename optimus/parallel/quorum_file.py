@@ -62,9 +62,10 @@ MEET_POLL_S = 0.02
 def meet(store, quorum: Quorum, *, position: int, replica: int, path: Path,
          timeout_s: float) -> None:
     """Wait on the quorum's store until every member's rank at `position` has come (each sets
-    a key), before the group's own rendezvous, which no newer word can interrupt: a member
-    that died on its way leaves the others here only until the controller names a quorum
-    without it (QuorumError), not for the whole timeout."""
+    a key), before the group's own rendezvous, which no newer word can interrupt. A member
+    that will not come (it died on its way, or was relaunched: its new ranks wait for a later
+    quorum) leaves the others here only until the controller names a newer quorum
+    (QuorumError: they meet in that one), not for the whole timeout."""
     here = f"optimus/quorum/{quorum.id}/{position}/here/"
     store.set(here + str(replica), "1")
     keys = [here + str(m) for m in quorum.members]
@@ -74,10 +75,11 @@ def meet(store, quorum: Quorum, *, position: int, replica: int, path: Path,
         if now != seen:
             seen = now
             newer = read_quorum(path)
-            gone = sorted(set(quorum.members) - set(newer.members)) if newer else []
-            if newer is not None and newer.id > quorum.id and gone:
-                raise QuorumError(f"quorum {quorum.id} did not meet: quorum {newer.id} leaves "
-                                  f"out replica(s) {gone}")
+            # Looked at the keys once more: a meeting that completed meanwhile is formed by
+            # the others, who must not wait for this rank in the group's rendezvous.
+            if newer is not None and newer.id > quorum.id and not store.check(keys):
+                raise QuorumError(f"quorum {quorum.id} did not meet before the controller "
+                                  f"named quorum {newer.id} (replicas {newer.members})")
         if time.monotonic() > deadline:
             raise QuorumError(f"quorum {quorum.id} did not meet within {timeout_s:g} s")
         time.sleep(MEET_POLL_S)

@@ -90,10 +90,20 @@ def serve(optimus_main) -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # stray prints must not corrupt the replies
     _reply(replies, {"ready": True})
     checks: dict[int, _Check] = {}  # pid -> a health check running in a child
+    # A child's exit ends the wait below at once (its SIGCHLD writes a byte to `reaping`), so
+    # the agent hears of a rank's death in a millisecond, not at this loop's next turn.
+    reaping, reaping_w = os.pipe()
+    for fd in (reaping, reaping_w):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(reaping_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     pending = b""
     while True:
-        ready, _, _ = select.select([0], [], [], _POLL_S)
-        if ready:
+        ready, _, _ = select.select([0, reaping], [], [], _POLL_S)
+        if reaping in ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(reaping, 4096)
+        if 0 in ready:
             data = os.read(0, 1 << 16)
             if not data:
                 return  # the agent is gone (the checks' children die with this process)
@@ -108,7 +118,8 @@ def serve(optimus_main) -> None:
                     continue  # the agent writes only objects: nothing to answer
                 # What a child must not keep: the agent's end-of-file on the replies means
                 # that this process has ended, and another check's pipe is not its business.
-                inherited = [replies.fileno(), *(c.fd for c in checks.values())]
+                inherited = [replies.fileno(), reaping, reaping_w,
+                             *(c.fd for c in checks.values())]
                 reply = (_start_check(request, checks, inherited) if "health" in request
                          else _spawn(request, optimus_main, inherited))
                 if reply is not None:
@@ -215,6 +226,7 @@ def _start_device(index: int) -> None:
 def _become_rank(request: dict, optimus_main, inherited: list[int], settled_fd: int) -> None:
     """In the forked child: become `optimus <argv...>` as a fresh process would, then exit."""
     try:
+        signal.set_wakeup_fd(-1)  # the warm process's: closed below
         os.setsid()
         os.write(settled_fd, b"x")
         os.close(settled_fd)
@@ -374,6 +386,7 @@ def _run_check(node: str, corrupt: set[int], result_fd: int, inherited: list[int
     code = 1
     try:
         die_with_parent()
+        signal.set_wakeup_fd(-1)  # the warm process's: closed below
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in inherited:
