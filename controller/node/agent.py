@@ -140,6 +140,7 @@ class Agent:
         ranks = self.ranks
         try:
             while not (ranks.ended and not ranks.procs):
+                self.spawner.collect()  # the warm process's reports: its pipe read empty
                 ranks.reap()
                 ranks.drain_heartbeats()
                 now = time.monotonic()
@@ -153,8 +154,12 @@ class Agent:
                 # retention and the report run with the tick.
                 if not self.voice.down:
                     self._report_snapshots(full=tick)
-                # A new plan, control word or port: tick now; a rank's exit: reap it now.
-                woken = self.waker.wait(POLL_S, self.exits.fds(ranks.procs.values()))
+                # A new plan, control word or port: tick now; a rank's exit (its pidfd, or
+                # the warm process's report of it): reap it now.
+                fds = self.exits.fds(ranks.procs.values())
+                if (reports := self.spawner.report_fd()) is not None:
+                    fds.append(reports)
+                woken = self.waker.wait(POLL_S, fds)
             ranks.flush_exits()
             with contextlib.suppress(StoreUnavailable):
                 self.store.own.leave(self.node)

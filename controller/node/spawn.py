@@ -266,6 +266,11 @@ class Spawner:
         return (self._proc is not None and not self._ready
                 and time.monotonic() - self._started < WARMING_S)
 
+    def report_fd(self) -> int | None:
+        """The warm process's replies, readable when it reports a forked rank's exit: the
+        agent's wait ends on it, and its turn `collect`s what came."""
+        return self._proc.stdout.fileno() if self._proc is not None else None
+
     def collect(self) -> None:
         """Read what the warm process reported (ranks' exits) without waiting."""
         self._read(timeout=0.0)

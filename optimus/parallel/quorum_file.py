@@ -13,7 +13,15 @@ from optimus.contract.records import Quorum, RecordError
 from optimus.files import file_stamp
 
 _QUORUM_LIMIT = 64 << 10  # bytes of a quorum file: a few ids and an address
-POLL_S = 0.01
+# How often a wait for the controller's word (the file) or the members' meeting (the store)
+# looks: often while the word is due (a failure's new quorum comes within tens of milliseconds
+# of the failure, and the survivors wait on it), then every POLL_S (a replica may wait minutes
+# out of the quorum). A stat or one store round trip a look.
+POLL_S, SOON_POLL_S, SOON_S = 0.01, 0.002, 1.0
+
+
+def _poll_s(began: float) -> float:
+    return SOON_POLL_S if time.monotonic() - began < SOON_S else POLL_S
 
 
 class QuorumError(RuntimeError):
@@ -41,7 +49,8 @@ def wait_for_quorum(path: Path, *, after: int, replica: int, timeout_s: float,
     """The first quorum in `path` newer than id `after` that holds `replica`. A newer one that
     leaves the replica out is skipped (the controller took it out: it waits to be let back in).
     Raises QuorumError after `timeout_s`."""
-    deadline, seen = time.monotonic() + timeout_s, None
+    began = time.monotonic()
+    deadline, seen = began + timeout_s, None
     while time.monotonic() < deadline:
         now = file_stamp(path)
         if now is not None and now != seen:
@@ -51,12 +60,9 @@ def wait_for_quorum(path: Path, *, after: int, replica: int, timeout_s: float,
                 return quorum
         if beat is not None:
             beat()
-        time.sleep(POLL_S)
+        time.sleep(_poll_s(began))
     raise QuorumError(f"no quorum after id {after} holding replica {replica} came within "
                       f"{timeout_s:g} s")
-
-
-MEET_POLL_S = 0.02
 
 
 def meet(store, quorum: Quorum, *, position: int, replica: int, path: Path,
@@ -69,7 +75,8 @@ def meet(store, quorum: Quorum, *, position: int, replica: int, path: Path,
     here = f"optimus/quorum/{quorum.id}/{position}/here/"
     store.set(here + str(replica), "1")
     keys = [here + str(m) for m in quorum.members]
-    deadline, seen = time.monotonic() + timeout_s, None
+    began = time.monotonic()
+    deadline, seen = began + timeout_s, None
     while not store.check(keys):
         now = file_stamp(path)
         if now != seen:
@@ -82,4 +89,4 @@ def meet(store, quorum: Quorum, *, position: int, replica: int, path: Path,
                                   f"named quorum {newer.id} (replicas {newer.members})")
         if time.monotonic() > deadline:
             raise QuorumError(f"quorum {quorum.id} did not meet within {timeout_s:g} s")
-        time.sleep(MEET_POLL_S)
+        time.sleep(_poll_s(began))
