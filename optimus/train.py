@@ -154,14 +154,17 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         watch = state["stability"] = StabilityWatch(job.stability)  # spikes (stability.py)
         agree_on = torch.device("cpu") if backend == "gloo" else device
         resumed, not_used = None, None
-        if job.checkpoint.resume == "auto":
+        # A replica relaunched within its generation (`after`) is healed from a live member
+        # when it is let in: it reads nothing from disk first (its peers' cores are spared).
+        resume = job.checkpoint.resume == "auto" and not (replica and replica.after)
+        if resume:
             with heartbeat.phase("checkpoint_sync"):
                 resumed, not_used = load_agreed(state, resume_request(), rank=env.rank,
                                                 layout=key)
         ckpt = _checkpointer(job, env, heartbeat, trust_checkpoint)
         if ckpt is not None:
             dropped.append(ckpt.drop)
-        if resumed is None and ckpt and job.checkpoint.resume == "auto":
+        if resumed is None and ckpt and resume:
             resumed = ckpt.load_latest(state, job.checkpoint.verify_on_load)
         log_resume(log, ckpt, resumed, not_used)
         # A replica's peers hold its state: no memory snapshot beside the quorum (yet).

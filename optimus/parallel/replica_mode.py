@@ -154,7 +154,12 @@ class ReplicaSteps:
 
     def join(self) -> None:
         """The first quorum holding this replica, agreed (healed if it is behind). The rank's
-        log says when it starts waiting: a standby is then ready to be let in."""
+        log says when it starts waiting: a standby is then ready to be let in. A replica
+        relaunched within its generation (it read no checkpoint: a member heals it) makes the
+        state a heal carries first (its optimizer's, where it has none yet), so that the heal
+        the members wait on only carries bytes."""
+        if self.launch.after:
+            self.state()
         print(f"replica {self.launch.replica}: ready at step {self.progress.step}, waiting for "
               f"a quorum after id {self.launch.after} that holds it", file=sys.stderr,
               flush=True)
