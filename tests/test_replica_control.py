@@ -116,6 +116,8 @@ def test_a_lost_replica_leaves_the_others_stepping_and_rejoins_healed(fault, red
     rows = metrics(run)
     steps = [r["step"] for r in rows if "loss" in r and "event" not in r]
     assert steps == list(range(1, total + 1))  # every step logged once, by whoever wrote
+    # a relaunched replica reads no checkpoint, and logs nothing before it is let in
+    assert not [r for r in rows if r.get("event") == "resume"]
     quorums = [r for r in rows if r.get("event") == "quorum"]
     assert quorums[-1]["members"] == [0, 1, 2] and quorums[-1]["healed"] == [0]
     # (a relaunched rank killed before its quorum met leaves a `quorum_missed`, no heal)

@@ -275,3 +275,30 @@ def test_config_refuses_continue_without_replicas_and_nodes_that_do_not_split():
     with pytest.raises(ConfigError, match="4 nodes do not split into 3"):
         check_replica_nodes(three, 4)
     check_replica_nodes(three, 6)
+
+
+def test_an_operators_exclusion_takes_only_that_nodes_replica_out_and_counts_no_restart():
+    """n3 (replica 1) excluded by an operator: replica 1 alone leaves, the spare takes n3's
+    slot, the generation runs on; no restart counted. Excluding a node of replica 2 then (1 is
+    out, min_replicas 2): the generation stops, and says why not the replica alone."""
+    excluded = {"n3": "operator: bad memory"}
+    d = decide(observed(excluded=excluded), S)
+    p = d.plan
+    Plan.parse(p)
+    assert p["action"] == "run" and p["generation"] == 0
+    assert p["quorum"]["members"] == [0, 2] and p["replicas"]["launches"] == [0, 1, 0]
+    assert p["nodes"][3] == "spare" and p["replicas"]["ports"][1] == 5002
+    assert "restarts" not in d.job and d.job.get("state", RUNNING) == RUNNING
+    assert [k for k, *_ in d.events] == ["replica_lost"]
+    assert "excluded by an operator (operator: bad memory)" in d.events[0][1]
+    # A node of a member replica excluded while replica 1 is out: fewer than min_replicas
+    nodes = {n: node(n, port=5000 + i) for i, n in enumerate(p["nodes"])}
+    nodes["n3"] = node("n3", gen=None, launch=None, excluded="operator: bad memory")
+    more = {**excluded, "n5": "operator: fan"}
+    stop = decide(observed(nodes=nodes, the_plan=p, excluded=more), S)
+    assert stop.plan["action"] == "stop" and stop.job["state"] == RESTARTING
+    assert "not its replica alone" in stop.job["reason"]
+    assert "min_replicas=2" in stop.job["reason"]
+    # Restart mode: an exclusion stops the generation, as ever
+    plain = replace(S, on_replica_loss="restart")
+    assert decide(observed(excluded=excluded), plain).plan["action"] == "stop"

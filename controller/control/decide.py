@@ -292,17 +292,24 @@ def _said(e: Exit) -> str:
 
 def _leave(obs: Observed, s: Settings, d: Decision) -> bool:
     """Nodes of this generation excluded while it runs (by an operator): the ranks save a
-    checkpoint and exit, and the next generation runs without them. Not a failure: it uses no
+    checkpoint and exit, and the next generation runs without them; under replicas that carry
+    on, the node's replica alone leaves (replica_loss.excluded). Not a failure: it uses no
     restart of max_restarts."""
     plan = obs.plan
     leaving = [n for n in plan["nodes"] if n in obs.excluded and n not in obs.draining
                and not replica_loss.out(plan, n)]  # a replica out waits for a spare
     if not leaving:
         return False
+    # Replicas that carry on: only the node's replica leaves (one a tick), unless too few
+    # would be left.
+    alone = replica_loss.excluded(obs, s, d, leaving[0]) if s.carry_on else "restart mode"
+    if alone is None:
+        return True
     gen = plan["generation"]
     reason = (f"{names(leaving)} excluded ({obs.excluded[leaving[0]]}): generation {gen} "
               "saves a checkpoint and stops, the next runs without "
-              + ("it" if len(leaving) == 1 else "them"))
+              + ("it" if len(leaving) == 1 else "them")
+              + (f" (not its replica alone: {alone})" if s.carry_on else ""))
     d.plan = with_action(plan, "stop", s.stop_grace_s, reason, obs.now)
     d.job.update({"state": RESTARTING, "reason": reason, "failure_since": None,
                   "next_plan_at": obs.now, "hang_since": None,

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from controller.control.detect import Evidence
+from controller.control.detect import HARD, Evidence
 from controller.control.shortage import names
 from controller.control.view import Decision, Observed, Settings
 
@@ -186,6 +186,17 @@ def leave(obs: Observed, s: Settings, d: Decision, culprit: Evidence | None,
            quorum=qid, members=members, launch=made["launches"][r], spares=swapped,
            waiting=missing)
     return None
+
+
+def excluded(obs: Observed, s: Settings, d: Decision, node: str) -> str | None:
+    """An operator excluded `node` while its replica is in the quorum: that replica alone
+    leaves, as after a failure (a spare takes the node's slot, or it waits out of the quorum
+    for one), but nothing failed: no restart is counted. None when done; else why the
+    generation stops instead (too few replicas would be left)."""
+    if not s.carry_on or not active(obs.plan):
+        return "the generation runs without replicas"
+    why = f"node {node} excluded by an operator ({obs.excluded[node]})"
+    return leave(obs, s, d, Evidence(node, why, HARD, obs.now, "operator"), why)
 
 
 def _place(obs: Observed, plan: dict, r: int, gone: set[str],
