@@ -130,3 +130,53 @@ def test_a_lost_replica_leaves_the_others_stepping_and_rejoins_healed(fault, red
     # the writer was lost: replica 1 wrote the steps it had not, from its own figures
     caught = [r for r in rows if r.get("event") == "metrics_caught_up"]
     assert all(r["lost"] == 0 for r in caught)
+
+
+def test_an_operators_exclusion_takes_only_that_replica_out_onto_the_spare(redis_server, procs,
+                                                                            tmp_path):
+    """`optimus node exclude` on a node of replica 0 while it trains, a spare registered: only
+    replica 0 leaves, relaunched on the spare in the node's slot and healed back in; the other
+    replicas keep their processes; nothing failed, so no restart is counted."""
+    run = tmp_path / "run"
+    pace = [{"kind": "slow_rank", "rank": 0, "step": 0, "seconds": 0.25, "generation": 0}]
+    job = write_job(tmp_path / "job.yaml", run, steps=STEPS, faults=pace, batch_size=6,
+                    on_replica_loss="continue", min_replicas=2, hang_floor_s=60.0)
+    job.write_text(job.read_text().replace("parallel:\n  ep: 1",
+                                           "parallel:\n  ep: 1\n  replicas: 3"))
+    procs.start("c1", "controller", str(job), "--nodes", "3", "--ranks-per-node", "1",
+                "--redis", redis_server.url, "--exit-when-done", "--lease", "2")
+    store = Store(redis_server.url, "e2e")
+    for i in range(4):  # node3: the spare
+        procs.start(f"agent{i}", "agent", "--job", "e2e", "--node", f"node{i}", "--redis",
+                    redis_server.url, "--interval", "0.25")
+    wait_for(lambda: bool(store.plan()) and min(_step(store, n) for n in store.plan()["nodes"])
+             >= 5, 180, "every replica to reach step 5")
+    plan = store.plan()
+    victim, survivors = plan["nodes"][0], {n: _pids(store, n) for n in plan["nodes"][1:]}
+    spare = ({"node0", "node1", "node2", "node3"} - set(plan["nodes"])).pop()
+    said = procs.start("exclude", "node", "exclude", victim, "--job", "e2e", "--yes",
+                       "--reason", "memory errors", env={"REDIS_URL": redis_server.url})
+    assert said.wait(60) == 0, procs.log("exclude")
+    procs.procs["c1"].wait(timeout=300)
+    record = store.job_record()
+    assert record["state"] == "COMPLETED", record
+    assert record["generation"] == "0" and record["restarts"] == "0"  # not a failure
+    assert not _events(store, "failure") and not _events(store, "restarting")
+    lost = _events(store, "replica_lost")
+    assert [(e["replica"], e["members"]) for e in lost] == [("0", "[1, 2]")]
+    assert f"node {victim} excluded by an operator (" in lost[0]["message"]
+    assert "memory errors" in lost[0]["message"]
+    assert store.plan()["nodes"] == [spare, *plan["nodes"][1:]]
+    for node, pids in survivors.items():
+        launches = [e for e in _events(store, "launch") if e.get("node") == node
+                    or node in e.get("message", "")]
+        assert len(launches) == 1 and launches[0]["pids"] == ",".join(map(str, pids))
+    rows = metrics(run)
+    assert [r["step"] for r in rows if "loss" in r and "event" not in r] == list(
+        range(1, STEPS + 1))
+    quorums = [r for r in rows if r.get("event") == "quorum"]
+    assert quorums[-1]["members"] == [0, 1, 2] and quorums[-1]["healed"] == [0]
+    end = [r for r in rows if r.get("event") == "replicas"]
+    assert end and end[-1]["members"] == [0, 1, 2] and end[-1]["step"] == STEPS
+    audit = audit_run(run)
+    assert audit.ok, audit.lines()
