@@ -166,6 +166,7 @@ def test_an_operators_exclusion_takes_only_that_replica_out_onto_the_spare(redis
     assert [(e["replica"], e["members"]) for e in lost] == [("0", "[1, 2]")]
     assert f"node {victim} excluded by an operator (" in lost[0]["message"]
     assert "memory errors" in lost[0]["message"]
+    assert lost[0]["spares"] == f'["{spare}"]' and lost[0]["waiting"] == "[]"  # at once
     assert store.plan()["nodes"] == [spare, *plan["nodes"][1:]]
     for node, pids in survivors.items():
         launches = [e for e in _events(store, "launch") if e.get("node") == node

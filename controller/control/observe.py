@@ -255,12 +255,13 @@ class Observer:
         overdue = self._overdue(plan, now, sweep.agent_beats)
         # Replicas that carry on: a replica to let go, relaunch or let back in is judged on the
         # nodes' own views (its nodes' launch and standbys, the spares, the ports offered):
-        # read only then, as between generations.
+        # read only then, as between generations (an operator's exclusion takes one out).
         quorum = plan.get("quorum") if self.s.carry_on else None
         silent = any(now - b > self.s.agent_silence_s for b in agent_beats.values())
         nodes = self._node_views(now, excluded) if quorum and (
             len(quorum["members"]) < self.s.replicas or overdue or silent or stalled_job
-            or any(e.failed or e.ok for e in exits)) else {}  # ok: the end, or a late member
+            or any(e.failed or e.ok for e in exits)  # ok: the end, or a late member
+            or operator["requests"] or any(n in excluded for n in plan["nodes"])) else {}
         return Observed(now=now, job=job, plan=plan, nodes=nodes, exits=exits,
                         overdue=overdue,
                         latest_step=latest,

@@ -112,7 +112,10 @@ class Ranks:
                 self.relaunch(plan)
             return
         if action == "run" and gen == self.generation and not mine and self.live():
-            self.stop(plan.grace_s)  # its replica goes on without this node: a spare took it
+            # Its replica goes on without this node (a spare took its slot): killed, as in a
+            # relaunch. A stop's SIGTERM would be a command its replica tells the others in
+            # the step's exchange, and they would stop with it.
+            self.kill_all()
         if action == "run" and mine and gen != self.generation and not self.live():
             if self.checked_for != gen:
                 self.checked_for = gen
@@ -133,11 +136,16 @@ class Ranks:
         """This node's replica left the quorum and starts again within the generation: its
         ranks here are killed (the quorum goes on without them, nothing of theirs is saved)
         and new ones launched, which the controller lets in, healed, once all wait."""
+        self.kill_all()
+        self.launch(plan)  # once its first node's port is in the plan
+
+    def kill_all(self) -> None:
+        """SIGKILL this node's ranks of a replica the quorum goes on without: nothing of theirs
+        is saved (a peer holds the state), and they say nothing to the others."""
         for p in self.procs.values():
             if p.popen.returncode is None and not p.kill_sent:
                 p.kill_sent = True
                 signal_group(p.popen, signal.SIGKILL)
-        self.launch(plan)  # once its first node's port is in the plan
 
     def own_rank(self, p: RankProcess) -> int:
         """The rank `p` knows itself as (its replica world's, under replicas)."""
