@@ -215,3 +215,19 @@ def test_a_ranks_exit_cuts_the_agents_wait_short_once(redis_server):
         child.wait()
         watch.close()
         waker.close()
+
+
+def test_a_paced_listener_spends_no_more_than_half_its_time_on_wakes(redis_server):
+    """The controller's waker is paced (nodes may publish on its channel): after a look that
+    took 0.3 s, a wake makes the next look come 0.3 s on at the soonest, not MIN_GAP_S."""
+    store = Store(redis_server.url, "j")
+    waker = wake.Waker(store, wake.CONTROLLER, paced=True)
+    try:
+        waker.wait(0)
+        time.sleep(0.3)  # the look
+        wake.publish(store, wake.CONTROLLER)
+        started = time.monotonic()
+        assert waker.wait(LONG_S) is True
+        assert time.monotonic() - started >= 0.29  # a sleep returns no sooner than asked
+    finally:
+        waker.close()

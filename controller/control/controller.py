@@ -90,7 +90,7 @@ class Controller:
         self.checkpoints = CheckpointView(self.checkpoint_dir, store)
         self.observer = Observer(store, settings, self.checkpoint_dir, self.checkpoints)
         self.event_log = EventLog(store, Path(job.resolved_run_dir) / "events.jsonl")
-        self.waker = wake.Waker(store, wake.CONTROLLER)
+        self.waker = wake.Waker(store, wake.CONTROLLER, paced=True)  # nodes may publish
         self.relay = Relay(store, lambda kind, message, **f: self._event(
             kind, message, send=False, **f), holder=self.ident)
 

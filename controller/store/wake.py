@@ -48,8 +48,10 @@ class Waker:
     """Sleeps like time.sleep, but returns early (True) when a wake arrives on `channel` of
     `store`'s job. Falls back to plain sleeping when the channel cannot be had."""
 
-    def __init__(self, store, channel: str, *, min_gap_s: float = MIN_GAP_S):
+    def __init__(self, store, channel: str, *, min_gap_s: float = MIN_GAP_S,
+                 paced: bool = False):
         self.store, self.channel, self.min_gap_s = store, store.k(channel), min_gap_s
+        self.paced = paced  # a woken look waits as long as the last took (the controller's)
         self._sub = None
         self._retry_at = 0.0
         self._refused = False  # NOPERM: the deployment's ACL lacks the channel; poll only
@@ -64,11 +66,11 @@ class Waker:
     def wait(self, timeout_s: float, fds: Sequence[int] = ()) -> bool:
         """Sleep at most `timeout_s`; True if cut short by a wake (or a poke), or by one of
         `fds` becoming readable. A wake makes the next look come no sooner than `min_gap_s`
-        after the last, nor sooner than the last look took (a flood of them costs the
-        listener at most half its time); a descriptor, FD_GAP_S."""
+        after the last, and when `paced`, no sooner than the last look took (a flood of them
+        costs the listener at most half its time); a descriptor, FD_GAP_S."""
         start = time.monotonic()
         deadline = start + max(timeout_s, 0.0)
-        busy = start - self._last  # the look since the last wait
+        busy = start - self._last if self.paced else 0.0  # the look since the last wait
         soonest = min(max(self._last + self.min_gap_s, start + busy), deadline)
         woken, ready = self._poked, False
         self._poked = False
