@@ -131,8 +131,8 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         dropped.append(log.close)
         logs = log.enabled  # under replicas, the lowest member's rank 0 (ReplicaSteps.roles)
         # Until its first quorum, replica 0 of a new generation; a replica relaunched within
-        # one (`after`) writes nothing before it is let in: its start (a checkpoint loaded,
-        # then healed past) is no resume of the run, and the run's writer is a member.
+        # one (`after`) writes nothing before it is let in: its start is no resume of the run
+        # (a member heals it), and the run's writer is a member.
         log.enabled = logs and (replica is None or replica.replica == 0 and replica.after == 0)
         result = TrainResult(losses=[], metrics=log.history)
         compiles = CompileLog(log) if job.training.compile else None
