@@ -185,6 +185,12 @@ class MetricsLog:
         if self.enabled and self._file is not None:
             self._file.write(json.dumps(row) + "\n")
 
+    def adopt(self, rows: list[dict]) -> None:
+        """Rows a peer replica kept of steps after this rank's newest (a heal carried this rank
+        past steps it did not apply): kept as its own, for a `catch_up`."""
+        newest = max((r["step"] for r in self.recent), default=0)
+        self.recent.extend(r for r in rows if r["step"] > newest)
+
     def catch_up(self) -> list[int]:
         """This rank takes the writing over from one that was lost (replicas that carry on):
         the rows it kept of the steps after the file's last, written now; their steps. Each

@@ -161,7 +161,10 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             with heartbeat.phase("checkpoint_sync"):
                 resumed, not_used = load_agreed(state, resume_request(), rank=env.rank,
                                                 layout=key)
-        ckpt = _checkpointer(job, env, heartbeat, trust_checkpoint)
+        # Under replicas, only replica 0 at its generation's start clears what a crashed one
+        # left: a replica relaunched within it would delete the writer's save in flight.
+        ckpt = _checkpointer(job, env, heartbeat, trust_checkpoint,
+                             clean=replica is None or replica.replica == 0 and not replica.after)
         if ckpt is not None:
             dropped.append(ckpt.drop)
         if resumed is None and ckpt and resume:
@@ -226,7 +229,8 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             steps = parts.replicas = ReplicaSteps(
                 replica, position=env.rank, backend=backend, model=model,
                 optimizer=optimizer, progress=progress, watch=watch, commands=commands,
-                timeout_s=sv.hang_floor_s, wait_s=max(sv.startup_timeout_s, sv.hang_timeout_s))
+                timeout_s=sv.hang_floor_s, wait_s=max(sv.startup_timeout_s, sv.hang_timeout_s),
+                log=log)
             dropped.append(steps.close)
             with heartbeat.phase("standby"):  # the controller lets a relaunched replica in
                 steps.join()
@@ -347,7 +351,8 @@ TRUST_HINT = ("if you trust whoever wrote it, pass --trust-checkpoint to `optimu
               "checkpoint.trust_step to its step")
 
 
-def _checkpointer(job: JobConfig, env, heartbeat, trust_any: bool) -> Checkpointer | None:
+def _checkpointer(job: JobConfig, env, heartbeat, trust_any: bool,
+                  clean: bool = True) -> Checkpointer | None:
     """A checkpointer when the job saves, or has checkpoints to resume from; else None. Its
     collectives (the save's agreements, the load) are marked as phase "checkpoint_sync". It
     signs with the run's key and resumes only from what that key authenticates, or what the
@@ -361,7 +366,7 @@ def _checkpointer(job: JobConfig, env, heartbeat, trust_any: bool) -> Checkpoint
                         on_overlap=c.on_overlap,
                         collective=lambda: heartbeat.phase("checkpoint_sync"),
                         trust=Trust(run_key_file(job.resolved_run_dir), any=trust_any,
-                                    step=c.trust_step, hint=TRUST_HINT))
+                                    step=c.trust_step, hint=TRUST_HINT), clean=clean)
 
 
 def _log_validation(log: MetricsLog, heartbeat, step: int, tokens: int,

@@ -306,6 +306,9 @@ def test_an_abandoned_save_in_flight_is_never_committed(run_ranks, tmp_path):
         assert result["started"] == "started" and result["committed"] == []
         assert result["stats"]["saves_committed"] == 0
     assert step_dir(tmp_path, 1).is_dir() and not is_committed(step_dir(tmp_path, 1))
+    # A replica relaunched within its generation: another world's save may be in flight there
+    Checkpointer(tmp_path, rank=0, world_size=1, mode="thread", clean=False).close()
+    assert step_dir(tmp_path, 1).is_dir()
     Checkpointer(tmp_path, rank=0, world_size=1, mode="thread").close()  # the next job's start
     assert not step_dir(tmp_path, 1).exists()  # removed as partial
 

@@ -185,6 +185,16 @@ def test_an_out_replicas_stale_heartbeat_is_no_evidence_until_its_new_launch_run
     nodes = {n: node(n, port=5000 + i) for i, n in enumerate(NODES)}
     nodes["n2"] = node("n2", launch=0, port=5002)  # its agent has not relaunched yet
     assert decide(observed(nodes=nodes, the_plan=out, overdue=[late]), S).plan is None
+    # Relaunched (its view says launch 1), before Redis's heartbeats are reset: the beat older
+    # than the plan that relaunched it is the frozen launch's, no new failure.
+    out["issued"] = NOW - 0.05
+    nodes["n2"] = node("n2", launch=1, port=5002)
+    stale = Overdue("n2", 2, "no heartbeat for 9 s", since=NOW - 9)
+    assert decide(observed(nodes=nodes, the_plan=out, overdue=[stale]), S).plan is None
+    # The new launch's own beat gone stale: its replica leaves again
+    new = Overdue("n2", 2, "no heartbeat for 6 s", since=NOW - 0.04)
+    again = decide(observed(nodes=nodes, the_plan=out, overdue=[new]), S).plan
+    assert again is not None and again["replicas"]["launches"] == [0, 2, 0]
 
 
 def test_a_replica_whose_every_rank_waits_is_let_back_in():

@@ -248,13 +248,27 @@ def test_a_heals_notes_are_checked_before_anything_is_taken():
             self.taken = state
 
     steps.watch = Watch()
+    from optimus.metrics import MetricsLog
+
+    steps.log = MetricsLog(None, 10, 0, None, 1, enabled=False)
+    steps.log.samples(1, {"start": 0, "end": 6})  # this rank's own row of step 1
+    good = {"step": 3, "tokens": 0, "data_index": 0}
     for bad in ({}, {"progress": {"step": "3", "tokens": 0, "data_index": 0}, "stability": {}},
                 {"progress": {"step": 3, "tokens": -1, "data_index": 0}, "stability": {}},
-                {"progress": {"step": 3, "tokens": 0, "data_index": 0}, "stability": []}):
+                {"progress": good, "stability": []},
+                {"progress": good, "stability": {}, "rows": {"step": 2}},
+                {"progress": good, "stability": {}, "rows": [{"step": "2"}]},
+                {"progress": good, "stability": {}, "rows": [{"step": 2}] * 65}):
         with pytest.raises(HealError):
             steps._take(bad)
         assert steps.progress.step == 0 and steps.watch.taken is None  # nothing taken
+        assert [r["step"] for r in steps.log.recent] == [1]
+    # The source's rows of the steps this rank is healed past are kept for a catch-up; its
+    # own are not replaced.
     steps._take({"progress": {"step": 3, "tokens": 768, "data_index": 18},
-                 "stability": {"history": "{}"}})
+                 "stability": {"history": "{}"},
+                 "rows": [{"step": 1, "from": "peer"}, {"step": 2}, {"step": 3}]})
     assert (steps.progress.step, steps.progress.tokens, steps.progress.data_index) == (3, 768, 18)
     assert steps.watch.taken == {"history": "{}"}
+    assert [r["step"] for r in steps.log.recent] == [1, 2, 3]
+    assert "from" not in steps.log.recent[0]

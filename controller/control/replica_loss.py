@@ -112,8 +112,13 @@ def current(obs: Observed, s: Settings) -> Observed:
         r = _replica(plan, node)
         return r is not None and launch == launches[r]
 
+    # A replica out of the quorum whose new launch runs: a heartbeat older than the plan
+    # that relaunched it (or a deadline set before it) is its last launch's, not yet reset.
+    def fresh(o) -> bool:
+        return _replica(plan, o.node) in members or o.since >= plan.get("issued", 0.0)
+
     return replace(obs, exits=[e for e in obs.exits if now(e.node, e.launch)],
-                   overdue=[o for o in obs.overdue if judged(obs, o.node)],
+                   overdue=[o for o in obs.overdue if judged(obs, o.node) and fresh(o)],
                    suspects={n: b for n, b in obs.suspects.items()
                              if _replica(plan, n) in members})
 

@@ -150,7 +150,7 @@ class Checkpointer(Loading):
                  on_overlap: Literal["skip", "wait"] = "skip",
                  writer: Callable[[Path], StorageWriter] | None = None,
                  collective: Callable[[], AbstractContextManager] = contextlib.nullcontext,
-                 trust: Trust | None = None):
+                 trust: Trust | None = None, clean: bool = True):
         if mode not in ("process", "thread", "sync"):
             raise ValueError(f"mode must be 'process', 'thread' or 'sync', not {mode!r}")
         if keep_last < 1 or keep_every < 0:
@@ -201,7 +201,8 @@ class Checkpointer(Loading):
             self._stager = Stager(shared=self.mode == "process")
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            clean_partial(self.root)  # saves a crashed generation never finished
+            if clean:  # not where another world may be saving now (a replica rejoining)
+                clean_partial(self.root)  # saves a crashed generation never finished
 
     # --- saving --------------------------------------------------------------------------------
 

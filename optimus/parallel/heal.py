@@ -29,6 +29,18 @@ def by_dtype(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.dtype, torch.T
     return [(dtype, torch.cat(parts)) for dtype, parts in groups.items()]
 
 
+def receiving(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.dtype, torch.Tensor]]:
+    """Empty buffers shaped as `by_dtype(tensors)` would pack them, for a heal to receive into:
+    what they held is overwritten (no copy of this rank's own state first)."""
+    sizes: dict[torch.dtype, int] = {}
+    device: dict[torch.dtype, torch.device] = {}
+    for t in tensors:
+        sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
+        device.setdefault(t.dtype, t.device)
+    return [(dtype, torch.empty(n, dtype=dtype, device=device[dtype]))
+            for dtype, n in sizes.items()]
+
+
 def scatter(tensors: Sequence[torch.Tensor], buffers) -> None:
     """Copy the received buffers back into `tensors`, in the order `by_dtype` took them."""
     taken = dict.fromkeys((dtype for dtype, _ in buffers), 0)
@@ -102,3 +114,20 @@ def receive_notes(group: dist.ProcessGroup, source: int, tag: int,
     if not isinstance(notes, dict):
         raise HealError("a heal's notes are not a JSON object")
     return notes
+
+
+def state_tensors(*state_dicts: dict) -> list[torch.Tensor]:
+    """The tensors a heal carries, from state dicts (torch.distributed.checkpoint's
+    get_model_state_dict / get_optimizer_state_dict: their values are the live tensors, the
+    optimizer's made if it had none yet): by key, a DTensor as its local shard."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for state in state_dicts:
+        for key in sorted(state):
+            value = state[key]
+            if isinstance(value, DTensor):
+                value = value.to_local()
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+    return out

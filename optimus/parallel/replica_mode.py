@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from optimus.contract.env import QUORUM_AFTER, QUORUM_FILE, REPLICA
+from optimus.metrics import CATCH_UP_ROWS
 from optimus.parallel.heal import HealError
 from optimus.parallel.replicas import SLOTS, Notes, QuorumError, Replicas, state_tensors
 from optimus.runtime.launch import LaunchError
@@ -107,9 +108,11 @@ class ReplicaSteps:
     """The rank's side of the quorum through `optimus train`'s loop."""
 
     def __init__(self, launch: ReplicaLaunch, *, position: int, backend: str, model,
-                 optimizer, progress, watch, commands, timeout_s: float, wait_s: float):
+                 optimizer, progress, watch, commands, timeout_s: float, wait_s: float,
+                 log=None):
         self.launch, self.model, self.optimizer = launch, model, optimizer
         self.progress, self.watch, self.commands = progress, watch, commands
+        self.log = log  # the rank's MetricsLog: its recent rows travel with a heal
         self.replicas = Replicas(launch.quorum_file, replica=launch.replica, position=position,
                                  backend=backend, timeout_s=timeout_s, wait_s=wait_s,
                                  state=self.state, notes=Notes(self._give, self._take))
@@ -130,7 +133,9 @@ class ReplicaSteps:
                              get_optimizer_state_dict(view, self.optimizer, options=flat))
 
     def _give(self) -> dict:
-        return {"progress": self.progress.meta(), "stability": self.watch.state_dict()}
+        rows = list(self.log.recent) if self.log is not None else []
+        return {"progress": self.progress.meta(), "stability": self.watch.state_dict(),
+                "rows": rows}
 
     def _take(self, notes: dict) -> None:
         """A heal's notes, checked before anything is taken (a peer's message: the progress
@@ -140,8 +145,17 @@ class ReplicaSteps:
                 and all(type(progress.get(k)) is int and progress[k] >= 0
                         for k in ("step", "tokens", "data_index"))):
             raise HealError("a heal's notes do not hold progress and the stability history")
+        # The source's recent metrics rows: the steps this rank is healed past, should it
+        # write the metrics next (its writer lost before writing them: `roles`).
+        rows = notes.get("rows", [])
+        if not (isinstance(rows, list) and len(rows) <= CATCH_UP_ROWS and all(
+                isinstance(r, dict) and type(r.get("step")) is int and r["step"] >= 0
+                for r in rows)):
+            raise HealError("a heal's notes hold metrics rows that are not rows of steps")
         self.progress.load_state_dict(progress)
         self.watch.load_state_dict(stability)  # takes only what it recognises (stability.py)
+        if self.log is not None:
+            self.log.adopt(rows)
 
     @property
     def members(self) -> list[int]:

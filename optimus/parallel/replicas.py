@@ -49,13 +49,15 @@ import torch.distributed as dist
 
 from optimus.contract.records import Quorum
 from optimus.files import file_stamp
-from optimus.parallel.heal import (  # noqa: F401 (checksum, device_checksum: re-exported)
+from optimus.parallel.heal import (  # noqa: F401 (checksum, device_checksum, state_tensors: re-exported)
     by_dtype,
     checksum,
     device_checksum,
     receive_notes,
+    receiving,
     scatter,
     send_notes,
+    state_tensors,
 )
 from optimus.parallel.quorum_file import (  # noqa: F401 (re-exported)
     QuorumError,
@@ -281,7 +283,7 @@ class QuorumGroup:
         if not behind or (self.index != source and self.index not in behind):
             return source, behind
         tensors = list(state())
-        buffers = by_dtype(tensors)
+        buffers = by_dtype(tensors) if self.index == source else receiving(tensors)
         for tag, (_, flat) in enumerate(buffers):
             if self.index == source:
                 sends = [self.group.send([flat], peer, 2 * tag) for peer in behind]
@@ -480,20 +482,3 @@ class Replicas:
             return False
         self._form(quorum, last)
         return True
-
-
-def state_tensors(*state_dicts: dict) -> list[torch.Tensor]:
-    """The tensors a heal carries, from state dicts (torch.distributed.checkpoint's
-    get_model_state_dict / get_optimizer_state_dict: their values are the live tensors, the
-    optimizer's made if it had none yet): by key, a DTensor as its local shard."""
-    from torch.distributed.tensor import DTensor
-
-    out = []
-    for state in state_dicts:
-        for key in sorted(state):
-            value = state[key]
-            if isinstance(value, DTensor):
-                value = value.to_local()
-            if isinstance(value, torch.Tensor):
-                out.append(value)
-    return out
