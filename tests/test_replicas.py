@@ -325,3 +325,55 @@ def test_a_meeting_gives_up_when_the_controller_names_a_newer_quorum_even_one_wi
     assert time.monotonic() - started < 10  # not the 30 s bound: the newer word ended it
     store.set("optimus/quorum/3/0/here/0", "1")  # everyone came after all: it is formed
     meet(store, three, position=0, replica=1, path=path, timeout_s=30)
+
+
+def _heal_pieces(rank: int, world: int, corrupt: bool) -> dict:
+    """Rank 0 gives its state to rank 1 in pieces of 64 KiB (heal.give/take), or, `corrupt`,
+    the same pieces with wrong checksums; rank 1 says what it holds then."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from optimus.parallel import heal
+
+    heal.PIECE_BYTES = 64 << 10
+    group, timeout = dist.distributed_c10d._get_default_group(), timedelta(seconds=60)
+    gen = torch.Generator().manual_seed(7)
+    source = [torch.randn(100, 100, generator=gen), torch.arange(7, dtype=torch.int64),
+              torch.randn(300, 80, generator=gen), torch.randn(5, generator=gen).bfloat16(),
+              torch.randn(64, 64, generator=gen), torch.tensor(3.0)]
+    parts = heal.pieces(source)
+    if rank == 0:
+        if not corrupt:
+            heal.give(group, source, [1], timeout)
+        else:  # the pieces as give sends them, then checksums of other bytes
+            for tag, (_, run) in enumerate(parts):
+                group.send([torch.cat([t.reshape(-1) for t in run])], 1, tag).wait(timeout)
+            dtypes = len({d for d, _ in parts})
+            group.send([torch.ones(dtypes, 2, dtype=torch.int64)], 1, len(parts)).wait(timeout)
+        return {"parts": [(str(d), len(run)) for d, run in parts]}
+    mine = [torch.zeros_like(t) for t in source]
+    try:
+        tags, error = heal.take(group, mine, 0, timeout), None
+    except heal.HealError as e:
+        tags, error = None, str(e)
+    return {"tags": tags, "error": error, "pieces": len(parts),
+            "equal": all(torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                                     b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+                         for a, b in zip(mine, source, strict=True)),
+            "untouched": all(not t.any() for t in mine)}
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_heal_goes_in_pieces_checked_before_anything_is_copied_in(run_ranks, corrupt):
+    """Host memory: the state in pieces of about PIECE_BYTES (here 64 KiB) of one dtype each,
+    chained CRC-32 per dtype; what arrives equals what was sent, bit for bit. A checksum that
+    does not match leaves the receiver's state exactly as it was."""
+    sent, got = run_ranks(_heal_pieces, 2, corrupt, timeout=120)
+    # cut past 64 KiB: 40 + 96 KiB, then 16 KiB and a scalar; then each other dtype
+    assert sent["parts"] == [("torch.float32", 2), ("torch.float32", 2), ("torch.int64", 1),
+                             ("torch.bfloat16", 1)]
+    if corrupt:
+        assert got["error"] == "the state healed fails its checksum" and got["untouched"]
+    else:
+        assert got["tags"] == got["pieces"] + 1 == 5 and got["equal"] and not got["error"]
