@@ -1,12 +1,6 @@
 """What a heal carries between replicas (optimus/parallel/replicas.py), and how it is checked:
-the state's tensors, a checksum per dtype, and the host-side state (progress, the stability
-rules' history) as one bounded JSON message.
-
-In host memory (gloo) the tensors go in pieces of about PIECE_BYTES, so that the source packs
-the next piece while one is in flight and the receiver checks each as the next arrives
-(CRC-32 chains across pieces: the checksum is that of the whole dtype's bytes); only once all
-are checked are they copied into the receiver's state, which a heal that fails leaves as it
-was. On a device the state goes one buffer per dtype, checked there (`device_checksum`)."""
+the state's tensors packed one buffer per dtype, a checksum of each, and the host-side state
+(progress, the stability rules' history) as one bounded JSON message."""
 
 from __future__ import annotations
 
@@ -19,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 HOST = torch.device("cpu")
-PIECE_BYTES = 4 << 20  # a heal's piece in host memory
 NO_TIMEOUT = timedelta(0)  # Work.wait's "the group's own timeout"
 NOTES_LIMIT = 16 << 20  # bytes of a heal's JSON notes: counters and a few windows of figures
 
@@ -82,94 +75,6 @@ def device_checksum(raw: torch.Tensor) -> torch.Tensor:
     words = raw.view(torch.int32).to(torch.int64)
     weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
     return torch.stack([words.sum(), (words * weights).sum()])
-
-
-def pieces(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.dtype, list[torch.Tensor]]]:
-    """The tensors in `by_dtype`'s order, cut between tensors into runs of one dtype of about
-    PIECE_BYTES (a larger tensor is a piece of its own)."""
-    out: list[tuple[torch.dtype, list[torch.Tensor]]] = []
-    for dtype in dict.fromkeys(t.dtype for t in tensors):  # by first appearance
-        run, size = [], 0
-        for t in (t for t in tensors if t.dtype == dtype):
-            run.append(t)
-            size += t.numel() * t.element_size()
-            if size >= PIECE_BYTES:
-                out.append((dtype, run))
-                run, size = [], 0
-        if run:
-            out.append((dtype, run))
-    return out
-
-
-def _chain(sums: dict, dtype: torch.dtype, flat: torch.Tensor) -> None:
-    """`checksum` of a dtype's bytes so far, carried on over the next piece `flat`."""
-    crc, size = sums.get(dtype, (0, 0))
-    sums[dtype] = (zlib.crc32(memoryview(flat.view(torch.uint8).numpy()), crc),
-                   size + flat.numel() * flat.element_size())
-
-
-def give(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor], peers: Sequence[int],
-         timeout: timedelta) -> int:
-    """Send `tensors` to each of `peers` (ranks of `group`), then their checksums; the number
-    of tags used from 0 (what follows takes the next)."""
-    if tensors and tensors[0].device.type != "cpu":
-        buffers = by_dtype(tensors)
-        for tag, (_, flat) in enumerate(buffers):
-            sends = [group.send([flat], peer, 2 * tag) for peer in peers]
-            sums = checksum(flat)
-            for work in sends:
-                work.wait(timeout)
-            for peer in peers:
-                group.send([sums], peer, 2 * tag + 1).wait(timeout)
-        return 2 * len(buffers)
-    parts, sums, sends = pieces(tensors), {}, []
-    if not parts:
-        return 0
-    for tag, (dtype, run) in enumerate(parts):
-        flat = torch.cat([t.detach().reshape(-1) for t in run])
-        sends += [(flat, group.send([flat], peer, tag)) for peer in peers]
-        _chain(sums, dtype, flat)  # while the bytes go (zlib lets go of the GIL)
-    for _, work in sends:
-        work.wait(timeout)
-    told = torch.tensor(list(sums.values()), dtype=torch.int64).reshape(-1, 2)
-    for peer in peers:
-        group.send([told], peer, len(parts)).wait(timeout)
-    return len(parts) + 1
-
-
-def take(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor], source: int,
-         timeout: timedelta) -> int:
-    """Receive into `tensors` what `give` sent from `source`, each dtype's bytes checked before
-    any is copied in (HealError otherwise: `tensors` are untouched); the tags used."""
-    if tensors and tensors[0].device.type != "cpu":
-        buffers = receiving(tensors)
-        for tag, (_, flat) in enumerate(buffers):
-            sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
-            group.recv([flat], source, 2 * tag).wait(timeout)
-            group.recv([sums], source, 2 * tag + 1).wait(timeout)
-            if not torch.equal(checksum(flat).cpu(), sums.cpu()):
-                raise HealError("the state healed fails its checksum")
-        scatter(tensors, buffers)
-        return 2 * len(buffers)
-    parts, sums = pieces(tensors), {}
-    if not parts:
-        return 0
-    flats = [torch.empty(sum(t.numel() for t in run), dtype=dtype) for dtype, run in parts]
-    works = [group.recv([flat], source, tag) for tag, flat in enumerate(flats)]
-    for (dtype, _), flat, work in zip(parts, flats, works, strict=True):
-        work.wait(timeout)
-        _chain(sums, dtype, flat)  # this piece's check while the next arrives
-    told = torch.zeros(len(sums), 2, dtype=torch.int64)
-    group.recv([told], source, len(parts)).wait(timeout)
-    if not torch.equal(told, torch.tensor(list(sums.values()), dtype=torch.int64).reshape(-1, 2)):
-        raise HealError("the state healed fails its checksum")
-    with torch.no_grad():
-        for (_, run), flat in zip(parts, flats, strict=True):
-            at = 0
-            for t in run:
-                t.copy_(flat[at:at + t.numel()].view_as(t))
-                at += t.numel()
-    return len(parts) + 1
 
 
 def send_notes(group: dist.ProcessGroup, notes: dict, peer: int, tag: int,

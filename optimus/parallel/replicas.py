@@ -28,10 +28,10 @@ Two replicas can disagree about a step only if an exchange completes for one and
 other, the dead peer's part having reached the first (an all-reduce completes nowhere without
 every member's part). So each new quorum starts by agreeing on its members' steps (`agree`):
 a member behind the others (that case, or a replica rejoining) heals from the lowest-indexed
-member ahead, which sends it its model and optimizer shards (`heal`: in pieces, each dtype's
-bytes checksummed, checked before any is copied in: heal.py `give`, `take`). A step is thus
-never applied in one replica and not in another once a quorum has formed, and a rank outside
-the current quorum applies none: its exchange has no peers.
+member ahead, which sends it its model and optimizer shards (`heal`: one message per dtype,
+each with a checksum the receiver verifies). A step is thus never applied in one replica and
+not in another once a quorum has formed, and a rank outside the current quorum applies none:
+its exchange has no peers.
 """
 
 from __future__ import annotations
@@ -50,15 +50,14 @@ import torch.distributed as dist
 from optimus.contract.records import Quorum
 from optimus.files import file_stamp
 from optimus.parallel.heal import (  # noqa: F401 (checksum, device_checksum, state_tensors: re-exported)
-    HealError,
     by_dtype,
     checksum,
     device_checksum,
-    give,
     receive_notes,
+    receiving,
+    scatter,
     send_notes,
     state_tensors,
-    take,
 )
 from optimus.parallel.quorum_file import (  # noqa: F401 (re-exported)
     QuorumError,
@@ -284,14 +283,26 @@ class QuorumGroup:
         if not behind or (self.index != source and self.index not in behind):
             return source, behind
         tensors = list(state())
-        try:
-            if self.index == source:  # the pieces' tags from 0, then the notes'
-                tag = give(self.group, tensors, behind, self.timeout)
+        buffers = by_dtype(tensors) if self.index == source else receiving(tensors)
+        for tag, (_, flat) in enumerate(buffers):
+            if self.index == source:
+                sends = [self.group.send([flat], peer, 2 * tag) for peer in behind]
+                sums = checksum(flat)  # while the bytes go (zlib lets go of the GIL)
+                for work in sends:
+                    work.wait(self.timeout)
+                for peer in behind:
+                    self.group.send([sums], peer, 2 * tag + 1).wait(self.timeout)
             else:
-                tag = take(self.group, tensors, source, self.timeout)
-        except HealError as e:
-            raise QuorumError(f"{e} (from replica {self.quorum.members[source]})") from None
+                sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
+                self.group.recv([flat], source, 2 * tag).wait(self.timeout)
+                self.group.recv([sums], source, 2 * tag + 1).wait(self.timeout)
+                if not torch.equal(checksum(flat).cpu(), sums.cpu()):
+                    raise QuorumError(f"the state healed from replica "
+                                      f"{self.quorum.members[source]} fails its checksum")
+        if self.index in behind:
+            scatter(tensors, buffers)
         if notes is not None:
+            tag = 2 * len(buffers)
             if self.index == source:
                 told = notes.give()
                 for peer in behind:
