@@ -99,8 +99,8 @@ def train(job: Path, overrides: tuple[str, ...], trust: bool) -> None:
                 raise
             code = 1  # what it would exit with; its log says why (the agent sends the tail)
             traceback.print_exc()
-            print(f"generation {_generation()} ended under this rank: a peer is gone; this "
-                  "rank waits in process for the next", flush=True)
+            print(f"{_launch()} ended under this rank: a peer is gone; this rank waits in "
+                  "process for the next", flush=True)
         _abandon_helpers()
         forget_meshes()  # DTensor's cached decisions name the last generation's meshes
         # Ready first, then the generation's model, optimizer and loader freed (a collection
@@ -114,6 +114,14 @@ def train(job: Path, overrides: tuple[str, ...], trust: bool) -> None:
 
 def _generation() -> str:
     return os.environ.get(env.GENERATION, "?")
+
+
+def _launch() -> str:
+    """The generation, and under replicas that carry on, the replica's launch within it."""
+    replica = os.environ.get(env.REPLICA)
+    return f"generation {_generation()}" + (
+        f" (replica {replica}, launch {os.environ.get(env.REPLICA_LAUNCH, '0')})"
+        if replica and os.environ.get(env.QUORUM_FILE) else "")
 
 
 def _abandon_helpers() -> None:

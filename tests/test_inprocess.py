@@ -42,28 +42,51 @@ def test_a_lost_peer_is_told_from_a_rank_s_own_failure():
 
 def test_a_word_is_read_only_when_whole_newer_and_well_formed(tmp_path):
     path = tmp_path / "next"
-    assert inprocess.read_word(path, 0) is None  # none yet
+    assert inprocess.read_word(path, (0, 0)) is None  # none yet
     good = {"generation": 2, "env": {"OPTIMUS_RANK": "3"}, "log": "/x/rank.log"}
     path.write_text(json.dumps(good))
-    word = inprocess.read_word(path, 1)
-    assert (word.generation, word.env, word.log) == (2, {"OPTIMUS_RANK": "3"}, "/x/rank.log")
-    assert inprocess.read_word(path, 2) is None  # not after the generation it left
+    word = inprocess.read_word(path, (1, 0))
+    assert (word.generation, word.env, word.log, word.launch) == (
+        2, {"OPTIMUS_RANK": "3"}, "/x/rank.log", 0)
+    assert inprocess.read_word(path, (2, 0)) is None  # not after the generation it left
+    assert inprocess.read_word(path, (1, 3)).generation == 2  # a later generation: any launch
     bad_words = ['{"generation": 2, "env": {"OPTIMUS_', "[1, 2]",
                  json.dumps({**good, "generation": True}),
+                 json.dumps({**good, "launch": -1}),
+                 json.dumps({**good, "launch": "1"}),
                  json.dumps({**good, "env": {"LD_PRELOAD": "/evil.so"}}),
                  json.dumps({**good, "env": {"OPTIMUS_RANK": 3}}),
                  json.dumps({**good, "log": None})]
     for bad in bad_words:
         path.write_text(bad)
-        assert inprocess.read_word(path, 1) is None, bad
+        assert inprocess.read_word(path, (1, 0)) is None, bad
     path.write_text(json.dumps({**good, "pad": "x" * (1 << 20)}))  # past the bound
-    assert inprocess.read_word(path, 1) is None
+    assert inprocess.read_word(path, (1, 0)) is None
     path.write_text('{"exit": true, "generation": 7}')
-    assert inprocess.read_word(path, 7).generation == -1
+    assert inprocess.read_word(path, (7, 0)).generation == -1
     # A rank dismissed from this slot before: its exit is not for the rank there now.
-    assert inprocess.read_word(path, 9) is None
+    assert inprocess.read_word(path, (9, 0)) is None
+    assert inprocess.read_word(path, (7, 1)) is None  # nor one of another launch
     path.write_text('{"exit": true}')
-    assert inprocess.read_word(path, 7) is None
+    assert inprocess.read_word(path, (7, 0)) is None
+
+
+def test_a_replicas_next_launch_is_a_word_within_the_generation(tmp_path):
+    """A survivor of a lost replica's rank waits in process for its replica's next launch:
+    the same generation, a higher launch; never the launch it left, nor an older one."""
+    path = tmp_path / "next"
+    path.write_text(json.dumps({"generation": 4, "launch": 2, "log": "/x/rank.launch2.log",
+                                "env": {"OPTIMUS_REPLICA_LAUNCH": "2"}}))
+    assert inprocess.read_word(path, (4, 1)).launch == 2
+    assert inprocess.read_word(path, (4, 2)) is None
+    assert inprocess.read_word(path, (4, 3)) is None
+    assert inprocess.read_word(path, (5, 0)) is None
+    path.write_text('{"exit": true, "generation": 4, "launch": 2}')
+    assert inprocess.read_word(path, (4, 2)).generation == -1
+    assert inprocess.read_word(path, (4, 1)) is None
+    assert inprocess.launch_count({"OPTIMUS_REPLICA_LAUNCH": "3"}) == 3
+    assert inprocess.launch_count({"OPTIMUS_REPLICA_LAUNCH": "-3"}) == 0
+    assert inprocess.launch_count({}) == 0
 
 
 def test_entering_a_generation_takes_its_environment_and_log(tmp_path, monkeypatch):

@@ -78,6 +78,8 @@ def test_a_killed_rank_takes_its_replica_out_of_the_quorum_and_relaunches_it_alo
     assert p["replicas"]["after"][1] == 2  # its new ranks join only a newer quorum
     assert p["replicas"]["ports"][1] == 5002  # its first node's fresh port
     assert p["nodes"] == NODES  # kept on its node (flaky_failures 2)
+    # its agent kills the culprit at once; the replica's other ranks may go on in process
+    assert p["culprit"] == {"node": "n2", "rank": 2}
     assert d.job["restarts"] == 1 and "state" not in d.job
     kinds = [k for k, *_ in d.events]
     assert kinds == ["failure", "replica_lost"]
@@ -257,6 +259,7 @@ def test_the_agent_places_each_rank_in_its_replicas_world():
     assert launch[env.RANK] == "1" and launch[env.WORLD_SIZE] == "2"
     assert launch[env.MASTER_ADDR] == "host-n2" and launch[env.MASTER_PORT] == "4002"
     assert launch[env.REPLICA] == "1" and launch[env.QUORUM_FILE] == "/q"
+    assert launch[env.REPLICA_LAUNCH] == "1"  # its replica's second launch: its heartbeats say
     assert relaunch_due(p, "n3", 0) and not relaunch_due(p, "n0", 0)
     # an operator's in-step fault names the job's rank 3; the rank knows itself as 1
     assert own_rank(p, "n3", 3, 0) == 1 and own_rank(None, "n3", 3, 0) == 3

@@ -14,7 +14,7 @@ from controller.control.decide import RESTARTING, RUNNING, JobView, Observed, Se
 from controller.control.recovery import memory_point
 from controller.control.rewind import request_of
 from controller.control.view import Exit, Request
-from controller.node.lifecycle import skip_steps
+from controller.node.ranks import skip_steps
 from optimus.contract.records import Plan
 
 S = Settings(nodes=2, ranks_per_node=2, heartbeat_interval_s=0.5, heartbeat_timeout_s=5,

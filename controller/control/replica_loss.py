@@ -179,9 +179,12 @@ def leave(obs: Observed, s: Settings, d: Decision, culprit: Evidence | None,
     made["launches"][r] += 1
     made["after"][r] = qid
     _address(obs, plan, made, r, nodes, missing)
+    # The culprit, for its agent to kill at once: the replica's other ranks may go on in
+    # process, as its next launch's (controller/node/replica_worlds.py `Survivors`).
     d.plan = {**plan, "nodes": nodes, "replicas": made, "issued": obs.now,
               "quorum": _quorum(qid, members, made, quorum),
-              "reason": f"replica {r} lost: {reason}"}
+              "reason": f"replica {r} lost: {reason}",
+              "culprit": {"node": culprit.node, "rank": culprit.rank}}
     then = (f"waits out of the quorum for a spare node in place of {names(missing)} (none is "
             "free)" if missing else f"starts again (launch {made['launches'][r]}"
             + (f", on spare {names(swapped)}" if swapped else "") + ")")

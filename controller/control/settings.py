@@ -82,5 +82,6 @@ def settings_for(job: JobConfig, job_file: str, overrides: list[str], nodes: int
                 "log_dir": str(Path(job.resolved_run_dir).resolve() / "logs"),
                 "node_faults": faults, "straggler_window": s.straggler_window,
                 # a replica's ranks hold its quorum's groups and threads: a restart of the
-                # whole job (below min_replicas) starts them as new processes
+                # whole job (below min_replicas) starts them as new processes (a relaunched
+                # replica's survivors go on in process: controller/node/replica_worlds.py)
                 "restart": "process" if s.on_replica_loss == "continue" else s.restart})

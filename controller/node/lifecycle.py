@@ -22,8 +22,15 @@ from controller.node.checks import Checks
 from controller.node.commands import signal_group
 from controller.node.ports import PortOffer
 from controller.node.rank_files import RankFiles
-from controller.node.ranks import RankProcess, log_age, sample_compute, tail
-from controller.node.replica_worlds import leads, own_rank, relaunch_due, replica_of, world
+from controller.node.ranks import RankProcess, log_age, sample_compute, skip_steps, tail
+from controller.node.replica_worlds import (
+    Survivors,
+    leads,
+    own_rank,
+    relaunch_due,
+    replica_of,
+    world,
+)
 from controller.node.snapshots import SnapshotKeeper
 from controller.node.spawn import Spawner, rank_environment
 from controller.node.voice import Voice
@@ -64,6 +71,7 @@ class Ranks:
         self.beats: dict[int, dict] = {}
         self.generation: int | None = None  # the generation launched here, if any
         self.launched: int | None = None  # its replica's launch count, in replica mode
+        self.survivors = Survivors()  # a relaunch's ranks that go on in process
         self.plan: Plan | None = None  # its plan
         self.waiting_port: Plan | None = None  # a run plan waiting for node 0's master port
         self.ports = PortOffer()  # the rendezvous port offered for the next plan (ports.py)
@@ -133,19 +141,26 @@ class Ranks:
             self.dismiss()  # ranks waiting in process here: no next generation for them
 
     def relaunch(self, plan: Plan) -> None:
-        """This node's replica left the quorum and starts again within the generation: its
-        ranks here are killed (the quorum goes on without them, nothing of theirs is saved)
-        and new ones launched, which the controller lets in, healed, once all wait."""
-        self.kill_all()
+        """This node's replica left the quorum and starts again within the generation, let in
+        and healed once all its ranks wait. The ranks the fault did not touch are its next
+        launch's ranks, in process (`Survivors`); the others start as new processes."""
+        if not self.survivors.gone(self.procs.values(), plan, self.node, self._kill):
+            return  # a later turn: they are on their way out of the launch
+        self.kill_all(keep_waiting=True)
         self.launch(plan)  # once its first node's port is in the plan
 
-    def kill_all(self) -> None:
-        """SIGKILL this node's ranks of a replica the quorum goes on without: nothing of theirs
-        is saved (a peer holds the state), and they say nothing to the others."""
+    def kill_all(self, keep_waiting: bool = False) -> None:
+        """SIGKILL this node's ranks of a replica the quorum goes on without (but those waiting
+        in process, when `keep_waiting`): nothing of theirs is saved (a peer holds the state),
+        and they say nothing to the others (a SIGTERM would be a stop their replica tells)."""
         for p in self.procs.values():
-            if p.popen.returncode is None and not p.kill_sent:
-                p.kill_sent = True
-                signal_group(p.popen, signal.SIGKILL)
+            if p.popen.returncode is None and not p.kill_sent and not (keep_waiting and p.ready):
+                self._kill(p)
+
+    @staticmethod
+    def _kill(p: RankProcess) -> None:
+        p.kill_sent = True
+        signal_group(p.popen, signal.SIGKILL)
 
     def own_rank(self, p: RankProcess) -> int:
         """The rank `p` knows itself as (its replica world's, under replicas)."""
@@ -169,14 +184,15 @@ class Ranks:
         for p in list(self.waiting().values()) if ranks is None else ranks:
             if p.stop_sent is None:
                 p.stop_sent = time.monotonic() + DISMISS_S  # then SIGKILL (escalate)
-                if not self._write_next(p, {"exit": True, "generation": p.left}):
+                if not self._write_next(p, {"exit": True, "generation": p.left,
+                                            "launch": p.left_launch}):
                     p.stop_sent = time.monotonic()
 
     def _hand_over(self, p: RankProcess, gen: int, launch: dict[str, str],
                    log_path: Path) -> bool:
         """Give a waiting rank the next generation (optimus/supervision/inprocess.py): its launch
         environment (the OPTIMUS_* variables, less what only the agent holds) and its log."""
-        word = {"generation": gen, "log": str(log_path),
+        word = {"generation": gen, "launch": self.launched or 0, "log": str(log_path),
                 "env": {k: v for k, v in rank_environment(launch).items()
                         if k.startswith(env.PREFIX)}}
         if self._write_next(p, word):
@@ -234,6 +250,8 @@ class Ranks:
         # that changes them (a shrink's re-planned layout) starts new processes instead.
         same_job = self.plan is not None and (self.plan.job_file, self.plan.overrides) == (
             plan.job_file, plan.overrides)
+        # A replica's ranks go on in process only into its next launch (settings.py `restart`)
+        relaunched = replica is not None and gen == self.generation
         self.generation, self.plan = gen, plan
         self.launched = None if replica is None else plan.replicas.launches[replica]
         carried = plan.failed_saves
@@ -242,7 +260,7 @@ class Ranks:
         rpn = plan.ranks_per_node
         in_process = plan.restart == "in_process"
         waiting = {lr: p for lr, p in self.waiting().items()
-                   if in_process and lr < rpn and same_job}
+                   if (in_process or relaunched) and lr < rpn and same_job}
         # Ranks that wait in process but cannot take this plan: the launch event says why.
         refused = ("the plan changes the job file or its overrides (a re-planned layout), "
                    "which a rank waiting in process cannot take" if self.waiting()
@@ -280,7 +298,7 @@ class Ranks:
                 launch.update(world(plan, self.node, local_rank, self.files.quorum_path))
             path = log_dir / f"rank_{rank:05d}{again}.log"
             launch[env.STACKS_FILE] = str(log_dir / f"rank_{rank:05d}{again}.stacks")
-            if in_process:
+            if in_process or replica is not None:
                 launch[env.NEXT_FILE] = str(self.files.next_path(local_rank))
             waits = waiting.pop(local_rank, None)
             if waits is not None and self._hand_over(waits, gen, launch, path):
@@ -446,8 +464,9 @@ class Ranks:
                 continue  # not a heartbeat: ignore it
             p = self.procs.get(local_rank)
             if (p is None or beat.get("pid") != p.popen.pid or p.popen.returncode is not None
-                    or p.ready or beat.get("generation") != self.generation):
-                continue  # from a rank of an older generation, or one between generations
+                    or p.ready or beat.get("generation") != self.generation
+                    or beat.get("launch", 0) != (self.launched or 0)):
+                continue  # from a rank of an older generation (or launch), or between them
             if beat.get("phase") == READY:
                 self.left(p, beat)
                 continue
@@ -463,7 +482,7 @@ class Ranks:
         would have been (with the status it would have had, and its log's last lines, which
         say why), so the controller judges it alike; then it is no longer one of the
         generation's ranks."""
-        p.left = self.generation
+        p.left, p.left_launch = self.generation, self.launched or 0
         code = beat.get("exit_code")
         code = code if isinstance(code, int) and not isinstance(code, bool) and \
             0 <= code < 256 else 1
@@ -474,15 +493,7 @@ class Ranks:
             time=time.time(), in_process=True, tail=tail(p.log_path),
             tail_age=log_age(p.log_path), launch=self.launched or 0))
         p.stop_sent, p.spared = None, False  # a stop it was sent is done: no SIGKILL for it
+        self.poke()  # reported now, and a relaunch waiting for it goes on
         if self.ended:
             self.dismiss([p])
 
-
-def skip_steps(windows: object) -> str:
-    """A plan's rewind windows (`skips`) for the ranks' OPTIMUS_SKIP_STEPS ("A-B,C-D"; optimus/
-    stability.py reads it): only [first, last] pairs of whole steps, at most 1,000."""
-    if not isinstance(windows, list):
-        return ""
-    return ",".join(f"{w[0]}-{w[1]}" for w in windows[:1000] if isinstance(w, list)
-                    and len(w) == 2 and all(type(x) is int and x >= 1 for x in w)
-                    and w[0] <= w[1])

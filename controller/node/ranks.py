@@ -45,6 +45,7 @@ class RankProcess:
     sampled_step: int = -1
     steps_seen: int = 0  # steps this process has reported a compute time for
     left: int | None = None  # the generation it left, to wait in process for the next
+    left_launch: int = 0  # ... and its replica's launch in it (replica_worlds.py)
     grace_s: float = 0.0  # of the stop sent to it
     spared: bool = False  # its stop's grace was extended once (lifecycle.py `Ranks.escalate`)
 
@@ -179,3 +180,13 @@ class ExitWatch:
         if fd >= 0:
             self._fired.discard(fd)
             os.close(fd)
+
+
+def skip_steps(windows: object) -> str:
+    """A plan's rewind windows (`skips`) for the ranks' OPTIMUS_SKIP_STEPS ("A-B,C-D"; optimus/
+    stability.py reads it): only [first, last] pairs of whole steps, at most 1,000."""
+    if not isinstance(windows, list):
+        return ""
+    return ",".join(f"{w[0]}-{w[1]}" for w in windows[:1000] if isinstance(w, list)
+                    and len(w) == 2 and all(type(x) is int and x >= 1 for x in w)
+                    and w[0] <= w[1])

@@ -3,11 +3,13 @@ continue`): the plan names each replica's world (`ReplicaWorlds`: consecutive no
 rank 0 listens, how often it was launched) and the quorum training now. A rank's torch world is
 its replica's alone (optimus/parallel/replica_mode.py): its rank, world size and node rank are
 counted inside the replica, and its launch names the quorum file and the newest quorum id it
-must not join. A replica whose launch count grows is relaunched within the generation; the
-others' ranks are not touched."""
+must not join. A replica whose launch count grows is relaunched within the generation (the
+ranks of it that the fault did not touch go on in process: `Survivors`); the others' ranks are
+not touched."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from optimus.contract import env
@@ -38,7 +40,8 @@ def world(plan: Plan, node: str, local_rank: int, quorum_file: Path) -> dict[str
             env.WORLD_SIZE: str(per * rpn), env.NODE_RANK: str(node_rank % per),
             env.NUM_NODES: str(per), env.MASTER_ADDR: worlds.addrs[replica],
             env.MASTER_PORT: str(worlds.ports[replica]), env.QUORUM_FILE: str(quorum_file),
-            env.REPLICA: str(replica), env.QUORUM_AFTER: str(worlds.after[replica])}
+            env.REPLICA: str(replica), env.QUORUM_AFTER: str(worlds.after[replica]),
+            env.REPLICA_LAUNCH: str(worlds.launches[replica])}
 
 
 def own_rank(plan: Plan | None, node: str, rank: int, local_rank: int) -> int:
@@ -54,3 +57,36 @@ def relaunch_due(plan: Plan, node: str, launched: int | None) -> bool:
     replica = replica_of(plan, node)
     return replica is not None and launched is not None and \
         plan.replicas.launches[replica] != launched
+
+
+# A relaunch's survivors: the ranks of the relaunched replica that the fault did not touch get
+# this long to leave their launch in process (a collective with the lost peer fails at once
+# when it died; one with a peer gone silent on another node waits out its timeout) before
+# they are killed and started again as new processes.
+LEAVE_LAUNCH_S = 10.0
+
+
+class Survivors:
+    """Who of a relaunched replica's ranks on this node go on in process. On a relaunch the
+    culprit the plan names is SIGKILLed at once; the others, still running, get LEAVE_LAUNCH_S
+    to leave the launch on their own (optimus/supervision/inprocess.py: a peer's loss), after
+    which they are killed too. Ranks that left wait in process and become ranks of the next
+    launch (Ranks.launch), beside new processes in the places of those that died: no imports,
+    no device context again."""
+
+    def __init__(self) -> None:
+        self.by: tuple[int, float] | None = None  # (the launch, when its wait ends)
+
+    def gone(self, procs, plan: Plan, node: str, kill) -> bool:
+        """Whether every rank in `procs` has left its replica's last launch (dead, or waiting
+        in process); `kill(p)` SIGKILLs one."""
+        launch = plan.replicas.launches[replica_of(plan, node)]
+        now = time.monotonic()
+        if self.by is None or self.by[0] != launch:
+            self.by = (launch, now + LEAVE_LAUNCH_S)
+        named = plan.culprit
+        running = [p for p in procs if p.running and not p.kill_sent]
+        for p in running:
+            if named is not None and named.node == node and named.rank in (None, p.rank):
+                kill(p)
+        return not [p for p in running if not p.kill_sent] or now >= self.by[1]

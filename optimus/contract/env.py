@@ -30,6 +30,7 @@ NEXT_FILE = "OPTIMUS_NEXT_FILE"  # set: the rank waits in process for the next g
 QUORUM_FILE = "OPTIMUS_QUORUM_FILE"  # the replicas training together now (a Quorum record)
 REPLICA = "OPTIMUS_REPLICA"  # which data-parallel replica the rank's world is
 QUORUM_AFTER = "OPTIMUS_QUORUM_AFTER"  # a standby joins only a quorum newer than this id
+REPLICA_LAUNCH = "OPTIMUS_REPLICA_LAUNCH"  # its replica's launch in the generation (0: first)
 STACKS_FILE = "OPTIMUS_STACKS_FILE"  # where SIGUSR1 dumps the rank's stacks
 FAILED_SAVES = "OPTIMUS_FAILED_SAVES"  # checkpoint saves failed in a row so far
 SKIP_STEPS = "OPTIMUS_SKIP_STEPS"  # "A-B,C-D": the steps whose batches a rewind skips

@@ -5,13 +5,16 @@ socket it has bound, a daemon thread sends it one UTF-8 JSON object per datagram
 one every `supervision.heartbeat_interval_s`, and a last one with phase "done" when training
 ends normally. Version 1 of the datagram, every field always present:
 
-    {"v": 1, "rank": 5, "local_rank": 1, "pid": 4242, "generation": 2, "time": 1.79e9,
+    {"v": 1, "rank": 5, "local_rank": 1, "pid": 4242, "generation": 2, "launch": 0,
+     "time": 1.79e9,
      "step": 120, "phase": "backward", "phase_since": 1.79e9, "compute_s": 0.41,
      "wait_s": 0.03, "finite": true, "seq": 57, "resume": null, "metrics": null,
      "memory": {"allocated_bytes": 61203824640, "reserved_bytes": 66571993088},
      "failed_saves": 0, "exit_code": null, "freed": false}
 
 - generation: OPTIMUS_GENERATION (`launch_env().restart_count`); time: time.time() at the send.
+- launch: OPTIMUS_REPLICA_LAUNCH, its replica's launch within the generation (replicas that
+  carry on relaunch one replica in it; 0 otherwise): the agent takes no beat of a launch left.
 - failed_saves: checkpoint saves failed in a row (agreed; it counts on from OPTIMUS_FAILED_SAVES,
   which the agent sets from the plan: checkpoint.max_failed_saves counts across generations).
 - step: the step in progress; before the first one, the step the run resumed from (0: none).
@@ -97,18 +100,21 @@ def start_heartbeat(env: LaunchEnv, interval_s: float) -> Heartbeat | NoHeartbea
     path = os.environ.get(AGENT_SOCKET)
     if not path:
         return NO_HEARTBEAT
+    from optimus.supervision.inprocess import launch_count
+
     return Heartbeat(path, rank=env.rank, local_rank=env.local_rank,
-                     generation=env.restart_count, interval_s=interval_s)
+                     generation=env.restart_count, interval_s=interval_s,
+                     launch=launch_count())
 
 
 class Heartbeat:
     """This rank's state, sent to the agent by a daemon thread; the training loop updates it."""
 
     def __init__(self, path: str, *, rank: int, local_rank: int, generation: int,
-                 interval_s: float):
+                 interval_s: float, launch: int = 0):
         self.path, self.interval_s = path, interval_s
         self._fixed = {"v": VERSION, "rank": rank, "local_rank": local_rank, "pid": os.getpid(),
-                       "generation": generation}
+                       "generation": generation, "launch": launch}
         # Each field the sender reads together is one tuple, replaced whole: never torn.
         self._step = 0
         self._phase = (STARTUP, time.time())

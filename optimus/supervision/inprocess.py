@@ -13,9 +13,17 @@ and the rank takes that environment (the OPTIMUS_* variables of a launch: its ne
 rendezvous, resume point), appends its output to the new log and trains the next generation:
 the same process, past its imports and device context (DTensor's cached sharding decisions
 and compiled graphs are dropped: they hold the last generation's meshes, runtime/dist.py).
+When no generation comes for it, the agent writes
 {"exit": true, "generation": <the one it left>}, and it exits 0 (a SIGTERM outside training
 does nothing: `hold_sigterm`). So a fault costs the healthy ranks a new rendezvous and a load,
 not a new process each.
+
+Replicas that carry on (docs/replicas.md) relaunch one replica within a generation: a word
+that carries "launch": n (OPTIMUS_REPLICA_LAUNCH, its replica's launch count) is for that
+replica's launch n of the same generation. The survivors of a lost replica's rank so stay in
+process too: they left its launch on the lost peer's error, and the word makes them ranks of
+the next launch, beside a new process in the lost one's place. A rank takes a word only for a
+(generation, launch) after the one it left, and an exit only for that one.
 
 A rank's own fault still ends it: only the error a collective raises because a peer is gone
 (`peer_failure`: the text gloo, NCCL and the TCP store give, e.g. "Connection closed by peer")
@@ -42,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from optimus.contract.env import NEXT_FILE, PREFIX, SNAPSHOT_RESUME
+from optimus.contract.env import NEXT_FILE, PREFIX, REPLICA_LAUNCH, SNAPSHOT_RESUME
 from optimus.contract.phases import PEER_FAILURE
 from optimus.files import file_stamp
 
@@ -50,6 +58,13 @@ POLL_S = 0.02
 _NEXT_LIMIT = 1 << 20  # bytes of the agent's word (a launch environment: a few KiB)
 # Variables a launch may set that the next one may leave out: not carried over.
 _LAUNCH_ONLY = (SNAPSHOT_RESUME,)
+
+
+def launch_count(environ=None) -> int:
+    """Which launch of its replica within the generation this rank is (0: the first, and
+    outside replica mode); a value that is not a count is 0: the agent sets it."""
+    raw = (os.environ if environ is None else environ).get(REPLICA_LAUNCH, "0")
+    return int(raw) if raw.isdigit() and len(raw) <= 9 else 0
 
 
 def enabled() -> bool:
@@ -70,19 +85,20 @@ def peer_failure(exc: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class Word:
-    """The agent's word for the next generation: an environment and a log (generation -1:
-    exit)."""
+    """The agent's word for the next generation (or its replica's next launch): an
+    environment and a log (generation -1: exit)."""
 
     generation: int
     env: dict[str, str]
     log: str
+    launch: int = 0
 
 
-def read_word(path: Path, after: int) -> Word | None:
-    """The word in `path` if it names a generation after `after`, the one the rank left;
-    Word(-1, ...) for an exit meant for that rank (its generation is `after`: a word left for
-    a rank dismissed earlier from the same slot is not this one's); None while there is none
-    (or it is not yet whole). A word that is not what the agent
+def read_word(path: Path, after: tuple[int, int]) -> Word | None:
+    """The word in `path` if it names a (generation, launch) after `after`, the one the rank
+    left; Word(-1, ...) for an exit meant for that rank (its generation and launch are
+    `after`: a word left for a rank dismissed earlier from the same slot is not this one's);
+    None while there is none (or it is not yet whole). A word that is not what the agent
     writes is ignored (the file is the agent's; this is a bound, not a trust decision)."""
     try:
         with open(path, "rb") as f:
@@ -97,15 +113,22 @@ def read_word(path: Path, after: int) -> Word | None:
         return None
     if not isinstance(word, dict):
         return None
+    launch = word.get("launch", 0)
+    if not _count(launch):
+        return None
     if word.get("exit") is True:
-        return Word(-1, {}, "") if word.get("generation") == after else None
+        return Word(-1, {}, "") if (word.get("generation"), launch) == after else None
     gen, env, log = word.get("generation"), word.get("env"), word.get("log")
-    if (not isinstance(gen, int) or isinstance(gen, bool) or gen <= after
+    if (not _count(gen) or (gen, launch) <= after
             or not isinstance(env, dict) or not isinstance(log, str)
             or not all(isinstance(k, str) and k.startswith(PREFIX) and isinstance(v, str)
                        for k, v in env.items())):
         return None
-    return Word(gen, env, log)
+    return Word(gen, env, log, launch)
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def hold_sigterm() -> None:
@@ -152,7 +175,7 @@ def wait_for_next(exit_code: int, interval_s: float,
             now = file_stamp(path)  # read only what changed: the agent replaces it whole
             if now is not None and now != seen:
                 seen = now
-                word = read_word(path, launch.restart_count)
+                word = read_word(path, (launch.restart_count, launch_count()))
                 if word is not None:
                     return None if word.generation < 0 else word
             time.sleep(POLL_S)
