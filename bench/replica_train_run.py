@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from optimus.contract.env import CONTROL_FILE, QUORUM_AFTER, QUORUM_FILE, REPLICA
+from optimus.contract.env import CONTROL_FILE, QUORUM_AFTER, QUORUM_FILE, REPLICA, REPLICA_LAUNCH
 from optimus.contract.records import Quorum
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +47,7 @@ class Replicas:
 
     def start(self, replica: int, after: int = 0) -> subprocess.Popen:
         """Replica `replica`'s rank (the first of its world's `shard`; all are in `procs`),
-        joining the first quorum after id `after`."""
+        joining the first quorum after id `after` (> 0: a relaunch, as an agent's launch 1)."""
         world = {}
         if self.shard > 1:  # its own world: a rendezvous of its ranks alone
             world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
@@ -56,7 +56,8 @@ class Replicas:
         for position in range(self.shard):
             env = {**os.environ, CONTROL_FILE: str(self.tmp / f"control{replica}.json"),
                    QUORUM_FILE: str(self.file), REPLICA: str(replica),
-                   QUORUM_AFTER: str(after), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                   QUORUM_AFTER: str(after), REPLICA_LAUNCH: str(int(after > 0)),
+                   "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                    **world, **({"RANK": str(position), "LOCAL_RANK": str(position)}
                                if world else {})}
             with open(self.tmp / f"r{replica}.{len(self.procs)}.out", "wb") as out:

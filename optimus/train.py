@@ -131,9 +131,9 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         dropped.append(log.close)
         logs = log.enabled  # under replicas, the lowest member's rank 0 (ReplicaSteps.roles)
         # Until its first quorum, replica 0 of a new generation; a replica relaunched within
-        # one (`after`) writes nothing before it is let in: its start is no resume of the run
+        # one (`launch`) writes nothing before it is let in: its start is no resume of the run
         # (a member heals it), and the run's writer is a member.
-        log.enabled = logs and (replica is None or replica.replica == 0 and replica.after == 0)
+        log.enabled = logs and (replica is None or replica.replica == 0 and replica.launch == 0)
         result = TrainResult(losses=[], metrics=log.history)
         compiles = CompileLog(log) if job.training.compile else None
         if job.training.float8 != "off":
@@ -154,9 +154,9 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         watch = state["stability"] = StabilityWatch(job.stability)  # spikes (stability.py)
         agree_on = torch.device("cpu") if backend == "gloo" else device
         resumed, not_used = None, None
-        # A replica relaunched within its generation (`after`) is healed from a live member
+        # A replica relaunched within its generation (`launch`) is healed from a live member
         # when it is let in: it reads nothing from disk first (its peers' cores are spared).
-        resume = job.checkpoint.resume == "auto" and not (replica and replica.after)
+        resume = job.checkpoint.resume == "auto" and not (replica and replica.launch)
         if resume:
             with heartbeat.phase("checkpoint_sync"):
                 resumed, not_used = load_agreed(state, resume_request(), rank=env.rank,
@@ -164,14 +164,14 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         # Under replicas, only replica 0 at its generation's start clears what a crashed one
         # left: a replica relaunched within it would delete the writer's save in flight.
         ckpt = _checkpointer(job, env, heartbeat, trust_checkpoint,
-                             clean=replica is None or replica.replica == 0 and not replica.after)
+                             clean=replica is None or replica.replica == 0 and not replica.launch)
         if ckpt is not None:
             dropped.append(ckpt.drop)
         if resumed is None and ckpt and resume:
             resumed = ckpt.load_latest(state, job.checkpoint.verify_on_load)
         log_resume(log, ckpt, resumed, not_used)
-        # A replica's peers hold its state: no memory snapshot beside the quorum (yet).
-        snapshots = None if replica else Snapshots.for_job(
+        # Under replicas, only the writer (the lowest member) takes them (ReplicaSteps.roles).
+        snapshots = Snapshots.for_job(
             job.checkpoint.memory_every, rank=env.rank, generation=env.restart_count,
             layout=key, agree_device=agree_on)
         if snapshots is not None:
@@ -234,10 +234,11 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
             dropped.append(steps.close)
             with heartbeat.phase("standby"):  # the controller lets a relaunched replica in
                 steps.join()
-            steps.roles(log, saves, ckpt, logs)  # its quorum's writer says how it formed
+            writes = steps.roles(log, saves, ckpt, logs)  # its writer says how it formed
             steps.report(log)
         between = Boundary(job=job, rank=env.rank, log=log, watch=watch, progress=progress,
-                           heartbeat=heartbeat, saves=saves, snapshots=snapshots,
+                           heartbeat=heartbeat, saves=saves,
+                           snapshots=snapshots if steps is None or writes else None,
                            commands=commands, result=result, parts=parts, state=state,
                            held_out=held_out, compiles=compiles, host_group=host,
                            on_eval=lambda step, v: _log_validation(
@@ -258,7 +259,7 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
                     step = progress.step + 1
                     batches.replace(iter(open_loader(progress.data_index)))
                     continue
-                steps.roles(log, saves, ckpt, logs)
+                between.snapshots = snapshots if steps.roles(log, saves, ckpt, logs) else None
             faults.step_start(step)
             if step in skips:
                 batches.replace(skip_batches(step, skips[step], progress, job, open_loader, log))

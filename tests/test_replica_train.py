@@ -229,7 +229,11 @@ def test_replicas_need_two_and_a_quorum_file():
         ReplicaLaunch.from_env(1, {QUORUM_FILE: "/q.json", REPLICA: "0"})
     launch = ReplicaLaunch.from_env(3, {QUORUM_FILE: "/q.json", REPLICA: "2",
                                         QUORUM_AFTER: "4"})
-    assert (launch.replica, launch.replicas, launch.after) == (2, 3, 4)
+    # a later generation's first launch joins after the last generation's quorums: not a
+    # relaunch (it resumes from the checkpoint or snapshot); the agent's launch count says so
+    assert (launch.replica, launch.replicas, launch.after, launch.launch) == (2, 3, 4, 0)
+    assert ReplicaLaunch.from_env(3, {QUORUM_FILE: "/q.json", REPLICA: "2", QUORUM_AFTER: "4",
+                                      "OPTIMUS_REPLICA_LAUNCH": "2"}).launch == 2
     assert launch.batch_slice(1, 2) == (5, 6)  # replica 2's second rank of two: slice 5 of 6
 
 

@@ -144,10 +144,10 @@ def memory_point(plan: dict | None, reports: dict[str, dict], alive: set[str],
     Points are tried newest first; usable means:
     - on the plan's line of generations: not void (snapshot_files.void: a later generation
       resumed from before it);
-    - committed: every rank's shard has a replica on another node, which that node checked
-      against the shard's sha256 on receipt (and a node pushes only complete shards), as the
-      agents' reports say — a node's earlier incarnation's report (`<node>@<incarnation>`)
-      still proves what it received, though what it held is gone;
+    - committed: every rank's shard (`slot_shards`) has a replica on another node, which that
+      node checked against the shard's sha256 on receipt (and a node pushes only complete
+      shards), as the agents' reports say — a node's earlier incarnation's report
+      (`<node>@<incarnation>`) still proves what it received, though what it held is gone;
     - trusted: not taken after a tile that computed wrong last passed its health check
       (`distrust`: {"nodes", "since": that time or None, "after_step": with no passing check
       on record, the step the failing generation resumed from});
@@ -160,7 +160,7 @@ def memory_point(plan: dict | None, reports: dict[str, dict], alive: set[str],
     """
     if not plan or not reports:
         return None, None
-    nodes, rpn = plan["nodes"], plan["ranks_per_node"]
+    nodes, shards = plan["nodes"], slot_shards(plan)
     lineage = plan.get("lineage", [])
     found: set[str] = set()
     taken: dict[str, float] = {}  # point -> the earliest time a shard of it was written
@@ -179,10 +179,11 @@ def memory_point(plan: dict | None, reports: dict[str, dict], alive: set[str],
         own = {n: set(r.get("own", {}).get(name, ())) for n, r in reports.items()}
         held = {n: set(r.get("held", {}).get(name, ())) for n, r in reports.items()}
         slots, lost = [], None
-        for i, node in enumerate(nodes):
-            ranks = set(range(i * rpn, (i + 1) * rpn))
+        for node, ranks in zip(nodes, shards, strict=True):
             owners = {n for n, have in own.items() if ranks <= have}
-            copies = {n for n, have in held.items() if ranks <= have} - {node}
+            # a copy is on another node than the shards': under replicas, than their writer's
+            copies = {n for n, have in held.items() if ranks <= have} - (
+                owners if plan.get("replicas") else {node})
             if not copies:
                 slots = None
                 break
@@ -206,6 +207,16 @@ def memory_point(plan: dict | None, reports: dict[str, dict], alive: set[str],
         return None, (f"no snapshot newer than the disk checkpoint is complete on every rank "
                       f"and replicated (the newest taken: step {incomplete})")
     return None, None
+
+
+def slot_shards(plan: dict) -> list[set[int]]:
+    """For each node slot of `plan`, the shards its ranks write and load: their ranks; under
+    replicas that carry on, their ranks in their replica's world (only the writer replica takes
+    snapshots, and every replica loads them at a restart: one copy of each position's shards,
+    written by whichever replica wrote that point, serves the whole job)."""
+    rpn, count = plan["ranks_per_node"], len(plan["nodes"])
+    per = count // len(plan["replicas"]["launches"]) if plan.get("replicas") else count
+    return [set(range(i % per * rpn, (i % per + 1) * rpn)) for i in range(count)]
 
 
 def _distrusted(step: int, taken: float | None, distrust: dict | None) -> str | None:

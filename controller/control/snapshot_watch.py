@@ -38,16 +38,16 @@ def align_point(plan: dict, reports: dict[str, dict], usable_step: int | None,
     """The point every node of `plan` should push next, or None when there is none to name.
 
     Candidates are points of the plan's generation that every planned node has taken whole
-    (its report's `own` holds all of its ranks), newer than the newest usable point
-    (`usable_step`), and not yet confirmed by every node (`replicated`). The point named now
+    (its report's `own` holds all of its ranks; under replicas that carry on, the nodes of the
+    replica that wrote it: `writers`), newer than the newest usable point (`usable_step`), and
+    not yet confirmed by every node that took it (`replicated`). The point named now
     (`named`, for `reads` reads) stays named while it is a candidate, at most ALIGN_READS reads
     (a buddy that refuses it must not hold the nodes on it); otherwise the newest candidate
     newer than it. None where some planned node has no buddy (it replicates nothing: no point
     can become usable)."""
-    nodes, rpn, generation = plan["nodes"], plan["ranks_per_node"], plan["generation"]
+    nodes, generation = plan["nodes"], plan["generation"]
     if any(node not in plan.get("buddies", {}) for node in nodes):
         return None
-    mine = {node: set(range(i * rpn, (i + 1) * rpn)) for i, node in enumerate(nodes)}
     candidates: dict[tuple[int, int], str] = {}
     for name in {n for node in nodes for n in reports.get(node, {}).get("own", {})}:
         parsed = parse_point(name)
@@ -55,17 +55,33 @@ def align_point(plan: dict, reports: dict[str, dict], usable_step: int | None,
             continue
         if usable_step is not None and parsed[0] <= usable_step:
             continue
-        whole = all(mine[node] <= set(reports.get(node, {}).get("own", {}).get(name, ()))
-                    for node in nodes)
-        confirmed = all(name in (reports.get(node, {}).get("replicated") or {})
-                        for node in nodes)
-        if whole and not confirmed:
+        took = writers(plan, reports, name)
+        confirmed = took is not None and all(
+            name in (reports.get(node, {}).get("replicated") or {}) for node in took)
+        if took is not None and not confirmed:
             candidates[parsed] = name
     if named in candidates.values() and reads < ALIGN_READS:
         return named
     floor = (named and parse_point(named)) or (-1, -1)
     newer = [p for p in candidates if p > floor]
     return candidates[max(newer)] if newer else None
+
+
+def writers(plan: dict, reports: dict[str, dict], name: str) -> list[str] | None:
+    """The planned nodes that took point `name` whole, one for each of its shard slots: every
+    node; under replicas, the nodes of one replica (the one that wrote it, whichever that was);
+    None where some slot's shards are not all there."""
+    nodes, shards = plan["nodes"], recovery.slot_shards(plan)
+
+    def whole(i: int) -> bool:
+        return shards[i] <= set(reports.get(nodes[i], {}).get("own", {}).get(name, ()))
+    if not plan.get("replicas"):
+        return list(nodes) if all(whole(i) for i in range(len(nodes))) else None
+    per = len(nodes) // len(plan["replicas"]["launches"])
+    for first in range(0, len(nodes), per):
+        if all(whole(i) for i in range(first, first + per)):
+            return nodes[first:first + per]
+    return None
 
 
 class SnapshotWatch:

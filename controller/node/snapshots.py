@@ -323,8 +323,13 @@ class SnapshotKeeper:
 
 
 def _node_ranks(plan: Plan, node: str) -> range:
+    """The ranks whose shards this node's ranks write and load. Under replicas that carry on,
+    a rank's shard is named by its rank in its replica's world (only the writer replica takes
+    snapshots; every replica loads them: docs/replicas.md)."""
     rpn = plan.ranks_per_node
     i = plan.nodes.index(node)
+    if plan.replicas is not None:
+        i %= len(plan.nodes) // len(plan.replicas.launches)
     return range(i * rpn, (i + 1) * rpn)
 
 

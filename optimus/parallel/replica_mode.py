@@ -51,6 +51,7 @@ from optimus.parallel.replicas import SLOTS, Notes, QuorumError, Replicas, state
 from optimus.runtime.launch import LaunchError
 from optimus.runtime.readback import Pending, Readback
 from optimus.supervision.commands import Agreed, Command
+from optimus.supervision.inprocess import launch_count
 
 WORD = ("stop", "pause", "no_save", "checkpoint")  # what a replica tells the others a step
 
@@ -68,6 +69,7 @@ class ReplicaLaunch:
     replicas: int
     quorum_file: Path
     after: int = 0  # the first quorum joined is newer than this id
+    launch: int = 0  # its replica's launch in the generation: > 0, relaunched within it
 
     @classmethod
     def from_env(cls, replicas: int, environ=None) -> ReplicaLaunch | None:
@@ -90,7 +92,7 @@ class ReplicaLaunch:
         after = environ.get(QUORUM_AFTER, "0")
         if not (after.isdigit() and len(after) <= 18):
             raise LaunchError(f"{QUORUM_AFTER}={after!r}: a quorum id (a whole number)")
-        return cls(int(raw), replicas, Path(path), int(after))
+        return cls(int(raw), replicas, Path(path), int(after), launch_count(environ))
 
     def world_job(self, job):
         """The job as one replica's world runs it: its layout with one replica (which has no
@@ -172,7 +174,7 @@ class ReplicaSteps:
         relaunched within its generation (it read no checkpoint: a member heals it) makes the
         state a heal carries first (its optimizer's, where it has none yet), so that the heal
         the members wait on only carries bytes."""
-        if self.launch.after:
+        if self.launch.launch:
             self.state()
         print(f"replica {self.launch.replica}: ready at step {self.progress.step}, waiting for "
               f"a quorum after id {self.launch.after} that holds it", file=sys.stderr,
@@ -287,10 +289,10 @@ class ReplicaSteps:
                           **row)
             setattr(self, f"_{kind}", len(rows))
 
-    def roles(self, log, saves, ckpt, logs: bool) -> None:
-        """Before a step: the metrics and checkpoints are this replica's to write when it is
-        the lowest member (`logs`: this rank writes the metrics at all); a save in flight
-        lands before its writer hands the role on."""
+    def roles(self, log, saves, ckpt, logs: bool) -> bool:
+        """Before a step: the metrics, checkpoints and memory snapshots are this replica's to
+        write when it is the lowest member (`logs`: this rank writes the metrics at all); a
+        save in flight lands before its writer hands the role on. Returns whether it writes."""
         writes = self.writes()
         was, self.writer = self.writer, min(self.members) if self.members else None
         log.enabled = logs and writes
@@ -305,6 +307,7 @@ class ReplicaSteps:
         if saves.ckpt is not None and not writes:
             saves.ckpt.wait()
         saves.ckpt = ckpt if writes else None
+        return writes
 
     def close(self) -> None:
         if self.replicas.group is not None:
