@@ -72,6 +72,9 @@ def main() -> None:
                         "all-reduce on the same group (bench/replicas.py's reference)")
     p.add_argument("--die-healing", action="store_true",
                    help="exit (status 3) as its heal begins: a rank lost mid-heal")
+    p.add_argument("--die-giving", action="store_true",
+                   help="exit (status 4) as it first gives its state to heal another: the "
+                        "healer lost mid-heal")
     a = p.parse_args()
     torch.set_num_threads(1)  # several ranks share the machine's cores: one thread each
     widths = tuple(int(w) for w in a.widths.split(","))
@@ -95,6 +98,8 @@ def main() -> None:
     def tensors():
         if a.die_healing and int(progress) == 0:
             os._exit(3)
+        if a.die_giving and int(progress) > 0:
+            os._exit(4)
         return state_tensors(get_model_state_dict(net),
                              get_optimizer_state_dict(net, opt, options=flat),
                              {"progress": progress})

@@ -204,6 +204,43 @@ def test_a_replica_lost_during_its_heal_leaves_a_consistent_quorum(run_of):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_the_healer_lost_during_a_heal_leaves_a_consistent_quorum(run_of):
+    """Replica 2 is lost and comes back; replica 0, the lowest member ahead, dies as it starts
+    to heal it. The controller names a quorum of replicas 1 and 2: replica 1 heals replica 2,
+    and both train on to the end with the same bits, each step applied once, by the members
+    of its quorum."""
+    steps = 30
+    run = run_of(steps=steps, step_s=0.05)
+    standby = run.start(2, 1)  # replica 2's replacement, waiting past quorum 1
+    run.wait(lambda: run.ready(2, 1))
+    run.quorum([0, 1, 2])
+    run.start(0, 0, "--die-giving")
+    run.start(1)
+    run.start(2)
+    victim = run.procs[2, 0]
+    run.wait(lambda: run.last_step(2) >= 3)
+    victim.kill()
+    victim.wait()
+    run.quorum([0, 1])
+    run.wait(lambda: run.last_step(0) >= 8)
+    healer = run.procs[0, 0]
+    run.quorum([0, 1, 2])  # the replacement is let in; its healer dies giving
+    run.wait(lambda: healer.poll() is not None)
+    assert healer.returncode == 4
+    run.quorum([1, 2])
+    run.finish([run.procs[1, 0], *standby])
+    members = membership(run, 1)
+    assert list(members) == list(range(1, steps + 1))  # every step applied, once
+    assert {tuple(m) for m in members.values()} <= {(0, 1, 2), (0, 1), (1, 2)}
+    assert members[steps] == [1, 2]
+    formed = [f for f in run.lines(2, kind="formed") if f["healed"]]
+    assert formed and formed[-1]["source"] == 1 and formed[-1]["healed"] == [2]
+    states = [run.state(r) for r in (1, 2)]
+    assert all(torch.equal(a, b) for a, b in zip(*states, strict=True))
+    for got, want in zip(params_of(states[0]), reference(members), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_sharded_replicas_heal_each_position_from_its_peer(run_of):
     """Two replicas of two ranks each (FSDP2 inside a replica): a quorum group per position.
     Replica 1 is lost whole (its node) and comes back as two standbys, each healed from the
