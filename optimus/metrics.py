@@ -9,7 +9,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +61,8 @@ class StepMetrics:
 
 
 CATCH_UP_ROWS = 64
+# What a step's row may hold (`record`, `samples`): a peer's rows (a heal's) hold nothing else.
+ROW_KEYS = frozenset({"time", *(f.name for f in fields(StepMetrics))})
 TAIL_BYTES = 1 << 16  # of metrics.jsonl, for its last step: ~100 rows of a dense model
 
 

@@ -262,7 +262,9 @@ def test_a_heals_notes_are_checked_before_anything_is_taken():
                 {"progress": good, "stability": []},
                 {"progress": good, "stability": {}, "rows": {"step": 2}},
                 {"progress": good, "stability": {}, "rows": [{"step": "2"}]},
-                {"progress": good, "stability": {}, "rows": [{"step": 2}] * 65}):
+                {"progress": good, "stability": {}, "rows": [{"step": 2}] * 65},
+                # a row that is no step's (an event: the writer would log it as the run's)
+                {"progress": good, "stability": {}, "rows": [{"step": 2, "event": "resume"}]}):
         with pytest.raises(HealError):
             steps._take(bad)
         assert steps.progress.step == 0 and steps.watch.taken is None  # nothing taken
@@ -271,8 +273,8 @@ def test_a_heals_notes_are_checked_before_anything_is_taken():
     # own are not replaced.
     steps._take({"progress": {"step": 3, "tokens": 768, "data_index": 18},
                  "stability": {"history": "{}"},
-                 "rows": [{"step": 1, "from": "peer"}, {"step": 2}, {"step": 3}]})
+                 "rows": [{"step": 1, "loss": 9.0}, {"step": 2}, {"step": 3}]})
     assert (steps.progress.step, steps.progress.tokens, steps.progress.data_index) == (3, 768, 18)
     assert steps.watch.taken == {"history": "{}"}
     assert [r["step"] for r in steps.log.recent] == [1, 2, 3]
-    assert "from" not in steps.log.recent[0]
+    assert "loss" not in steps.log.recent[0]

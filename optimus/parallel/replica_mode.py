@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from optimus.contract.env import QUORUM_AFTER, QUORUM_FILE, REPLICA
-from optimus.metrics import CATCH_UP_ROWS
+from optimus.metrics import CATCH_UP_ROWS, ROW_KEYS
 from optimus.parallel.heal import HealError
 from optimus.parallel.replicas import SLOTS, Notes, QuorumError, Replicas, state_tensors
 from optimus.runtime.launch import LaunchError
@@ -152,7 +152,7 @@ class ReplicaSteps:
         rows = notes.get("rows", [])
         if not (isinstance(rows, list) and len(rows) <= CATCH_UP_ROWS and all(
                 isinstance(r, dict) and type(r.get("step")) is int and r["step"] >= 0
-                for r in rows)):
+                and r.keys() <= ROW_KEYS for r in rows)):
             raise HealError("a heal's notes hold metrics rows that are not rows of steps")
         self.progress.load_state_dict(progress)
         self.watch.load_state_dict(stability)  # takes only what it recognises (stability.py)
