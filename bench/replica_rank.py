@@ -100,9 +100,15 @@ def main() -> None:
             os._exit(3)
         if a.die_giving and int(progress) > 0:
             os._exit(4)
+        return made()
+
+    def made():
         return state_tensors(get_model_state_dict(net),
                              get_optimizer_state_dict(net, opt, options=flat),
                              {"progress": progress})
+
+    if a.after:  # a standby makes its optimizer's state before it waits, as the trainer's
+        made()  # relaunched replica does (ReplicaSteps.join): the heal then carries only bytes
 
     out = Path(a.out)
     name = f"r{a.replica}p{a.position}"
