@@ -362,3 +362,74 @@ def test_a_meeting_gives_up_when_the_controller_names_a_newer_quorum_even_one_wi
     assert time.monotonic() - started < 10  # not the 30 s bound: the newer word ended it
     store.set("optimus/quorum/3/0/here/0", "1")  # everyone came after all: it is formed
     meet(store, three, position=0, replica=1, path=path, timeout_s=30)
+
+
+def _pair(run_source, run_receiver) -> list:
+    """Two gloo ranks in threads of this process, on one store: what each returned or raised."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store, out = dist.HashStore(), [None, None]
+
+    def rank(i, fn):
+        group = dist.ProcessGroupGloo(store, i, 2, timedelta(seconds=20))
+        try:
+            out[i] = fn(group)
+        except Exception as e:  # noqa: BLE001 (returned to the test, which checks it)
+            out[i] = e
+    threads = [threading.Thread(target=rank, args=(i, fn))
+               for i, fn in enumerate((run_source, run_receiver))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def _state(fill: float | None = None) -> list[torch.Tensor]:
+    """A large tensor (a message of its own), small ones of three dtypes (packed per dtype) and
+    an empty one; `fill`: all of it that value (a receiver's own state), else distinct values."""
+    gen = torch.Generator().manual_seed(3)
+    state = [torch.randn(300_000, generator=gen), torch.randn(7, 5, generator=gen),
+             torch.arange(11), torch.randn(4, generator=gen).to(torch.bfloat16),
+             torch.randn(400, 700, generator=gen), torch.zeros(0), torch.tensor(5.0)]
+    if fill is not None:
+        for t in state:
+            t.fill_(fill)
+    return state
+
+
+def test_a_heal_goes_in_pieces_and_is_checked_whole_before_any_is_taken():
+    from datetime import timedelta
+
+    from optimus.parallel import heal
+
+    source, cpu, wait = _state(), torch.device("cpu"), timedelta(seconds=20)
+    assert heal.pieces(source) == [[0], [4], [1, 5, 6], [2], [3]]  # the two large alone
+    # small ones of one dtype are packed up to PIECE_MIN bytes a message, in order
+    quarter = torch.zeros(heal.PIECE_MIN // 16)  # a quarter of PIECE_MIN in float32
+    assert heal.pieces([quarter] * 9 + [torch.zeros(3, dtype=torch.int64)]) == [
+        [0, 1, 2, 3], [4, 5, 6, 7], [8], [9]]
+    mine = _state(fill=0.0)
+    tags = _pair(lambda g: heal.give(g, source, [1], cpu, wait),
+                 lambda g: heal.take(g, mine, 0, cpu, wait))
+    assert tags == [6, 6]  # five pieces and the table: the notes' tag comes next
+    assert all(torch.equal(a, b) for a, b in zip(source, mine, strict=True))
+
+    def damaged(group):  # a byte of the second piece changed in transit; its table as sent
+        plan = heal.pieces(source)
+        sums = []
+        for tag, index in enumerate(plan):
+            flat = torch.cat([source[i].reshape(-1) for i in index])
+            sums.append(heal.checksum(flat))
+            if tag == 1:
+                flat = flat.clone()
+                flat.view(torch.uint8)[17] ^= 4
+            group.send([flat], 1, tag).wait()
+        group.send([torch.stack(sums)], 1, len(plan)).wait()
+    mine = _state(fill=0.0)
+    _, refused = _pair(damaged, lambda g: heal.take(g, mine, 0, cpu, wait))
+    assert isinstance(refused, heal.HealError), refused
+    assert all(not t.numel() or bool((t == 0).all()) for t in mine)  # nothing taken

@@ -1,6 +1,7 @@
 """What a heal carries between replicas (optimus/parallel/replicas.py), and how it is checked:
-the state's tensors packed one buffer per dtype, a checksum of each, and the host-side state
-(progress, the stability rules' history) as one bounded JSON message."""
+the state's tensors in pieces (`give`, `take`: a large tensor as it lies, the small ones packed),
+a checksum of each, and the host-side state (progress, the stability rules' history) as one
+bounded JSON message."""
 
 from __future__ import annotations
 
@@ -29,27 +30,81 @@ def by_dtype(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.dtype, torch.T
     return [(dtype, torch.cat(parts)) for dtype, parts in groups.items()]
 
 
-def receiving(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.dtype, torch.Tensor]]:
-    """Empty buffers shaped as `by_dtype(tensors)` would pack them, for a heal to receive into:
-    what they held is overwritten (no copy of this rank's own state first)."""
-    sizes: dict[torch.dtype, int] = {}
-    device: dict[torch.dtype, torch.device] = {}
-    for t in tensors:
-        sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
-        device.setdefault(t.dtype, t.device)
-    return [(dtype, torch.empty(n, dtype=dtype, device=device[dtype]))
-            for dtype, n in sizes.items()]
+# A tensor at least this large goes as a message of its own, sent from where it lies (no copy);
+# smaller ones go packed together, in messages of about this size per dtype and device: a
+# message each would cost more in its round trip than their copy, and one message of all of
+# them would be packed whole before its first byte could go.
+PIECE_MIN = 1 << 20
 
 
-def scatter(tensors: Sequence[torch.Tensor], buffers) -> None:
-    """Copy the received buffers back into `tensors`, in the order `by_dtype` took them."""
-    taken = dict.fromkeys((dtype for dtype, _ in buffers), 0)
-    flat = dict(buffers)
+def pieces(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """The messages a heal of `tensors` takes, as lists of their indices, in the order they
+    go: each large tensor alone; the small ones of a dtype and device packed in order until
+    the message reaches PIECE_MIN bytes (the rest of each at the end). The same on both sides:
+    the same shapes at one position of every replica."""
+    out, open_ = [], {}
+    for i, t in enumerate(tensors):
+        size = t.numel() * t.element_size()
+        if size >= PIECE_MIN:
+            out.append([i])
+            continue
+        key = (t.dtype, t.device)
+        index, filled = open_.get(key, ([], 0))
+        index.append(i)
+        if filled + size >= PIECE_MIN:
+            out.append(index)
+            open_.pop(key, None)
+        else:
+            open_[key] = (index, filled + size)
+    return out + [index for index, _ in open_.values()]
+
+
+def give(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor], peers: Sequence[int],
+         device: torch.device, timeout: timedelta) -> int:
+    """Send `tensors` to each of `peers` (`pieces`: every message posted at once, each one's
+    checksum computed while the bytes go), then the table of checksums. Through `device`'s
+    memory: the group's backend may take no other. Returns the next free tag."""
+    plan = pieces(tensors)
+    works, sums = [], []
+    for tag, index in enumerate(plan):
+        parts = [tensors[i].detach().reshape(-1) for i in index]
+        flat = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(device)
+        works += [group.send([flat], peer, tag) for peer in peers]
+        sums.append(checksum(flat).to(device))  # (zlib lets go of the GIL)
+    for work in works:
+        work.wait(timeout)
+    table = torch.stack(sums) if sums else torch.zeros(0, 2, dtype=torch.int64, device=device)
+    for peer in peers:
+        group.send([table], peer, len(plan)).wait(timeout)
+    return len(plan) + 1
+
+
+def take(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor], source: int,
+         device: torch.device, timeout: timedelta) -> int:
+    """Receive what `give` sent from `source` into buffers of their own (every message posted
+    at once, each checked as the next arrive), and only once every checksum matches, copy them
+    into `tensors`: a heal that fails leaves this rank's state as it was (it may have to heal
+    another from it). HealError when one does not match. Returns the next free tag."""
+    plan = pieces(tensors)
+    buffers = [torch.empty(sum(tensors[i].numel() for i in index),
+                           dtype=tensors[index[0]].dtype, device=device) for index in plan]
+    works = [group.recv([flat], source, tag) for tag, flat in enumerate(buffers)]
+    sums = []
+    for work, flat in zip(works, buffers, strict=True):
+        work.wait(timeout)
+        sums.append(checksum(flat).cpu())
+    table = torch.zeros(len(plan), 2, dtype=torch.int64, device=device)
+    group.recv([table], source, len(plan)).wait(timeout)
+    if sums and not torch.equal(torch.stack(sums), table.cpu()):
+        raise HealError("the state healed fails its checksum")
     with torch.no_grad():
-        for t in tensors:
-            start = taken[t.dtype]
-            t.copy_(flat[t.dtype][start:start + t.numel()].view_as(t))
-            taken[t.dtype] = start + t.numel()
+        for index, flat in zip(plan, buffers, strict=True):
+            start = 0
+            for i in index:
+                t = tensors[i]
+                t.copy_(flat[start:start + t.numel()].view_as(t))
+                start += t.numel()
+    return len(plan) + 1
 
 
 def checksum(flat: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,9 @@ Two replicas can disagree about a step only if an exchange completes for one and
 other, the dead peer's part having reached the first (an all-reduce completes nowhere without
 every member's part). So each new quorum starts by agreeing on its members' steps (`agree`):
 a member behind the others (that case, or a replica rejoining) heals from the lowest-indexed
-member ahead, which sends it its model and optimizer shards (`heal`: one message per dtype,
-each with a checksum the receiver verifies). A step is thus never applied in one replica and
+member ahead, which sends it its model and optimizer shards (`heal`: a large tensor as a
+message of its own, the small ones packed, each message with a checksum the receiver verifies
+before it takes any). A step is thus never applied in one replica and
 not in another once a quorum has formed, and a rank outside the current quorum applies none:
 its exchange has no peers.
 """
@@ -50,14 +51,15 @@ import torch.distributed as dist
 from optimus.contract.records import Quorum
 from optimus.files import file_stamp
 from optimus.parallel.heal import (  # noqa: F401 (checksum, device_checksum, state_tensors: re-exported)
+    HealError,
     by_dtype,
     checksum,
     device_checksum,
+    give,
     receive_notes,
-    receiving,
-    scatter,
     send_notes,
     state_tensors,
+    take,
 )
 from optimus.parallel.quorum_file import (  # noqa: F401 (re-exported)
     QuorumError,
@@ -272,37 +274,25 @@ class QuorumGroup:
         """Bring every member behind the others to the step of the lowest-indexed member ahead:
         that member sends `state()` (this rank's model and optimizer shards, the progress
         counters: the same shapes in every replica at this position) to each member behind,
-        which receives them in place and checks them; then `notes`' host-side state (JSON:
-        progress, the stability rules' history), taken by the receiver. Returns (the
-        source's index, the indices healed). Only the members concerned take part, and only
-        they call `state` (making an optimizer's state where it has none yet takes a step of
-        it)."""
+        which checks them all before it takes them (heal.py `give`, `take`); then `notes`'
+        host-side state (JSON: progress, the stability rules' history), taken by the
+        receiver. Returns (the source's index, the indices healed). Only the members
+        concerned take part, and only they call `state` (making an optimizer's state where it
+        has none yet takes a step of it)."""
         ahead = max(steps)
         source = steps.index(ahead)
         behind = [i for i, s in enumerate(steps) if s != ahead]
         if not behind or (self.index != source and self.index not in behind):
             return source, behind
         tensors = list(state())
-        buffers = by_dtype(tensors) if self.index == source else receiving(tensors)
-        for tag, (_, flat) in enumerate(buffers):
+        try:
             if self.index == source:
-                sends = [self.group.send([flat], peer, 2 * tag) for peer in behind]
-                sums = checksum(flat)  # while the bytes go (zlib lets go of the GIL)
-                for work in sends:
-                    work.wait(self.timeout)
-                for peer in behind:
-                    self.group.send([sums], peer, 2 * tag + 1).wait(self.timeout)
+                tag = give(self.group, tensors, behind, self.device, self.timeout)
             else:
-                sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
-                self.group.recv([flat], source, 2 * tag).wait(self.timeout)
-                self.group.recv([sums], source, 2 * tag + 1).wait(self.timeout)
-                if not torch.equal(checksum(flat).cpu(), sums.cpu()):
-                    raise QuorumError(f"the state healed from replica "
-                                      f"{self.quorum.members[source]} fails its checksum")
-        if self.index in behind:
-            scatter(tensors, buffers)
-        if notes is not None:
-            tag = 2 * len(buffers)
+                tag = take(self.group, tensors, source, self.device, self.timeout)
+        except HealError as e:
+            raise QuorumError(f"{e} (from replica {self.quorum.members[source]})") from None
+        if notes is not None:  # its tags after the pieces'
             if self.index == source:
                 told = notes.give()
                 for peer in behind:
