@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from optimus.parallel.replicas import Reduced, Replicas, state_tensors
+from optimus.parallel.replicas import Reduced, ReplicaOut, Replicas, state_tensors
 
 WIDTHS, ROWS = (32, 64, 32), 24  # the tests'; bench/replicas.py asks for ~1M parameters
 
@@ -131,56 +131,61 @@ def main() -> None:
 
     event("waiting", pid=os.getpid())  # ready to join: the controller may let it in
     rep.join(int(progress), after=a.after)
-    step = int(progress) + 1
-    while step <= a.steps:
-        try:
-            inside = rep.before(step, int(progress))
-        except RuntimeError as e:  # the newer quorum did not meet
-            event("failed", step=step, error=str(e)[:200])
-            inside = False
-        if not inside:
-            rep.recover(int(progress))
+    try:
+        step = int(progress) + 1
+        while step <= a.steps:
+            try:
+                inside = rep.before(step, int(progress))
+            except RuntimeError as e:  # the newer quorum did not meet
+                event("failed", step=step, error=str(e)[:200])
+                inside = False
+            if not inside:
+                rep.recover(int(progress))
+                formed()
+                step = int(progress) + 1
+                continue
             formed()
-            step = int(progress) + 1
-            continue
-        formed()
-        began = time.perf_counter()
-        bare = step <= a.alternate_until and (step - 1) // 5 % 2 == 1
-        x, y, mask = batch(step, a.replica, a.position, widths, a.rows)
-        tokens = mask.sum()
-        summed = loss_sum(net, x, y, mask)
-        if a.shard > 1:
-            both = torch.stack([tokens, summed.detach()])
-            dist.all_reduce(both)
-            tokens, replica_loss = both[0], both[1]
-        else:
-            replica_loss = summed.detach()
-        (summed / tokens).backward()
-        grads = [q.grad.to_local() if isinstance(q.grad, DTensor) else q.grad
-                 for q in net.parameters()]
-        if a.step_s:
-            time.sleep(a.step_s)
-        failures = len(rep.failed)
-        if bare:
-            reduced = bare_exchange(rep, grads, tokens, replica_loss)
-        else:
-            reduced = rep.exchange(grads, tokens, replica_loss, int(progress))
-        for failure in rep.failed[failures:]:
-            event("failed", step=step, **failure)
-        formed()
-        if reduced is None:  # healed past it: the others applied this step, and so has it
+            began = time.perf_counter()
+            bare = step <= a.alternate_until and (step - 1) // 5 % 2 == 1
+            x, y, mask = batch(step, a.replica, a.position, widths, a.rows)
+            tokens = mask.sum()
+            summed = loss_sum(net, x, y, mask)
+            if a.shard > 1:
+                both = torch.stack([tokens, summed.detach()])
+                dist.all_reduce(both)
+                tokens, replica_loss = both[0], both[1]
+            else:
+                replica_loss = summed.detach()
+            (summed / tokens).backward()
+            grads = [q.grad.to_local() if isinstance(q.grad, DTensor) else q.grad
+                     for q in net.parameters()]
+            if a.step_s:
+                time.sleep(a.step_s)
+            failures = len(rep.failed)
+            if bare:
+                reduced = bare_exchange(rep, grads, tokens, replica_loss)
+            else:
+                reduced = rep.exchange(grads, tokens, replica_loss, int(progress))
+            for failure in rep.failed[failures:]:
+                event("failed", step=step, **failure)
+            formed()
+            if reduced is None:  # healed past it: the others applied this step, and so has it
+                opt.zero_grad(set_to_none=True)
+                step = int(progress) + 1
+                continue
+            opt.step()
             opt.zero_grad(set_to_none=True)
-            step = int(progress) + 1
-            continue
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        progress.fill_(step)
-        event("step", step=step, quorum=rep.quorum.id, members=list(rep.quorum.members),
-              loss=reduced.loss(), tokens=reduced.tokens(), pid=os.getpid(),
-              seconds=time.perf_counter() - began, bare=bare)
-        rep.look()
-        rep.after(step, reduced)
-        step += 1
+            progress.fill_(step)
+            event("step", step=step, quorum=rep.quorum.id, members=list(rep.quorum.members),
+                  loss=reduced.loss(), tokens=reduced.tokens(), pid=os.getpid(),
+                  seconds=time.perf_counter() - began, bare=bare)
+            rep.look()
+            rep.after(step, reduced)
+            step += 1
+    except ReplicaOut as e:  # its replica was taken out: this process's part is over
+        event("out", error=str(e)[:200])
+        log.close()
+        os._exit(0)
     torch.save({k: v.clone() for k, v in enumerate(tensors())}, out / f"{name}.pt")
     event("done", step=int(progress))
     log.close()

@@ -41,10 +41,11 @@ PHASES = {STARTUP: False, DATA: True, FORWARD: False, BACKWARD: False, GRAD_SYNC
 LONG_PHASES = (CHECKPOINT, CHECKPOINT_SYNC, EVAL)
 
 # What a collective (or the rendezvous) says when a peer is gone: gloo, NCCL, XCCL and the TCP
-# store word it differently.
+# store word it differently; and what a rank of a replica the controller took out of the quorum
+# says (optimus/parallel/quorum_file.py ReplicaOut): its launch ended under it, as by a peer.
 PEER_FAILURE = re.compile(
     r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET|ECONNREFUSED|Connection refused|"
     r"Socket Timeout|timed out|Timeout|DistNetworkError|DistStoreError|gloo::IoException|"
     r"NCCL (error|communicator)|ProcessGroup.*(abort|error)|peer .*(died|exited|closed)|"
-    r"Read error|Write error",
+    r"Read error|Write error|is out of quorum",
     re.IGNORECASE)

@@ -28,6 +28,13 @@ class QuorumError(RuntimeError):
     """A quorum file or an exchange this rank cannot go on with (said in one line)."""
 
 
+class ReplicaOut(QuorumError):
+    """The controller took this rank's replica out of the quorum after it had been a member:
+    that launch of it is over (the controller relaunches the replica, and lets only its new
+    launch back in). The rank leaves, as on a lost peer: it may go on in process as a rank of
+    that next launch (optimus/supervision/inprocess.py; the words match PEER_FAILURE)."""
+
+
 def read_quorum(path: Path) -> Quorum | None:
     """The quorum in `path`, or None while there is none. A file that is not a quorum record is
     an error naming what is wrong (the agent writes it whole: it is never half there)."""
@@ -45,10 +52,11 @@ def read_quorum(path: Path) -> Quorum | None:
 
 
 def wait_for_quorum(path: Path, *, after: int, replica: int, timeout_s: float,
-                    beat: Callable[[], None] | None = None) -> Quorum:
+                    beat: Callable[[], None] | None = None, member: bool = False) -> Quorum:
     """The first quorum in `path` newer than id `after` that holds `replica`. A newer one that
-    leaves the replica out is skipped (the controller took it out: it waits to be let back in).
-    Raises QuorumError after `timeout_s`."""
+    leaves the replica out is skipped by a standby (it waits to be let in), and is the end of
+    the launch of a rank that was a `member` (ReplicaOut). Raises QuorumError after
+    `timeout_s`."""
     began = time.monotonic()
     deadline, seen = began + timeout_s, None
     while time.monotonic() < deadline:
@@ -58,6 +66,10 @@ def wait_for_quorum(path: Path, *, after: int, replica: int, timeout_s: float,
             quorum = read_quorum(path)
             if quorum is not None and quorum.id > after and replica in quorum.members:
                 return quorum
+            if quorum is not None and quorum.id > after and member:
+                raise ReplicaOut(f"replica {replica} is out of quorum {quorum.id} "
+                                 f"({quorum.members}): the controller relaunches it, and this "
+                                 "launch of it ends")
         if beat is not None:
             beat()
         time.sleep(_poll_s(began))

@@ -63,6 +63,7 @@ from optimus.parallel.heal import (  # noqa: F401 (checksum, device_checksum, st
 )
 from optimus.parallel.quorum_file import (  # noqa: F401 (re-exported)
     QuorumError,
+    ReplicaOut,
     meet,
     read_quorum,
     wait_for_quorum,
@@ -349,6 +350,7 @@ class Replicas:
         this rank applied (0 when it has none)."""
         while True:
             quorum = wait_for_quorum(self.path, after=after, replica=self.replica,
+                                     member=bool(self.heals),
                                      timeout_s=self.wait_s, beat=self.beat)
             try:
                 self._form(quorum, step)
