@@ -122,7 +122,8 @@ def test_a_waiting_rank_with_no_next_generation_is_told_to_exit_then_killed(
         p = _left_rank(agent, procs, tmp_path, exit_code=0)
         # The next generation runs elsewhere: this node's waiting rank is dismissed.
         agent.ranks.follow(Plan.parse(run_plan(1, ["n1", "n2"])))
-        assert json.loads(agent.files.next_path(0).read_text()) == {"exit": True, "generation": 0}
+        assert json.loads(agent.files.next_path(0).read_text()) == {"exit": True, "generation": 0,
+                                                                     "launch": 0}
         assert p.popen.poll() is None  # it has its time to exit on its own
         p.stop_sent = time.monotonic() - 0.01
         agent.ranks.escalate(None)  # it did not: killed
