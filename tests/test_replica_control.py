@@ -7,7 +7,6 @@ once, and the samples the absent replica did not train accounted for."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 
@@ -16,23 +15,10 @@ import pytest
 from controller.store.store import Store
 from optimus.data.audit import audit_run
 from tests.cluster import metrics, wait_for, write_job
+from tests.replica_cluster import events, rank_pids, step_of
 
 STEPS = 60
 pytestmark = pytest.mark.timeout(400)
-
-
-def _events(store: Store, kind: str) -> list[dict]:
-    return [e for _, e in store.events(count=10_000) if e["kind"] == kind]
-
-
-def _pids(store: Store, node: str) -> list[int]:
-    raw = store.agent_status([node]).get(node, {}).get("pids") or "[]"
-    return json.loads(raw) if raw.startswith("[") else []
-
-
-def _step(store: Store, node: str) -> int:
-    beat = store.rank_beats(node).get(0)
-    return beat["step"] if beat else -1
 
 
 # kill: the writer's rank SIGKILLed; freeze: SIGSTOPped (its heartbeat falls overdue); again:
@@ -69,27 +55,27 @@ def test_a_lost_replica_leaves_the_others_stepping_and_rejoins_healed(fault, red
 
     def stepping() -> bool:
         assert controller.poll() is None, procs.log("c1")[-2000:]
-        return bool(store.plan()) and min(_step(store, f"node{i}") for i in range(3)) >= 5
+        return bool(store.plan()) and min(step_of(store, f"node{i}") for i in range(3)) >= 5
 
     wait_for(stepping, 180, "every replica to reach step 5")
     plan = store.plan()
     victim = plan["nodes"][0]  # replica 0: the writer, and the host of the quorum's store
-    survivors = {n: _pids(store, n) for n in plan["nodes"][1:]}
-    pid = _pids(store, victim)[0]
+    survivors = {n: rank_pids(store, n) for n in plan["nodes"][1:]}
+    pid = rank_pids(store, victim)[0]
     os.kill(pid, signal.SIGSTOP if fault == "freeze" else signal.SIGKILL)
     if fault == "failover":
-        wait_for(lambda: _events(store, "replica_lost"), 60, "replica 0 to leave")
+        wait_for(lambda: events(store, "replica_lost"), 60, "replica 0 to leave")
         controller.kill()
         controller = procs.procs["c2"]
         wait_for(lambda: store.fence.leader() == "c2", 30, "c2 to take over")
     if fault == "spare":
-        wait_for(lambda: _events(store, "replica_lost"), 60, "replica 0 to leave")
+        wait_for(lambda: events(store, "replica_lost"), 60, "replica 0 to leave")
         assert list(store.excluded()) == [victim]
         procs.start("agent3", "agent", "--job", "e2e", "--node", "node3", "--redis",
                     redis_server.url, "--interval", "0.25")
     if fault == "again":
-        wait_for(lambda: _events(store, "replica_rejoined"), 60, "replica 0 to be let in")
-        relaunched = _pids(store, victim)
+        wait_for(lambda: events(store, "replica_rejoined"), 60, "replica 0 to be let in")
+        relaunched = rank_pids(store, victim)
         assert relaunched and relaunched[0] != pid
         os.kill(relaunched[0], signal.SIGKILL)
 
@@ -99,19 +85,19 @@ def test_a_lost_replica_leaves_the_others_stepping_and_rejoins_healed(fault, red
     assert record["state"] == "COMPLETED", record
     assert record["generation"] == "0" and record["restarts"] == str(twice)  # nobody else
     for node, pids in survivors.items():  # the survivors' processes are the ones launched
-        launches = [e for e in _events(store, "launch") if e.get("node") == node
+        launches = [e for e in events(store, "launch") if e.get("node") == node
                     or node in e.get("message", "")]
         assert len(launches) == 1 and launches[0]["pids"] == ",".join(map(str, pids))
-    lost = _events(store, "replica_lost")
+    lost = events(store, "replica_lost")
     assert [(e["replica"], e["members"]) for e in lost] == [("0", "[1, 2]")] * twice, lost
-    assert [e["replicas"] for e in _events(store, "replica_rejoined")] == ["[0]"] * twice
-    failure = _events(store, "failure")[0]
+    assert [e["replicas"] for e in events(store, "replica_rejoined")] == ["[0]"] * twice
+    failure = events(store, "failure")[0]
     assert failure["node"] == victim and failure["excluded"] == ("1" if fault == "spare" else "0")
     if fault == "spare":  # replica 0 started again on the spare, in node0's slot
         assert store.plan()["nodes"] == ["node3", "node1", "node2"]
-        assert [e["spares"] for e in _events(store, "replica_spare")] == ['["node3"]']
+        assert [e["spares"] for e in events(store, "replica_spare")] == ['["node3"]']
     if fault == "failover":
-        assert [e["controller"] for e in _events(store, "leader")] == ["c1", "c2"]
+        assert [e["controller"] for e in events(store, "leader")] == ["c1", "c2"]
 
     rows = metrics(run)
     steps = [r["step"] for r in rows if "loss" in r and "event" not in r]
@@ -149,10 +135,10 @@ def test_an_operators_exclusion_takes_only_that_replica_out_onto_the_spare(redis
     for i in range(4):  # node3: the spare
         procs.start(f"agent{i}", "agent", "--job", "e2e", "--node", f"node{i}", "--redis",
                     redis_server.url, "--interval", "0.25")
-    wait_for(lambda: bool(store.plan()) and min(_step(store, n) for n in store.plan()["nodes"])
+    wait_for(lambda: bool(store.plan()) and min(step_of(store, n) for n in store.plan()["nodes"])
              >= 5, 180, "every replica to reach step 5")
     plan = store.plan()
-    victim, survivors = plan["nodes"][0], {n: _pids(store, n) for n in plan["nodes"][1:]}
+    victim, survivors = plan["nodes"][0], {n: rank_pids(store, n) for n in plan["nodes"][1:]}
     spare = ({"node0", "node1", "node2", "node3"} - set(plan["nodes"])).pop()
     said = procs.start("exclude", "node", "exclude", victim, "--job", "e2e", "--yes",
                        "--reason", "memory errors", env={"REDIS_URL": redis_server.url})
@@ -161,15 +147,15 @@ def test_an_operators_exclusion_takes_only_that_replica_out_onto_the_spare(redis
     record = store.job_record()
     assert record["state"] == "COMPLETED", record
     assert record["generation"] == "0" and record["restarts"] == "0"  # not a failure
-    assert not _events(store, "failure") and not _events(store, "restarting")
-    lost = _events(store, "replica_lost")
+    assert not events(store, "failure") and not events(store, "restarting")
+    lost = events(store, "replica_lost")
     assert [(e["replica"], e["members"]) for e in lost] == [("0", "[1, 2]")]
     assert f"node {victim} excluded by an operator (" in lost[0]["message"]
     assert "memory errors" in lost[0]["message"]
     assert lost[0]["spares"] == f'["{spare}"]' and lost[0]["waiting"] == "[]"  # at once
     assert store.plan()["nodes"] == [spare, *plan["nodes"][1:]]
     for node, pids in survivors.items():
-        launches = [e for e in _events(store, "launch") if e.get("node") == node
+        launches = [e for e in events(store, "launch") if e.get("node") == node
                     or node in e.get("message", "")]
         assert len(launches) == 1 and launches[0]["pids"] == ",".join(map(str, pids))
     rows = metrics(run)

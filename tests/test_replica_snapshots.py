@@ -8,7 +8,6 @@ controller, agents holding the snapshots and their buddies' copies, and gloo ran
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 
@@ -16,10 +15,10 @@ import pytest
 
 from controller.control.recovery import memory_point, slot_shards
 from controller.control.snapshot_watch import align_point, writers
-from controller.store.store import Store
 from optimus.checkpoint.snapshot_files import point_name
 from optimus.data.audit import audit_run
-from tests.cluster import metrics, wait_for, write_job
+from tests.cluster import metrics
+from tests.replica_cluster import events, rank_pids, replica_job, start, wait_stepping
 
 # Two replicas of two nodes, one rank each: n0 n1 (replica 0), n2 n3 (replica 1).
 NODES = ["n0", "n1", "n2", "n3"]
@@ -87,16 +86,6 @@ def test_the_nodes_align_on_the_writers_points_only():
     assert align_point(PLAN, reports, 12, None, 0) is None  # confirmed by both writers
 
 
-def _pids(store: Store, node: str) -> list[int]:
-    raw = store.agent_status([node]).get(node, {}).get("pids") or "[]"
-    return json.loads(raw) if raw.startswith("[") else []
-
-
-def _step(store: Store, node: str) -> int:
-    beat = store.rank_beats(node).get(0)
-    return beat["step"] if beat else -1
-
-
 STEPS = 30
 
 
@@ -108,33 +97,19 @@ def test_below_min_replicas_the_whole_job_resumes_from_the_writers_memory_snapsh
     replicas resume from the newest snapshot the writer (replica 0) took, newer than the disk
     checkpoint. Replica 1's rank loads replica 0's shard: the same position, bit-equal state."""
     run = tmp_path / "run"
-    pace = [{"kind": "slow_rank", "rank": 0, "step": 0, "seconds": 0.25, "generation": 0}]
-    job = write_job(tmp_path / "job.yaml", run, steps=STEPS, faults=pace, batch_size=6,
-                    memory_every=2, on_replica_loss="continue", min_replicas=2,
-                    flaky_failures=3, hang_floor_s=60.0)
-    job.write_text(job.read_text().replace("parallel:\n  ep: 1",
-                                           "parallel:\n  ep: 1\n  replicas: 2"))
-    procs.start("c1", "controller", str(job), "--nodes", "2", "--ranks-per-node", "1",
-                "--redis", redis_server.url, "--exit-when-done", "--lease", "2")
-    store = Store(redis_server.url, "e2e")
-    for i in range(2):
-        procs.start(f"agent{i}", "agent", "--job", "e2e", "--node", f"node{i}", "--redis",
-                    redis_server.url, "--interval", "0.25")
+    job = replica_job(tmp_path, run, 2, steps=STEPS, batch_size=6, memory_every=2,
+                      min_replicas=2, flaky_failures=3)
+    store = start(procs, redis_server, job, nodes=2, ranks_per_node=1)
     controller = procs.procs["c1"]
-
-    def stepping() -> bool:
-        assert controller.poll() is None, procs.log("c1")[-2000:]
-        return bool(store.plan()) and min(_step(store, f"node{i}") for i in range(2)) >= 15
-
-    wait_for(stepping, 240, "both replicas to reach step 15")
+    wait_stepping(procs, store, 2, 15)
     victim = store.plan()["nodes"][1]  # replica 1: it takes no snapshot
-    os.kill(_pids(store, victim)[0], signal.SIGKILL)
+    os.kill(rank_pids(store, victim)[0], signal.SIGKILL)
     controller.wait(timeout=300)
 
     record = store.job_record()
     assert record["state"] == "COMPLETED", record
     assert record["generation"] == "1" and record["restarts"] == "1"
-    restarting = [e for _, e in store.events(count=10_000) if e["kind"] == "restarting"]
+    restarting = events(store, "restarting")
     assert "supervision.min_replicas=2" in restarting[0]["message"]
     rows = metrics(run)
     resumes = [r for r in rows if r.get("event") == "resume"]

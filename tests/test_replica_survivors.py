@@ -7,7 +7,6 @@ process in the killed one's place; the replica is healed back in and ends bit-eq
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -18,27 +17,13 @@ import pytest
 
 from controller.node import replica_worlds
 from controller.node.ranks import RankProcess
-from controller.store.store import Store
 from optimus.contract.records import Plan
 from optimus.data.audit import audit_run
-from tests.cluster import metrics, wait_for, write_job
+from tests.cluster import metrics
+from tests.replica_cluster import events, rank_pids, replica_job, start, wait_stepping
 
 STEPS = 40
 pytestmark = pytest.mark.timeout(400)
-
-
-def _events(store: Store, kind: str) -> list[dict]:
-    return [e for _, e in store.events(count=10_000) if e["kind"] == kind]
-
-
-def _pids(store: Store, node: str) -> list[int]:
-    raw = store.agent_status([node]).get(node, {}).get("pids") or "[]"
-    return json.loads(raw) if raw.startswith("[") else []
-
-
-def _step(store: Store, node: str) -> int:
-    beats = store.rank_beats(node)
-    return min((b["step"] for b in beats.values()), default=-1) if len(beats) == 2 else -1
 
 
 # (0, 0, kill): the writer replica's rank 0 (it hosts its world's store and the quorum's) is
@@ -49,29 +34,15 @@ def _step(store: Store, node: str) -> int:
 def test_a_lost_replicas_other_ranks_go_on_in_process_into_its_next_launch(
         victim, position, fault, redis_server, procs, tmp_path):
     run = tmp_path / "run"
-    pace = [{"kind": "slow_rank", "rank": 0, "step": 0, "seconds": 0.25, "generation": 0}]
-    job = write_job(tmp_path / "job.yaml", run, steps=STEPS, faults=pace, batch_size=8,
-                    on_replica_loss="continue", min_replicas=1, flaky_failures=3,
-                    hang_floor_s=60.0)
-    job.write_text(job.read_text().replace("parallel:\n  ep: 1",
-                                           "parallel:\n  ep: 1\n  replicas: 2"))
-    procs.start("c1", "controller", str(job), "--nodes", "2", "--ranks-per-node", "2",
-                "--redis", redis_server.url, "--exit-when-done", "--lease", "2")
-    store = Store(redis_server.url, "e2e")
-    for i in range(2):
-        procs.start(f"agent{i}", "agent", "--job", "e2e", "--node", f"node{i}", "--redis",
-                    redis_server.url, "--interval", "0.25")
+    job = replica_job(tmp_path, run, 2, steps=STEPS, batch_size=8, min_replicas=1,
+                      flaky_failures=3)
+    store = start(procs, redis_server, job, nodes=2, ranks_per_node=2)
     controller = procs.procs["c1"]
-
-    def stepping() -> bool:
-        assert controller.poll() is None, procs.log("c1")[-2000:]
-        return bool(store.plan()) and min(_step(store, f"node{i}") for i in range(2)) >= 5
-
-    wait_for(stepping, 240, "every replica to reach step 5")
+    wait_stepping(procs, store, 2, 5, ranks=2)
     nodes = store.plan()["nodes"]
     lost, other = nodes[victim], nodes[1 - victim]
-    pids = _pids(store, lost)
-    others = _pids(store, other)
+    pids = rank_pids(store, lost)
+    others = rank_pids(store, other)
     assert len(pids) == 2
     os.kill(pids[position], signal.SIGSTOP if fault == "freeze" else signal.SIGKILL)
     controller.wait(timeout=300)
@@ -79,10 +50,10 @@ def test_a_lost_replicas_other_ranks_go_on_in_process_into_its_next_launch(
     record = store.job_record()
     assert record["state"] == "COMPLETED", record
     assert record["generation"] == "0" and record["restarts"] == "1"
-    assert [(e["replica"], e["members"]) for e in _events(store, "replica_lost")] == [
+    assert [(e["replica"], e["members"]) for e in events(store, "replica_lost")] == [
         (str(victim), f"[{1 - victim}]")]
-    assert [e["replicas"] for e in _events(store, "replica_rejoined")] == [f"[{victim}]"]
-    launches = {n: [e for e in _events(store, "launch") if n in e.get("message", "")]
+    assert [e["replicas"] for e in events(store, "replica_rejoined")] == [f"[{victim}]"]
+    launches = {n: [e for e in events(store, "launch") if n in e.get("message", "")]
                 for n in nodes}
     assert len(launches[other]) == 1 and launches[other][0]["pids"] == ",".join(map(str, others))
     first, again = launches[lost]

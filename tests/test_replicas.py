@@ -174,6 +174,18 @@ def test_a_hung_replica_is_let_go_on_the_controllers_word_and_applies_nothing(ru
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def _lost_then_let_back_in(run) -> None:
+    """Replica 2's rank killed after its step 3, a quorum of replicas 0 and 1 until replica 0's
+    step 8, then one of all three: replica 2's replacement is let in, to be healed."""
+    victim = run.procs[2, 0]
+    run.wait(lambda: run.last_step(2) >= 3)
+    victim.kill()
+    victim.wait()
+    run.quorum([0, 1])
+    run.wait(lambda: run.last_step(0) >= 8)
+    run.quorum([0, 1, 2])
+
+
 def test_a_replica_lost_during_its_heal_leaves_a_consistent_quorum(run_of):
     """The replacement dies as its heal begins: the healer's send fails, the member the heal
     did not concern fails its next exchange; both meet in the controller's next quorum at the
@@ -185,13 +197,7 @@ def test_a_replica_lost_during_its_heal_leaves_a_consistent_quorum(run_of):
     run.quorum([0, 1, 2])
     for r in range(3):
         run.start(r)
-    victim = run.procs[2, 0]
-    run.wait(lambda: run.last_step(2) >= 3)
-    victim.kill()
-    victim.wait()
-    run.quorum([0, 1])
-    run.wait(lambda: run.last_step(0) >= 8)
-    run.quorum([0, 1, 2])  # the replacement joins, and dies healing
+    _lost_then_let_back_in(run)  # the replacement joins, and dies healing
     run.wait(lambda: dying.poll() is not None)
     assert dying.returncode == 3
     run.quorum([0, 1])
@@ -220,14 +226,8 @@ def test_the_healer_lost_during_a_heal_leaves_a_consistent_quorum(run_of):
     run.start(0, 0, "--die-giving")
     run.start(1)
     run.start(2)
-    victim = run.procs[2, 0]
-    run.wait(lambda: run.last_step(2) >= 3)
-    victim.kill()
-    victim.wait()
-    run.quorum([0, 1])
-    run.wait(lambda: run.last_step(0) >= 8)
     healer = run.procs[0, 0]
-    run.quorum([0, 1, 2])  # the replacement is let in; its healer dies giving
+    _lost_then_let_back_in(run)  # the replacement is let in; its healer dies giving
     run.wait(lambda: healer.poll() is not None)
     assert healer.returncode == 4
     run.quorum([1, 2])
