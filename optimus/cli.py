@@ -73,8 +73,10 @@ def train(job: Path, overrides: tuple[str, ...], trust: bool) -> None:
         try:
             result = run_training(config, trust_checkpoint=trust)
             code = 0
-            if not inprocess.enabled() or getattr(result, "stopped_at", None) is None:
-                return  # trained to the end, or stopped with no agent to wait for
+            if (not inprocess.enabled() or getattr(result, "stopped_at", None) is None
+                    or os.environ.get(env.QUORUM_FILE)):
+                return  # trained to the end, or stopped with no agent to wait for (or as a
+                # replica: its ranks wait in process only for its next launch, not generation)
             print(f"generation {_generation()} stopped after step {result.stopped_at}; "
                   "this rank waits in process for the next", flush=True)
         except (NonFinite, CheckpointFailed) as e:  # the agent reads the status (87, 88, 89)
