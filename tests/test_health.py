@@ -33,8 +33,8 @@ TINY = ["model.dim=64", "model.n_layers=2", "data.seq_len=32", "data.batch_size=
         "optim.warmup_steps=1", "parallel.device=cpu", "supervision.log_every=1",
         "checkpoint.async_mode=thread", "eval.every=0"]  # no validation: heartbeats alone
 FIELDS = {"v": int, "rank": int, "local_rank": int, "pid": int, "generation": int,
-          "time": float, "step": int, "phase": str, "phase_since": float, "compute_s": float,
-          "wait_s": float, "finite": bool, "seq": int, "failed_saves": int,
+          "launch": int, "time": float, "step": int, "phase": str, "phase_since": float,
+          "compute_s": float, "wait_s": float, "finite": bool, "seq": int, "failed_saves": int,
           "exit_code": type(None), "freed": bool}
 
 

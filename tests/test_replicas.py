@@ -258,8 +258,9 @@ def test_sharded_replicas_heal_each_position_from_its_peer(run_of):
         run.start(r)
     victims = [run.procs[1, p] for p in range(2)]
     run.wait(lambda: run.last_step(1) >= 3)
+    for v in victims:  # its node lost: both at once (one position's rank lost alone while
+        v.kill()  # the other's exchange completes is another case: docs/replicas.md)
     for v in victims:
-        v.kill()
         v.wait()
     run.quorum([0])
     run.wait(lambda: run.last_step(0) >= run.last_step(1) + 4)
