@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from optimus.parallel.positions import Positions
 from optimus.parallel.replicas import Reduced, ReplicaOut, Replicas, state_tensors
 
 WIDTHS, ROWS = (32, 64, 32), 24  # the tests'; bench/replicas.py asks for ~1M parameters
@@ -75,6 +76,14 @@ def main() -> None:
     p.add_argument("--die-giving", action="store_true",
                    help="exit (status 4) as it first gives its state to heal another: the "
                         "healer lost mid-heal")
+    p.add_argument("--die-before-exchange", type=int, default=0, metavar="STEP",
+                   help="exit (status 5) as step STEP's exchange begins, its replica's own "
+                        "sums done: a rank lost while the other positions' exchanges go on")
+    p.add_argument("--die-position", type=int, default=-1,
+                   help="only the rank at this position dies so (default: every rank)")
+    p.add_argument("--no-positions", action="store_true",
+                   help="the replica's ranks do not agree before they apply (a check that "
+                        "tests/test_replicas.py's half-applied case fails without it)")
     a = p.parse_args()
     torch.set_num_threads(1)  # several ranks share the machine's cores: one thread each
     widths = tuple(int(w) for w in a.widths.split(","))
@@ -113,8 +122,11 @@ def main() -> None:
     out = Path(a.out)
     name = f"r{a.replica}p{a.position}"
     log = open(out / f"{name}.jsonl", "a", buffering=1)  # noqa: SIM115 (closed at the end)
+    wait_s = 600.0
+    positions = None if a.shard == 1 or a.no_positions else Positions(
+        None, a.shard, a.timeout_s + wait_s)
     rep = Replicas(Path(a.quorum_file), replica=a.replica, position=a.position, backend="gloo",
-                   timeout_s=a.timeout_s, wait_s=600.0, state=tensors)
+                   timeout_s=a.timeout_s, wait_s=wait_s, state=tensors, positions=positions)
 
     def event(kind: str, **fields) -> None:
         log.write(json.dumps({"event": kind, "time": time.time(), **fields}) + "\n")
@@ -136,6 +148,8 @@ def main() -> None:
         while step <= a.steps:
             try:
                 inside = rep.before(step, int(progress))
+            except ReplicaOut:
+                raise
             except RuntimeError as e:  # the newer quorum did not meet
                 event("failed", step=step, error=str(e)[:200])
                 inside = False
@@ -162,6 +176,8 @@ def main() -> None:
             if a.step_s:
                 time.sleep(a.step_s)
             failures = len(rep.failed)
+            if step == a.die_before_exchange and a.die_position in (-1, a.position):
+                os._exit(5)
             if bare:
                 reduced = bare_exchange(rep, grads, tokens, replica_loss)
             else:

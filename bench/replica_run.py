@@ -84,7 +84,7 @@ class Run:
         deadline = time.monotonic() + timeout_s
         while not what():
             for key, proc in self.procs.items():
-                if proc.poll() not in (None, 0, 3, 4, -9):  # 3, 4: --die-healing, -giving
+                if proc.poll() not in (None, 0, 3, 4, 5, -9):  # 3, 4, 5: replica_rank's --die-*
                     out = (self.tmp / f"r{key[0]}p{key[1]}.out").read_text()[-3000:]
                     raise AssertionError(f"replica {key} exited {proc.returncode}:\n{out}")
             assert time.monotonic() < deadline, "timed out"

@@ -46,6 +46,7 @@ from optimus.optim import build_optimizer, lr_at, set_lr
 from optimus.parallel.compile import CompileLog
 from optimus.parallel.float8 import float8_message
 from optimus.parallel.plan import build_parallel_model
+from optimus.parallel.positions import Positions
 from optimus.parallel.replica_mode import Healed, ReplicaLaunch, ReplicaSteps
 from optimus.runtime import (
     cpu_binding,
@@ -226,11 +227,12 @@ def train(job: JobConfig, *, keep_state: bool = False, keep_sample_ids: bool = F
         steps = None
         if replica is not None:  # the first quorum holding this replica, healed if behind
             sv = job.supervision
+            wait_s = max(sv.startup_timeout_s, sv.hang_timeout_s)  # for a quorum holding it
             steps = parts.replicas = ReplicaSteps(
                 replica, position=env.rank, backend=backend, model=model,
                 optimizer=optimizer, progress=progress, watch=watch, commands=commands,
-                timeout_s=sv.hang_floor_s, wait_s=max(sv.startup_timeout_s, sv.hang_timeout_s),
-                log=log)
+                timeout_s=sv.hang_floor_s, wait_s=wait_s, log=log,
+                positions=Positions(host, env.world_size, sv.hang_floor_s + wait_s))
             dropped.append(steps.close)
             with heartbeat.phase("standby"):  # the controller lets a relaunched replica in
                 steps.join()

@@ -258,8 +258,8 @@ def test_sharded_replicas_heal_each_position_from_its_peer(run_of):
         run.start(r)
     victims = [run.procs[1, p] for p in range(2)]
     run.wait(lambda: run.last_step(1) >= 3)
-    for v in victims:  # its node lost: both at once (one position's rank lost alone while
-        v.kill()  # the other's exchange completes is another case: docs/replicas.md)
+    for v in victims:  # its node lost: both at once (one position's rank lost alone as the
+        v.kill()  # other's exchange completes: the next test)
     for v in victims:
         v.wait()
     run.quorum([0])
@@ -274,6 +274,48 @@ def test_sharded_replicas_heal_each_position_from_its_peer(run_of):
     for p in range(2):
         healed = [f for f in run.lines(1, p, kind="formed") if f["healed"]]
         assert healed and healed[-1]["healed"] == [1] and healed[-1]["source"] == 0
+        a, b = run.state(0, p), run.state(1, p)
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    want = reference(members, shard=2)
+    got = [torch.cat([run.state(0, p)[i] for p in range(2)]) for i in range(4)]
+    for g, w in zip(params_of(got), want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_a_rank_lost_as_its_replica_exchanges_leaves_no_step_half_applied(run_of):
+    """Two replicas of two ranks each. Replica 1's rank at position 1 is lost as step K's
+    exchange begins, its replica's own sums done: at position 0 the exchange completes, with
+    replica 1's part in it; at position 1 it fails. Replica 0's ranks apply neither: both take
+    step K again without replica 1 (a step is never applied at one position with a replica's
+    tokens and at another without them); replica 1's other rank leaves without applying it.
+    The weights are those of one process over the members' data."""
+    steps, k = 14, 5
+    run = run_of(steps=steps, step_s=0.05, shard=2)
+    standbys = run.start(1, after=1)
+    run.wait(lambda: run.ready(1, 1))
+    run.quorum([0, 1])
+    run.start(0)
+    run.start(1, 0, "--die-before-exchange", str(k), "--die-position", "1")
+    victim, partner = run.procs[1, 1], run.procs[1, 0]
+    run.wait(lambda: victim.poll() is not None and partner.poll() is not None)
+    assert victim.returncode == 5 and partner.returncode == 0
+    out = run.lines(1, 0, kind="out")
+    assert out and "is lost" in out[0]["error"], run.lines(1, 0, kind="out")
+    assert run.last_step(1, 0) == k - 1  # its exchange of step K completed: not applied
+    run.quorum([0])
+    run.wait(lambda: run.last_step(0) >= k + 3)
+    run.quorum([0, 1])
+    run.finish([run.procs[0, 0], run.procs[0, 1], *standbys])
+    members = membership(run, 0)
+    assert list(members) == list(range(1, steps + 1))
+    assert {r["step"]: r["members"] for r in run.lines(0, 1)} == members  # both positions
+    assert members[k - 1] == [0, 1] and members[k] == [0] and members[steps] == [0, 1]
+    # Position 0 let its completed exchange go because position 1's failed.
+    failed = [f for f in run.lines(0, 0, kind="failed") if f["step"] == k]
+    assert failed and "another rank of replica 0" in failed[0]["error"], failed
+    assert [f["step"] for f in run.lines(0, 1, kind="failed")] == [k]
+    for p in range(2):
+        assert_trained_where_member(run, members, (0, 1), position=p)
         a, b = run.state(0, p), run.state(1, p)
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     want = reference(members, shard=2)
@@ -423,9 +465,12 @@ def test_a_heal_goes_in_pieces_and_is_checked_whole_before_any_is_taken():
     assert heal.pieces([quarter] * 9 + [torch.zeros(3, dtype=torch.int64)]) == [
         [0, 1, 2, 3], [4, 5, 6, 7], [8], [9]]
     mine = _state(fill=0.0)
-    tags = _pair(lambda g: heal.give(g, source, [1], cpu, wait),
-                 lambda g: heal.take(g, mine, 0, cpu, wait))
-    assert tags == [6, 6]  # five pieces and the table: the notes' tag comes next
+    given, (tag, copy_in) = _pair(lambda g: heal.give(g, source, [1], cpu, wait),
+                                  lambda g: heal.take(g, mine, 0, cpu, wait))
+    assert given == tag == 6  # five pieces and the table: the notes' tag comes next
+    # checked, and not taken yet: the replica's other ranks may not have theirs (positions.py)
+    assert all(not t.numel() or bool((t == 0).all()) for t in mine)
+    copy_in()
     assert all(torch.equal(a, b) for a, b in zip(source, mine, strict=True))
 
     def damaged(group):  # a byte of the second piece changed in transit; its table as sent

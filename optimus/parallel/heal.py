@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -80,11 +80,12 @@ def give(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor], peers: Seque
 
 
 def take(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor], source: int,
-         device: torch.device, timeout: timedelta) -> int:
+         device: torch.device, timeout: timedelta) -> tuple[int, Callable[[], None]]:
     """Receive what `give` sent from `source` into buffers of their own (every message posted
-    at once, each checked as the next arrive), and only once every checksum matches, copy them
-    into `tensors`: a heal that fails leaves this rank's state as it was (it may have to heal
-    another from it). HealError when one does not match. Returns the next free tag."""
+    at once, each checked as the next arrive). HealError when a checksum does not match.
+    Returns the next free tag and what copies them into `tensors`, called once every
+    checksum matches and the replica's other ranks took theirs: a heal that fails leaves
+    this rank's state as it was (it may have to heal another from it)."""
     plan = pieces(tensors)
     buffers = [torch.empty(sum(tensors[i].numel() for i in index),
                            dtype=tensors[index[0]].dtype, device=device) for index in plan]
@@ -97,14 +98,16 @@ def take(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor], source: int,
     group.recv([table], source, len(plan)).wait(timeout)
     if sums and not torch.equal(torch.stack(sums), table.cpu()):
         raise HealError("the state healed fails its checksum")
-    with torch.no_grad():
-        for index, flat in zip(plan, buffers, strict=True):
-            start = 0
-            for i in index:
-                t = tensors[i]
-                t.copy_(flat[start:start + t.numel()].view_as(t))
-                start += t.numel()
-    return len(plan) + 1
+
+    def copy_in() -> None:
+        with torch.no_grad():
+            for index, flat in zip(plan, buffers, strict=True):
+                start = 0
+                for i in index:
+                    t = tensors[i]
+                    t.copy_(flat[start:start + t.numel()].view_as(t))
+                    start += t.numel()
+    return len(plan) + 1, copy_in
 
 
 def checksum(flat: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,15 @@ from torch.distributed.tensor import DTensor
 from optimus.contract.env import QUORUM_AFTER, QUORUM_FILE, REPLICA
 from optimus.metrics import CATCH_UP_ROWS, ROW_KEYS
 from optimus.parallel.heal import HealError
-from optimus.parallel.replicas import SLOTS, Notes, QuorumError, Replicas, state_tensors
+from optimus.parallel.positions import Positions
+from optimus.parallel.replicas import (
+    SLOTS,
+    Notes,
+    QuorumError,
+    ReplicaOut,
+    Replicas,
+    state_tensors,
+)
 from optimus.runtime.launch import LaunchError
 from optimus.runtime.readback import Pending, Readback
 from optimus.supervision.commands import Agreed, Command
@@ -111,13 +119,14 @@ class ReplicaSteps:
 
     def __init__(self, launch: ReplicaLaunch, *, position: int, backend: str, model,
                  optimizer, progress, watch, commands, timeout_s: float, wait_s: float,
-                 log=None):
+                 log=None, positions: Positions | None = None):
         self.launch, self.model, self.optimizer = launch, model, optimizer
         self.progress, self.watch, self.commands = progress, watch, commands
         self.log = log  # the rank's MetricsLog: its recent rows travel with a heal
         self.replicas = Replicas(launch.quorum_file, replica=launch.replica, position=position,
                                  backend=backend, timeout_s=timeout_s, wait_s=wait_s,
-                                 state=self.state, notes=Notes(self._give, self._take))
+                                 state=self.state, notes=Notes(self._give, self._take),
+                                 positions=positions)
         self.readback: Readback | None = None  # the exchanges' figures, to host memory
         # (step, quorum id, members, its figures), of the exchanges not read yet
         self.tails: list[tuple[int, int, int, Pending]] = []
@@ -139,9 +148,9 @@ class ReplicaSteps:
         return {"progress": self.progress.meta(), "stability": self.watch.state_dict(),
                 "rows": rows}
 
-    def _take(self, notes: dict) -> None:
-        """A heal's notes, checked before anything is taken (a peer's message: the progress
-        must be whole numbers, or the heal fails)."""
+    def _take(self, notes: dict):
+        """A heal's notes, checked (a peer's message: the progress must be whole numbers, or
+        the heal fails); returns what takes them, once the replica's ranks all have theirs."""
         progress, stability = notes.get("progress"), notes.get("stability")
         if not (isinstance(progress, dict) and isinstance(stability, dict)
                 and all(type(progress.get(k)) is int and progress[k] >= 0
@@ -154,10 +163,13 @@ class ReplicaSteps:
                 isinstance(r, dict) and type(r.get("step")) is int and r["step"] >= 0
                 and r.keys() <= ROW_KEYS for r in rows)):
             raise HealError("a heal's notes hold metrics rows that are not rows of steps")
-        self.progress.load_state_dict(progress)
-        self.watch.load_state_dict(stability)  # takes only what it recognises (stability.py)
-        if self.log is not None:
-            self.log.adopt(rows)
+
+        def taken() -> None:
+            self.progress.load_state_dict(progress)
+            self.watch.load_state_dict(stability)  # takes only what it recognises
+            if self.log is not None:
+                self.log.adopt(rows)
+        return taken
 
     @property
     def members(self) -> list[int]:
@@ -192,6 +204,8 @@ class ReplicaSteps:
         was = self.progress.step
         try:
             inside = rep.before(step, was)
+        except ReplicaOut:
+            raise
         except (RuntimeError, TimeoutError):  # the newer quorum did not meet: the next one
             inside = False
         if not inside:

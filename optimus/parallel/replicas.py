@@ -32,35 +32,32 @@ member ahead, which sends it its model and optimizer shards (`heal`: a large ten
 message of its own, the small ones packed, each message with a checksum the receiver verifies
 before it takes any). A step is thus never applied in one replica and
 not in another once a quorum has formed, and a rank outside the current quorum applies none:
-its exchange has no peers.
+its exchange has no peers. Inside a replica of several ranks, each position's exchange and heal
+succeed or fail on their own; its ranks apply what crossed over only when every position has
+(optimus/parallel/positions.py), so a replica never applies a step at one position and takes it
+again without the lost replica at another.
+
+The group itself is optimus/parallel/quorum_group.py's; this module is a rank's life with it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from optimus.contract.records import Quorum
 from optimus.files import file_stamp
-from optimus.parallel.heal import (  # noqa: F401 (checksum, device_checksum, state_tensors: re-exported)
+from optimus.parallel.heal import (  # noqa: F401 (re-exported)
     HealError,
-    by_dtype,
     checksum,
     device_checksum,
-    give,
-    receive_notes,
-    send_notes,
     state_tensors,
-    take,
 )
+from optimus.parallel.positions import Positions
 from optimus.parallel.quorum_file import (  # noqa: F401 (re-exported)
     QuorumError,
     ReplicaOut,
@@ -68,248 +65,16 @@ from optimus.parallel.quorum_file import (  # noqa: F401 (re-exported)
     read_quorum,
     wait_for_quorum,
 )
-
-GIVE_UP_S = 0.05  # how often a waiting exchange asks whether the controller moved on without it
-LATE_S = 0.25  # an exchange this long after the last may have completed after a member let go
-CONNECT_S = 5.0  # a try to reach a quorum's store; then the quorum file is looked at again
-FORM = timedelta(seconds=20)  # for a gloo group's rendezvous: a member lost in it is not waited
-# Our figures after the gradients, before the members' slots: the token count, the loss sum.
-_TOKENS, _LOSS, SLOTS = 0, 1, 2
-
-
-# Groups let go while an operation of theirs still waited on a lost peer, with it (close).
-_LET_GO: list[tuple[dist.ProcessGroup, dist.Work]] = []
-
-
-def switch_step(revealed_at: int) -> int:
-    """The step before which every member moves to a newer quorum id revealed by the exchange of
-    step `revealed_at`: two steps on, so that a rank reading a step's figures one step behind
-    (optimus/step.py's Readback) has read it before then, as every member has."""
-    return revealed_at + 2
-
-
-def _group(backend: str, store: dist.Store, rank: int, size: int,
-           timeout: timedelta) -> dist.ProcessGroup:
-    """A process group of `size` made on `store` by its members alone."""
-    if backend == "gloo":  # its rendezvous bounded by FORM_S; each operation passes `timeout`
-        return dist.ProcessGroupGloo(store, rank, size, min(timeout, FORM))
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, options)
-    if backend == "xccl":
-        return dist.ProcessGroupXCCL(store, rank, size)
-    raise QuorumError(f"no quorum group on backend {backend!r} (gloo, nccl or xccl)")
-
-
-@dataclass
-class Notes:
-    """A heal's host-side state: `give` on the member healing, `take` on those healed."""
-
-    give: Callable[[], dict]
-    take: Callable[[dict], None]
-
-
-@dataclass
-class Reduced:
-    """One step's exchange, as the members summed it: the figures after the gradients."""
-
-    figures: torch.Tensor  # [tokens, loss sum, each member's newest seen id, their words]
-    size: int | None = None  # the members (None: no words follow the ids)
-
-    def tokens(self) -> float:
-        return float(self.figures[_TOKENS])
-
-    def loss(self) -> float:
-        """The step's loss over the tokens of every replica taking part."""
-        return float(self.figures[_LOSS]) / max(self.tokens(), 1.0)
-
-    def newest(self) -> int:
-        """The newest quorum id any member had seen when it sent its part."""
-        end = None if self.size is None else SLOTS + self.size
-        return int(self.figures[SLOTS:end].max())
-
-
-_DEVICE_OF = {"nccl": "cuda", "xccl": "xpu"}
-
-
-def connect(quorum: Quorum, timeout_s: float) -> dist.TCPStore:
-    """A client of the quorum's store (a member's world store), tried for `timeout_s`."""
-    return dist.TCPStore(quorum.store_addr, quorum.store_port, is_master=False,
-                         wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-
-
-class QuorumGroup:
-    """This rank's group of one quorum: the ranks at its position in each member replica."""
-
-    def __init__(self, quorum: Quorum, *, replica: int, position: int, backend: str,
-                 timeout_s: float, store: dist.TCPStore | None = None):
-        if replica not in quorum.members:
-            raise QuorumError(f"replica {replica} is not in quorum {quorum.id} "
-                              f"({quorum.members})")
-        self.quorum, self.replica, self.position = quorum, replica, position
-        self.index = quorum.members.index(replica)
-        self.size = len(quorum.members)
-        self.timeout = timedelta(seconds=timeout_s)
-        self.store = store or connect(quorum, timeout_s)  # reached already, or now
-        prefix = dist.PrefixStore(f"optimus/quorum/{quorum.id}/{position}/", self.store)
-        self.group = _group(backend, prefix, self.index, self.size, self.timeout)
-        # Where its small messages live: NCCL and XCCL take only their device's tensors.
-        self.device = torch.device(_DEVICE_OF.get(backend, "cpu"))
-        self.work: dist.Work | None = None  # the last collective started
-        self._gone_key = f"optimus/quorum/{quorum.id}/let_go"
-        self.last = time.monotonic()  # the group formed, or its last exchange completed
-
-    def close(self) -> None:
-        """Let the group go (its peers may be gone: abort, never drain). A group whose last
-        operation still waits on a lost peer is kept until that ends: dropping it would
-        block here (its destructor waits out the operation's timeout)."""
-        abort = getattr(self.group, "abort", None)
-        if abort is not None:
-            with contextlib.suppress(RuntimeError):  # gloo's may refuse
-                abort()
-        _LET_GO[:] = [(g, w) for g, w in _LET_GO if not w.is_completed()]
-        if self.work is not None and not self.work.is_completed():
-            _LET_GO.append((self.group, self.work))
-        self.group = self.work = None
-
-    def _all_reduce(self, buffer: torch.Tensor,
-                    give_up: Callable[[], str | None] | None = None) -> None:
-        """SUM `buffer` over the group. `give_up`, asked every GIVE_UP_S while the exchange
-        waits on a peer, says why to stop waiting (the controller has named a quorum without
-        one of this group's members): gloo's abort does not wake a waiting operation (torch
-        2.13), so the wait is left instead, and the operation, on a buffer of its own, ends
-        by its timeout behind the rank's back."""
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.SUM
-        options.timeout = self.timeout
-        work = self.work = self.group.allreduce([buffer], options)
-        if give_up is None or buffer.device.type != "cpu":
-            work.wait()
-            return
-        # Woken by the operation's end (its future's callback), or every GIVE_UP_S to ask:
-        # no polling, which would take the cores the collective's own threads need.
-        done = threading.Event()
-        work.get_future().add_done_callback(lambda _: done.set())
-        while not done.wait(GIVE_UP_S):
-            why = give_up()
-            if why:
-                self._let_go()
-                raise QuorumError(f"the exchange in quorum {self.quorum.id} let go: {why}")
-        work.wait()  # raises what the operation raised
-
-    def _let_go(self) -> None:
-        """Say in the quorum's store that a member let an exchange go: its operation runs on
-        behind its back, and a silent member woken late would complete it with the others'
-        parts. That member reads this before it applies anything (`reduce`)."""
-        with contextlib.suppress(RuntimeError, TimeoutError):  # the store's host may be gone
-            self.store.set(self._gone_key, str(self.replica))
-
-    def let_go(self) -> bool:
-        """Whether a member let an exchange of this quorum go (one store round trip)."""
-        return self.store.check([self._gone_key])
-
-    def reduce(self, grads: Sequence[torch.Tensor], tokens: torch.Tensor,
-               loss_sum: torch.Tensor, seen: int,
-               give_up: Callable[[], str | None] | None = None,
-               word: Sequence[int] = ()) -> Reduced:
-        """Sum this step over the quorum: `grads` (this replica's local gradient shards, of its
-        loss over its own `tokens`) become, in place, the gradients of the loss over every
-        member's tokens. `loss_sum`: this replica's loss summed over its tokens; `seen`: the
-        newest quorum id this rank has read; `word`: small integers each member tells the others
-        (its replica's commands), in slots of its own after the ids. Raises what the backend
-        raises when a member is
-        gone or silent past the timeout, or QuorumError when `give_up` says to stop waiting;
-        the gradients are then as they were."""
-        dtype = grads[0].dtype if grads else torch.float32
-        device = grads[0].device if grads else tokens.device
-        if any(g.dtype != dtype for g in grads):
-            raise QuorumError("the gradients to reduce are of several dtypes")
-        count = tokens.to(device=device, dtype=dtype).reshape(1)
-        tail = torch.zeros(SLOTS + self.size * (1 + len(word)), dtype=dtype, device=device)
-        tail[_TOKENS] = count[0]
-        tail[_LOSS] = loss_sum.to(device=device, dtype=dtype)
-        tail[SLOTS + self.index] = seen
-        if word:
-            at = SLOTS + self.size + self.index * len(word)
-            tail[at:at + len(word)] = torch.tensor(list(word), dtype=dtype)
-        buffer = torch.cat([*(g.reshape(-1) for g in grads), tail])
-        n = buffer.numel() - tail.numel()
-        buffer[:n].mul_(count)  # back to this replica's loss sum's gradient
-        self._all_reduce(buffer, give_up)
-        # Completed, but perhaps late: with the parts of members that had let it go. Not
-        # applied then (they did not apply it, and the controller has moved on without this
-        # rank). Members let go only of an exchange that waits on a silent member, once the
-        # controller has named a quorum without it: so the store is asked only after a wait
-        # longer than LATE_S since this rank's last exchange, or when its quorum file has
-        # moved on (a stat); every exchange of steps longer than LATE_S asks.
-        now = time.monotonic()
-        late = now - self.last > LATE_S or (give_up is not None and give_up())
-        if late and self.let_go():
-            raise QuorumError(f"the exchange in quorum {self.quorum.id} completed after a "
-                              "member had let it go")
-        self.last = now
-        total = buffer[n + _TOKENS].clamp(min=1.0)
-        buffer[:n].div_(total)
-        flat = buffer[:n].split([g.numel() for g in grads])
-        torch._foreach_copy_(list(grads), [f.view_as(g) for f, g in zip(flat, grads, strict=True)])
-        return Reduced(buffer[n:].clone(), self.size)
-
-    def words(self, word: Sequence[int]) -> list[int]:
-        """Each field of `word` at its largest over the members (one all-reduce of a slot
-        each: the commands of members paused together, which exchange nothing else)."""
-        slots = torch.zeros(self.size, len(word), dtype=torch.int64, device=self.device)
-        slots[self.index] = torch.tensor(list(word), dtype=torch.int64)
-        self._all_reduce(slots)
-        return [int(x) for x in slots.max(0).values.tolist()]
-
-    def agree(self, step: int) -> list[int]:
-        """Every member's step, by member index (one all-reduce of a slot each)."""
-        steps = torch.zeros(self.size, dtype=torch.int64, device=self.device)
-        steps[self.index] = step + 1  # 0: "no step yet" stays apart from step 0
-        self._all_reduce(steps)
-        return [int(s) - 1 for s in steps.tolist()]
-
-    def heal(self, state: Callable[[], Sequence[torch.Tensor]], steps: list[int],
-             notes: Notes | None = None) -> tuple[int, list[int]]:
-        """Bring every member behind the others to the step of the lowest-indexed member ahead:
-        that member sends `state()` (this rank's model and optimizer shards, the progress
-        counters: the same shapes in every replica at this position) to each member behind,
-        which checks them all before it takes them (heal.py `give`, `take`); then `notes`'
-        host-side state (JSON: progress, the stability rules' history), taken by the
-        receiver. Returns (the source's index, the indices healed). Only the members
-        concerned take part, and only they call `state` (making an optimizer's state where it
-        has none yet takes a step of it)."""
-        ahead = max(steps)
-        source = steps.index(ahead)
-        behind = [i for i, s in enumerate(steps) if s != ahead]
-        if not behind or (self.index != source and self.index not in behind):
-            return source, behind
-        tensors = list(state())
-        try:
-            if self.index == source:
-                tag = give(self.group, tensors, behind, self.device, self.timeout)
-            else:
-                tag = take(self.group, tensors, source, self.device, self.timeout)
-        except HealError as e:
-            raise QuorumError(f"{e} (from replica {self.quorum.members[source]})") from None
-        if notes is not None:  # its tags after the pieces'
-            if self.index == source:
-                told = notes.give()
-                for peer in behind:
-                    send_notes(self.group, told, peer, tag, self.device, self.timeout)
-            else:
-                notes.take(receive_notes(self.group, source, tag, self.device, self.timeout))
-        return source, behind
-
-    def verify(self, state: Sequence[torch.Tensor]) -> bool:
-        """Whether every member holds the same `state` (its checksum, in a slot each)."""
-        sums = torch.zeros(self.size, 2, dtype=torch.int64, device=self.device)
-        flat = [checksum(buffer) for _, buffer in by_dtype(state)]
-        mine = torch.stack(flat).sum(0) if flat else torch.zeros(2, dtype=torch.int64)
-        sums[self.index] = mine.to(self.device) % (1 << 40)  # summed over members: no overflow
-        self._all_reduce(sums)
-        return bool((sums == sums[0]).all())
+from optimus.parallel.quorum_group import (  # noqa: F401 (re-exported)
+    CONNECT_S,
+    SLOTS,
+    Notes,
+    QuorumGroup,
+    Reduced,
+    Summed,
+    connect,
+    switch_step,
+)
 
 
 class Replicas:
@@ -320,14 +85,17 @@ class Replicas:
     `state` gives, in a fixed order, the tensors a heal carries (this rank's model and
     optimizer shards and progress counters): the same shapes at this position in every
     replica; `notes`, the host-side state it carries besides. `beat` runs while it waits (the
-    rank's heartbeat says it is alive)."""
+    rank's heartbeat says it is alive). `positions`: the replica's ranks, when it has several
+    (they form the same quorums, and apply an exchange or a heal only when all have theirs)."""
 
     def __init__(self, path: Path, *, replica: int, position: int, backend: str,
                  timeout_s: float, wait_s: float, state: Callable[[], Sequence[torch.Tensor]],
-                 beat: Callable[[], None] | None = None, notes: Notes | None = None):
+                 beat: Callable[[], None] | None = None, notes: Notes | None = None,
+                 positions: Positions | None = None):
         self.path, self.replica, self.position = Path(path), replica, position
         self.backend, self.timeout_s, self.wait_s = backend, timeout_s, wait_s
         self.state, self.beat, self.notes = state, beat, notes
+        self.positions = positions if positions is not None and positions.size > 1 else None
         self.group: QuorumGroup | None = None
         self.seen = 0  # the newest quorum id this rank has read
         self.read: dict[int, Quorum] = {}  # the quorums it read, by id (the last few)
@@ -352,29 +120,50 @@ class Replicas:
             quorum = wait_for_quorum(self.path, after=after, replica=self.replica,
                                      member=bool(self.heals),
                                      timeout_s=self.wait_s, beat=self.beat)
-            try:
-                self._form(quorum, step)
+            if self.positions is not None:  # the replica's ranks read the same quorum
+                read = self.positions.decide(True, quorum.id, self._out)
+                if not read.same:  # the file moved on between their reads: read it again
+                    after = max(after, read.high - 1)
+                    continue
+            why = self._form(quorum, step)
+            if why is None:
                 return
-            except (RuntimeError, TimeoutError) as e:  # a member missing, or gone meanwhile
-                self.missed.append({"quorum": quorum.id, "error": str(e)[:200]})
-                after = quorum.id
+            self.missed.append({"quorum": quorum.id, "error": why[:200]})
+            after = quorum.id
 
-    def _form(self, quorum: Quorum, step: int) -> None:
+    def _form(self, quorum: Quorum, step: int) -> str | None:
+        """Form `quorum`'s group, agree and heal; None once formed, else why it did not (a
+        member missing or gone meanwhile, at this position or another of the replica's)."""
         if self.group is not None:
             self.group.close()
         self.group, self.pending, self.tried = None, None, quorum.id
         self.seen = max(self.seen, quorum.id)
-        began = time.perf_counter()
-        group = self._reach(quorum)
-        formed = time.perf_counter()
-        steps = group.agree(step)
-        source, behind = group.heal(self.state, steps, self.notes)
+        began = formed = time.perf_counter()
+        group, why = None, None
+        try:
+            group = self._reach(quorum)
+            formed = time.perf_counter()
+            steps = group.agree(step)
+            source, behind, taken = group.heal(self.state, steps, self.notes)
+        except (RuntimeError, TimeoutError) as e:
+            why = str(e) or type(e).__name__
+        if self.positions is not None:
+            decided = self.positions.decide(why is None, quorum.id, self._out)
+            if why is None and not decided.all:
+                why = (f"another rank of replica {self.replica} did not form quorum "
+                       f"{quorum.id}: none of its ranks takes what that quorum healed")
+        if why is not None:
+            if group is not None:
+                group.close()
+            return why
+        taken()
         self.group = group
         self.heals.append({"quorum": quorum.id, "members": list(quorum.members),
                            "steps": steps, "source": quorum.members[source],
                            "healed": [quorum.members[i] for i in behind],
                            "group_s": round(formed - began, 4),  # the members meeting
                            "heal_s": round(time.perf_counter() - formed, 4)})
+        return None
 
     def _reach(self, quorum: Quorum) -> QuorumGroup:
         """The quorum's group, its store tried CONNECT_S at a time: between tries, a newer
@@ -404,19 +193,28 @@ class Replicas:
         applied this step: its state now holds it, and its own gradients are to be dropped).
         `word`: what this rank tells the other members (QuorumGroup.reduce)."""
         while True:
+            summed, why = None, ""
             try:
-                return self.group.reduce(grads, tokens, loss_sum, self.seen, self._moved_on,
-                                         word)
+                summed = self.group.reduce(grads, tokens, loss_sum, self.seen, self._moved_on,
+                                           word)
             except (RuntimeError, TimeoutError) as e:
-                self.failed.append({"quorum": self.quorum.id, "error": str(e)[:200]})
+                why = str(e) or type(e).__name__
+            if self.positions is not None:  # applied by all the replica's ranks, or by none
+                decided = self.positions.decide(summed is not None, self.quorum.id, self._out)
+                if summed is not None and not decided.all:
+                    summed = None
+                    why = (f"another rank of replica {self.replica} failed its exchange in "
+                           f"quorum {self.quorum.id}: no rank of it applies that exchange")
+            if summed is not None:
+                return summed.apply()
+            self.failed.append({"quorum": self.quorum.id, "error": why[:200]})
             self.recover(last)
             if self.heals[-1]["steps"][self.group.index] != max(self.heals[-1]["steps"]):
                 return None
 
-    def _moved_on(self) -> str | None:
-        """Why the current quorum's exchange is to be given up: a newer quorum in the file
-        that leaves out one of its members (their part will not come). The file is read
-        only when it changed (a stat otherwise: this is asked after every exchange)."""
+    def _newest(self) -> Quorum | None:
+        """The quorum in the file, read only when it changed (a stat otherwise: this is asked
+        after every exchange); None while there is none, or none readable."""
         stamp = file_stamp(self.path)
         if stamp != self._moved[0]:
             try:
@@ -424,11 +222,25 @@ class Replicas:
             except QuorumError:
                 quorum = None
             self._moved = (stamp, quorum)
-        quorum = self._moved[1]
+        return self._moved[1]
+
+    def _moved_on(self) -> str | None:
+        """Why the current quorum's exchange is to be given up: a newer quorum in the file
+        that leaves out one of its members (their part will not come)."""
+        quorum = self._newest()
         if quorum is None or quorum.id <= self.quorum.id:
             return None
         gone = sorted(set(self.quorum.members) - set(quorum.members))
         return f"quorum {quorum.id} leaves out replica(s) {gone}" if gone else None
+
+    def _out(self) -> str | None:
+        """Why this rank's replica is out: it was a member, and a quorum newer than the last
+        it formed or tried leaves it out (as `wait_for_quorum` says it: ReplicaOut)."""
+        quorum = self._newest()
+        if (not self.heals or quorum is None or quorum.id <= self.tried
+                or self.replica in quorum.members):
+            return None
+        return f"replica {self.replica} is out of quorum {quorum.id} ({quorum.members})"
 
     def recover(self, step: int) -> None:
         """After a failed exchange or switch: the next quorum holding this replica, formed and
@@ -472,5 +284,7 @@ class Replicas:
             self.group.close()
             self.group, self.pending, self.tried = None, None, quorum.id
             return False
-        self._form(quorum, last)
+        why = self._form(quorum, last)
+        if why is not None:
+            raise QuorumError(why)
         return True
