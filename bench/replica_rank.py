@@ -80,7 +80,8 @@ def main() -> None:
                    help="exit (status 5) as step STEP's exchange begins, its replica's own "
                         "sums done: a rank lost while the other positions' exchanges go on")
     p.add_argument("--die-position", type=int, default=-1,
-                   help="only the rank at this position dies so (default: every rank)")
+                   help="only the rank at this position dies by a --die-* option (default: "
+                        "every rank)")
     p.add_argument("--no-positions", action="store_true",
                    help="the replica's ranks do not agree before they apply (a check that "
                         "tests/test_replicas.py's half-applied case fails without it)")
@@ -104,10 +105,12 @@ def main() -> None:
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
     progress = torch.zeros(1, dtype=torch.int64)  # the last step applied
 
+    dies = a.die_position in (-1, a.position)
+
     def tensors():
-        if a.die_healing and int(progress) == 0:
+        if a.die_healing and int(progress) == 0 and dies:
             os._exit(3)
-        if a.die_giving and int(progress) > 0:
+        if a.die_giving and int(progress) > 0 and dies:
             os._exit(4)
         return made()
 
@@ -168,6 +171,11 @@ def main() -> None:
                 both = torch.stack([tokens, summed.detach()])
                 dist.all_reduce(both)
                 tokens, replica_loss = both[0], both[1]
+                # the newest quorum id any of the replica's ranks read, as `optimus train`'s
+                # ranks agree on it at the boundary: every position switches at the same step
+                seen = torch.tensor([rep.seen])
+                dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+                rep.seen = int(seen)
             else:
                 replica_loss = summed.detach()
             (summed / tokens).backward()
@@ -176,7 +184,7 @@ def main() -> None:
             if a.step_s:
                 time.sleep(a.step_s)
             failures = len(rep.failed)
-            if step == a.die_before_exchange and a.die_position in (-1, a.position):
+            if step == a.die_before_exchange and dies:
                 os._exit(5)
             if bare:
                 reduced = bare_exchange(rep, grads, tokens, replica_loss)

@@ -269,11 +269,14 @@ def test_a_heals_notes_are_checked_before_anything_is_taken():
             steps._take(bad)
         assert steps.progress.step == 0 and steps.watch.taken is None  # nothing taken
         assert [r["step"] for r in steps.log.recent] == [1]
-    # The source's rows of the steps this rank is healed past are kept for a catch-up; its
-    # own are not replaced.
-    steps._take({"progress": {"step": 3, "tokens": 768, "data_index": 18},
-                 "stability": {"history": "{}"},
-                 "rows": [{"step": 1, "loss": 9.0}, {"step": 2}, {"step": 3}]})
+    # Checked, they are taken only when the replica's ranks all have theirs (positions.py):
+    # the source's rows of the steps this rank is healed past are then kept for a catch-up;
+    # its own are not replaced.
+    take = steps._take({"progress": {"step": 3, "tokens": 768, "data_index": 18},
+                        "stability": {"history": "{}"},
+                        "rows": [{"step": 1, "loss": 9.0}, {"step": 2}, {"step": 3}]})
+    assert steps.progress.step == 0 and steps.watch.taken is None
+    take()
     assert (steps.progress.step, steps.progress.tokens, steps.progress.data_index) == (3, 768, 18)
     assert steps.watch.taken == {"history": "{}"}
     assert [r["step"] for r in steps.log.recent] == [1, 2, 3]
