@@ -34,6 +34,10 @@ def test_a_lost_peer_is_told_from_a_rank_s_own_failure():
             raise ValueError("while reducing the loss") from e
     except ValueError as e:
         assert inprocess.peer_failure(e)
+    # Its replica taken out of the quorum: it leaves as on a lost peer, whatever the words.
+    from optimus.parallel.quorum_file import QuorumError, ReplicaOut
+    assert inprocess.peer_failure(ReplicaOut("replica 1 left"))
+    assert not inprocess.peer_failure(QuorumError("the quorum file went back from id 3"))
     # This rank's own faults: it exits, and is replaced by a new process.
     assert not inprocess.peer_failure(ValueError("shape mismatch (2, 3) vs (3, 2)"))
     assert not inprocess.peer_failure(RuntimeError("CUDA error: an illegal memory access"))

@@ -214,9 +214,15 @@ def slot_shards(plan: dict) -> list[set[int]]:
     replicas that carry on, their ranks in their replica's world (only the writer replica takes
     snapshots, and every replica loads them at a restart: one copy of each position's shards,
     written by whichever replica wrote that point, serves the whole job)."""
-    rpn, count = plan["ranks_per_node"], len(plan["nodes"])
-    per = count // len(plan["replicas"]["launches"]) if plan.get("replicas") else count
-    return [set(range(i % per * rpn, (i % per + 1) * rpn)) for i in range(count)]
+    rpn, per = plan["ranks_per_node"], replica_nodes(plan)
+    return [set(range(i % per * rpn, (i % per + 1) * rpn)) for i in range(len(plan["nodes"]))]
+
+
+def replica_nodes(plan: dict) -> int:
+    """The nodes of one replica in `plan` (replicas: consecutive nodes); every node without
+    them (optimus/contract/records.py `Plan.replica_nodes`, for a plan as a dict)."""
+    replicas = plan.get("replicas")
+    return len(plan["nodes"]) // (len(replicas["launches"]) if replicas else 1)
 
 
 def _distrusted(step: int, taken: float | None, distrust: dict | None) -> str | None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from controller.control.detect import HARD, Evidence
+from controller.control.recovery import replica_nodes
 from controller.control.shortage import names
 from controller.control.view import Decision, Observed, Settings
 
@@ -39,16 +40,12 @@ def active(plan: dict | None) -> bool:
     return bool(plan and plan.get("replicas") and plan.get("quorum"))
 
 
-def _per(plan: dict) -> int:
-    return len(plan["nodes"]) // len(plan["replicas"]["launches"])
-
-
 def _replica(plan: dict, node: str) -> int | None:
-    return plan["nodes"].index(node) // _per(plan) if node in plan["nodes"] else None
+    return plan["nodes"].index(node) // replica_nodes(plan) if node in plan["nodes"] else None
 
 
 def _nodes_of(plan: dict, replica: int) -> list[str]:
-    per = _per(plan)
+    per = replica_nodes(plan)
     return plan["nodes"][replica * per:(replica + 1) * per]
 
 
@@ -148,7 +145,7 @@ def finished(obs: Observed) -> bool:
     (the job's end stops them), nor do those of a member let in too late to train, all of
     whose ranks still wait in phase standby (the others ended without meeting it)."""
     plan = obs.plan
-    rpn, per = plan["ranks_per_node"], _per(plan)
+    rpn, per = plan["ranks_per_node"], replica_nodes(plan)
     late = {r for r in plan["quorum"]["members"] if all(
         (v := obs.nodes.get(n)) is not None and v.standby >= rpn for n in _nodes_of(plan, r))}
     trained = [r for r in plan["quorum"]["members"] if r not in late]
@@ -215,7 +212,7 @@ def _place(obs: Observed, plan: dict, r: int, gone: set[str],
     nodes = list(plan["nodes"])
     spares = sorted(n for n, v in obs.nodes.items() if v.alive and v.healthy and not v.silent
                     and not v.excluded and n not in gone and n not in nodes)
-    per, swapped, missing = _per(plan), [], []
+    per, swapped, missing = replica_nodes(plan), [], []
     for i in range(r * per, (r + 1) * per):
         view = obs.nodes.get(nodes[i])
         if nodes[i] in gone or (view is None and known) or (view is not None and not view.alive):
@@ -231,7 +228,7 @@ def _address(obs: Observed, plan: dict, made: dict, r: int, nodes: list[str],
              missing: list[str]) -> None:
     """Replica r's rank 0 address and port, from its first node: a port of 0 while it waits
     for a spare, or for its first node's fresh offer (`refill`)."""
-    first = nodes[r * _per(plan)]
+    first = nodes[r * replica_nodes(plan)]
     made["addrs"][r] = obs.nodes[first].host if first in obs.nodes else made["addrs"][r]
     made["ports"][r] = 0 if missing else _offered(obs, first, _taken(plan))
 

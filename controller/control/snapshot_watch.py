@@ -77,7 +77,7 @@ def writers(plan: dict, reports: dict[str, dict], name: str) -> list[str] | None
         return shards[i] <= set(reports.get(nodes[i], {}).get("own", {}).get(name, ()))
     if not plan.get("replicas"):
         return list(nodes) if all(whole(i) for i in range(len(nodes))) else None
-    per = len(nodes) // len(plan["replicas"]["launches"])
+    per = recovery.replica_nodes(plan)
     for first in range(0, len(nodes), per):
         if all(whole(i) for i in range(first, first + per)):
             return nodes[first:first + per]

@@ -26,13 +26,13 @@ def replica_of(plan: Plan, node: str) -> int | None:
 def leads(plan: Plan, node: str) -> bool:
     """Whether `node` is its replica's first, whose rank 0 hosts the replica's store."""
     node_rank = plan.nodes.index(node)
-    return node_rank % (len(plan.nodes) // len(plan.replicas.launches)) == 0
+    return node_rank % plan.replica_nodes == 0
 
 
 def world(plan: Plan, node: str, local_rank: int, quorum_file: Path) -> dict[str, str]:
     """The launch variables that place a rank of `node` in its replica's world."""
     worlds = plan.replicas
-    per = len(plan.nodes) // len(worlds.launches)
+    per = plan.replica_nodes
     node_rank = plan.nodes.index(node)
     replica = node_rank // per
     rpn = plan.ranks_per_node
@@ -48,8 +48,7 @@ def own_rank(plan: Plan | None, node: str, rank: int, local_rank: int) -> int:
     """The rank a job rank knows itself as: its replica world's under replicas, else `rank`."""
     if plan is None or replica_of(plan, node) is None:
         return rank
-    per = len(plan.nodes) // len(plan.replicas.launches)
-    return (plan.nodes.index(node) % per) * plan.ranks_per_node + local_rank
+    return (plan.nodes.index(node) % plan.replica_nodes) * plan.ranks_per_node + local_rank
 
 
 def relaunch_due(plan: Plan, node: str, launched: int | None) -> bool:

@@ -327,9 +327,7 @@ def _node_ranks(plan: Plan, node: str) -> range:
     a rank's shard is named by its rank in its replica's world (only the writer replica takes
     snapshots; every replica loads them: docs/replicas.md)."""
     rpn = plan.ranks_per_node
-    i = plan.nodes.index(node)
-    if plan.replicas is not None:
-        i %= len(plan.nodes) // len(plan.replicas.launches)
+    i = plan.nodes.index(node) % plan.replica_nodes
     return range(i * rpn, (i + 1) * rpn)
 
 

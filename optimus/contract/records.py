@@ -203,9 +203,14 @@ class Plan(_Record):
                                  "count they divide")
         return self
 
+    @property
+    def replica_nodes(self) -> int:
+        """The nodes of one replica (replicas: consecutive nodes); every node without them."""
+        return len(self.nodes) // (len(self.replicas.launches) if self.replicas else 1)
+
     def replica_of(self, node_rank: int) -> int:
-        """The replica the plan's node `node_rank` is part of (replicas: consecutive nodes)."""
-        return node_rank // (len(self.nodes) // len(self.replicas.launches))
+        """The replica the plan's node `node_rank` is part of."""
+        return node_rank // self.replica_nodes
 
 
 # --- a rank's exit ---------------------------------------------------------------------------

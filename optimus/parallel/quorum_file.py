@@ -32,7 +32,10 @@ class ReplicaOut(QuorumError):
     """The controller took this rank's replica out of the quorum after it had been a member:
     that launch of it is over (the controller relaunches the replica, and lets only its new
     launch back in). The rank leaves, as on a lost peer: it may go on in process as a rank of
-    that next launch (optimus/supervision/inprocess.py; the words match PEER_FAILURE)."""
+    that next launch (optimus/supervision/inprocess.py; the words match PEER_FAILURE, which
+    the controller reads in its last words)."""
+
+    peer_failure = True  # optimus/supervision/inprocess.py `peer_failure`: by its type
 
 
 def read_quorum(path: Path) -> Quorum | None:

@@ -73,9 +73,12 @@ def enabled() -> bool:
 
 
 def peer_failure(exc: BaseException) -> bool:
-    """Whether `exc` (or what it was raised from) is a collective's report of a lost peer."""
+    """Whether `exc` (or what it was raised from) is a collective's report of a lost peer, or
+    says by its type that the rank is to leave as on one (`peer_failure`: ReplicaOut)."""
     seen = 0
     while exc is not None and seen < 8:
+        if getattr(type(exc), "peer_failure", False) is True:
+            return True
         if isinstance(exc, (RuntimeError, OSError, TimeoutError)) and \
                 PEER_FAILURE.search(str(exc)[:4096]):
             return True
