@@ -13,7 +13,9 @@ decision time is not in these figures). Measured:
              <= 1.02;
   gap        replica N-1 is SIGKILLed after step --kill-at; the quorum without it is written
              when its exit is seen: the survivors' largest gap between applied steps, in
-             seconds and in median steps (target <= 2), and kill -> their next applied step;
+             seconds and in median steps (target <= 2), and kill -> their next applied step,
+             in two parts: the victim's teardown (kill -> reaped: its sockets close with its
+             address space) and the survivors' own (their exchange failing -> next step);
   rejoin     a standby for the lost replica (a process started with the others, past its
              imports) is let back in once the survivors have stepped 5 more times: from the
              quorum naming it to its first applied step, and its heal (group, agreement and
@@ -66,6 +68,7 @@ def ours(tmp: Path, replicas: int, steps: int, kill_at: int, rows: int) -> dict:
         killed = time.time()
         victim.kill()
         victim.wait()
+        reaped = time.time()  # its sockets closed: a survivor's exchange can see it now
         run.quorum(list(range(lost)))
         run.wait(lambda: run.last_step(0) >= run.last_step(lost) + 5)
         let_in = time.time()
@@ -78,6 +81,7 @@ def ours(tmp: Path, replicas: int, steps: int, kill_at: int, rows: int) -> dict:
         bare = statistics.median(r["seconds"] for r in warm if r["bare"])
         quorum = statistics.median(r["seconds"] for r in warm if not r["bare"])
         after = next(t for _, t in times if t > killed)
+        failed = [f["time"] for f in run.lines(0, kind="failed") if f["time"] > killed]
         gap = max(b - a for (_, a), (_, b) in pairwise(times) if b <= let_in)
         rejoin_gap = max(b - a for (_, a), (_, b) in pairwise(times) if b > let_in)
         joined = [t for s, t in step_times(run, lost) if t > let_in]
@@ -85,6 +89,11 @@ def ours(tmp: Path, replicas: int, steps: int, kill_at: int, rows: int) -> dict:
         return {"median_step_s": median, "gap_s": gap, "gap_steps": gap / median,
                 "rejoin_gap_s": rejoin_gap, "rejoin_gap_steps": rejoin_gap / median,
                 "kill_to_next_step_s": after - killed,
+                # The kill's own cost, not the survivors': the OS tearing the victim down
+                # (its sockets close with its address space, tens of ms for a torch process),
+                # and the survivors' part: from their exchange failing to their next step.
+                "teardown_s": reaped - killed,
+                "failed_to_next_step_s": after - failed[0] if failed else None,
                 "rejoin_s": joined[0] - let_in if joined else None,
                 "heal_s": heal[-1]["heal_s"] if heal else None,
                 "steps_applied": len(times), "bare_step_s": bare, "quorum_step_s": quorum,
@@ -133,7 +142,9 @@ def main() -> None:
           f"(overhead {figures['overhead']:.3f}x, target <= 1.02)")
     print(f"  ours: survivors' largest gap {figures['gap_s']:7.3f} s = "
           f"{figures['gap_steps']:.2f} median steps (target <= 2)")
-    print(f"  ours: kill -> next step     {figures['kill_to_next_step_s']:8.3f} s")
+    print(f"  ours: kill -> next step     {figures['kill_to_next_step_s']:8.3f} s: the victim's "
+          f"teardown (kill -> reaped) {figures['teardown_s']:.3f} s; the survivor's exchange "
+          f"failing -> its next step {_s(figures['failed_to_next_step_s'])}")
     print(f"  ours: rejoin (standby)      {figures['rejoin_s']:8.3f} s, heal "
           f"{figures['heal_s']:.3f} s; survivors' largest gap then {figures['rejoin_gap_s']:.3f}"
           f" s = {figures['rejoin_gap_steps']:.2f} median steps")
@@ -147,6 +158,10 @@ def main() -> None:
                   else f"  ours / torchft {name:<20} n/a")
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
+
+
+def _s(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds:.3f} s"
 
 
 def _ratios(ours_: dict, theirs: dict) -> dict:
