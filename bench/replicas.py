@@ -25,7 +25,7 @@ With --peer (torchft installed: `make torchft-peer`), bench/replica_peer.py runs
 with torchft in the same run, and the ratios are printed: survivors' gap, per-step overhead and
 rejoin (ours over torchft's: below 1 is better).
 
-    .venv/bin/python bench/replicas.py [--replicas 3] [--steps 60] [--kill-at 20] [--peer]
+    .venv/bin/python bench/replicas.py [--replicas 3] [--steps 80] [--kill-at 40] [--peer]
                                        [--quick] [--json OUT]
 """
 
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from replica_run import ROOT, Run  # noqa: E402
 
 WIDTHS = "256,768,768,256,256"  # bench/replica_peer.py's MLP: 1,051,904 parameters
-FULL = {"steps": 60, "kill_at": 20, "rows": 64}  # batch 64, as bench/replica_peer.py's
+FULL = {"steps": 80, "kill_at": 40, "rows": 64}  # batch 64, as bench/replica_peer.py's
 QUICK = {"steps": 24, "kill_at": 8, "rows": 32}
 
 
