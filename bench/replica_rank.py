@@ -186,10 +186,12 @@ def main() -> None:
             failures = len(rep.failed)
             if step == a.die_before_exchange and dies:
                 os._exit(5)
+            cpu, wall = time.thread_time(), time.perf_counter()  # its host work; its time
             if bare:
                 reduced = bare_exchange(rep, grads, tokens, replica_loss)
             else:
                 reduced = rep.exchange(grads, tokens, replica_loss, int(progress))
+            cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
             for failure in rep.failed[failures:]:
                 event("failed", step=step, **failure)
             formed()
@@ -202,7 +204,8 @@ def main() -> None:
             progress.fill_(step)
             event("step", step=step, quorum=rep.quorum.id, members=list(rep.quorum.members),
                   loss=reduced.loss(), tokens=reduced.tokens(), pid=os.getpid(),
-                  seconds=time.perf_counter() - began, bare=bare)
+                  seconds=time.perf_counter() - began, bare=bare, exchange_cpu_s=cpu,
+                  exchange_s=wall)
             rep.look()
             rep.after(step, reduced)
             step += 1
