@@ -237,6 +237,22 @@ def run_ranks():
 
 
 @pytest.fixture
+def run_of(tmp_path):
+    """`run_of(steps=..., ...)`: replicas' processes (bench/replica_run.py's `Run`), a quorum
+    file and store, as a controller would hold them; every process killed after the test."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from replica_run import Run
+    runs = []
+
+    def make(**kw) -> Run:
+        runs.append(Run(tmp_path, **kw))
+        return runs[-1]
+    yield make
+    for r in runs:
+        r.kill_all()
+
+
+@pytest.fixture
 def redis_server(tmp_path):
     """A private redis-server on a free port, stopped after the test."""
     server = RedisServer(tmp_path)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import threading
 from datetime import timedelta
 
-import pytest
 import torch
 import torch.distributed as dist
 from test_replicas import (  # (it puts bench/ on the path)
@@ -22,17 +21,17 @@ from optimus.parallel.positions import Positions
 from optimus.parallel.quorum_file import ReplicaOut
 
 
-@pytest.fixture
-def run_of(tmp_path):
-    from replica_run import Run
-    runs = []
-
-    def make(**kw) -> Run:
-        runs.append(Run(tmp_path, **kw))
-        return runs[-1]
-    yield make
-    for r in runs:
-        r.kill_all()
+def assert_positions_equal_one_process(run, replicas, members: dict[int, list[int]]) -> None:
+    """The two `replicas` hold the same bits at each position, and their weights are those of
+    one process over the members' data."""
+    a, b = replicas
+    for p in range(2):
+        assert all(torch.equal(x, y) for x, y in zip(run.state(a, p), run.state(b, p),
+                                                      strict=True)), p
+    want = reference(members, shard=2)
+    got = [torch.cat([run.state(a, p)[i] for p in range(2)]) for i in range(4)]
+    for g, w in zip(params_of(got), want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
 def test_sharded_replicas_heal_each_position_from_its_peer(run_of):
@@ -65,12 +64,7 @@ def test_sharded_replicas_heal_each_position_from_its_peer(run_of):
     for p in range(2):
         healed = [f for f in run.lines(1, p, kind="formed") if f["healed"]]
         assert healed and healed[-1]["healed"] == [1] and healed[-1]["source"] == 0
-        a, b = run.state(0, p), run.state(1, p)
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-    want = reference(members, shard=2)
-    got = [torch.cat([run.state(0, p)[i] for p in range(2)]) for i in range(4)]
-    for g, w in zip(params_of(got), want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert_positions_equal_one_process(run, (0, 1), members)
 
 
 def test_a_rank_lost_as_its_replica_exchanges_leaves_no_step_half_applied(run_of):
@@ -107,12 +101,7 @@ def test_a_rank_lost_as_its_replica_exchanges_leaves_no_step_half_applied(run_of
     assert [f["step"] for f in run.lines(0, 1, kind="failed")] == [k]
     for p in range(2):
         assert_trained_where_member(run, members, (0, 1), position=p)
-        a, b = run.state(0, p), run.state(1, p)
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-    want = reference(members, shard=2)
-    got = [torch.cat([run.state(0, p)[i] for p in range(2)]) for i in range(4)]
-    for g, w in zip(params_of(got), want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert_positions_equal_one_process(run, (0, 1), members)
 
 
 def test_a_heal_that_fails_at_one_position_is_taken_at_none(run_of):
@@ -141,17 +130,12 @@ def test_a_heal_that_fails_at_one_position_is_taken_at_none(run_of):
         healed = [(f["quorum"], f["source"]) for f in run.lines(2, p, kind="formed")
                   if f["healed"]]
         assert healed == [(3, 1)], (p, healed)
-        a, b = run.state(1, p), run.state(2, p)
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     missed = [m["error"] for m in run.lines(2, 0, kind="missed")]
     assert "another rank of replica 2 did not form quorum 2" in missed[0], missed
     members = membership(run, 1)
     assert list(members) == list(range(1, steps + 1)) and members[steps] == [1, 2]
     assert {r["step"]: r["members"] for r in run.lines(1, 1)} == members
-    want = reference(members, shard=2)
-    got = [torch.cat([run.state(1, p)[i] for p in range(2)]) for i in range(4)]
-    for g, w in zip(params_of(got), want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert_positions_equal_one_process(run, (1, 2), members)
 
 
 # --- the agreement, without processes ------------------------------------------------------

@@ -38,18 +38,6 @@ from optimus.parallel.replicas import (  # noqa: E402
 from optimus.supervision import inprocess  # noqa: E402
 
 
-@pytest.fixture
-def run_of(tmp_path):
-    runs = []
-
-    def make(**kw) -> Run:
-        runs.append(Run(tmp_path, **kw))
-        return runs[-1]
-    yield make
-    for r in runs:
-        r.kill_all()
-
-
 def reference(membership: dict[int, list[int]], shard: int = 1) -> list[torch.Tensor]:
     """One process: each step's loss over the tokens of the replicas that took part in it."""
     net = replica_rank.model()
