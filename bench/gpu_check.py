@@ -8,7 +8,9 @@ device, in a few seconds: the imports of the training path, the names it takes f
 (some private, some newer than 2.11), a float8 matmul, a compiled kernel, the grouped GEMM and
 its rowwise float8 form (training.float8_experts), DCP's async stager and writer process, the
 memory tracker, torch's sync debug mode (that it warns on a known synchronisation, or
-bench/mfu.py's counts would read 0), and the torchtitan peer's import
+bench/mfu.py's counts would read 0), a quorum group of replicas that carry on on NCCL (one
+member: a step summed in the device's memory, a heal's checksum there), and the torchtitan
+peer's import
 (bench/torchtitan_peer.py, with its stand-ins for torch 2.11). It prints one line per part (or
 mfu mode) that cannot run and why, then one line per fallback taken, and writes for gpu.sh:
 
@@ -122,6 +124,39 @@ def probe_grouped_mm() -> str | None:
     return None
 
 
+def probe_quorum_group(backend: str = "nccl", device: str = "cuda") -> str | None:
+    """None if a quorum group of one member (optimus/parallel/quorum_group.py, as replicas that
+    carry on make theirs on `backend`) sums a step's gradients and figures in the device's
+    memory, and a heal's checksum computed there equals the same arithmetic on the host; else
+    why. (One GPU holds one NCCL rank: a group of two needs two devices.)"""
+    try:
+        import torch.distributed as dist
+
+        from optimus.contract.records import Quorum
+        from optimus.parallel.heal import checksum, device_checksum
+        from optimus.parallel.quorum_group import QuorumGroup
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        quorum = Quorum(id=3, members=[0], store_addr="127.0.0.1", store_port=store.port)
+        group = QuorumGroup(quorum, replica=0, position=0, backend=backend, timeout_s=60,
+                            store=store)
+        grads = [torch.full((3,), 0.5, device=device), torch.full((2, 2), -1.0, device=device)]
+        reduced = group.reduce(grads, torch.tensor(4.0, device=device),
+                               torch.tensor(10.0, device=device), seen=3,
+                               word=(1, 0)).apply()
+        summed = [float(grads[0][0]), float(grads[1][1, 1]), reduced.tokens(), reduced.loss(),
+                  reduced.newest()]
+        raw = torch.arange(13, dtype=torch.uint8)
+        here = checksum(raw.to(device)).cpu()
+        group.close()
+    except Exception as e:  # noqa: BLE001
+        return f"a quorum group on {backend} fails: {tail(e)}"
+    if summed != [0.5, -1.0, 4.0, 2.5, 3]:
+        return f"a quorum group on {backend} summed {summed}, not [0.5, -1.0, 4.0, 2.5, 3]"
+    if device != "cpu" and not torch.equal(here, device_checksum(raw)):
+        return f"a heal's checksum on {device} differs from the host's arithmetic"
+    return None
+
+
 def probe_float8_grouped_mm() -> str | None:
     """None if the rowwise float8 grouped GEMM of training.float8_experts runs here, forward and
     backward, within float8's error of bf16's; else why (the experts then stay in bf16)."""
@@ -212,6 +247,10 @@ def main() -> None:
         if probes["float8_grouped_mm"]:
             fallbacks.append(f"moe: no float8 experts: {probes['float8_grouped_mm']}; "
                              "training.float8_experts is refused here")
+        probes["quorum_group"] = probe_quorum_group()
+        if probes["quorum_group"]:
+            fallbacks.append(f"replicas: {probes['quorum_group']} (supervision.on_replica_loss: "
+                             "continue cannot run on nccl here)")
         try:
             from optimus.checkpoint import writer_process
             if writer_process._executor is None:

@@ -136,6 +136,15 @@ def test_every_torch_name_gpu_check_tries_is_in_the_pinned_torch():
     assert len(NAMES) >= 10 and missing_names() == {}
 
 
+def test_gpu_check_s_quorum_group_probe_runs_its_path_on_the_host():
+    """The probe a GPU machine runs on NCCL (bench/gpu_check.py `probe_quorum_group`), here on
+    gloo: the same group, exchange and figures; it names what is wrong when a figure is."""
+    from bench.gpu_check import probe_quorum_group
+
+    assert probe_quorum_group("gloo", "cpu") is None
+    assert "no quorum group on backend 'mpi'" in probe_quorum_group("mpi", "cpu")
+
+
 def test_gpu_check_without_a_gpu_names_every_part_and_writes_what_gpu_sh_reads(tmp_path):
     done = subprocess.run([sys.executable, "bench/gpu_check.py", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
