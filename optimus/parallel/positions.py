@@ -17,7 +17,6 @@ of another replica waits until its own replica's ranks have each decided.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,8 +25,7 @@ import torch
 import torch.distributed as dist
 
 from optimus.parallel.quorum_file import ReplicaOut
-
-ASK_S = 0.05  # how often a wait for the replica's other ranks asks whether the replica is out
+from optimus.parallel.quorum_group import wait_asking
 
 
 @dataclass(frozen=True)
@@ -58,9 +56,10 @@ class Positions:
         self.timeout = timedelta(seconds=timeout_s)
 
     def decide(self, ok: bool, quorum: int, out: Callable[[], str | None]) -> Decided:
-        """Every rank's `ok`, and the quorum ids they named. `out`, asked every ASK_S while
-        another rank has not decided yet, says why this replica is out (the rank then leaves:
-        ReplicaOut). A rank of the replica lost: ReplicaOut too, the backend's words in it."""
+        """Every rank's `ok`, and the quorum ids they named. `out`, asked while another rank
+        has not decided yet (quorum_group.py `wait_asking`), says why this replica is out
+        (the rank then leaves: ReplicaOut). A rank of the replica lost: ReplicaOut too, the
+        backend's words in it."""
         if self.size == 1:
             return Decided(ok, quorum, quorum)
         figures = torch.tensor([int(ok), quorum, -quorum], dtype=torch.int64)
@@ -70,17 +69,12 @@ class Positions:
         group = self.group if self.group is not None else dist.group.WORLD
         try:
             work = group.allreduce([figures], options)
-            done = threading.Event()  # woken by its end, or every ASK_S to ask (no polling)
-            work.get_future().add_done_callback(lambda _: done.set())
-            while not done.wait(ASK_S):
-                why = out()
-                if why:
-                    raise ReplicaOut(f"{why}: its ranks stop agreeing (a rank of it is out of "
-                                     "quorum)")
-            work.wait()
+            why = wait_asking(work, out)
+            if not why:
+                work.wait()
         except (RuntimeError, TimeoutError) as e:
-            if isinstance(e, ReplicaOut):
-                raise
             raise ReplicaOut(f"a rank of this replica is lost while its ranks agree: "
                              f"{str(e)[:200]}") from None
+        if why:
+            raise ReplicaOut(f"{why}: its ranks stop agreeing (a rank of it is out of quorum)")
         return Decided(bool(figures[0]), int(figures[1]), -int(figures[2]))

@@ -40,6 +40,22 @@ _TOKENS, _LOSS, SLOTS = 0, 1, 2
 _LET_GO: list[tuple[dist.ProcessGroup, dist.Work]] = []
 
 
+def wait_asking(work: dist.Work, ask: Callable[[], str | None],
+                every_s: float = GIVE_UP_S) -> str | None:
+    """Wait for `work` to end, asking `ask` every `every_s` whether to stop waiting: its answer
+    when it says why (the operation goes on behind the caller's back), else None once the
+    operation ended (`work.wait()` then raises what it raised). Woken by the operation's end
+    (its future's callback), not by polling, which would take the cores the collective's own
+    threads need."""
+    done = threading.Event()
+    work.get_future().add_done_callback(lambda _: done.set())
+    while not done.wait(every_s):
+        why = ask()
+        if why:
+            return why
+    return None
+
+
 def switch_step(revealed_at: int) -> int:
     """The step before which every member moves to a newer quorum id revealed by the exchange of
     step `revealed_at`: two steps on, so that a rank reading a step's figures one step behind
@@ -96,11 +112,12 @@ class Summed:
 
     buffer: torch.Tensor
     grads: list[torch.Tensor]  # where the gradients go
+    n: int  # the gradients' elements, first in the buffer
     size: int  # the members
 
     def apply(self) -> Reduced:
         """The gradients, in place, of the loss over every member's tokens; the figures."""
-        n = sum(g.numel() for g in self.grads)
+        n = self.n
         self.buffer[:n].div_(self.buffer[n + _TOKENS].clamp(min=1.0))
         flat = self.buffer[:n].split([g.numel() for g in self.grads])
         torch._foreach_copy_(self.grads, [f.view_as(g) for f, g in
@@ -169,15 +186,10 @@ class QuorumGroup:
         if give_up is None or buffer.device.type != "cpu":
             work.wait()
             return
-        # Woken by the operation's end (its future's callback), or every GIVE_UP_S to ask:
-        # no polling, which would take the cores the collective's own threads need.
-        done = threading.Event()
-        work.get_future().add_done_callback(lambda _: done.set())
-        while not done.wait(GIVE_UP_S):
-            why = give_up()
-            if why:
-                self._let_go()
-                raise QuorumError(f"the exchange in quorum {self.quorum.id} let go: {why}")
+        why = wait_asking(work, give_up)
+        if why:
+            self._let_go()
+            raise QuorumError(f"the exchange in quorum {self.quorum.id} let go: {why}")
         work.wait()  # raises what the operation raised
 
     def _let_go(self) -> None:
@@ -232,7 +244,7 @@ class QuorumGroup:
             raise QuorumError(f"the exchange in quorum {self.quorum.id} completed after a "
                               "member had let it go")
         self.last = now
-        return Summed(buffer, list(grads), self.size)
+        return Summed(buffer, list(grads), n, self.size)
 
     def words(self, word: Sequence[int]) -> list[int]:
         """Each field of `word` at its largest over the members (one all-reduce of a slot
